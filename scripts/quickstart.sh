@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), train the tiny preset on the built-in shapes data, then sample.
+# Runs again safely: a finished run is left as it is, an interrupted one resumes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+RUN_DIR=${RUN_DIR:-runs/quickstart}
+start=$(date +%s)
+.venv/bin/difftrain train --config configs/tiny.toml --run-dir "$RUN_DIR" "$@"
+.venv/bin/difftrain sample --checkpoint "$RUN_DIR" --num 64 --sampler ddim --steps 50 --seed 0 --out "$RUN_DIR/final-samples"
+echo "quickstart: done in $(( $(date +%s) - start )) s; look at $RUN_DIR/final-samples/grid.png"

@@ -1,0 +1,26 @@
+"""What a checkpoint holds: step, config, parameter count and weight digests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from difftrain.config import config_from_dict, config_to_toml
+from difftrain.training.checkpoint import load_checkpoint, state_dict_sha256
+
+
+def describe_checkpoint(path: str | Path) -> dict:
+    """A JSON-ready description of the checkpoint at ``path`` (file or run directory)."""
+    state = load_checkpoint(path)
+    cfg = config_from_dict(state["config"], source=state["path"])
+    model = state["model"]
+    return {
+        "path": state["path"],
+        "step": int(state["step"]),
+        "images_seen": int(state["images_seen"]),
+        "parameters": sum(t.numel() for t in model.values()),
+        "model_sha256": state_dict_sha256(model),
+        "ema_sha256": state_dict_sha256(state["ema"]["model"]),
+        "skipped_steps": int(state["counters"]["skipped_steps"]),
+        "config": state["config"],
+        "config_toml": config_to_toml(cfg),
+    }

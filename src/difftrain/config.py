@@ -1,0 +1,364 @@
+"""Run configuration: nested typed dataclasses, TOML presets, dotted overrides, validation.
+
+A config is data. It is read from TOML (never executed), overridden with ``--set
+section.key=value`` pairs parsed against each field's type, validated with errors that name
+the key, written to the run directory and stored in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+
+# Choices shared with the registries they name. Each registry module checks these at import
+# time (see tests/unit/test_config.py), so a choice can't go missing from either side.
+Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
+Prediction = Literal["epsilon", "v", "x0"]
+LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
+Sampler = Literal["ddpm", "ddim"]
+Precision = Literal["fp32", "bf16", "fp16"]
+LRSchedule = Literal["cosine", "constant"]
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value is invalid; the message names the key."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin:shapes"  # a folder of images, or builtin:NAME (needs no download)
+    resolution: int = 32  # pixels; short side resized (antialiased), then center-cropped
+    channels: int = 3  # 3 = RGB, 1 = grayscale
+    random_flip: bool = True  # random horizontal flip
+    color_jitter: float = 0.0  # relative strength of brightness/contrast/saturation jitter
+    class_conditional: bool = False  # labels from the first level of subfolders
+    num_workers: int = 2  # DataLoader worker processes
+    prefetch_factor: int = 2  # batches each worker prepares ahead
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"  # a key of difftrain.models.MODEL_PRESETS
+    base_channels: int | None = None  # None = the preset's value (as for the fields below)
+    channel_mult: tuple[int, ...] | None = None  # channel multiplier per resolution level
+    num_res_blocks: int | None = None  # residual blocks per level
+    attention_resolutions: tuple[int, ...] | None = None  # resolutions (pixels) with attention
+    dropout: float | None = None  # dropout inside residual blocks
+    class_dropout: float = 0.1  # probability of dropping a label (classifier-free guidance)
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+
+
+@dataclass
+class DiffusionConfig:
+    num_timesteps: int = 1000  # T; integer timesteps t in [0, T)
+    schedule: Schedule = "cosine"  # noise schedule of alpha_bar(t)
+    prediction: Prediction = "epsilon"  # what the network predicts
+    loss_weighting: LossWeighting = "uniform"  # per-timestep loss weight
+    min_snr_gamma: float = 5.0  # gamma of min-SNR weighting (Hang et al. 2023)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4  # peak learning rate (AdamW)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # decoupled weight decay
+    scale_lr: bool = False  # linear scaling rule: lr * effective_batch / base_batch
+    base_batch: int = 128  # the batch size at which lr is given, for scale_lr
+    warmup_steps: int = 5000  # linear warm-up, in optimizer steps
+    lr_schedule: LRSchedule = "cosine"  # after warm-up: cosine decay or constant
+    min_lr_ratio: float = 0.0  # floor of the cosine decay, as a fraction of lr
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    total_steps: int = 100_000  # optimizer steps
+    batch_size: int = 128  # images per device and micro-batch
+    # images per optimizer step = batch_size * grad_accum_steps * world size
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    precision: Precision = "fp32"  # autocast dtype for the forward pass
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    seed: int = 0  # everything random derives from (seed, step)
+    log_every_steps: int = 50  # metrics.jsonl / TensorBoard / progress interval
+    max_nonfinite_in_row: int = 20  # stop after this many skipped steps in a row
+    progress_bar: bool = True  # a one-line progress display on stderr
+
+
+@dataclass
+class EMAConfig:
+    decay: float = 0.9999  # final EMA decay
+    warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t))
+    update_every_steps: int = 1  # optimizer steps between EMA updates
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 5000  # optimizer steps between checkpoints
+    keep_last: int = 3  # rotation: newest checkpoints kept
+    keep_every_steps: int = 0  # also keep every checkpoint at a multiple of this (0 = none)
+
+
+@dataclass
+class ValidationConfig:
+    every_steps: int = 5000  # optimizer steps between validation grids (0 = never)
+    num_images: int = 64  # images in the grid
+    sampler: Sampler = "ddim"  # sampler for the grid
+    steps: int = 50  # sampling steps for the grid
+    seed: int = 0  # fixed seed: the same initial noise at every validation
+
+
+@dataclass
+class TrackingConfig:
+    tensorboard: bool = True  # TensorBoard event files in the run directory
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading values against their declared types.
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Return ``value`` checked and converted to ``annotation``, or raise naming ``key``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(key, v, args[0]) for v in value)
+        if len(value) != len(args):
+            raise ConfigError(f"{key} must have {len(args)} entries, got {list(value)!r}")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise TypeError(f"unsupported config type {annotation!r} for {key}")
+
+
+def _fields(section: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
+    """Set every ``section.key`` of ``data`` (a nested dict) on ``cfg``."""
+    sections = _fields(cfg)
+    for name, values in data.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section {name!r} in {source}; sections: {', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{name} in {source} must be a table of keys")
+        section = getattr(cfg, name)
+        fields = _fields(section)
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(
+                    f"unknown config key {name}.{key} in {source}; {name} has: {', '.join(fields)}"
+                )
+            setattr(section, key, _coerce(f"{name}.{key}", value, fields[key]))
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split ``section.key=value`` into its parts; the value is read as a TOML literal when it
+    is one (``3``, ``1e-4``, ``true``, ``[1, 2]``) and as a plain string otherwise."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set key must look like section.key, got {dotted!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts[0], parts[1], value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Build a config from defaults, then a TOML file, then ``--set`` overrides; validate it."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        _apply(cfg, data, str(path))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _apply(cfg, {section: {key: value}}, f"--set {text}")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
+    """Rebuild a config from :func:`config_to_dict` output (as stored in checkpoints)."""
+    cfg = Config()
+    _apply(cfg, data, source)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict of the config, with None values left out (TOML has no null)."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if v is not None}
+        if isinstance(value, tuple):
+            return list(value)
+        return value
+
+    return clean(dataclasses.asdict(cfg))
+
+
+def config_to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(config_to_dict(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: fail early and name the option.
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`ConfigError` naming the first invalid key."""
+    from difftrain.models import MODEL_PRESETS  # local: keeps config importable on its own
+
+    d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
+    _check(d.resolution >= 8, f"data.resolution must be >= 8, got {d.resolution}")
+    _check(d.channels in (1, 3), f"data.channels must be 1 or 3, got {d.channels}")
+    _check(d.color_jitter >= 0, f"data.color_jitter must be >= 0, got {d.color_jitter}")
+    _check(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    _check(d.prefetch_factor >= 1, f"data.prefetch_factor must be >= 1, got {d.prefetch_factor}")
+    _check(
+        m.preset in MODEL_PRESETS,
+        f"model.preset must be one of {', '.join(MODEL_PRESETS)}, got {m.preset!r}",
+    )
+    _check(m.base_channels is None or m.base_channels > 0, f"model.base_channels must be > 0, got {m.base_channels}")
+    _check(m.num_res_blocks is None or m.num_res_blocks >= 1, f"model.num_res_blocks must be >= 1, got {m.num_res_blocks}")
+    _check(m.dropout is None or 0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+    _check(0 <= m.class_dropout < 1, f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
+    _check(cfg.diffusion.num_timesteps >= 2, f"diffusion.num_timesteps must be >= 2, got {cfg.diffusion.num_timesteps}")
+    _check(cfg.diffusion.min_snr_gamma > 0, f"diffusion.min_snr_gamma must be > 0, got {cfg.diffusion.min_snr_gamma}")
+    _check(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    _check(all(0 <= b < 1 for b in o.betas), f"optim.betas must be in [0, 1), got {list(o.betas)}")
+    _check(o.eps > 0, f"optim.eps must be > 0, got {o.eps}")
+    _check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    _check(o.base_batch >= 1, f"optim.base_batch must be >= 1, got {o.base_batch}")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _check(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+    _check(t.total_steps >= 1, f"train.total_steps must be >= 1, got {t.total_steps}")
+    _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be >= 1, got {t.grad_accum_steps}")
+    _check(t.log_every_steps >= 1, f"train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    _check(t.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got {t.max_nonfinite_in_row}")
+    _check(
+        t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda") or t.device == "mps",
+        f"train.device must be auto, cpu, cuda, cuda:N or mps, got {t.device!r}",
+    )
+    _check(0 <= cfg.ema.decay <= 1, f"ema.decay must be in [0, 1], got {cfg.ema.decay}")
+    _check(cfg.ema.update_every_steps >= 1, f"ema.update_every_steps must be >= 1, got {cfg.ema.update_every_steps}")
+    c = cfg.checkpoint
+    _check(c.every_steps >= 1, f"checkpoint.every_steps must be >= 1, got {c.every_steps}")
+    _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    _check(c.keep_every_steps >= 0, f"checkpoint.keep_every_steps must be >= 0, got {c.keep_every_steps}")
+    v = cfg.validation
+    _check(v.every_steps >= 0, f"validation.every_steps must be >= 0, got {v.every_steps}")
+    _check(v.num_images >= 1, f"validation.num_images must be >= 1, got {v.num_images}")
+    _check(
+        1 <= v.steps <= cfg.diffusion.num_timesteps,
+        f"validation.steps must be in [1, diffusion.num_timesteps={cfg.diffusion.num_timesteps}], got {v.steps}",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing configs on resume.
+
+# Keys whose change makes a checkpoint meaningless for the new run: the network's shape, what
+# it sees, and what it was trained to predict.
+ARCHITECTURE_KEYS = (
+    "model.preset",
+    "model.base_channels",
+    "model.channel_mult",
+    "model.num_res_blocks",
+    "model.attention_resolutions",
+    "data.resolution",
+    "data.channels",
+    "data.class_conditional",
+    "diffusion.num_timesteps",
+    "diffusion.schedule",
+    "diffusion.prediction",
+)
+
+
+def _flatten(data: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, section in data.items() for k, v in section.items()}
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Every dotted key whose value differs between two :func:`config_to_dict` outputs."""
+    a, b = _flatten(old), _flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def incompatible_keys(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The changes among :data:`ARCHITECTURE_KEYS`, which forbid resuming."""
+    return {k: v for k, v in config_changes(old, new).items() if k in ARCHITECTURE_KEYS}

@@ -1,0 +1,138 @@
+"""A dataset of the images under a folder, with optional class labels from its subfolders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .sampler import split_key
+from .transforms import augment, load_image, resize_center_crop, to_tensor
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def scan_images(root: str | Path) -> list[Path]:
+    """Every image file under ``root``, recursively, sorted by path relative to ``root``.
+
+    Rules: an image is a file whose extension (any case) is in ``IMAGE_EXTENSIONS``; names
+    starting with "." are skipped, files and folders alike (.DS_Store, macOS "._x.jpg"
+    resource forks, .ipynb_checkpoints, .git); symbolic links are followed, each real folder
+    visited once. Raises ValueError naming ``root`` when it is missing or holds no image.
+    """
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise ValueError(f"data.path {root} does not exist")
+    if not root.is_dir():
+        raise ValueError(f"data.path {root} is not a folder")
+    found: list[Path] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a symlink loop or a second link to the same folder
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # stable visit order
+        for name in filenames:
+            path = Path(dirpath) / name
+            if (
+                not name.startswith(".")
+                and path.suffix.lower() in IMAGE_EXTENSIONS
+                and path.is_file()  # not a broken link
+            ):
+                found.append(path)
+    if not found:
+        raise ValueError(
+            f"data.path {root} holds 0 images (looked for {', '.join(IMAGE_EXTENSIONS)}, "
+            "in any case, in subfolders too)"
+        )
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+class ImageFolderDataset(Dataset):
+    """Images under ``root``, resized (short side) and center-cropped to ``resolution``.
+
+    With ``class_conditional`` each first-level subfolder is a class: sorted folder names map
+    to labels 0..K-1 (``classes``), and every image must lie in one of them. Otherwise the
+    label is 0, ``classes`` is empty and ``num_classes`` is 0.
+
+    ``dataset[i]`` returns image i unaugmented; ``dataset[(i, sample_seed)]`` (the keys an
+    ``InfiniteSampler`` yields) augments it with a generator seeded by ``sample_seed``. Either
+    way the result is ``(image (C, H, W) float32 in [-1, 1], label int)``.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        resolution: int,
+        channels: int = 3,
+        random_flip: bool = False,
+        color_jitter: float = 0.0,
+        class_conditional: bool = False,
+    ) -> None:
+        if channels not in (1, 3):
+            raise ValueError(f"data.channels must be 1 or 3, got {channels}")
+        if resolution < 1:
+            raise ValueError(f"data.resolution must be >= 1, got {resolution}")
+        if color_jitter < 0:
+            raise ValueError(f"data.color_jitter must be >= 0, got {color_jitter}")
+        self.root = Path(root).expanduser()
+        self.resolution = resolution
+        self.channels = channels
+        self.random_flip = random_flip
+        self.color_jitter = color_jitter
+        self.classes: list[str] = []
+        parts = [p.relative_to(self.root).parts for p in scan_images(self.root)]
+        labels = [0] * len(parts)
+        if class_conditional:
+            loose = [q[0] for q in parts if len(q) == 1]
+            if loose:
+                raise ValueError(
+                    f"data.class_conditional needs every image in a class subfolder of "
+                    f"{self.root}, but {len(loose)} lie directly in it (e.g. {loose[0]}); "
+                    "move them into a subfolder or set data.class_conditional = false"
+                )
+            self.classes = sorted({q[0] for q in parts})
+            index = {name: k for k, name in enumerate(self.classes)}
+            labels = [index[q[0]] for q in parts]
+        # NumPy arrays rather than lists of Python objects: forked DataLoader workers would
+        # touch every object's refcount and so copy a list's pages, once per worker.
+        self._files = np.array([os.fsencode("/".join(q)) for q in parts], dtype=np.bytes_)
+        self._labels = np.array(labels, dtype=np.int64)
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (0 when unconditional)."""
+        return len(self.classes)
+
+    @property
+    def paths(self) -> list[Path]:
+        """The image files, in index order."""
+        return [self.root / os.fsdecode(f) for f in self._files.tolist()]
+
+    @property
+    def labels(self) -> list[int]:
+        """The label of each image, in index order (all 0 when unconditional)."""
+        return self._labels.tolist()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, seed = split_key(key)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} images")
+        # Decoding large JPEGs at reduced scale is capped at twice the output size, so the
+        # final antialiased resize still has pixels to average.
+        path = self.root / os.fsdecode(self._files[index])
+        img = load_image(path, self.channels, min_size=2 * self.resolution)
+        img = resize_center_crop(img, self.resolution)
+        x = to_tensor(img)  # (C, H, W)
+        if seed is not None:
+            g = torch.Generator().manual_seed(seed)
+            x = augment(x, g, self.random_flip, self.color_jitter)
+        return x, int(self._labels[index])

@@ -1,0 +1,97 @@
+"""Build the dataset named by ``data.path`` and the endless, resumable loader over it."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .builtin import BUILTIN_DATASETS, BUILTIN_PREFIX
+from .folder import ImageFolderDataset
+from .sampler import InfiniteSampler
+
+
+def build_dataset(
+    path: str,
+    resolution: int,
+    channels: int,
+    random_flip: bool,
+    color_jitter: float,
+    class_conditional: bool,
+) -> Dataset:
+    """``builtin:NAME`` gives a dataset of ``BUILTIN_DATASETS``; any other path a folder of images.
+
+    Items are ``(image (C, H, W) float32 in [-1, 1], label int)``; the dataset has
+    ``num_classes`` (0 when unconditional) and ``classes``.
+    """
+    options = dict(
+        resolution=resolution,
+        channels=channels,
+        random_flip=random_flip,
+        color_jitter=color_jitter,
+        class_conditional=class_conditional,
+    )
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX) :]
+        if name not in BUILTIN_DATASETS:
+            choices = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS)
+            raise ValueError(
+                f"data.path {path}: unknown built-in dataset {name!r}; choices: {choices}"
+            )
+        return BUILTIN_DATASETS[name](**options)
+    return ImageFolderDataset(path, **options)
+
+
+def collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack items into (images (B, C, H, W) float32, labels (B,) long)."""
+    images, labels = zip(*batch)
+    return torch.stack(images), torch.tensor(labels, dtype=torch.long)
+
+
+def build_loader(
+    dataset: Dataset,
+    batch_size: int,
+    seed: int,
+    start: int,
+    num_workers: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    prefetch_factor: int = 2,
+) -> DataLoader:
+    """An endless loader of this rank's batches: (images (B, C, H, W) float32, labels (B,) long).
+
+    Args:
+        dataset: items ``dataset[(index, sample_seed)]`` as ``build_dataset`` makes them.
+        batch_size: images per batch on this rank.
+        seed: the run's seed; the order and the augmentations derive from it.
+        start: images consumed so far by all ranks together (0 for a new run); a multiple of
+            ``world_size``. A run resumed with the same seed and start sees the same batches,
+            whatever ``num_workers``.
+        num_workers: worker processes (0 = load in this process).
+        device: where the batches go; CUDA turns on pinned memory.
+        rank, world_size: this process's shard of the stream.
+        prefetch_factor: batches each worker prepares ahead.
+
+    Iterate it with ``iter()`` once and call ``next()``: it never ends and has no ``len``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+    if prefetch_factor < 1:
+        raise ValueError(f"data.prefetch_factor must be >= 1, got {prefetch_factor}")
+    sampler = InfiniteSampler(len(dataset), seed, start=start, rank=rank, world_size=world_size)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate,
+        pin_memory=torch.device(device).type == "cuda",
+        drop_last=True,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        # The loader draws its workers' base seed from this generator, not from (and so
+        # without advancing) the global torch RNG; no item depends on it.
+        generator=torch.Generator().manual_seed(seed),
+    )

@@ -1,0 +1,159 @@
+"""Image transforms as pure functions: decode any mode, resize and crop, to tensor, augment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+# Alpha is composited onto this background. Transparent pixels of PNG/WebP files hold
+# arbitrary colours (often black, sometimes garbage left by the editor), so dropping alpha
+# would show them; white matches how the images look in a viewer or on a web page.
+ALPHA_BACKGROUND = (255, 255, 255)
+
+_HIGH_DEPTH_MODES = ("I", "F", "I;16", "I;16L", "I;16B", "I;16N")
+_ALPHA_MODES = ("LA", "La", "PA", "RGBA", "RGBa")
+
+# ITU-R BT.601 luma weights, as used by PIL's convert("L").
+_LUMA = (0.299, 0.587, 0.114)
+
+
+def _high_depth_to_l(img: Image.Image) -> Image.Image:
+    """Scale a 16-bit, 32-bit integer or float single-channel image to 8-bit "L".
+
+    PIL's own convert() clips these to [0, 255], which turns a 16-bit image white. The full
+    scale is taken from the mode where it is known (I;16*: 65535), else from the data: the
+    smallest of 1.0 (float images only), 255 and 65535 that holds every value, else the
+    image's own min..max. Negative values clip to 0.
+    """
+    a = np.asarray(img).astype(np.float64)
+    if img.mode.startswith("I;16"):
+        lo, hi = 0.0, 65535.0
+    else:
+        finite = a[np.isfinite(a)]
+        amin = float(finite.min()) if finite.size else 0.0
+        amax = float(finite.max()) if finite.size else 0.0
+        scales = ([1.0] if img.mode == "F" else []) + [255.0, 65535.0]
+        fits = [s for s in scales if amin >= 0.0 and amax <= s]
+        lo, hi = (0.0, fits[0]) if fits else (amin, max(amax, amin + 1e-12))
+    a = np.nan_to_num(a, nan=lo, posinf=hi, neginf=lo)
+    a = np.clip((a - lo) / (hi - lo), 0.0, 1.0)
+    return Image.fromarray(np.round(a * 255.0).astype(np.uint8), mode="L")
+
+
+def load_image(path: str | Path, channels: int, min_size: int | None = None) -> Image.Image:
+    """Open an image file as 8-bit "RGB" (channels == 3) or "L" (channels == 1).
+
+    Applies the EXIF orientation. Handles every PIL mode: 1, L, P, RGB, CMYK, YCbCr, LAB, HSV;
+    16/32-bit integer and float images are scaled to 8 bits (not clipped, see
+    ``_high_depth_to_l``); alpha (LA, PA, RGBA, P or L or RGB with a transparency key) is
+    composited onto white (``ALPHA_BACKGROUND``). Animated files give their first frame.
+
+    ``min_size`` lets a JPEG be decoded at 1/2, 1/4 or 1/8 scale (in the DCT domain, a
+    filtered reduction, several times faster) while both sides stay >= ``min_size`` pixels.
+    Other formats ignore it.
+    """
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 or 3, got {channels}")
+    try:
+        with Image.open(path) as img:
+            if min_size is not None:
+                img.draft(None, (min_size, min_size))
+            img.load()
+            ImageOps.exif_transpose(img, in_place=True)
+            return _to_8bit(img, channels)  # a new image, detached from the file
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        # SyntaxError: PIL's "broken PNG file"; DecompressionBombError: over ~179M pixels
+        raise OSError(f"cannot read image {path}: {e}") from e
+
+
+def _to_8bit(img: Image.Image, channels: int) -> Image.Image:
+    """Convert an image of any mode to "RGB" (channels == 3) or "L", as ``load_image`` says."""
+    if img.mode in _HIGH_DEPTH_MODES:
+        img = _high_depth_to_l(img)
+    if img.mode in _ALPHA_MODES or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        img = Image.new("RGB", rgba.size, ALPHA_BACKGROUND)
+        img.paste(rgba, mask=rgba.getchannel("A"))
+    if img.mode not in ("RGB", "L", "1", "P"):  # CMYK, YCbCr, LAB, HSV, RGBX: go through RGB
+        img = img.convert("RGB")
+    return img.convert("RGB" if channels == 3 else "L")
+
+
+def resize_center_crop(img: Image.Image, resolution: int) -> Image.Image:
+    """Resize the short side to ``resolution`` (antialiased bicubic) and center-crop a square.
+
+    Done as one resampling of the central square of the source, so no pixel is lost to an
+    intermediate rounding. ``reducing_gap`` first box-reduces large images by an integer
+    factor (fast) with a result practically indistinguishable from a full bicubic filter.
+    """
+    w, h = img.size
+    if (w, h) == (resolution, resolution):
+        return img.copy()
+    side = min(w, h)
+    left, top = (w - side) / 2, (h - side) / 2
+    return img.resize(
+        (resolution, resolution),
+        Image.Resampling.BICUBIC,
+        box=(left, top, left + side, top + side),
+        reducing_gap=3.0,
+    )
+
+
+def to_tensor(img: Image.Image | np.ndarray) -> torch.Tensor:
+    """An 8-bit image (PIL, or uint8 array (H, W) / (H, W, C)) as (C, H, W) float32 in [-1, 1]."""
+    a = np.asarray(img, dtype=np.uint8)
+    if a.ndim == 2:
+        a = a[:, :, None]
+    x = torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1), dtype=np.float32))  # a copy
+    return x.div_(127.5).sub_(1.0)
+
+
+def _jitter_factor(u: float, strength: float) -> float:
+    """Map a uniform draw in [0, 1) to a factor uniform in [max(0, 1 - s), 1 + s]."""
+    lo = max(0.0, 1.0 - strength)
+    return lo + u * (1.0 + strength - lo)
+
+
+def augment(
+    x: torch.Tensor, generator: torch.Generator, random_flip: bool, color_jitter: float
+) -> torch.Tensor:
+    """Randomly flip and colour-jitter one image; all randomness comes from ``generator``.
+
+    Args:
+        x: (C, H, W) float in [-1, 1] on the CPU, C = 1 or 3; not modified.
+        generator: seeded per sample (by ``sample_seed``), so the result is reproducible.
+        random_flip: mirror left-right with probability 0.5.
+        color_jitter: relative strength s of brightness, contrast and saturation jitter, each a
+            factor uniform in [max(0, 1 - s), 1 + s], applied in that order (0 = off),
+            in the manner of torchvision's ColorJitter.
+
+    Returns (C, H, W) float32 clamped to [-1, 1]. The same four numbers are drawn whatever the
+    flags, so turning one augmentation on does not change the draws of another.
+    """
+    u = torch.rand(4, generator=generator).tolist()
+    # The arithmetic runs in NumPy: on one small image its per-call overhead is a tenth of
+    # torch's, which is most of the cost here.
+    a = x.detach().cpu().numpy().astype(np.float32, copy=False)
+    if random_flip and u[0] < 0.5:
+        a = a[:, :, ::-1]
+    if color_jitter > 0:
+        brightness, contrast, saturation = (_jitter_factor(v, color_jitter) for v in u[1:])
+        # In [0, 1], clamped after each step as a real image would be.
+        y = np.clip((a + 1.0) * (0.5 * brightness), 0.0, 1.0)  # brightness
+        m = _to_gray(y).mean()
+        y = np.clip((y - m) * contrast + m, 0.0, 1.0)  # contrast about the mean luma
+        if y.shape[0] == 3:
+            gray = _to_gray(y)
+            y = (y - gray) * saturation + gray  # saturation about each pixel's luma
+        a = y * 2.0 - 1.0
+    return torch.from_numpy(np.ascontiguousarray(np.clip(a, -1.0, 1.0), dtype=np.float32))
+
+
+def _to_gray(y: np.ndarray) -> np.ndarray:
+    """Luma of (C, H, W) as (1, H, W); a 1-channel image is its own luma."""
+    if y.shape[0] == 1:
+        return y
+    return y[0:1] * _LUMA[0] + y[1:2] * _LUMA[1] + y[2:3] * _LUMA[2]

@@ -1,0 +1,305 @@
+"""The UNet of DDPM (Ho, Jain & Abbeel 2020, arXiv:2006.11239, Appendix B), optionally class-conditional.
+
+A PixelCNN++-style UNet: per resolution level a stack of residual blocks with additive timestep
+embeddings, single-head self-attention at chosen resolutions, a middle block (ResBlock, attention,
+ResBlock), and an up path that concatenates the down path's activations. Its modules map one to
+one onto diffusers' `UNet2DModel` (see `difftrain.models.diffusers_export`).
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from difftrain.models.layers import (
+    AttentionBlock,
+    Downsample,
+    ResBlock,
+    TimestepEmbedding,
+    Upsample,
+    group_norm,
+)
+
+
+class DownLevel(nn.Module):
+    """One level of the down path: `res[j]` then `attn[j]` (or identity), then `downsample`."""
+
+    def __init__(self, res: list[ResBlock], attn: list[nn.Module], downsample: Downsample | None) -> None:
+        super().__init__()
+        self.res = nn.ModuleList(res)
+        self.attn = nn.ModuleList(attn)
+        self.downsample = downsample
+
+    def forward(self, h: Tensor, emb: Tensor, skips: list[Tensor]) -> Tensor:
+        """h: (B, C_in, H, W), emb: (B, D) -> (B, C, H/2, W/2); appends each output to `skips`."""
+        for res, attn in zip(self.res, self.attn):
+            h = attn(res(h, emb))
+            skips.append(h)
+        if self.downsample is not None:
+            h = self.downsample(h)
+            skips.append(h)
+        return h
+
+
+class MidBlock(nn.Module):
+    """Middle of the UNet at the lowest resolution: ResBlock, attention, ResBlock."""
+
+    def __init__(self, channels: int, emb_dim: int, dropout: float, norm_groups: int) -> None:
+        super().__init__()
+        self.res_1 = ResBlock(channels, channels, emb_dim, dropout, norm_groups)
+        self.attn = AttentionBlock(channels, norm_groups)
+        self.res_2 = ResBlock(channels, channels, emb_dim, dropout, norm_groups)
+
+    def forward(self, h: Tensor, emb: Tensor) -> Tensor:
+        """h: (B, C, H, W), emb: (B, D) -> (B, C, H, W)."""
+        return self.res_2(self.attn(self.res_1(h, emb)), emb)
+
+
+class UpLevel(nn.Module):
+    """One level of the up path: `res[j]` on [h, skip] concatenated, then `attn[j]`, then `upsample`."""
+
+    def __init__(self, res: list[ResBlock], attn: list[nn.Module], upsample: Upsample | None) -> None:
+        super().__init__()
+        self.res = nn.ModuleList(res)
+        self.attn = nn.ModuleList(attn)
+        self.upsample = upsample
+
+    def forward(self, h: Tensor, emb: Tensor, skips: list[Tensor]) -> Tensor:
+        """h: (B, C_in, H, W), emb: (B, D) -> (B, C, 2H, 2W); pops one skip per ResBlock."""
+        for res, attn in zip(self.res, self.attn):
+            h = attn(res(torch.cat([h, skips.pop()], dim=1), emb))
+        if self.upsample is not None:
+            h = self.upsample(h)
+        return h
+
+
+class UNet(nn.Module):
+    """DDPM UNet predicting a (B, out_channels, H, W) tensor (eps, v or x0) from x_t and t.
+
+    Module layout (the names `diffusers_export` maps):
+        time_embed          sinusoidal(t) -> linear_1 -> SiLU -> linear_2, width 4 * base_channels
+        class_embed         nn.Embedding(num_classes + 1, 4 * base_channels), only if num_classes > 0;
+                            label `num_classes` is the null label of classifier-free guidance
+        conv_in
+        down[l]             DownLevel for level l = 0 .. L-1 (resolution / 2**l)
+        mid                 MidBlock
+        up[i]               UpLevel for level L-1-i, in execution order (deepest first)
+        norm_out, conv_out
+
+    Args (keyword-only):
+        resolution: training image size; must be divisible by 2**(len(channel_mult) - 1).
+        in_channels: image channels.
+        out_channels: output channels (default: in_channels).
+        base_channels: channels at the first level.
+        channel_mult: per-level multiplier of base_channels; one level per entry.
+        num_res_blocks: ResBlocks per level on the down path (the up path has one more).
+        attention_resolutions: resolutions at which each ResBlock is followed by self-attention.
+        dropout: dropout probability inside ResBlocks.
+        num_classes: number of classes for class conditioning; 0 for an unconditional model.
+        norm_groups: GroupNorm groups; must divide every level's channel count.
+        gradient_checkpointing: recompute ResBlock activations in backward while training.
+    """
+
+    def __init__(
+        self,
+        *,
+        resolution: int,
+        in_channels: int = 3,
+        out_channels: int | None = None,
+        base_channels: int = 128,
+        channel_mult: Sequence[int] = (1, 2, 2, 2),
+        num_res_blocks: int = 2,
+        attention_resolutions: Sequence[int] = (16,),
+        dropout: float = 0.1,
+        num_classes: int = 0,
+        norm_groups: int = 32,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        channel_mult = tuple(channel_mult)
+        attention_resolutions = tuple(attention_resolutions)
+        out_channels = in_channels if out_channels is None else out_channels
+        _check_args(
+            resolution=resolution,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            base_channels=base_channels,
+            channel_mult=channel_mult,
+            num_res_blocks=num_res_blocks,
+            attention_resolutions=attention_resolutions,
+            dropout=dropout,
+            num_classes=num_classes,
+            norm_groups=norm_groups,
+        )
+        # The resolved constructor arguments: UNet(**model.config) rebuilds the architecture.
+        self.config = dict(
+            resolution=resolution,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            base_channels=base_channels,
+            channel_mult=channel_mult,
+            num_res_blocks=num_res_blocks,
+            attention_resolutions=attention_resolutions,
+            dropout=dropout,
+            num_classes=num_classes,
+            norm_groups=norm_groups,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        self.num_classes = num_classes
+        emb_dim = 4 * base_channels
+        channels = [base_channels * m for m in channel_mult]
+        num_levels = len(channels)
+
+        def res_block(c_in: int, c_out: int) -> ResBlock:
+            return ResBlock(c_in, c_out, emb_dim, dropout, norm_groups)
+
+        def attn_or_identity(c: int, level: int) -> nn.Module:
+            use_attn = resolution // 2**level in attention_resolutions
+            return AttentionBlock(c, norm_groups) if use_attn else nn.Identity()
+
+        # Embeddings of t and of the class label, summed.
+        self.time_embed = TimestepEmbedding(base_channels, emb_dim)
+        self.class_embed = nn.Embedding(num_classes + 1, emb_dim) if num_classes > 0 else None
+
+        # Down path; skip_channels records what each level pushes for the up path.
+        self.conv_in = nn.Conv2d(in_channels, base_channels, 3, padding=1)
+        skip_channels = [base_channels]
+        self.down = nn.ModuleList()
+        c_in = base_channels
+        for level, c in enumerate(channels):
+            res, attn = [], []
+            for _ in range(num_res_blocks):
+                res.append(res_block(c_in, c))
+                attn.append(attn_or_identity(c, level))
+                skip_channels.append(c)
+                c_in = c
+            downsample = None
+            if level < num_levels - 1:
+                downsample = Downsample(c)
+                skip_channels.append(c)
+            self.down.append(DownLevel(res, attn, downsample))
+
+        self.mid = MidBlock(c_in, emb_dim, dropout, norm_groups)
+
+        # Up path, deepest level first; each ResBlock consumes one skip connection.
+        self.up = nn.ModuleList()
+        for level in reversed(range(num_levels)):
+            c = channels[level]
+            res, attn = [], []
+            for _ in range(num_res_blocks + 1):
+                res.append(res_block(c_in + skip_channels.pop(), c))
+                attn.append(attn_or_identity(c, level))
+                c_in = c
+            upsample = Upsample(c) if level > 0 else None
+            self.up.append(UpLevel(res, attn, upsample))
+
+        self.norm_out = group_norm(c_in, norm_groups)
+        self.conv_out = nn.Conv2d(c_in, out_channels, 3, padding=1)
+
+        self._init_weights()
+        self.set_gradient_checkpointing(gradient_checkpointing)
+
+    def _init_weights(self) -> None:
+        """DDPM initialisation: Xavier-uniform weights, zero biases, and zeros for the last layer
+        of every residual branch (ResBlock.conv2, AttentionBlock.proj_out) and for conv_out, so
+        the network starts as an identity-like map with zero output."""
+        for module in self.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        for module in self.modules():
+            if isinstance(module, ResBlock):
+                nn.init.zeros_(module.conv2.weight)
+            elif isinstance(module, AttentionBlock):
+                nn.init.zeros_(module.proj_out.weight)
+        nn.init.zeros_(self.conv_out.weight)
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Turn activation checkpointing of every ResBlock on or off (it acts only in training)."""
+        self.config["gradient_checkpointing"] = bool(enabled)
+        for module in self.modules():
+            if isinstance(module, ResBlock):
+                module.gradient_checkpointing = bool(enabled)
+
+    def forward(self, x: Tensor, t: Tensor, class_labels: Tensor | None = None) -> Tensor:
+        """Predict the network target for noisy images.
+
+        Args:
+            x: (B, in_channels, H, W) float noisy images; H and W divisible by 2**(L-1).
+            t: (B,) integer or float timesteps in [0, T) (a 0-d tensor is broadcast).
+            class_labels: (B,) long labels in [0, num_classes]; `num_classes` is the null label.
+                None means the null label for a conditional model; must be None if num_classes == 0.
+
+        Returns:
+            (B, out_channels, H, W).
+        """
+        emb = self.time_embed(t.expand(x.shape[0]))  # (B, 4 * base_channels)
+        if self.class_embed is not None:
+            if class_labels is None:
+                class_labels = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
+            emb = emb + self.class_embed(class_labels)
+        elif class_labels is not None:
+            raise ValueError("class_labels were given but the model was built with num_classes=0")
+
+        h = self.conv_in(x)
+        skips = [h]
+        for level in self.down:
+            h = level(h, emb, skips)
+        h = self.mid(h, emb)
+        for level in self.up:
+            h = level(h, emb, skips)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def _check_args(
+    *,
+    resolution: int,
+    in_channels: int,
+    out_channels: int,
+    base_channels: int,
+    channel_mult: tuple[int, ...],
+    num_res_blocks: int,
+    attention_resolutions: tuple[int, ...],
+    dropout: float,
+    num_classes: int,
+    norm_groups: int,
+) -> None:
+    """Raise a ValueError naming the first invalid constructor argument."""
+    for name, value in [
+        ("resolution", resolution),
+        ("in_channels", in_channels),
+        ("out_channels", out_channels),
+        ("base_channels", base_channels),
+        ("num_res_blocks", num_res_blocks),
+        ("norm_groups", norm_groups),
+    ]:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if base_channels % 2 != 0 or base_channels < 4:
+        raise ValueError(f"base_channels must be even and >= 4 (sinusoidal embedding width), got {base_channels}")
+    if not channel_mult or not all(isinstance(m, int) and m >= 1 for m in channel_mult):
+        raise ValueError(f"channel_mult must be a non-empty tuple of positive integers, got {channel_mult!r}")
+    factor = 2 ** (len(channel_mult) - 1)
+    if resolution % factor != 0:
+        raise ValueError(
+            f"resolution must be divisible by 2**(len(channel_mult)-1) = {factor} "
+            f"for channel_mult={channel_mult}, got {resolution}"
+        )
+    for m in channel_mult:
+        if (base_channels * m) % norm_groups != 0:
+            raise ValueError(
+                f"norm_groups={norm_groups} must divide every level's channels base_channels*mult, "
+                f"got base_channels={base_channels} * {m} = {base_channels * m}"
+            )
+    level_resolutions = tuple(resolution // 2**level for level in range(len(channel_mult)))
+    for r in attention_resolutions:
+        if r not in level_resolutions:
+            raise ValueError(
+                f"attention_resolutions entry {r!r} matches no level; level resolutions are "
+                f"{level_resolutions} for resolution={resolution}, channel_mult={channel_mult}"
+            )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if not isinstance(num_classes, int) or num_classes < 0:
+        raise ValueError(f"num_classes must be an integer >= 0, got {num_classes!r}")

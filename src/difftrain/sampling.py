@@ -1,0 +1,135 @@
+"""From a trained network to images: the denoiser wrapper, batched generation, PNG grids.
+
+The samplers themselves are pure functions in :mod:`difftrain.diffusion.samplers`; this module
+connects them to a model, fixed seeds and files. Sampling always runs in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from difftrain.diffusion.process import to_x0_and_eps
+from difftrain.diffusion.samplers import SAMPLERS, sampling_timesteps
+from difftrain.training.seeding import derive_seed
+
+
+def model_denoiser(
+    model: nn.Module,
+    alpha_bar: torch.Tensor,
+    prediction: str,
+    class_labels: torch.Tensor | None = None,
+    null_label: int | None = None,
+    guidance_scale: float = 1.0,
+    clip: bool = True,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Wrap ``model`` as ``denoiser(x_t (B,C,H,W), t (B,)) -> x0_hat (B,C,H,W)``.
+
+    The raw output (epsilon, v or x0) is turned into an x0 prediction and clipped to [-1, 1].
+    With class labels and ``guidance_scale != 1`` the output is classifier-free guided (Ho &
+    Salimans 2022): ``out_uncond + s * (out_cond - out_uncond)``.
+    """
+
+    def denoise(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        labels = None if class_labels is None else class_labels[: x_t.shape[0]]
+        out = model(x_t, t, labels).float()
+        if labels is not None and guidance_scale != 1.0:
+            uncond = model(x_t, t, torch.full_like(labels, null_label)).float()
+            out = uncond + guidance_scale * (out - uncond)
+        x0, _ = to_x0_and_eps(prediction, out, x_t, alpha_bar[t])
+        return x0.clamp(-1.0, 1.0) if clip else x0
+
+    return denoise
+
+
+def initial_noise(num: int, shape: tuple[int, int, int], seed: int) -> torch.Tensor:
+    """x_T of shape (num, C, H, W), drawn on the CPU so a seed gives the same noise anywhere."""
+    gen = torch.Generator().manual_seed(derive_seed(seed, "initial-noise"))
+    return torch.randn((num, *shape), generator=gen)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    *,
+    alpha_bar: torch.Tensor,
+    prediction: str,
+    noise: torch.Tensor,
+    sampler: str = "ddim",
+    steps: int = 50,
+    seed: int = 0,
+    class_labels: torch.Tensor | None = None,
+    null_label: int | None = None,
+    guidance_scale: float = 1.0,
+    batch_size: int = 256,
+    **sampler_options,
+) -> torch.Tensor:
+    """Sample images from fixed initial noise.
+
+    Args:
+        model: the network, in float32; put in eval mode for the call.
+        alpha_bar: (T,) the training schedule.
+        noise: (N, C, H, W) x_T on the CPU (see :func:`initial_noise`).
+        class_labels: (N,) long, or None for an unconditional model.
+    Returns:
+        (N, C, H, W) float32 images in [-1, 1], on the CPU.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    device = next(model.parameters()).device
+    alpha_bar = alpha_bar.to(device)
+    timesteps = sampling_timesteps(alpha_bar.shape[0], steps).to(device)
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for i, start in enumerate(range(0, noise.shape[0], batch_size)):
+            x_T = noise[start : start + batch_size].to(device)
+            labels = None if class_labels is None else class_labels[start : start + batch_size].to(device)
+            denoiser = model_denoiser(model, alpha_bar, prediction, labels, null_label, guidance_scale)
+            gen = torch.Generator(device=device).manual_seed(derive_seed(seed, "sampler", i))
+            out.append(SAMPLERS[sampler](denoiser, x_T, timesteps, alpha_bar, gen, **sampler_options).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> (N, H, W, C) uint8."""
+    x = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return x.permute(0, 2, 3, 1).numpy()
+
+
+def grid_columns(num_images: int) -> int:
+    """Columns of a near-square grid of ``num_images``."""
+    return max(1, math.ceil(math.sqrt(num_images)))
+
+
+def grid_class_labels(num_images: int, num_classes: int) -> torch.Tensor | None:
+    """(num_images,) long labels with one class per grid row (None when unconditional)."""
+    if num_classes == 0:
+        return None
+    return (torch.arange(num_images) // grid_columns(num_images)) % num_classes
+
+
+def make_grid(images: np.ndarray, ncols: int | None = None, pad: int = 2) -> np.ndarray:
+    """(N, H, W, C) uint8 -> one (H', W', C) uint8 grid, ``ncols`` images per row."""
+    n, h, w, c = images.shape
+    ncols = ncols or grid_columns(n)
+    nrows = math.ceil(n / ncols)
+    grid = np.full((nrows * (h + pad) + pad, ncols * (w + pad) + pad, c), 255, dtype=np.uint8)
+    for i in range(n):
+        r, q = divmod(i, ncols)
+        grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + q * (w + pad) : pad + q * (w + pad) + w] = images[i]
+    return grid
+
+
+def save_png(image: np.ndarray, path: Path) -> None:
+    """Save an (H, W, C) uint8 array (C = 1 or 3) as PNG."""
+    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)

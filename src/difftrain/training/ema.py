@@ -1,0 +1,80 @@
+"""Exponential moving average of model weights, with warm-up and a swap-in context manager."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+class EMA:
+    """Keeps ``ema = decay_t * ema + (1 - decay_t) * params`` after each optimizer step.
+
+    With ``warmup`` the decay ramps up as ``decay_t = min(decay, (1 + t) / (10 + t))`` (the
+    schedule of the TensorFlow EMA used by DDPM), so early averages are not dominated by the
+    random initialisation. Buffers are copied, not averaged.
+
+    Args:
+        model: the (unwrapped) model whose parameters are averaged.
+        decay: the final decay in [0, 1]; 0 copies the weights, 1 freezes the average.
+        warmup: ramp the decay up over the first updates.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = True):
+        self.decay = decay
+        self.warmup = warmup
+        self.num_updates = 0
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._ema_params = list(self.model.parameters())
+        self._ema_buffers = list(self.model.buffers())
+
+    def current_decay(self) -> float:
+        """The decay that the next :meth:`update` uses."""
+        if not self.warmup:
+            return self.decay
+        t = self.num_updates
+        return min(self.decay, (1 + t) / (10 + t))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, apply: torch.Tensor | None = None) -> None:
+        """Move the average towards ``model``'s weights.
+
+        Args:
+            model: the trained model (same architecture, unwrapped).
+            apply: optional 0-dim float tensor, 1 to update and 0 to leave the average as it is
+                (a skipped optimizer step); keeps the update free of host synchronisation.
+        """
+        weight = 1.0 - self.current_decay()
+        params = [p.detach() for p in model.parameters()]
+        if apply is not None:
+            weight = apply.to(torch.float32) * weight
+        if params:
+            torch._foreach_lerp_(self._ema_params, params, weight)
+        for ema_buf, buf in zip(self._ema_buffers, model.buffers()):
+            ema_buf.copy_(buf)
+        self.num_updates += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "num_updates": self.num_updates,
+            "decay": self.decay,
+            "warmup": self.warmup,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.num_updates = int(state["num_updates"])
+
+    @contextlib.contextmanager
+    def swapped_into(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Temporarily load the EMA weights (and buffers) into ``model``; restore on exit."""
+        backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(self.model.state_dict())
+        try:
+            yield model
+        finally:
+            model.load_state_dict(backup)

@@ -1,0 +1,284 @@
+"""The training loop: one function that reads top to bottom in phases."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from difftrain.config import Config, config_to_dict, config_to_toml, incompatible_keys
+from difftrain.data import build_dataset, build_loader
+from difftrain.diffusion.losses import diffusion_loss, loss_weight
+from difftrain.diffusion.process import prediction_target, q_sample
+from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
+from difftrain.training import checkpoint as ckpt
+from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
+from difftrain.training.ema import EMA
+from difftrain.training.lr_schedule import lr_at
+from difftrain.training.precision import autocast, grad_scaler
+from difftrain.training.progress import Progress, memory_stats
+from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
+from difftrain.training.trackers import build_trackers
+
+NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row; the last good checkpoint is left untouched."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int
+    images_seen: int
+    checkpoint: Path | None
+    skipped_steps: int
+
+
+def train(
+    cfg: Config, run_dir: str | Path, resume: str | Path | None = None, stop_at_step: int | None = None
+) -> TrainResult:
+    """Train ``cfg`` in ``run_dir``; resume from ``resume`` or from the run's newest checkpoint.
+
+    ``stop_at_step`` ends this process early, with a checkpoint, at that step (the schedule
+    still runs to ``train.total_steps``): for job queues with time limits, and for tests.
+
+    Running the same call again in the same run directory continues where it stopped, with the
+    same data order, random numbers, LR schedule and EMA, so the result is the same as one
+    uninterrupted run (bit for bit on the CPU in fp32).
+    """
+    run_dir = Path(run_dir)
+    tc = cfg.train
+    device = resolve_device(tc.device)
+    rank, world_size = 0, 1
+
+    # Data.
+    d = cfg.data
+    dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
+    num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
+    if len(dataset) < tc.batch_size:
+        raise ValueError(f"data.path {d.path} holds {len(dataset)} images, fewer than train.batch_size={tc.batch_size}")
+
+    # Model, EMA, optimizer, schedule.
+    torch.manual_seed(derive_seed(tc.seed, "init"))  # the same initial weights on every rank
+    model = build_model(cfg, num_classes).to(device)
+    ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup)
+    optimizer = build_optimizer(cfg, model, device)
+    scaler = grad_scaler(tc.precision, device)
+    alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps).to(device)
+    T = cfg.diffusion.num_timesteps
+    lr_peak = peak_lr(cfg, world_size)
+    images_per_step = effective_batch(cfg, world_size)
+
+    # Resume.
+    step = 0
+    skipped_total = 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    source = resume if resume is not None else _existing_checkpoint(run_dir)
+    if source is not None:
+        state = ckpt.load_checkpoint(source)
+        bad = incompatible_keys(state["config"], config_to_dict(cfg))
+        if bad:
+            lines = "\n".join(f"  {k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in bad.items())
+            raise ValueError(f"cannot resume from {state['path']}: the config changes the model or data:\n{lines}")
+        model.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        step = int(state["step"])
+        skipped_total = int(state["counters"]["skipped_steps"])
+        print(f"difftrain: resumed from {state['path']} at step {step}")
+        del state
+    (run_dir / "samples").mkdir(exist_ok=True)
+    ckpt.atomic_write_bytes(run_dir / "config.toml", config_to_toml(cfg).encode())
+    loader = build_loader(
+        dataset,
+        batch_size=tc.batch_size,
+        seed=tc.seed,
+        start=step * images_per_step,
+        num_workers=d.num_workers,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        prefetch_factor=d.prefetch_factor,
+    )
+    trackers = build_trackers(run_dir, tensorboard=cfg.tracking.tensorboard)
+    progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar)
+    val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
+    val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
+
+    # Running sums live on the device and are read only at log steps (no per-step sync).
+    zero = torch.zeros((), device=device)
+    loss_sum, grad_norm_sum, skipped_window = zero.clone(), zero.clone(), zero.clone()
+    streak, max_streak = zero.clone(), zero.clone()
+    bucket_loss = torch.zeros(NUM_LOSS_BUCKETS, device=device)
+    bucket_count = torch.zeros(NUM_LOSS_BUCKETS, device=device)
+    window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
+    last_saved = step
+    model.train()
+    data_iter = iter(loader)
+
+    end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
+    try:
+        while step < end:
+            # Every random number of this step derives from (seed, rank, step).
+            torch.manual_seed(derive_seed(tc.seed, rank, step, "dropout"))
+            lr = lr_at(
+                step,
+                peak_lr=lr_peak,
+                warmup_steps=cfg.optim.warmup_steps,
+                total_steps=tc.total_steps,
+                schedule=cfg.optim.lr_schedule,
+                min_lr_ratio=cfg.optim.min_lr_ratio,
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            # Accumulate gradients.
+            step_loss = zero.clone()
+            for micro in range(tc.grad_accum_steps):
+                fetch_start = time.perf_counter()
+                x0, labels = next(data_iter)
+                data_wait += time.perf_counter() - fetch_start
+                x0 = x0.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True) if num_classes else None
+                gen = step_generator(tc.seed, rank, step * tc.grad_accum_steps + micro, device, "diffusion")
+                t = torch.randint(0, T, (x0.shape[0],), device=device, generator=gen)
+                noise = torch.randn(x0.shape, device=device, generator=gen)
+                if labels is not None:  # label dropout for classifier-free guidance
+                    drop = torch.rand(labels.shape, device=device, generator=gen) < cfg.model.class_dropout
+                    labels = torch.where(drop, torch.full_like(labels, num_classes), labels)
+                ab_t = alpha_bar[t]
+                x_t = q_sample(x0, t, noise, alpha_bar)
+                target = prediction_target(cfg.diffusion.prediction, x0, noise, ab_t)
+                weight = loss_weight(cfg.diffusion.loss_weighting, ab_t, cfg.diffusion.prediction, cfg.diffusion.min_snr_gamma)
+                with autocast(tc.precision, device):
+                    out = model(x_t, t, labels)
+                per_sample = diffusion_loss(out, target, weight)  # (B,) float32
+                loss = per_sample.mean() / tc.grad_accum_steps
+                scaler.scale(loss).backward()
+                step_loss += loss.detach()
+                buckets = (t * NUM_LOSS_BUCKETS) // T
+                bucket_loss.index_add_(0, buckets, per_sample.detach())
+                bucket_count.index_add_(0, buckets, torch.ones_like(per_sample))
+
+            # Clip gradients; a non-finite loss or gradient skips the step on the device.
+            scaler.unscale_(optimizer)
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
+
+            # Optimizer step.
+            if scaler.is_enabled():
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.found_inf = (~finite).float()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            # Update EMA.
+            if (step + 1) % cfg.ema.update_every_steps == 0:
+                ema.update(model, apply=finite.float())
+            step += 1
+
+            # Account.
+            ok = finite.float()
+            loss_sum += torch.where(finite, step_loss, zero)
+            grad_norm_sum += torch.where(finite, grad_norm, zero)
+            skipped_window += 1 - ok
+            streak = (streak + 1) * (1 - ok)
+            max_streak = torch.maximum(max_streak, streak)
+            window_steps += 1
+
+            # Log.
+            if step % tc.log_every_steps == 0 or step == end:
+                elapsed = time.perf_counter() - window_start
+                skipped = int(skipped_window.item())
+                skipped_total += skipped
+                good = max(1, window_steps - skipped)
+                counts = bucket_count.clamp(min=1)
+                metrics = {
+                    "loss": loss_sum.item() / good,
+                    "grad_norm": grad_norm_sum.item() / good,
+                    "lr": lr,
+                    "ema_decay": ema.current_decay(),
+                    "images_per_s": window_steps * images_per_step / elapsed,
+                    "data_wait_frac": data_wait / elapsed,
+                    "skipped_steps": skipped_total,
+                    "images_seen": step * images_per_step,
+                    **{f"loss_bucket/{i}": v for i, v in enumerate((bucket_loss / counts).tolist())},
+                    **memory_stats(device),
+                }
+                trackers.log(step, metrics)
+                progress.update(step, metrics)
+                if max_streak.item() >= tc.max_nonfinite_in_row:
+                    raise TrainingDiverged(
+                        f"{int(max_streak.item())} non-finite steps in a row by step {step} "
+                        f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}); the last good "
+                        f"checkpoint in {run_dir / 'checkpoints'} is untouched. Lower optim.lr, "
+                        f"use bf16 instead of fp16, or check the data."
+                    )
+                loss_sum.zero_(), grad_norm_sum.zero_(), skipped_window.zero_(), max_streak.zero_()
+                bucket_loss.zero_(), bucket_count.zero_()
+                window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
+
+            # Validate.
+            v = cfg.validation
+            if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps):
+                pause_start = time.perf_counter()
+                images = generate(
+                    ema.model,
+                    alpha_bar=alpha_bar,
+                    prediction=cfg.diffusion.prediction,
+                    noise=val_noise,
+                    sampler=v.sampler,
+                    steps=v.steps,
+                    seed=v.seed,
+                    class_labels=val_labels,
+                    null_label=num_classes,
+                )
+                grid = make_grid(to_uint8(images))
+                save_png(grid, run_dir / "samples" / f"step_{step:08d}.png")
+                trackers.log_image(step, "samples/ema", grid)
+                window_start += time.perf_counter() - pause_start  # images/s counts training only
+
+            # Save.
+            if step % cfg.checkpoint.every_steps == 0 or step == end:
+                pause_start = time.perf_counter()
+                state = {
+                    "step": step,
+                    "images_seen": step * images_per_step,
+                    "data_position": step * images_per_step,
+                    "model": model.state_dict(),
+                    "ema": ema.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "lr_schedule": {"peak_lr": lr_peak, "last_lr": lr, "warmup_steps": cfg.optim.warmup_steps},
+                    "rng": rng_state(),
+                    "counters": {"skipped_steps": skipped_total + int(skipped_window.item())},
+                    "config": config_to_dict(cfg),
+                    "num_classes": num_classes,
+                }
+                ckpt.save_checkpoint(
+                    state, run_dir / "checkpoints", step, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every_steps
+                )
+                last_saved = step
+                window_start += time.perf_counter() - pause_start
+    finally:
+        progress.close()
+        trackers.close()
+    final = ckpt.find_checkpoint(run_dir) if last_saved == step else None
+    return TrainResult(step=step, images_seen=step * images_per_step, checkpoint=final, skipped_steps=skipped_total)
+
+
+def _existing_checkpoint(run_dir: Path) -> Path | None:
+    try:
+        return ckpt.find_checkpoint(run_dir / "checkpoints")
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,88 @@
+"""Config: presets load, overrides are typed, bad keys and values are named."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+
+from difftrain import config as C
+from difftrain.config import ConfigError, config_from_dict, config_to_dict, config_to_toml, load_config
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+
+
+def test_defaults_follow_practice():
+    cfg = load_config()
+    assert cfg.optim.lr == 2e-4 and cfg.optim.betas == (0.9, 0.999)
+    assert cfg.train.batch_size == 128 and cfg.diffusion.num_timesteps == 1000
+    assert cfg.diffusion.schedule == "cosine" and cfg.ema.decay == 0.9999 and cfg.ema.warmup
+    assert cfg.optim.grad_clip == 1.0 and cfg.optim.warmup_steps == 5000
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_presets_load_and_round_trip(path, tmp_path):
+    cfg = load_config(path)
+    out = tmp_path / "resolved.toml"
+    out.write_text(config_to_toml(cfg))
+    assert load_config(out) == cfg
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_overrides_are_parsed_against_the_field_type():
+    cfg = load_config(
+        None,
+        ["optim.lr=3e-4", "train.total_steps=10", "data.random_flip=false", "model.channel_mult=[1, 2]",
+         "optim.betas=[0.9, 0.99]", "data.path=/some/folder", "diffusion.prediction=v", "model.base_channels=none"],
+    )
+    assert cfg.optim.lr == 3e-4 and cfg.train.total_steps == 10 and cfg.data.random_flip is False
+    assert cfg.model.channel_mult == (1, 2) and cfg.optim.betas == (0.9, 0.99)
+    assert cfg.data.path == "/some/folder" and cfg.diffusion.prediction == "v" and cfg.model.base_channels is None
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("optim.lrr=1e-4", "optim.lrr"),
+        ("optimizer.lr=1e-4", "optimizer"),
+        ("optim.lr=-1", "optim.lr"),
+        ("optim.lr=fast", "optim.lr"),
+        ("train.total_steps=1.5", "train.total_steps"),
+        ("diffusion.schedule=cosin", "diffusion.schedule"),
+        ("model.preset=huge", "model.preset"),
+        ("data.channels=2", "data.channels"),
+        ("optim.betas=[0.9]", "optim.betas"),
+        ("validation.steps=5000", "validation.steps"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_typo_in_a_file_names_the_key_and_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\ntotal_stepz = 10\n")
+    with pytest.raises(ConfigError, match=r"train\.total_stepz.*bad\.toml"):
+        load_config(path)
+
+
+def test_literal_choices_match_the_registries():
+    from difftrain.diffusion.losses import LOSS_WEIGHTINGS
+    from difftrain.diffusion.process import PREDICTIONS
+    from difftrain.diffusion.samplers import SAMPLERS
+    from difftrain.diffusion.schedules import SCHEDULES
+
+    assert set(typing.get_args(C.Schedule)) == set(SCHEDULES)
+    assert set(typing.get_args(C.Prediction)) == set(PREDICTIONS)
+    assert set(typing.get_args(C.LossWeighting)) == set(LOSS_WEIGHTINGS)
+    assert set(typing.get_args(C.Sampler)) == set(SAMPLERS)
+
+
+def test_incompatible_keys_are_the_architecture_ones():
+    old = config_to_dict(load_config())
+    new = config_to_dict(load_config(None, ["model.base_channels=64", "train.total_steps=7", "data.resolution=64"]))
+    changes = C.config_changes(old, new)
+    assert set(changes) == {"model.base_channels", "train.total_steps", "data.resolution"}
+    assert set(C.incompatible_keys(old, new)) == {"model.base_channels", "data.resolution"}

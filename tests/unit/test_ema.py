@@ -1,0 +1,91 @@
+"""EMA: decay 0 copies, decay 1 freezes, warm-up, skipped steps, swap-in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from difftrain.training.ema import EMA
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+
+def _perturb(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        model[1].running_mean.add_(1.0)
+
+
+def test_decay_zero_copies_weights_and_buffers():
+    model = _model()
+    ema = EMA(model, decay=0.0, warmup=False)
+    _perturb(model)
+    ema.update(model)
+    for a, b in zip(ema.model.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_decay_one_freezes():
+    model = _model()
+    ema = EMA(model, decay=1.0, warmup=False)
+    before = {k: v.clone() for k, v in ema.model.named_parameters()}
+    for _ in range(3):
+        _perturb(model)
+        ema.update(model)
+    for k, v in ema.model.named_parameters():
+        assert torch.equal(v, before[k])
+
+
+def test_update_is_the_convex_combination():
+    model = _model()
+    ema = EMA(model, decay=0.75, warmup=False)
+    old = [p.clone() for p in ema.model.parameters()]
+    _perturb(model)
+    ema.update(model)
+    for e, o, p in zip(ema.model.parameters(), old, model.parameters()):
+        torch.testing.assert_close(e, 0.75 * o + 0.25 * p)
+
+
+def test_warmup_ramps_the_decay():
+    ema = EMA(_model(), decay=0.9999, warmup=True)
+    decays = []
+    for _ in range(5):
+        decays.append(ema.current_decay())
+        ema.update(_model(1))
+    assert decays[0] == 0.1 and all(a < b for a, b in zip(decays, decays[1:]))
+
+
+def test_apply_zero_leaves_the_average():
+    model = _model()
+    ema = EMA(model, decay=0.5, warmup=False)
+    old = [p.clone() for p in ema.model.parameters()]
+    _perturb(model)
+    ema.update(model, apply=torch.tensor(0.0))
+    assert all(torch.equal(a, b) for a, b in zip(ema.model.parameters(), old))
+
+
+def test_swapped_into_restores_the_raw_weights():
+    model = _model()
+    ema = EMA(model, decay=0.0, warmup=False)
+    raw = {k: v.clone() for k, v in model.state_dict().items()}
+    _perturb(ema.model)
+    with ema.swapped_into(model) as m:
+        assert torch.equal(m[0].weight, ema.model[0].weight)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, raw[k])
+
+
+def test_state_dict_round_trip():
+    model = _model()
+    ema = EMA(model, decay=0.9)
+    _perturb(model)
+    ema.update(model)
+    other = EMA(_model(5), decay=0.9)
+    other.load_state_dict(ema.state_dict())
+    assert other.num_updates == 1
+    for a, b in zip(other.model.state_dict().values(), ema.model.state_dict().values()):
+        assert torch.equal(a, b)
