@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from difftrain.config import load_config
+# One intra-op thread: the tests' tensors are small, and on a 2-core machine shared with other
+# work, OpenMP threads that spin-wait for a busy core make a step many times slower. Set
+# before torch is imported; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from difftrain.config import load_config  # noqa: E402
 
 # A run small enough for the test suite: 16x16 built-in shapes, the tiny UNet, a few steps.
 TINY_OVERRIDES = [
