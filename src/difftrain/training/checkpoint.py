@@ -87,10 +87,26 @@ def _save_atomic(obj: dict, path: Path) -> None:
         if pause > 0:
             time.sleep(pause)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         _unlink_quietly(tmp)
+        cause = _os_error_in(e)
+        if cause is not None and cause is not e:
+            # torch.save's zip writer replaces a failed write (ENOSPC) with a RuntimeError of
+            # its own; report the OS error underneath instead.
+            raise cause from e
         raise
     _fsync_dir(path.parent)
+
+
+def _os_error_in(e: BaseException | None) -> OSError | None:
+    """The first OSError in ``e``'s chain of causes and contexts, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
@@ -118,6 +134,8 @@ def save_checkpoint(
     path = ckpt_dir / checkpoint_name(step)
     _save_atomic({"format": FORMAT, **state}, path)
     atomic_write_bytes(ckpt_dir / LATEST, (path.name + "\n").encode())
+    for stale in ckpt_dir.glob(".step_*.pt.tmp"):  # left by a process killed mid-write
+        _unlink_quietly(stale)
     existing = list_checkpoints(ckpt_dir)
     newest = {p for _, p in existing[-keep_last:]}
     for s, p in existing:
