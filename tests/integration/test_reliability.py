@@ -61,6 +61,21 @@ def test_sigterm_saves_at_the_step_boundary_and_the_run_resumes_exactly(tmp_path
     assert ckpt.state_dict_sha256(a["ema"]["model"]) == ckpt.state_dict_sha256(b["ema"]["model"])
 
 
+def test_ctrl_c_to_the_process_group_with_loader_workers_stops_cleanly(tmp_path, tiny_overrides):
+    overrides = tiny_overrides + ["train.total_steps=10000", "train.log_every_steps=1", "validation.every_steps=0",
+                                  "checkpoint.every_steps=10000", "tracking.tensorboard=false", "data.num_workers=1"]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run)] + [x for o in overrides for x in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_for(lambda: (run / "metrics.jsonl").exists(), proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: main process and workers
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err
+    assert ckpt.load_checkpoint(run)["step"] >= 1
+
+
 def test_a_second_signal_inside_a_checkpoint_write_exits_at_once_and_keeps_the_old_one(tmp_path, tiny_overrides):
     overrides = tiny_overrides + ["train.total_steps=10000", "validation.every_steps=0", "tracking.tensorboard=false"]
     run = tmp_path / "run"
@@ -270,3 +285,15 @@ def test_config_is_data_and_credentials_stay_out_of_the_run(tmp_path, tiny_overr
     for path in run.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+# 8. Memory -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_soak_shows_no_memory_growth(tmp_path):
+    """5,000 steps of the tiny preset on the CPU (tens of minutes on 2 shared cores)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--steps", "5000", "--run-dir", str(tmp_path / "soak")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0 and "soak: PASS" in result.stdout, result.stdout + result.stderr

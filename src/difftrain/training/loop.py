@@ -128,10 +128,12 @@ def train(
     window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
     last_saved = step
     model.train()
+    # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
+    # workers fork, so that they inherit it and survive a Ctrl-C sent to the whole group.
+    stop = StopRequest().install()
     data_iter = iter(loader)
 
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
-    stop = StopRequest().install()  # SIGTERM / SIGINT: save at the end of the step, then return
     try:
         while step < end:
             # Every random number of this step derives from (seed, rank, step).
