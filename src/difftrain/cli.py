@@ -19,8 +19,21 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / (Path(args.config).stem if args.config else "default")
     result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
+    if result.stopped_by:
+        from difftrain.training.signals import EXIT_STOPPED
+
+        print(f"difftrain: {result.stopped_by} stopped the run at step {result.step}; checkpoint {result.checkpoint}")
+        return EXIT_STOPPED
     print(f"difftrain: trained to step {result.step} ({result.images_seen:,} images); checkpoint {result.checkpoint}")
     return 0
+
+
+def _data_check(args: argparse.Namespace) -> int:
+    from difftrain.data.check import check_folder
+
+    report = check_folder(args.path, args.resolution)
+    print(json.dumps(report.__dict__, indent=2) if args.json else report.summary())
+    return 1 if report.bad else 0
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -75,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=_train)
 
+    p = sub.add_parser("data", help="dataset tools")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    p = data_sub.add_parser("check", help="decode every image; report counts, sizes, modes and bad files (exit 1 if any)")
+    p.add_argument("path", help="a folder of images")
+    p.add_argument("--resolution", type=int, default=32, help="images with a shorter side are reported too small")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_data_check)
+
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     p.add_argument("--num", type=int, default=64, help="number of images")
@@ -104,10 +125,13 @@ def _sampler_choices() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from difftrain.training.checkpoint import CheckpointWriteError
+    from difftrain.training.loop import TrainingDiverged
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointWriteError, TrainingDiverged) as e:
         print(f"difftrain {args.command}: error: {e}", file=sys.stderr)
         return 2
 

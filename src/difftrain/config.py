@@ -25,6 +25,8 @@ LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
 Sampler = Literal["ddpm", "ddim"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant"]
+OnBadImage = Literal["skip", "fail"]
+OnWriteError = Literal["stop", "continue"]
 
 
 class ConfigError(ValueError):
@@ -41,6 +43,7 @@ class DataConfig:
     class_conditional: bool = False  # labels from the first level of subfolders
     num_workers: int = 2  # DataLoader worker processes
     prefetch_factor: int = 2  # batches each worker prepares ahead
+    on_bad_image: OnBadImage = "skip"  # unreadable or too-small images: skip (logged) or fail
 
 
 @dataclass
@@ -104,6 +107,7 @@ class CheckpointConfig:
     every_steps: int = 5000  # optimizer steps between checkpoints
     keep_last: int = 3  # rotation: newest checkpoints kept
     keep_every_steps: int = 0  # also keep every checkpoint at a multiple of this (0 = none)
+    on_write_error: OnWriteError = "stop"  # a failed write (disk full, read-only): stop or continue
 
 
 @dataclass
@@ -357,6 +361,11 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     """Every dotted key whose value differs between two :func:`config_to_dict` outputs."""
     a, b = _flatten(old), _flatten(new)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def allowed_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The changes outside :data:`ARCHITECTURE_KEYS` (intervals, total steps, workers...)."""
+    return {k: v for k, v in config_changes(old, new).items() if k not in ARCHITECTURE_KEYS}
 
 
 def incompatible_keys(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

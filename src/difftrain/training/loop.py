@@ -9,19 +9,22 @@ from pathlib import Path
 
 import torch
 
-from difftrain.config import Config, config_to_dict, config_to_toml, incompatible_keys
+from difftrain.config import Config, allowed_changes, config_to_dict, config_to_toml, incompatible_keys
 from difftrain.data import build_dataset, build_loader
+from difftrain.data.check import prepare_dataset
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import prediction_target, q_sample
 from difftrain.diffusion.schedules import alpha_bar_schedule
 from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
 from difftrain.training import checkpoint as ckpt
 from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
+from difftrain.training.diagnostics import divergence_report
 from difftrain.training.ema import EMA
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
+from difftrain.training.signals import StopRequest
 from difftrain.training.trackers import build_trackers
 
 NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
@@ -37,6 +40,7 @@ class TrainResult:
     images_seen: int
     checkpoint: Path | None
     skipped_steps: int
+    stopped_by: str | None = None  # the signal that stopped the run early, if one did
 
 
 def train(
@@ -59,6 +63,7 @@ def train(
     # Data.
     d = cfg.data
     dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
+    dataset = prepare_dataset(dataset, d.on_bad_image, run_dir)  # scan (cached); skip or fail on bad files
     num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
     if len(dataset) < tc.batch_size:
         raise ValueError(f"data.path {d.path} holds {len(dataset)} images, fewer than train.batch_size={tc.batch_size}")
@@ -85,6 +90,8 @@ def train(
         if bad:
             lines = "\n".join(f"  {k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in bad.items())
             raise ValueError(f"cannot resume from {state['path']}: the config changes the model or data:\n{lines}")
+        for k, (old, new) in allowed_changes(state["config"], config_to_dict(cfg)).items():
+            print(f"difftrain: resuming with a changed {k}: checkpoint {old!r}, now {new!r}")
         model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
         optimizer.load_state_dict(state["optimizer"])
@@ -121,6 +128,9 @@ def train(
     window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
     last_saved = step
     model.train()
+    # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
+    # workers fork, so that they inherit it and survive a Ctrl-C sent to the whole group.
+    stop = StopRequest().install()
     data_iter = iter(loader)
 
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
@@ -222,7 +232,8 @@ def train(
                         f"{int(max_streak.item())} non-finite steps in a row by step {step} "
                         f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}); the last good "
                         f"checkpoint in {run_dir / 'checkpoints'} is untouched. Lower optim.lr, "
-                        f"use bf16 instead of fp16, or check the data."
+                        f"use bf16 instead of fp16, or check the data.\n"
+                        + divergence_report(model, x0, t, x_t, target, weight, labels, diffusion_loss)
                     )
                 loss_sum.zero_(), grad_norm_sum.zero_(), skipped_window.zero_(), max_streak.zero_()
                 bucket_loss.zero_(), bucket_count.zero_()
@@ -249,7 +260,7 @@ def train(
                 window_start += time.perf_counter() - pause_start  # images/s counts training only
 
             # Save.
-            if step % cfg.checkpoint.every_steps == 0 or step == end:
+            if step % cfg.checkpoint.every_steps == 0 or step == end or stop.requested:
                 pause_start = time.perf_counter()
                 state = {
                     "step": step,
@@ -265,16 +276,21 @@ def train(
                     "config": config_to_dict(cfg),
                     "num_classes": num_classes,
                 }
-                ckpt.save_checkpoint(
-                    state, run_dir / "checkpoints", step, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every_steps
-                )
-                last_saved = step
+                c = cfg.checkpoint
+                if ckpt.save_or_report(state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error):
+                    last_saved = step
                 window_start += time.perf_counter() - pause_start
+                if stop.requested:
+                    break
     finally:
+        stop.restore()
         progress.close()
         trackers.close()
     final = ckpt.find_checkpoint(run_dir) if last_saved == step else None
-    return TrainResult(step=step, images_seen=step * images_per_step, checkpoint=final, skipped_steps=skipped_total)
+    return TrainResult(
+        step=step, images_seen=step * images_per_step, checkpoint=final, skipped_steps=skipped_total,
+        stopped_by=stop.requested,
+    )
 
 
 def _existing_checkpoint(run_dir: Path) -> Path | None:
