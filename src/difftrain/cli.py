@@ -99,6 +99,12 @@ def _report(args: argparse.Namespace) -> int:
 
     out = build_report(args.run_dir, args.out)
     print(f"difftrain report: {out}")
+    if args.screenshot:
+        from difftrain.report.browser import render
+
+        width, height = (int(v) for v in args.window_size.split(","))
+        _, console = render(out, screenshot=Path(args.screenshot), size=(width, height))
+        print(f"difftrain report: screenshot {args.screenshot} (headless Chromium; console: {console or 'clean'})")
     return 0
 
 
@@ -167,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="one self-contained HTML page of a run directory")
     p.add_argument("run_dir", help="run directory")
     p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    p.add_argument("--screenshot", help="also save a PNG of the page as headless Chromium renders it")
+    p.add_argument("--window-size", default="1300,1250", help="WIDTH,HEIGHT of the screenshot in pixels")
     p.set_defaults(func=_report)
     return parser
 

@@ -26,7 +26,7 @@ _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:20px;color:#222;max-width:1500px}
 h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:22px 0 8px;border-bottom:1px solid #ddd}
 .plots{display:flex;flex-wrap:wrap;gap:12px} figure{margin:0} figcaption{font-weight:600;font-size:13px}
-.legend{font-size:11px;display:flex;flex-wrap:wrap;gap:2px 10px;max-width:460px}
+.legend{font-size:11px;display:flex;flex-wrap:wrap;gap:2px 10px;max-width:410px}
 .legend i{display:inline-block;width:10px;height:10px;margin-right:3px;vertical-align:middle}
 .strip{display:flex;gap:8px;overflow-x:auto;padding-bottom:6px} .strip figure{text-align:center;font-size:12px}
 .strip img{image-rendering:pixelated;border:1px solid #ccc}

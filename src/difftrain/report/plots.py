@@ -32,8 +32,8 @@ def svg_line_plot(
     log_y: bool = False,
     log_x: bool = False,
     x_label: str = "step",
-    width: int = 460,
-    height: int = 260,
+    width: int = 410,
+    height: int = 230,
     colors: tuple[str, ...] = PALETTE,
     marker: tuple[float, float] | None = None,
 ) -> str:
@@ -80,7 +80,7 @@ def svg_line_plot(
         parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" font-size="11">{label}</text>')
     for v in _ticks(x0, x1):
         x = left + (v - x0) / (x1 - x0) * pw
-        label = _fmt(10**v if log_x else v)
+        label = _fmt(10**v) if log_x else (f"{round(v):,}" if x1 - x0 >= 8 else _fmt(v))
         parts.append(f'<text x="{x:.1f}" y="{top + ph + 14}" text-anchor="middle" font-size="11">{label}</text>')
     parts.append(f'<text x="{left + pw / 2}" y="{height - 4}" text-anchor="middle" font-size="11">'
                  f'{html.escape(x_label)}</text>')
