@@ -75,6 +75,52 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from difftrain.tools.diagnose import diagnose, format_diagnosis
+
+    record = diagnose(args.checkpoint, args.out, timesteps=args.timesteps, num_images=args.num_images,
+                      device=args.device)
+    print(json.dumps(record, indent=1) if args.json else format_diagnosis(record))
+    return 1 if any(c["status"] == "fail" for c in record["checks"]) else 0
+
+
+def _lr_find(args: argparse.Namespace) -> int:
+    from difftrain.tools.lr_find import lr_find
+
+    cfg = load_config(args.config, args.set)
+    r = lr_find(cfg, args.out, start_lr=args.start_lr, end_lr=args.end_lr, num_steps=args.num_steps,
+                diverge_factor=args.diverge_factor)
+    print(f"difftrain lr-find: {len(r['lr'])} steps, stopped: {r['stop']}")
+    print(f"  lowest smoothed loss at lr {r['min_loss_lr']:.3g}; steepest descent at lr {r['steepest']:.3g}")
+    print(f"  suggested: --set {r['set']}")
+    print(f"  plot {Path(args.out) / 'lr_find.png'}, data {Path(args.out) / 'lr_find.csv'} and lr_find.json")
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from difftrain.tools.estimate import estimate, format_estimate
+
+    cfg = load_config(args.config, args.set)
+    r = estimate(cfg, batch_size=args.batch_size, target_batch=args.target_batch, memory_gib=args.memory_gib,
+                 scale_lr=args.scale_lr)
+    print(json.dumps(r, indent=1) if args.json else format_estimate(r))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from difftrain.report import build_report
+
+    out = build_report(args.run_dir, args.out)
+    print(f"difftrain report: {out}")
+    if args.screenshot:
+        from difftrain.report.browser import render
+
+        width, height = (int(v) for v in args.window_size.split(","))
+        _, console = render(out, screenshot=Path(args.screenshot), size=(width, height))
+        print(f"difftrain report: screenshot {args.screenshot} (headless Chromium; console: {console or 'clean'})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftrain", description="Train image diffusion models (DDPM family).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +161,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("diagnose", help="pitfall checks, error per timestep and a denoising trajectory of a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    p.add_argument("--out", default="diagnose", help="folder for diagnose.json and trajectory.png")
+    p.add_argument("--timesteps", type=int, nargs="+", help="timesteps of the trajectory grid (default spread over [0, T))")
+    p.add_argument("--num-images", type=int, default=32, help="images in the batch for the error per timestep")
+    p.add_argument("--device", help="override train.device")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_diagnose)
+
+    p = sub.add_parser("lr-find", help="learning-rate range test: plot, data and a suggested optim.lr")
+    p.add_argument("--config", help="a TOML preset")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--out", default="lr-find", help="folder for lr_find.png, .csv and .json")
+    p.add_argument("--start-lr", type=float, default=1e-6)
+    p.add_argument("--end-lr", type=float, default=1.0)
+    p.add_argument("--num-steps", type=int, default=100, help="optimizer steps (one learning rate each)")
+    p.add_argument("--diverge-factor", type=float, default=4.0, help="stop when the smoothed loss passes this x its minimum")
+    p.set_defaults(func=_lr_find)
+
+    p = sub.add_parser("estimate", help="memory of a training step, measured; largest batch; accumulation")
+    p.add_argument("--config", help="a TOML preset")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--batch-size", type=int, help="micro-batch to measure (default train.batch_size)")
+    p.add_argument("--target-batch", type=int, help="effective batch wanted: gives grad_accum_steps")
+    p.add_argument("--memory-gib", type=float, help="memory budget (default: free memory of the device)")
+    p.add_argument("--scale-lr", action="store_true", help="scale optim.lr linearly from optim.base_batch")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_estimate)
+
+    p = sub.add_parser("report", help="one self-contained HTML page of a run directory")
+    p.add_argument("run_dir", help="run directory")
+    p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    p.add_argument("--screenshot", help="also save a PNG of the page as headless Chromium renders it")
+    p.add_argument("--window-size", default="1300,1250", help="WIDTH,HEIGHT of the screenshot in pixels")
+    p.set_defaults(func=_report)
     return parser
 
 

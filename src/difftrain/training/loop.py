@@ -20,12 +20,14 @@ from difftrain.training import checkpoint as ckpt
 from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.ema import EMA
+from difftrain.training.heldout import build_heldout, split_heldout
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
 from difftrain.training.signals import StopRequest
 from difftrain.training.trackers import build_trackers
+from difftrain.training.validation import save_raw_grid
 
 NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
 
@@ -64,6 +66,9 @@ def train(
     d = cfg.data
     dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
     dataset = prepare_dataset(dataset, d.on_bad_image, run_dir)  # scan (cached); skip or fail on bad files
+    dataset, heldout_set = split_heldout(
+        dataset, cfg, lambda p: build_dataset(p, d.resolution, d.channels, False, 0.0, d.class_conditional)
+    )
     num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
     if len(dataset) < tc.batch_size:
         raise ValueError(f"data.path {d.path} holds {len(dataset)} images, fewer than train.batch_size={tc.batch_size}")
@@ -114,7 +119,8 @@ def train(
         world_size=world_size,
         prefetch_factor=d.prefetch_factor,
     )
-    trackers = build_trackers(run_dir, tensorboard=cfg.tracking.tensorboard)
+    trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg))
+    heldout = build_heldout(heldout_set, cfg, alpha_bar, device)
     progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar)
     val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
     val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
@@ -257,6 +263,9 @@ def train(
                 grid = make_grid(to_uint8(images))
                 save_png(grid, run_dir / "samples" / f"step_{step:08d}.png")
                 trackers.log_image(step, "samples/ema", grid)
+                if v.raw_grid:
+                    save_raw_grid(model, cfg, val_noise, val_labels, num_classes, alpha_bar, run_dir, step, trackers)
+                trackers.log(step, heldout.evaluate(model, ema.model))
                 window_start += time.perf_counter() - pause_start  # images/s counts training only
 
             # Save.
