@@ -15,3 +15,5 @@ RUN=${RUN:-runs/monitoring-demo}
 "$DT" lr-find --config configs/tiny.toml --set train.batch_size=16 --set data.num_workers=0 \
   --num-steps 60 --start-lr 1e-6 --end-lr 1 --out "$RUN/lr-find"
 cp "$RUN/lr-find/lr_find.png" docs/images/lr-find.png
+"$DT" diagnose --checkpoint "$RUN" --out "$RUN/diagnose"
+cp "$RUN/diagnose/trajectory.png" docs/images/trajectory.png

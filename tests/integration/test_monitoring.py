@@ -66,3 +66,16 @@ def test_a_chosen_tracker_that_is_missing_names_the_option(tmp_path, tiny_overri
     cfg = load_config(None, tiny_overrides + ["tracking.wandb=true"])
     with pytest.raises(ValueError, match="tracking.wandb"):
         train(cfg, tmp_path)
+
+
+def test_resume_with_a_heldout_split_stays_exact(tmp_path, tiny_overrides):
+    from difftrain.training import checkpoint as ckpt
+
+    cfg = load_config(None, tiny_overrides + ["data.heldout_fraction=0.01", "validation.raw_grid=true"])
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=4)
+    train(cfg, tmp_path / "resumed")
+    digests = [ckpt.state_dict_sha256(ckpt.load_checkpoint(tmp_path / d)["model"]) for d in ("straight", "resumed")]
+    assert digests[0] == digests[1]
+    last = [[r for r in _lines(tmp_path / d) if r["step"] == 6 and "heldout/loss" in r][-1] for d in ("straight", "resumed")]
+    assert last[0] == last[1]  # frozen held-out triples: the same weights give the same numbers

@@ -30,11 +30,35 @@ class Setup:
     alpha_bar: torch.Tensor  # (T,) float64 on ``device``
 
 
-def build_setup(cfg: Config) -> Setup:
-    """The training split, a fresh model and the schedule, as ``train`` builds them."""
+class RandomImages(Dataset):
+    """Stand-in data of the configured shape (uniform in [-1, 1]) where only shapes matter."""
+
+    num_classes = 0
+
+    def __init__(self, cfg: Config, num_items: int = 4096):
+        self.shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
+        self.num_items = num_items
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    def __getitem__(self, key):
+        index = key[0] if isinstance(key, tuple) else key
+        g = torch.Generator().manual_seed(int(index))
+        return torch.rand(self.shape, generator=g) * 2 - 1, 0
+
+
+def build_setup(cfg: Config, need_data: bool = True) -> Setup:
+    """The training split, a fresh model and the schedule, as ``train`` builds them. Without
+    ``need_data``, a missing ``data.path`` falls back to :class:`RandomImages`."""
     d = cfg.data
     device = resolve_device(cfg.train.device)
-    dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
+    try:
+        dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
+    except ValueError:
+        if need_data:
+            raise
+        dataset = RandomImages(cfg)
     dataset, _ = split_heldout(dataset, cfg, lambda p: None)
     num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
     torch.manual_seed(derive_seed(cfg.train.seed, "init"))

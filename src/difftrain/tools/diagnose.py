@@ -68,7 +68,8 @@ def check_timesteps(setup: Setup, draws: int = 64) -> Check:
     if problems:
         return Check("timesteps integer, cover 0", "fail", "; ".join(problems))
     return Check("timesteps integer, cover 0", "ok",
-                 f"{t.numel()} training draws in [{int(t.min())}, {int(t.max())}] of [0, {T}); sampler starts at t={T - 1}")
+                 f"{t.numel()} training draws (as the loop draws them), lowest {int(t.min())}, highest {int(t.max())}, "
+                 f"uniform over [0, {T}); sampler starts at t={T - 1}")
 
 
 def check_ema(state: dict) -> Check:

@@ -16,7 +16,7 @@ import os
 import torch
 
 from difftrain.config import Config
-from difftrain.tools.common import Setup, batch_loss, build_setup, fetch_batch
+from difftrain.tools.common import RandomImages, Setup, batch_loss, build_setup, fetch_batch
 from difftrain.training.builders import build_optimizer
 from difftrain.training.ema import EMA
 
@@ -94,7 +94,7 @@ def estimate(
     b = batch_size or cfg.train.batch_size
     if b < 1:
         raise ValueError(f"--batch-size must be >= 1, got {b}")
-    setup = build_setup(cfg)
+    setup = build_setup(cfg, need_data=False)  # only shapes matter; random images stand in if data.path is absent
     model = setup.model
     params = _tensor_bytes(model.parameters())
     buffers = _tensor_bytes(model.buffers())
@@ -117,6 +117,7 @@ def estimate(
     max_batch = max(0, math.floor((headroom * budget - fixed) / per_image))
     result = {
         "device": str(setup.device),
+        "data": "random stand-in (data.path not found)" if isinstance(setup.dataset, RandomImages) else cfg.data.path,
         "batch_size": b,
         "parameters": sum(p.numel() for p in model.parameters()),
         "params_mib": params / MiB,
@@ -150,6 +151,7 @@ def format_estimate(r: dict) -> str:
     """The estimate as an aligned table of lines."""
     rows = [
         ("device", r["device"]),
+        ("data", r["data"]),
         ("parameters", f"{r['parameters']:,}"),
         ("weights", f"{r['params_mib']:.1f} MiB (+ buffers {r['buffers_mib']:.1f})"),
         ("gradients", f"{r['grads_mib']:.1f} MiB"),
