@@ -3,7 +3,7 @@
 # e.g. scripts/test.sh -m slow for the long tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh dev
 # The run report is checked in headless Chromium; install Debian's package when it is missing.
 # If that fails, the browser test skips and says so.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
