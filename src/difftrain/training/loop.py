@@ -22,6 +22,7 @@ from difftrain.training.ema import EMA
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
+from difftrain.training.speed import compile_model, prepare_model
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
 from difftrain.training.trackers import Trackers, build_trackers
 
@@ -59,15 +60,18 @@ def train(
 
     # Data.
     d = cfg.data
-    dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
+    dataset = build_dataset(
+        d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional, d.cache, d.cache_dir
+    )
     num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
     if len(dataset) < tc.batch_size:
         raise ValueError(f"data.path {d.path} holds {len(dataset)} images, fewer than train.batch_size={tc.batch_size}")
 
     # Model, EMA, optimizer, schedule.
     torch.manual_seed(derive_seed(tc.seed, "init"))  # the same initial weights on every rank
-    model = build_model(cfg, num_classes).to(device)
-    net = distributed.wrap(model, dctx)  # what runs forward and backward; `model` is saved
+    model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
+    # `net` runs forward and backward (DDP-wrapped, compiled); `model` is saved and averaged.
+    net = compile_model(distributed.wrap(model, dctx), device, tc.compile)
     ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup)
     optimizer = build_optimizer(cfg, model, device)
     scaler = grad_scaler(tc.precision, device)
