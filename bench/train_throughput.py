@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -70,13 +69,19 @@ def peak_memory_subprocess(impl: str, args, preset: str) -> float:
     return float(out.strip().splitlines()[-1])
 
 
+def _status_kb(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
 def _memory_child(args) -> None:
     device = torch.device(args.device)
     cfg = bench_config(args.presets[0], args.batch, args.precision, args.compile, args.channels_last)
-    before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024  # RSS now, KB
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the RSS now
+    before = _status_kb("VmRSS")
     step, _ = IMPLS[args._memory](cfg, device)
     step(), step()
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+    print((_status_kb("VmHWM") - before) / 1024)
 
 
 def main() -> None:
