@@ -22,8 +22,8 @@ from difftrain.training.ema import EMA
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
-from difftrain.training.speed import compile_model, prepare_model
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
+from difftrain.training.speed import compile_model, prepare_model
 from difftrain.training.trackers import Trackers, build_trackers
 
 NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
