@@ -89,9 +89,10 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
 def sync_gradients(net: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """Context for one micro-step's forward and backward: DDP's ``no_sync`` unless ``sync``,
     so gradients are all-reduced once per optimizer step, on the last micro-step."""
-    if sync or not isinstance(net, DistributedDataParallel):
+    ddp = getattr(net, "_orig_mod", net)  # under torch.compile, the DDP module it wraps
+    if sync or not isinstance(ddp, DistributedDataParallel):
         return contextlib.nullcontext()
-    return net.no_sync()
+    return ddp.no_sync()
 
 
 def rank_rows(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
