@@ -122,4 +122,6 @@ def median(xs: list[float]) -> float:
 
 
 def fmt_float(x: float) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{x:,.1f}"
+    if x is None or math.isnan(x):
+        return "n/a"
+    return f"{x:,.1f}" if abs(x) >= 100 else f"{x:.3g}"

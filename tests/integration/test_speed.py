@@ -32,3 +32,11 @@ def test_channels_last_trains_the_same(tmp_path, tiny_overrides):
 @pytest.mark.slow  # compiling takes a minute or more on a CPU
 def test_compile_trains_the_same(tmp_path, tiny_overrides):
     _trains_the_same(tmp_path, tiny_overrides, ["train.compile=on"], atol=1e-5)
+
+
+def test_weight_digest_ignores_the_memory_format():
+    # 1x1 convolution weights in channels_last count as contiguous but keep odd strides.
+    for shape in [(8, 4, 1, 1), (8, 4, 3, 3)]:
+        w = torch.randn(shape)
+        cl = w.to(memory_format=torch.channels_last)
+        assert ckpt.state_dict_sha256({"w": w}) == ckpt.state_dict_sha256({"w": cl})
