@@ -19,8 +19,21 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / (Path(args.config).stem if args.config else "default")
     result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
+    if result.stopped_by:
+        from difftrain.training.signals import EXIT_STOPPED
+
+        print(f"difftrain: {result.stopped_by} stopped the run at step {result.step}; checkpoint {result.checkpoint}")
+        return EXIT_STOPPED
     print(f"difftrain: trained to step {result.step} ({result.images_seen:,} images); checkpoint {result.checkpoint}")
     return 0
+
+
+def _data_check(args: argparse.Namespace) -> int:
+    from difftrain.data.check import check_folder
+
+    report = check_folder(args.path, args.resolution)
+    print(json.dumps(report.__dict__, indent=2) if args.json else report.summary())
+    return 1 if report.bad else 0
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -62,6 +75,52 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from difftrain.tools.diagnose import diagnose, format_diagnosis
+
+    record = diagnose(args.checkpoint, args.out, timesteps=args.timesteps, num_images=args.num_images,
+                      device=args.device)
+    print(json.dumps(record, indent=1) if args.json else format_diagnosis(record))
+    return 1 if any(c["status"] == "fail" for c in record["checks"]) else 0
+
+
+def _lr_find(args: argparse.Namespace) -> int:
+    from difftrain.tools.lr_find import lr_find
+
+    cfg = load_config(args.config, args.set)
+    r = lr_find(cfg, args.out, start_lr=args.start_lr, end_lr=args.end_lr, num_steps=args.num_steps,
+                diverge_factor=args.diverge_factor)
+    print(f"difftrain lr-find: {len(r['lr'])} steps, stopped: {r['stop']}")
+    print(f"  lowest smoothed loss at lr {r['min_loss_lr']:.3g}; steepest descent at lr {r['steepest']:.3g}")
+    print(f"  suggested: --set {r['set']}")
+    print(f"  plot {Path(args.out) / 'lr_find.png'}, data {Path(args.out) / 'lr_find.csv'} and lr_find.json")
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from difftrain.tools.estimate import estimate, format_estimate
+
+    cfg = load_config(args.config, args.set)
+    r = estimate(cfg, batch_size=args.batch_size, target_batch=args.target_batch, memory_gib=args.memory_gib,
+                 scale_lr=args.scale_lr)
+    print(json.dumps(r, indent=1) if args.json else format_estimate(r))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from difftrain.report import build_report
+
+    out = build_report(args.run_dir, args.out)
+    print(f"difftrain report: {out}")
+    if args.screenshot:
+        from difftrain.report.browser import render
+
+        width, height = (int(v) for v in args.window_size.split(","))
+        _, console = render(out, screenshot=Path(args.screenshot), size=(width, height))
+        print(f"difftrain report: screenshot {args.screenshot} (headless Chromium; console: {console or 'clean'})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftrain", description="Train image diffusion models (DDPM family).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at-step", type=int, help="save and exit at this step (the schedule still spans total_steps)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("data", help="dataset tools")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    p = data_sub.add_parser("check", help="decode every image; report counts, sizes, modes and bad files (exit 1 if any)")
+    p.add_argument("path", help="a folder of images")
+    p.add_argument("--resolution", type=int, default=32, help="images with a shorter side are reported too small")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_data_check)
 
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
@@ -94,6 +161,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("diagnose", help="pitfall checks, error per timestep and a denoising trajectory of a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    p.add_argument("--out", default="diagnose", help="folder for diagnose.json and trajectory.png")
+    p.add_argument("--timesteps", type=int, nargs="+", help="timesteps of the trajectory grid (default spread over [0, T))")
+    p.add_argument("--num-images", type=int, default=32, help="images in the batch for the error per timestep")
+    p.add_argument("--device", help="override train.device")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_diagnose)
+
+    p = sub.add_parser("lr-find", help="learning-rate range test: plot, data and a suggested optim.lr")
+    p.add_argument("--config", help="a TOML preset")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--out", default="lr-find", help="folder for lr_find.png, .csv and .json")
+    p.add_argument("--start-lr", type=float, default=1e-6)
+    p.add_argument("--end-lr", type=float, default=1.0)
+    p.add_argument("--num-steps", type=int, default=100, help="optimizer steps (one learning rate each)")
+    p.add_argument("--diverge-factor", type=float, default=4.0, help="stop when the smoothed loss passes this x its minimum")
+    p.set_defaults(func=_lr_find)
+
+    p = sub.add_parser("estimate", help="memory of a training step, measured; largest batch; accumulation")
+    p.add_argument("--config", help="a TOML preset")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--batch-size", type=int, help="micro-batch to measure (default train.batch_size)")
+    p.add_argument("--target-batch", type=int, help="effective batch wanted: gives grad_accum_steps")
+    p.add_argument("--memory-gib", type=float, help="memory budget (default: free memory of the device)")
+    p.add_argument("--scale-lr", action="store_true", help="scale optim.lr linearly from optim.base_batch")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_estimate)
+
+    p = sub.add_parser("report", help="one self-contained HTML page of a run directory")
+    p.add_argument("run_dir", help="run directory")
+    p.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    p.add_argument("--screenshot", help="also save a PNG of the page as headless Chromium renders it")
+    p.add_argument("--window-size", default="1300,1250", help="WIDTH,HEIGHT of the screenshot in pixels")
+    p.set_defaults(func=_report)
     return parser
 
 
@@ -104,10 +207,13 @@ def _sampler_choices() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from difftrain.training.checkpoint import CheckpointWriteError
+    from difftrain.training.loop import TrainingDiverged
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointWriteError, TrainingDiverged) as e:
         print(f"difftrain {args.command}: error: {e}", file=sys.stderr)
         return 2
 

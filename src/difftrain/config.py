@@ -26,6 +26,8 @@ Sampler = Literal["ddpm", "ddim"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
+OnBadImage = Literal["skip", "fail"]
+OnWriteError = Literal["stop", "continue"]
 
 
 class ConfigError(ValueError):
@@ -44,6 +46,9 @@ class DataConfig:
     prefetch_factor: int = 2  # batches each worker prepares ahead
     cache: bool = False  # decode a folder once into a uint8 memory-mapped cache (small images)
     cache_dir: str = ""  # where decode caches live; "" = $XDG_CACHE_HOME/difftrain or ~/.cache/difftrain
+    on_bad_image: OnBadImage = "skip"  # unreadable or too-small images: skip (logged) or fail
+    heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
+    heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class CheckpointConfig:
     every_steps: int = 5000  # optimizer steps between checkpoints
     keep_last: int = 3  # rotation: newest checkpoints kept
     keep_every_steps: int = 0  # also keep every checkpoint at a multiple of this (0 = none)
+    on_write_error: OnWriteError = "stop"  # a failed write (disk full, read-only): stop or continue
 
 
 @dataclass
@@ -119,11 +125,21 @@ class ValidationConfig:
     sampler: Sampler = "ddim"  # sampler for the grid
     steps: int = 50  # sampling steps for the grid
     seed: int = 0  # fixed seed: the same initial noise at every validation
+    raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
+    heldout_weights: Literal["ema", "raw", "both"] = "both"  # weights the held-out loss is measured on
+    heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
+    heldout_batch_size: int = 100  # images per forward pass of the held-out loss
 
 
 @dataclass
 class TrackingConfig:
     tensorboard: bool = True  # TensorBoard event files in the run directory
+    wandb: bool = False  # Weights & Biases (needs `pip install wandb`); files in run_dir/wandb
+    wandb_project: str = "difftrain"  # W&B project name
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: nothing leaves the machine
+    mlflow: bool = False  # MLflow (needs `pip install mlflow-skinny`)
+    mlflow_tracking_uri: str | None = None  # None = a local store in run_dir/mlruns
+    mlflow_experiment: str = "difftrain"  # MLflow experiment name
 
 
 @dataclass
@@ -329,6 +345,13 @@ def validate(cfg: Config) -> None:
     v = cfg.validation
     _check(v.every_steps >= 0, f"validation.every_steps must be >= 0, got {v.every_steps}")
     _check(v.num_images >= 1, f"validation.num_images must be >= 1, got {v.num_images}")
+    _check(0 <= d.heldout_fraction < 1, f"data.heldout_fraction must be in [0, 1), got {d.heldout_fraction}")
+    _check(
+        not (d.heldout_path and d.heldout_fraction > 0),
+        "set data.heldout_fraction or data.heldout_path, not both",
+    )
+    _check(v.heldout_max_images >= 1, f"validation.heldout_max_images must be >= 1, got {v.heldout_max_images}")
+    _check(v.heldout_batch_size >= 1, f"validation.heldout_batch_size must be >= 1, got {v.heldout_batch_size}")
     _check(
         1 <= v.steps <= cfg.diffusion.num_timesteps,
         f"validation.steps must be in [1, diffusion.num_timesteps={cfg.diffusion.num_timesteps}], got {v.steps}",
@@ -363,6 +386,11 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     """Every dotted key whose value differs between two :func:`config_to_dict` outputs."""
     a, b = _flatten(old), _flatten(new)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def allowed_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The changes outside :data:`ARCHITECTURE_KEYS` (intervals, total steps, workers...)."""
+    return {k: v for k, v in config_changes(old, new).items() if k not in ARCHITECTURE_KEYS}
 
 
 def incompatible_keys(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -110,3 +110,11 @@ class CachedImageDataset(Dataset):
         if seed is not None:
             x = augment(x, torch.Generator().manual_seed(seed), self.random_flip, self.color_jitter)
         return x, int(self._labels[index])
+
+
+def with_decode_cache(dataset: Dataset, enabled: bool, cache_dir: str = "") -> Dataset:
+    """``dataset`` read from its decode cache when ``enabled`` (``data.cache``) and it is an
+    image folder; built-in (generated) datasets are returned as they are."""
+    if not enabled or not isinstance(dataset, ImageFolderDataset):
+        return dataset
+    return CachedImageDataset(dataset, cache_dir or None)

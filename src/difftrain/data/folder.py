@@ -103,6 +103,15 @@ class ImageFolderDataset(Dataset):
         # touch every object's refcount and so copy a list's pages, once per worker.
         self._files = np.array([os.fsencode("/".join(q)) for q in parts], dtype=np.bytes_)
         self._labels = np.array(labels, dtype=np.int64)
+        # What a file that fails to decode does: "fail" raises; "skip" (set by
+        # data.check.prepare_dataset) logs it to ``bad_log`` and substitutes another sample.
+        self.on_bad_image = "fail"
+        self.bad_log: Path | None = None
+
+    def drop(self, relative_paths: set[str]) -> None:
+        """Leave out the files whose paths (relative to the root, "/"-separated) are given."""
+        keep = np.array([os.fsdecode(f) not in relative_paths for f in self._files.tolist()], dtype=bool)
+        self._files, self._labels = self._files[keep], self._labels[keep]
 
     @property
     def num_classes(self) -> int:
@@ -128,11 +137,29 @@ class ImageFolderDataset(Dataset):
             raise IndexError(f"index {index} out of range for {len(self)} images")
         # Decoding large JPEGs at reduced scale is capped at twice the output size, so the
         # final antialiased resize still has pixels to average.
-        path = self.root / os.fsdecode(self._files[index])
-        img = load_image(path, self.channels, min_size=2 * self.resolution)
+        img, index = self._load(index % len(self))
         img = resize_center_crop(img, self.resolution)
         x = to_tensor(img)  # (C, H, W)
         if seed is not None:
             g = torch.Generator().manual_seed(seed)
             x = augment(x, g, self.random_flip, self.color_jitter)
         return x, int(self._labels[index])
+
+    def _load(self, index: int):
+        """Decode image ``index``; in skip mode a bad file gives way to the next good one.
+
+        The substitute depends only on ``index`` (the next index that decodes), so a resumed
+        run sees the same samples. Each skip is appended to ``bad_log`` with its path.
+        """
+        for k in range(len(self)):
+            i = (index + k) % len(self)
+            path = self.root / os.fsdecode(self._files[i])
+            try:
+                return load_image(path, self.channels, min_size=2 * self.resolution), i
+            except OSError as e:
+                if self.on_bad_image != "skip":
+                    raise
+                if self.bad_log is not None:
+                    with open(self.bad_log, "a") as f:
+                        f.write(f"mid-run\t{os.fsdecode(self._files[i])}\t{e.__cause__ or e}\n")
+        raise OSError(f"no image under {self.root} can be read any more")

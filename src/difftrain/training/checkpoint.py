@@ -12,9 +12,12 @@ checkpoints are deleted only after the new one and the pointer are durable.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +25,20 @@ import torch
 FORMAT = "difftrain-checkpoint-v1"
 LATEST = "latest"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
+# Test hook for fault injection: seconds to pause between writing a checkpoint's temporary file
+# and renaming it, so that a kill can be aimed inside the write. Unset in normal use.
+PAUSE_ENV = "DIFFTRAIN_TEST_SAVE_PAUSE_S"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permission denied, read-only folder).
+
+    The previous checkpoint and the ``latest`` pointer are left as they were.
+    """
+
+
+class NonFiniteWeights(ValueError):
+    """Refused to write a checkpoint whose model or EMA weights hold NaN or infinity."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -39,12 +56,24 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves either the old or the new file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
     _fsync_dir(path.parent)
+
+
+def _unlink_quietly(path: Path) -> None:
+    """Remove a partial temporary file; a folder we can't write to may refuse that too."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
@@ -54,11 +83,30 @@ def _save_atomic(obj: dict, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+        if pause > 0:
+            time.sleep(pause)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        _unlink_quietly(tmp)
+        cause = _os_error_in(e)
+        if cause is not None and cause is not e:
+            # torch.save's zip writer replaces a failed write (ENOSPC) with a RuntimeError of
+            # its own; report the OS error underneath instead.
+            raise cause from e
         raise
     _fsync_dir(path.parent)
+
+
+def _os_error_in(e: BaseException | None) -> OSError | None:
+    """The first OSError in ``e``'s chain of causes and contexts, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
@@ -81,10 +129,13 @@ def save_checkpoint(
     Rotation keeps the newest ``keep_last`` files plus every file whose step is a multiple of
     ``keep_every_steps`` (when > 0), for later evaluation.
     """
+    check_finite(state)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / checkpoint_name(step)
     _save_atomic({"format": FORMAT, **state}, path)
     atomic_write_bytes(ckpt_dir / LATEST, (path.name + "\n").encode())
+    for stale in ckpt_dir.glob(".step_*.pt.tmp"):  # left by a process killed mid-write
+        _unlink_quietly(stale)
     existing = list_checkpoints(ckpt_dir)
     newest = {p for _, p in existing[-keep_last:]}
     for s, p in existing:
@@ -92,6 +143,47 @@ def save_checkpoint(
         if not keep:
             p.unlink(missing_ok=True)
     return path
+
+
+def check_finite(state: dict) -> None:
+    """Raise :class:`NonFiniteWeights` naming the first model or EMA tensor with NaN or inf."""
+    groups = {"model": state.get("model", {}), "ema": state.get("ema", {}).get("model", {})}
+    for group, tensors in groups.items():
+        for name, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise NonFiniteWeights(f"refusing to write a checkpoint: {group} weight {name} is not finite")
+
+
+def save_or_report(
+    state: dict, ckpt_dir: Path, step: int, keep_last: int, keep_every_steps: int, on_write_error: str
+) -> Path | None:
+    """:func:`save_checkpoint`, turning an OS error into a report naming the path and the error.
+
+    ``on_write_error`` "stop" raises :class:`CheckpointWriteError`; "continue" prints the report
+    to stderr and returns None, so training goes on and the next interval tries again. Either
+    way the partial temporary file is gone and the previous checkpoint is untouched.
+    """
+    try:
+        return save_checkpoint(state, ckpt_dir, step, keep_last, keep_every_steps)
+    except OSError as e:
+        where = e.filename or ckpt_dir / checkpoint_name(step)
+        reason = errno.errorcode.get(e.errno, "") if e.errno else ""
+        message = (
+            f"cannot write the checkpoint of step {step} to {where}: {reason + ' ' if reason else ''}"
+            f"{e.strerror or e}; the previous checkpoint "
+            f"({_latest_name(ckpt_dir)}) is intact (checkpoint.on_write_error={on_write_error!r})"
+        )
+        if on_write_error == "stop":
+            raise CheckpointWriteError(message) from e
+        print(f"difftrain: warning: {message}; training goes on", file=sys.stderr, flush=True)
+        return None
+
+
+def _latest_name(ckpt_dir: Path) -> str:
+    try:
+        return find_checkpoint(ckpt_dir).name
+    except (FileNotFoundError, OSError):
+        return "none yet"
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
-from difftrain.config import Config, config_to_dict, config_to_toml, incompatible_keys
+from difftrain.config import Config, allowed_changes, config_to_dict, config_to_toml, incompatible_keys
 from difftrain.data import build_dataset, build_loader
+from difftrain.data.cache import with_decode_cache
+from difftrain.data.check import prepare_dataset
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import prediction_target, q_sample
 from difftrain.diffusion.schedules import alpha_bar_schedule
@@ -18,13 +20,17 @@ from difftrain.sampling import generate, grid_class_labels, initial_noise, make_
 from difftrain.training import checkpoint as ckpt
 from difftrain.training import distributed
 from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
+from difftrain.training.diagnostics import divergence_report
 from difftrain.training.ema import EMA
+from difftrain.training.heldout import build_heldout, split_heldout
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
+from difftrain.training.signals import StopRequest
 from difftrain.training.speed import compile_model, prepare_model
 from difftrain.training.trackers import Trackers, build_trackers
+from difftrain.training.validation import save_raw_grid
 
 NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
 
@@ -39,6 +45,7 @@ class TrainResult:
     images_seen: int
     checkpoint: Path | None
     skipped_steps: int
+    stopped_by: str | None = None  # the signal that stopped the run early, if one did
 
 
 def train(
@@ -60,8 +67,11 @@ def train(
 
     # Data.
     d = cfg.data
-    dataset = build_dataset(
-        d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional, d.cache, d.cache_dir
+    dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
+    dataset = prepare_dataset(dataset, d.on_bad_image, run_dir)  # scan (cached); skip or fail on bad files
+    dataset = with_decode_cache(dataset, d.cache, d.cache_dir)  # data.cache: decoded once, memory-mapped
+    dataset, heldout_set = split_heldout(
+        dataset, cfg, lambda p: build_dataset(p, d.resolution, d.channels, False, 0.0, d.class_conditional)
     )
     num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
     if len(dataset) < tc.batch_size:
@@ -92,6 +102,8 @@ def train(
         if bad:
             lines = "\n".join(f"  {k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in bad.items())
             raise ValueError(f"cannot resume from {state['path']}: the config changes the model or data:\n{lines}")
+        for k, (old, new) in allowed_changes(state["config"], config_to_dict(cfg)).items():
+            print(f"difftrain: resuming with a changed {k}: checkpoint {old!r}, now {new!r}")
         model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
         optimizer.load_state_dict(state["optimizer"])
@@ -122,7 +134,8 @@ def train(
         world_size=world_size,
         prefetch_factor=d.prefetch_factor,
     )
-    trackers = build_trackers(run_dir, tensorboard=cfg.tracking.tensorboard) if dctx.is_main else Trackers([])
+    trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if dctx.is_main else Trackers([])
+    heldout = build_heldout(heldout_set, cfg, alpha_bar, device)
     progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar and dctx.is_main)
     val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
     val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
@@ -136,6 +149,9 @@ def train(
     window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
     last_saved = step
     model.train()
+    # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
+    # workers fork, so that they inherit it and survive a Ctrl-C sent to the whole group.
+    stop = StopRequest().install()
     data_iter = iter(loader)
 
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
@@ -245,7 +261,8 @@ def train(
                         f"{int(max_streak.item())} non-finite steps in a row by step {step} "
                         f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}); the last good "
                         f"checkpoint in {run_dir / 'checkpoints'} is untouched. Lower optim.lr, "
-                        f"use bf16 instead of fp16, or check the data."
+                        f"use bf16 instead of fp16, or check the data.\n"
+                        + divergence_report(model, x0, t, x_t, target, weight, labels, diffusion_loss)
                     )
                 loss_sum.zero_(), grad_norm_sum.zero_(), skipped_window.zero_(), max_streak.zero_()
                 bucket_loss.zero_(), bucket_count.zero_()
@@ -272,10 +289,13 @@ def train(
                     grid = make_grid(to_uint8(images))
                     save_png(grid, run_dir / "samples" / f"step_{step:08d}.png")
                     trackers.log_image(step, "samples/ema", grid)
+                    if v.raw_grid:
+                        save_raw_grid(model, cfg, val_noise, val_labels, num_classes, alpha_bar, run_dir, step, trackers)
+                    trackers.log(step, heldout.evaluate(model, ema.model))
                 window_start += time.perf_counter() - pause_start  # images/s counts training only
 
             # Save.
-            if step % cfg.checkpoint.every_steps == 0 or step == end:
+            if step % cfg.checkpoint.every_steps == 0 or step == end or stop.requested:
                 pause_start = time.perf_counter()
                 state = {
                     "step": step,
@@ -292,19 +312,26 @@ def train(
                     "config": config_to_dict(cfg),
                     "num_classes": num_classes,
                 }
-                if dctx.is_main:
-                    ckpt.save_checkpoint(
-                        state, run_dir / "checkpoints", step, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every_steps
-                    )
+                c = cfg.checkpoint
+                saved = not dctx.is_main or ckpt.save_or_report(
+                    state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error
+                )
                 distributed.barrier(dctx)  # no rank reads or resumes past an unwritten checkpoint
-                last_saved = step
+                if saved:
+                    last_saved = step
                 window_start += time.perf_counter() - pause_start
+                if stop.requested:
+                    break
     finally:
+        stop.restore()
         progress.close()
         trackers.close()
         distributed.teardown(dctx)
     final = ckpt.find_checkpoint(run_dir) if last_saved == step else None
-    return TrainResult(step=step, images_seen=position, checkpoint=final, skipped_steps=skipped_total)
+    return TrainResult(
+        step=step, images_seen=position, checkpoint=final, skipped_steps=skipped_total,
+        stopped_by=stop.requested,
+    )
 
 
 def _existing_checkpoint(run_dir: Path) -> Path | None:

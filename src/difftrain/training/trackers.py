@@ -1,10 +1,16 @@
-"""Trackers: metrics.jsonl always, TensorBoard by default. A disabled tracker is a no-op."""
+"""Trackers: metrics.jsonl always, TensorBoard by default, W&B and MLflow when chosen.
+
+A disabled tracker is simply absent from the fan-out. No tracker is given or stores a
+credential: W&B and MLflow read theirs from their own environment variables or files.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,6 +64,8 @@ class Trackers:
         self.trackers = trackers
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return
         for t in self.trackers:
             t.log(step, metrics)
 
@@ -70,8 +78,76 @@ class Trackers:
             t.close()
 
 
-def build_trackers(run_dir: Path, tensorboard: bool = True) -> Trackers:
+class WandbTracker:
+    """Weights & Biases, offline by default (``wandb sync run_dir/wandb/offline-run-*`` uploads)."""
+
+    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]):
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self._wandb = wandb
+        self._run = wandb.init(
+            project=project, dir=str(run_dir), mode=mode, config=config, name=run_dir.name, reinit="create_new"
+        )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
+
+    def log_image(self, step: int, name: str, image: np.ndarray) -> None:
+        self._run.log({name: self._wandb.Image(image)}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MLflowTracker:
+    """MLflow through its client API (no global active run); a local store by default."""
+
+    def __init__(self, run_dir: Path, tracking_uri: str | None, experiment: str, config: dict[str, Any]):
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric, Param
+
+        self._Metric = Metric
+        if tracking_uri is None:
+            # A plain folder store needs no database package; MLflow 3 asks for this opt-in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        uri = tracking_uri or (run_dir / "mlruns").resolve().as_uri()
+        self._client = MlflowClient(tracking_uri=uri)
+        found = self._client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found else self._client.create_experiment(experiment)
+        self._run_id = self._client.create_run(exp_id, run_name=run_dir.name).info.run_id
+        params = [Param(f"{s}.{k}", str(v)) for s, section in config.items() for k, v in section.items()]
+        self._client.log_batch(self._run_id, params=params)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        batch = [self._Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._client.log_batch(self._run_id, metrics=batch)
+
+    def log_image(self, step: int, name: str, image: np.ndarray) -> None:
+        self._client.log_image(self._run_id, image, key=name.replace("/", "_"), step=step)
+
+    def close(self) -> None:
+        self._client.set_terminated(self._run_id)
+
+
+def _require(module: str, option: str, package: str) -> None:
+    """Fail early, naming the option, when an optional tracker's package is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{option} = true needs the {module} package: pip install {package}")
+
+
+def build_trackers(run_dir: Path, tracking=None, config: dict[str, Any] | None = None) -> Trackers:
+    """metrics.jsonl, plus the trackers ``tracking`` (a TrackingConfig) turns on."""
     trackers: list[Tracker] = [JSONLTracker(run_dir / "metrics.jsonl")]
-    if tensorboard:
+    if tracking is None or tracking.tensorboard:
         trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+    if tracking is not None and tracking.wandb:
+        _require("wandb", "tracking.wandb", "wandb")
+        trackers.append(WandbTracker(run_dir, tracking.wandb_project, tracking.wandb_mode, config or {}))
+    if tracking is not None and tracking.mlflow:
+        _require("mlflow", "tracking.mlflow", "mlflow-skinny")
+        trackers.append(MLflowTracker(run_dir, tracking.mlflow_tracking_uri, tracking.mlflow_experiment, config or {}))
     return Trackers(trackers)

@@ -1,0 +1,174 @@
+"""The held-out split and its loss: frozen noise and timesteps, overall and per timestep bucket.
+
+Training loss is noisy (each step draws new t and noise) and is measured on data the model has
+seen. The held-out loss is measured on images the model never trains on, with noise and
+timesteps drawn once from a fixed seed, so two evaluations differ only through the weights:
+the curve is smooth, over-fitting shows as a rise, and runs can be compared number for number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from difftrain.config import Config
+from difftrain.data.sampler import split_key
+from difftrain.diffusion.losses import diffusion_loss, loss_weight
+from difftrain.diffusion.process import prediction_target, q_sample
+from difftrain.training.seeding import derive_seed
+
+
+class IndexSubset(Dataset):
+    """The items ``indices`` of ``dataset``; keys may be an index or ``(index, sample_seed)``."""
+
+    def __init__(self, dataset: Dataset, indices: list[int]):
+        self.dataset = dataset
+        self.indices = list(indices)
+        self.num_classes = getattr(dataset, "num_classes", 0)
+        self.classes = getattr(dataset, "classes", [])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, key: int | tuple[int, int]):
+        index, seed = split_key(key)
+        inner = self.indices[index]
+        return self.dataset[inner if seed is None else (inner, seed)]
+
+
+def heldout_indices(num_items: int, fraction: float, seed: int) -> list[int]:
+    """The sorted indices of the held-out share of ``num_items`` (at least one when > 0).
+
+    Drawn from a generator seeded by ``seed`` alone, so a run and its resumes (and any run
+    with the same seed and data) hold out the same images.
+    """
+    if fraction <= 0:
+        return []
+    count = max(1, round(fraction * num_items))
+    g = torch.Generator().manual_seed(derive_seed(seed, "heldout-split"))
+    return sorted(torch.randperm(num_items, generator=g)[:count].tolist())
+
+
+def split_heldout(dataset: Dataset, cfg: Config, build) -> tuple[Dataset, Dataset | None]:
+    """(training set, held-out set or None) from ``data.heldout_fraction`` or ``data.heldout_path``.
+
+    ``build(path)`` builds a dataset for ``data.heldout_path`` with the run's data options. A
+    fraction removes its images from the training set; a separate folder leaves it whole.
+    """
+    d = cfg.data
+    if d.heldout_path:
+        return dataset, build(d.heldout_path)
+    held = heldout_indices(len(dataset), d.heldout_fraction, cfg.train.seed)
+    if not held:
+        return dataset, None
+    if len(held) >= len(dataset):
+        raise ValueError(f"data.heldout_fraction={d.heldout_fraction} leaves no training images of {len(dataset)}")
+    kept = sorted(set(range(len(dataset))) - set(held))
+    return IndexSubset(dataset, kept), IndexSubset(dataset, held)
+
+
+def stratified_timesteps(num: int, num_timesteps: int, generator: torch.Generator) -> torch.Tensor:
+    """(num,) long timesteps, one drawn uniformly inside each of ``num`` equal slices of [0, T).
+
+    Every timestep bucket of width T / k then holds num / k of them (exactly, when k divides
+    num), so per-bucket averages rest on equal counts.
+    """
+    u = torch.rand(num, generator=generator, dtype=torch.float64)
+    t = ((torch.arange(num, dtype=torch.float64) + u) * num_timesteps / num).floor().long()
+    return t.clamp_(0, num_timesteps - 1)
+
+
+class HeldOutLoss:
+    """Evaluates the diffusion loss on fixed (x0, t, noise) triples of the held-out images.
+
+    Args:
+        dataset: the held-out images (items ``(image (C, H, W) in [-1, 1], label)``); the first
+            ``max_images`` are used, unaugmented.
+        cfg: the run's config (diffusion settings, seeds, validation options).
+        alpha_bar: (T,) the schedule, on ``device``.
+        device: where the frozen tensors live and the model runs.
+        num_buckets: timestep buckets for the per-bucket losses.
+    """
+
+    def __init__(self, dataset: Dataset, cfg: Config, alpha_bar: torch.Tensor, device: torch.device,
+                 num_buckets: int = 10):
+        v = cfg.validation
+        n = min(len(dataset), v.heldout_max_images)
+        items = [dataset[i] for i in range(n)]
+        self.x0 = torch.stack([x for x, _ in items]).to(device)  # (N, C, H, W)
+        num_classes = getattr(dataset, "num_classes", 0) if cfg.data.class_conditional else 0
+        self.labels = torch.tensor([y for _, y in items], device=device) if num_classes else None
+        g = torch.Generator().manual_seed(derive_seed(v.seed, "heldout-noise"))
+        T = cfg.diffusion.num_timesteps
+        self.t = stratified_timesteps(n, T, g).to(device)  # (N,)
+        self.noise = torch.randn(self.x0.shape, generator=g).to(device)  # (N, C, H, W)
+        self.alpha_bar = alpha_bar
+        self.diffusion = cfg.diffusion
+        self.batch_size = v.heldout_batch_size
+        self.weights = v.heldout_weights
+        self.num_buckets = num_buckets
+        self.buckets = (self.t * num_buckets) // T  # (N,)
+
+    @torch.no_grad()
+    def per_sample(self, model: nn.Module) -> torch.Tensor:
+        """(N,) float32 loss of each held-out triple, in eval mode (training mode is restored)."""
+        was_training = model.training
+        model.eval()
+        dc = self.diffusion
+        out = []
+        try:
+            for s in range(0, self.x0.shape[0], self.batch_size):
+                x0, t, noise = (a[s : s + self.batch_size] for a in (self.x0, self.t, self.noise))
+                labels = None if self.labels is None else self.labels[s : s + self.batch_size]
+                ab_t = self.alpha_bar[t]
+                x_t = q_sample(x0, t, noise, self.alpha_bar)
+                target = prediction_target(dc.prediction, x0, noise, ab_t)
+                weight = loss_weight(dc.loss_weighting, ab_t, dc.prediction, dc.min_snr_gamma)
+                out.append(diffusion_loss(model(x_t, t, labels), target, weight))
+        finally:
+            model.train(was_training)
+        return torch.cat(out)
+
+    def summarize(self, losses: torch.Tensor, prefix: str) -> dict[str, float]:
+        """``{prefix}/loss`` and ``{prefix}/loss_bucket/i`` (empty buckets left out)."""
+        sums = torch.zeros(self.num_buckets, device=losses.device).index_add_(0, self.buckets, losses)
+        counts = torch.bincount(self.buckets, minlength=self.num_buckets)
+        metrics = {f"{prefix}/loss": losses.mean().item()}
+        for i, (s, c) in enumerate(zip(sums.tolist(), counts.tolist())):
+            if c:
+                metrics[f"{prefix}/loss_bucket/{i}"] = s / c
+        return metrics
+
+    def evaluate(self, model: nn.Module, ema_model: nn.Module) -> dict[str, float]:
+        """Held-out metrics of the EMA (``heldout/...``) and/or raw (``heldout_raw/...``) weights."""
+        metrics: dict[str, float] = {}
+        if self.weights in ("ema", "both"):
+            metrics.update(self.summarize(self.per_sample(ema_model), "heldout"))
+        if self.weights in ("raw", "both"):
+            metrics.update(self.summarize(self.per_sample(model), "heldout_raw"))
+        return metrics
+
+
+class NoHeldOut:
+    """No held-out split: evaluating gives no metrics."""
+
+    def evaluate(self, model: nn.Module, ema_model: nn.Module) -> dict[str, float]:
+        return {}
+
+
+def build_heldout(dataset: Dataset | None, cfg: Config, alpha_bar: torch.Tensor, device: torch.device):
+    """A :class:`HeldOutLoss` on ``dataset``, or a no-op when there is none."""
+    if dataset is None:
+        return NoHeldOut()
+    return HeldOutLoss(dataset, cfg, alpha_bar, device)
+
+
+def bucket_bounds(num_timesteps: int, num_buckets: int = 10) -> Iterator[tuple[int, int]]:
+    """(first, last) timestep of each bucket ``(t * k) // T == i``."""
+    for i in range(num_buckets):
+        first = -(-i * num_timesteps // num_buckets)
+        last = -(-(i + 1) * num_timesteps // num_buckets) - 1
+        yield first, last

@@ -1,0 +1,299 @@
+"""Faults made real: signals to real processes, failing disks, bad numbers, changed configs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftrain.config import load_config
+from difftrain.training import checkpoint as ckpt
+from difftrain.training.loop import TrainingDiverged, train
+from difftrain.training.signals import EXIT_STOPPED
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train_proc(run_dir, overrides, env_extra=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run_dir)]
+    cmd += [x for o in overrides for x in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env_extra or {})}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, proc, timeout_s=120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+# 1. Kills ------------------------------------------------------------------------------------
+
+
+def test_sigterm_saves_at_the_step_boundary_and_the_run_resumes_exactly(tmp_path, tiny_overrides):
+    overrides = tiny_overrides + ["train.total_steps=10000", "train.log_every_steps=1", "validation.every_steps=0",
+                                  "checkpoint.every_steps=10000", "tracking.tensorboard=false"]
+    run = tmp_path / "run"
+    proc = _train_proc(run, overrides)
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err
+    assert "SIGTERM" in err
+    state = ckpt.load_checkpoint(run)
+    stopped_at = int(state["step"])
+    assert stopped_at >= 2 and (run / "checkpoints" / "latest").read_text().strip() == ckpt.checkpoint_name(stopped_at)
+
+    # The same schedule straight through to one step past the stop, and resumed: equal weights.
+    cfg = load_config(None, overrides)
+    train(cfg, tmp_path / "straight", stop_at_step=stopped_at + 1)
+    train(cfg, run, stop_at_step=stopped_at + 1)
+    a, b = ckpt.load_checkpoint(tmp_path / "straight"), ckpt.load_checkpoint(run)
+    assert ckpt.state_dict_sha256(a["model"]) == ckpt.state_dict_sha256(b["model"])
+    assert ckpt.state_dict_sha256(a["ema"]["model"]) == ckpt.state_dict_sha256(b["ema"]["model"])
+
+
+def test_ctrl_c_to_the_process_group_with_loader_workers_stops_cleanly(tmp_path, tiny_overrides):
+    overrides = tiny_overrides + ["train.total_steps=10000", "train.log_every_steps=1", "validation.every_steps=0",
+                                  "checkpoint.every_steps=10000", "tracking.tensorboard=false", "data.num_workers=1"]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run)] + [x for o in overrides for x in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_for(lambda: (run / "metrics.jsonl").exists(), proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: main process and workers
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err
+    assert ckpt.load_checkpoint(run)["step"] >= 1
+
+
+def test_a_second_signal_inside_a_checkpoint_write_exits_at_once_and_keeps_the_old_one(tmp_path, tiny_overrides):
+    overrides = tiny_overrides + ["train.total_steps=10000", "validation.every_steps=0", "tracking.tensorboard=false"]
+    run = tmp_path / "run"
+    # The first save (step 2) pauses between write and rename long enough to aim at it.
+    proc = _train_proc(run, overrides, {ckpt.PAUSE_ENV: "3"})
+    ckpt_dir = run / "checkpoints"
+    _wait_for(lambda: (ckpt_dir / "latest").exists(), proc)  # step 2 is complete
+    _wait_for(lambda: any(ckpt_dir.glob(".step_*.tmp")), proc)  # step 4 is being written
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert (ckpt_dir / "latest").read_text().strip() == ckpt.checkpoint_name(2)
+    assert ckpt.load_checkpoint(run)["step"] == 2
+
+
+def test_sigkill_campaign_short(tmp_path):
+    """A short run of scripts/fault_injection.py (the full one: pytest -m slow, or the script)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import fault_injection
+    finally:
+        sys.path.pop(0)
+    out = fault_injection.campaign(kills=2, workdir=tmp_path, total_steps=6, seed=1, log=lambda s: None)
+    assert out.kills == 2 and out.survived == 2 and not out.lost, out.summary()
+
+
+@pytest.mark.slow
+def test_fault_injection_full(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "scripts" / "fault_injection.py"), "--kills", "30", "--workdir", str(tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lost: 0" in result.stdout
+
+
+# 3. Disk errors ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a small tmpfs; yields a function (path, size) -> path. Skips where mounting is refused."""
+    mounted = []
+
+    def mount(path: Path, size: str) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_keeps_the_previous_checkpoint(tmp_path, tiny_overrides, tmpfs, capsys):
+    # One checkpoint of this model is ~13 MB: the first fits, the second fills the disk.
+    run = tmp_path / "run"
+    ckpt_dir = tmpfs(run / "checkpoints", "20m")
+    cfg = load_config(None, tiny_overrides + ["checkpoint.on_write_error=continue", "validation.every_steps=0"])
+    result = train(cfg, run)
+    assert result.step == 6 and result.checkpoint is None  # went on, but the last save failed
+    err = capsys.readouterr().err
+    assert "ENOSPC" in err and str(ckpt_dir) in err
+    assert ckpt.load_checkpoint(run)["step"] == 2
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_00000002.pt"]  # no temp file left
+
+    stop = load_config(None, tiny_overrides + ["checkpoint.on_write_error=stop", "validation.every_steps=0"])
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"step 4 .*No space left on device"):
+        train(stop, run)
+    assert ckpt.load_checkpoint(run)["step"] == 2
+
+
+def test_read_only_checkpoint_folder_stops_cleanly(tmp_path, tiny_overrides, tmpfs):
+    run = tmp_path / "run"
+    ckpt_dir = tmpfs(run / "checkpoints", "40m")
+    cfg = load_config(None, tiny_overrides + ["validation.every_steps=0"])
+    train(cfg, run, stop_at_step=2)
+    subprocess.run(["mount", "-o", "remount,ro", str(ckpt_dir)], check=True)
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"EROFS.*Read-only file system.*intact") as e:
+        train(cfg, run)
+    assert str(ckpt_dir) in str(e.value)
+    assert ckpt.load_checkpoint(run)["step"] == 2
+
+
+# 4. Data -------------------------------------------------------------------------------------
+
+
+def test_training_skips_bad_images_including_one_that_goes_bad_mid_run(tmp_path, tiny_overrides, monkeypatch):
+    from tests.unit.test_data_check import BAD, make_messy_folder
+    from difftrain.data import check
+    from difftrain.training import loop
+
+    root = make_messy_folder(tmp_path / "d", good=6)
+    real = check.prepare_dataset
+
+    def prepare_then_break_one(dataset, mode, run_dir):
+        dataset = real(dataset, mode, run_dir)
+        (root / "good_0.png").write_bytes(b"not a png any more")  # breaks after the scan
+        return dataset
+
+    monkeypatch.setattr(loop, "prepare_dataset", prepare_then_break_one)
+    cfg = load_config(None, tiny_overrides + [f"data.path={root}", "validation.every_steps=0", "train.total_steps=4"])
+    assert train(cfg, tmp_path / "run").step == 4
+    log = (tmp_path / "run" / "bad_images.log").read_text()
+    assert all(f"start\t{name}" in log for name in BAD)
+    assert "mid-run\tgood_0.png" in log
+
+
+@pytest.mark.parametrize("count", [0, 3])
+def test_empty_or_too_small_folder_fails_before_the_model_is_built(tmp_path, tiny_overrides, monkeypatch, count):
+    from difftrain.training import loop
+
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(count):
+        torch.zeros(1)  # noqa: B018 - keep torch imported for the monkeypatch below
+        from PIL import Image
+
+        Image.new("RGB", (20, 20), (i, 0, 0)).save(root / f"{i}.png")
+    monkeypatch.setattr(loop, "build_model", lambda *a: pytest.fail("the model was built"))
+    cfg = load_config(None, tiny_overrides + [f"data.path={root}"])
+    with pytest.raises(ValueError, match=r"holds 0 images|fewer than train.batch_size"):
+        train(cfg, tmp_path / "run")
+
+
+# 5. Numbers ----------------------------------------------------------------------------------
+
+
+def test_divergence_stops_with_a_diagnostic(tmp_path, tiny_overrides, monkeypatch):
+    from difftrain.training import loop
+
+    cfg = load_config(None, tiny_overrides + ["train.max_nonfinite_in_row=2", "validation.every_steps=0"])
+    train(cfg, tmp_path, stop_at_step=2)
+    before = (tmp_path / "checkpoints" / "step_00000002.pt").read_bytes()
+    real = loop.diffusion_loss
+    monkeypatch.setattr(loop, "diffusion_loss", lambda out, target, w: real(out, target, w) * float("inf"))
+    with pytest.raises(TrainingDiverged) as e:
+        train(cfg, tmp_path)
+    text = str(e.value)
+    assert "timesteps: [" in text and "x0: shape (8, 3, 16, 16)" in text and "gradient norms:" in text
+    assert "conv_in" in text or "weight" in text  # per-layer names
+    assert (tmp_path / "checkpoints" / "step_00000002.pt").read_bytes() == before
+
+
+def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
+    state = {"model": {"w": torch.tensor([1.0, float("nan")])}, "ema": {"model": {"w": torch.ones(2)}}}
+    with pytest.raises(ckpt.NonFiniteWeights, match="model weight w"):
+        ckpt.save_checkpoint(state, tmp_path, 1)
+    assert not list(tmp_path.iterdir())
+
+
+# 6. Mismatch on resume -----------------------------------------------------------------------
+
+
+def test_resume_lists_each_incompatible_key_and_each_allowed_change(tmp_path, tiny_overrides, capsys):
+    train(load_config(None, tiny_overrides + ["validation.every_steps=0"]), tmp_path, stop_at_step=2)
+    changed = load_config(None, tiny_overrides + [
+        "data.resolution=32", "data.channels=1", "diffusion.schedule=linear", "model.channel_mult=[1,2,2]"])
+    with pytest.raises(ValueError) as e:
+        train(changed, tmp_path)
+    for line in ("data.resolution: checkpoint 16, now 32", "data.channels: checkpoint 3, now 1",
+                 "diffusion.schedule: checkpoint 'cosine', now 'linear'", "model.channel_mult:"):
+        assert line in str(e.value)
+    harmless = load_config(None, tiny_overrides + ["validation.every_steps=0", "train.total_steps=8",
+                                                   "train.log_every_steps=4", "data.num_workers=1"])
+    capsys.readouterr()
+    assert train(harmless, tmp_path, stop_at_step=4).step == 4
+    out = capsys.readouterr().out
+    for key in ("train.total_steps: checkpoint 6, now 8", "train.log_every_steps: checkpoint 2, now 4",
+                "data.num_workers: checkpoint 0, now 1"):
+        assert f"resuming with a changed {key}" in out
+
+
+# 7. Security ---------------------------------------------------------------------------------
+
+
+def test_a_crafted_checkpoint_in_the_run_directory_is_refused_on_resume(tmp_path, tiny_cfg):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    (tmp_path / "checkpoints").mkdir()
+    torch.save({"format": ckpt.FORMAT, "x": Payload()}, tmp_path / "checkpoints" / "step_00000004.pt")
+    with pytest.raises(ValueError, match="cannot load checkpoint"):
+        train(tiny_cfg, tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_config_is_data_and_credentials_stay_out_of_the_run(tmp_path, tiny_overrides, monkeypatch):
+    from difftrain.config import ConfigError
+
+    code = tmp_path / "evil.toml"
+    code.write_text(f"import os; os.system('touch {tmp_path / 'pwned'}')\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(code)
+    assert not (tmp_path / "pwned").exists()
+
+    secret = "sk-difftrain-test-0123456789abcdef"
+    for var in ("WANDB_API_KEY", "HF_TOKEN", "MLFLOW_TRACKING_PASSWORD", "COMET_API_KEY"):
+        monkeypatch.setenv(var, secret)
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides + ["train.total_steps=2"]), run)
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+# 8. Memory -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_soak_shows_no_memory_growth(tmp_path):
+    """5,000 steps of the tiny preset on the CPU (tens of minutes on 2 shared cores)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--steps", "5000", "--run-dir", str(tmp_path / "soak")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0 and "soak: PASS" in result.stdout, result.stdout + result.stderr

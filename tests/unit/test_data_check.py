@@ -1,0 +1,114 @@
+"""The dataset scan: bad files found and named, modes counted, skip/fail, cache, mid-run skips."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from difftrain.cli import main
+from difftrain.data.check import BAD_LOG_NAME, cached_check, check_folder, prepare_dataset
+from difftrain.data.folder import ImageFolderDataset
+
+
+def _rgb(size=(24, 24), seed=0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def make_messy_folder(root, good: int = 4):
+    """Good images of every awkward mode, plus one file of each kind of bad one."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(good):
+        _rgb(seed=i).save(root / f"good_{i}.png")
+    _rgb(seed=10).convert("P").save(root / "palette.png")
+    _rgb(seed=11).convert("RGBA").save(root / "rgba.png")
+    _rgb(seed=12).convert("L").save(root / "gray.png")
+    _rgb(seed=13).convert("CMYK").save(root / "cmyk.jpg")
+    Image.fromarray((np.arange(24 * 24, dtype=np.uint16).reshape(24, 24) * 100)).save(root / "deep16.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees
+    _rgb((24, 40), seed=14).save(root / "rotated.jpg", exif=exif)
+    buf = io.BytesIO()
+    _rgb(seed=15).save(buf, format="JPEG")
+    (root / "truncated.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    (root / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    (root / "empty.png").write_bytes(b"")
+    (root / "notes.jpg").write_text("this is not an image")
+    _rgb((8, 8), seed=16).save(root / "tiny.png")
+    return root
+
+
+BAD = {"truncated.jpg", "corrupt.png", "empty.png", "notes.jpg", "tiny.png"}
+
+
+def test_check_names_every_bad_file_and_counts_modes(tmp_path):
+    report = check_folder(make_messy_folder(tmp_path / "d"), resolution=16)
+    assert set(report.bad) == BAD
+    assert "0 bytes" in report.bad["empty.png"] and "too small" in report.bad["tiny.png"]
+    assert "unreadable" in report.bad["notes.jpg"] and "unreadable" in report.bad["truncated.jpg"]
+    assert report.num_files == 4 + 6 + len(BAD) and report.num_good == 10
+    for mode in ("RGB", "P", "RGBA", "L", "CMYK", "I;16"):
+        assert report.modes.get(mode, 0) >= 1, (mode, report.modes)
+
+
+def test_cli_data_check_lists_bad_files_and_exits_1(tmp_path, capsys):
+    root = make_messy_folder(tmp_path / "d")
+    assert main(["data", "check", str(root), "--resolution", "16"]) == 1
+    out = capsys.readouterr().out
+    assert all(name in out for name in BAD) and "modes:" in out
+    assert main(["data", "check", str(root), "--resolution", "16", "--json"]) == 1
+    assert set(json.loads(capsys.readouterr().out)["bad"]) == BAD
+    for name in BAD:
+        (root / name).unlink()
+    assert main(["data", "check", str(root), "--resolution", "16"]) == 0
+
+
+def test_scan_is_cached_until_a_file_changes(tmp_path):
+    root = make_messy_folder(tmp_path / "d")
+    cache = tmp_path / "run" / "data_check.json"
+    first, cached = cached_check(root, 16, cache)
+    assert not cached
+    again, cached = cached_check(root, 16, cache)
+    assert cached and again == first
+    _rgb(seed=99).save(root / "new.png")
+    third, cached = cached_check(root, 16, cache)
+    assert not cached and third.num_files == first.num_files + 1
+
+
+def test_skip_mode_drops_and_logs_bad_files(tmp_path):
+    root = make_messy_folder(tmp_path / "d")
+    ds = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
+    assert len(ds) == 10
+    names = {p.name for p in ds.paths}
+    assert not names & BAD
+    log = (tmp_path / "run" / BAD_LOG_NAME).read_text()
+    assert all(name in log for name in BAD)
+    for i in range(len(ds)):  # every remaining image converts to (3, 16, 16) in [-1, 1]
+        x, _ = ds[i]
+        assert x.shape == (3, 16, 16) and x.min() >= -1 and x.max() <= 1
+
+
+def test_fail_mode_names_the_option_and_the_files(tmp_path):
+    root = make_messy_folder(tmp_path / "d")
+    with pytest.raises(ValueError, match=r"on_bad_image") as e:
+        prepare_dataset(ImageFolderDataset(root, 16), "fail", tmp_path / "run")
+    assert all(name in str(e.value) for name in BAD)
+
+
+def test_a_file_that_goes_bad_mid_run_is_replaced_deterministically(tmp_path):
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(4):
+        _rgb(seed=i).save(root / f"{i}.png")
+    ds = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
+    expected, label = ds[(2, 7)]
+    (root / "1.png").write_bytes(b"garbage")  # goes bad after the scan
+    got, _ = ds[(1, 7)]  # the next readable image (2), with this sample's seed
+    assert (got == expected).all()
+    assert "mid-run\t1.png" in (tmp_path / "run" / BAD_LOG_NAME).read_text()
+    ds.on_bad_image = "fail"
+    with pytest.raises(OSError, match="1.png"):
+        ds[1]
