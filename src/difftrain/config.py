@@ -25,6 +25,7 @@ LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
 Sampler = Literal["ddpm", "ddim"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant"]
+Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
 OnBadImage = Literal["skip", "fail"]
 OnWriteError = Literal["stop", "continue"]
 
@@ -43,6 +44,8 @@ class DataConfig:
     class_conditional: bool = False  # labels from the first level of subfolders
     num_workers: int = 2  # DataLoader worker processes
     prefetch_factor: int = 2  # batches each worker prepares ahead
+    cache: bool = False  # decode a folder once into a uint8 memory-mapped cache (small images)
+    cache_dir: str = ""  # where decode caches live; "" = $XDG_CACHE_HOME/difftrain or ~/.cache/difftrain
     on_bad_image: OnBadImage = "skip"  # unreadable or too-small images: skip (logged) or fail
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
@@ -95,6 +98,9 @@ class TrainConfig:
     log_every_steps: int = 50  # metrics.jsonl / TensorBoard / progress interval
     max_nonfinite_in_row: int = 20  # stop after this many skipped steps in a row
     progress_bar: bool = True  # a one-line progress display on stderr
+    compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
+    channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA)
+    tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
 
 
 @dataclass

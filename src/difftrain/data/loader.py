@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .builtin import BUILTIN_DATASETS, BUILTIN_PREFIX
+from .cache import CachedImageDataset
 from .folder import ImageFolderDataset
 from .sampler import InfiniteSampler
 
@@ -17,11 +18,15 @@ def build_dataset(
     random_flip: bool,
     color_jitter: float,
     class_conditional: bool,
+    cache: bool = False,
+    cache_dir: str = "",
 ) -> Dataset:
     """``builtin:NAME`` gives a dataset of ``BUILTIN_DATASETS``; any other path a folder of images.
 
     Items are ``(image (C, H, W) float32 in [-1, 1], label int)``; the dataset has
-    ``num_classes`` (0 when unconditional) and ``classes``.
+    ``num_classes`` (0 when unconditional) and ``classes``. With ``cache`` a folder's images
+    are read from their decode cache (``data/cache.py``; built-in datasets are generated and
+    need none).
     """
     options = dict(
         resolution=resolution,
@@ -38,7 +43,8 @@ def build_dataset(
                 f"data.path {path}: unknown built-in dataset {name!r}; choices: {choices}"
             )
         return BUILTIN_DATASETS[name](**options)
-    return ImageFolderDataset(path, **options)
+    dataset = ImageFolderDataset(path, **options)
+    return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
 
 
 def collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:

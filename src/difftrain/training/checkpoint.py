@@ -226,7 +226,9 @@ def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes of a state dict, in key order."""
     h = hashlib.sha256()
     for name in sorted(state_dict):
-        t = state_dict[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        # reshape(-1): a channels_last weight with size-1 dims counts as contiguous but keeps
+        # its strides, which view(uint8) refuses; flat, it is plain row-major bytes.
+        t = state_dict[name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(state_dict[name].shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()

@@ -11,12 +11,14 @@ import torch
 
 from difftrain.config import Config, allowed_changes, config_to_dict, config_to_toml, incompatible_keys
 from difftrain.data import build_dataset, build_loader
+from difftrain.data.cache import with_decode_cache
 from difftrain.data.check import prepare_dataset
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import prediction_target, q_sample
 from difftrain.diffusion.schedules import alpha_bar_schedule
 from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
 from difftrain.training import checkpoint as ckpt
+from difftrain.training import distributed
 from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.ema import EMA
@@ -26,7 +28,8 @@ from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
 from difftrain.training.signals import StopRequest
-from difftrain.training.trackers import build_trackers
+from difftrain.training.speed import compile_model, prepare_model
+from difftrain.training.trackers import Trackers, build_trackers
 from difftrain.training.validation import save_raw_grid
 
 NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
@@ -59,13 +62,14 @@ def train(
     """
     run_dir = Path(run_dir)
     tc = cfg.train
-    device = resolve_device(tc.device)
-    rank, world_size = 0, 1
+    dctx = distributed.setup(resolve_device(tc.device))  # a no-op without torchrun
+    device, rank, world_size = dctx.device, dctx.rank, dctx.world_size
 
     # Data.
     d = cfg.data
     dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
     dataset = prepare_dataset(dataset, d.on_bad_image, run_dir)  # scan (cached); skip or fail on bad files
+    dataset = with_decode_cache(dataset, d.cache, d.cache_dir)  # data.cache: decoded once, memory-mapped
     dataset, heldout_set = split_heldout(
         dataset, cfg, lambda p: build_dataset(p, d.resolution, d.channels, False, 0.0, d.class_conditional)
     )
@@ -75,7 +79,9 @@ def train(
 
     # Model, EMA, optimizer, schedule.
     torch.manual_seed(derive_seed(tc.seed, "init"))  # the same initial weights on every rank
-    model = build_model(cfg, num_classes).to(device)
+    model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
+    # `net` runs forward and backward (DDP-wrapped, compiled); `model` is saved and averaged.
+    net = compile_model(distributed.wrap(model, dctx), device, tc.compile)
     ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup)
     optimizer = build_optimizer(cfg, model, device)
     scaler = grad_scaler(tc.precision, device)
@@ -86,6 +92,7 @@ def train(
 
     # Resume.
     step = 0
+    position = 0  # images consumed by all ranks together: the global data position
     skipped_total = 0
     run_dir.mkdir(parents=True, exist_ok=True)
     source = resume if resume is not None else _existing_checkpoint(run_dir)
@@ -103,25 +110,33 @@ def train(
         scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         step = int(state["step"])
+        position = int(state.get("data_position", step * images_per_step))
+        if position % world_size:
+            raise ValueError(
+                f"cannot resume {state['path']} on {world_size} processes: its data position "
+                f"{position} (images seen) is not a multiple of the world size"
+            )
         skipped_total = int(state["counters"]["skipped_steps"])
-        print(f"difftrain: resumed from {state['path']} at step {step}")
+        if dctx.is_main:
+            print(f"difftrain: resumed from {state['path']} at step {step} ({position:,} images seen)")
         del state
-    (run_dir / "samples").mkdir(exist_ok=True)
-    ckpt.atomic_write_bytes(run_dir / "config.toml", config_to_toml(cfg).encode())
+    if dctx.is_main:
+        (run_dir / "samples").mkdir(exist_ok=True)
+        ckpt.atomic_write_bytes(run_dir / "config.toml", config_to_toml(cfg).encode())
     loader = build_loader(
         dataset,
         batch_size=tc.batch_size,
         seed=tc.seed,
-        start=step * images_per_step,
+        start=position,
         num_workers=d.num_workers,
         device=device,
         rank=rank,
         world_size=world_size,
         prefetch_factor=d.prefetch_factor,
     )
-    trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg))
+    trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if dctx.is_main else Trackers([])
     heldout = build_heldout(heldout_set, cfg, alpha_bar, device)
-    progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar)
+    progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar and dctx.is_main)
     val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
     val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
 
@@ -163,21 +178,26 @@ def train(
                 data_wait += time.perf_counter() - fetch_start
                 x0 = x0.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True) if num_classes else None
-                gen = step_generator(tc.seed, rank, step * tc.grad_accum_steps + micro, device, "diffusion")
-                t = torch.randint(0, T, (x0.shape[0],), device=device, generator=gen)
-                noise = torch.randn(x0.shape, device=device, generator=gen)
+                # Drawn for the global micro-batch, this rank keeps its rows: the same numbers
+                # whatever the world size (see training/distributed.py).
+                gen = step_generator(tc.seed, 0, step * tc.grad_accum_steps + micro, device, "diffusion")
+                n = x0.shape[0] * world_size
+                t = distributed.rank_rows(torch.randint(0, T, (n,), device=device, generator=gen), dctx)
+                noise = distributed.rank_rows(torch.randn((n, *x0.shape[1:]), device=device, generator=gen), dctx)
                 if labels is not None:  # label dropout for classifier-free guidance
-                    drop = torch.rand(labels.shape, device=device, generator=gen) < cfg.model.class_dropout
+                    drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx)
+                    drop = drop < cfg.model.class_dropout
                     labels = torch.where(drop, torch.full_like(labels, num_classes), labels)
                 ab_t = alpha_bar[t]
                 x_t = q_sample(x0, t, noise, alpha_bar)
                 target = prediction_target(cfg.diffusion.prediction, x0, noise, ab_t)
                 weight = loss_weight(cfg.diffusion.loss_weighting, ab_t, cfg.diffusion.prediction, cfg.diffusion.min_snr_gamma)
-                with autocast(tc.precision, device):
-                    out = model(x_t, t, labels)
-                per_sample = diffusion_loss(out, target, weight)  # (B,) float32
-                loss = per_sample.mean() / tc.grad_accum_steps
-                scaler.scale(loss).backward()
+                with distributed.sync_gradients(net, sync=micro == tc.grad_accum_steps - 1):
+                    with autocast(tc.precision, device):
+                        out = net(x_t, t, labels)
+                    per_sample = diffusion_loss(out, target, weight)  # (B,) float32
+                    loss = per_sample.mean() / tc.grad_accum_steps
+                    scaler.scale(loss).backward()
                 step_loss += loss.detach()
                 buckets = (t * NUM_LOSS_BUCKETS) // T
                 bucket_loss.index_add_(0, buckets, per_sample.detach())
@@ -202,6 +222,7 @@ def train(
             if (step + 1) % cfg.ema.update_every_steps == 0:
                 ema.update(model, apply=finite.float())
             step += 1
+            position += images_per_step
 
             # Account.
             ok = finite.float()
@@ -215,6 +236,8 @@ def train(
             # Log.
             if step % tc.log_every_steps == 0 or step == end:
                 elapsed = time.perf_counter() - window_start
+                distributed.all_reduce_sum_(loss_sum, bucket_loss, bucket_count)  # grad norms agree
+                loss_sum /= world_size
                 skipped = int(skipped_window.item())
                 skipped_total += skipped
                 good = max(1, window_steps - skipped)
@@ -227,7 +250,7 @@ def train(
                     "images_per_s": window_steps * images_per_step / elapsed,
                     "data_wait_frac": data_wait / elapsed,
                     "skipped_steps": skipped_total,
-                    "images_seen": step * images_per_step,
+                    "images_seen": position,
                     **{f"loss_bucket/{i}": v for i, v in enumerate((bucket_loss / counts).tolist())},
                     **memory_stats(device),
                 }
@@ -249,23 +272,26 @@ def train(
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps):
                 pause_start = time.perf_counter()
+                mine = distributed.shard(v.num_images, dctx)  # each rank samples its share
                 images = generate(
                     ema.model,
                     alpha_bar=alpha_bar,
                     prediction=cfg.diffusion.prediction,
-                    noise=val_noise,
+                    noise=val_noise[mine],
                     sampler=v.sampler,
                     steps=v.steps,
-                    seed=v.seed,
-                    class_labels=val_labels,
+                    seed=v.seed + rank,
+                    class_labels=None if val_labels is None else val_labels[mine],
                     null_label=num_classes,
                 )
-                grid = make_grid(to_uint8(images))
-                save_png(grid, run_dir / "samples" / f"step_{step:08d}.png")
-                trackers.log_image(step, "samples/ema", grid)
-                if v.raw_grid:
-                    save_raw_grid(model, cfg, val_noise, val_labels, num_classes, alpha_bar, run_dir, step, trackers)
-                trackers.log(step, heldout.evaluate(model, ema.model))
+                images = distributed.gather_cat(images, dctx)  # None except on rank 0
+                if dctx.is_main:
+                    grid = make_grid(to_uint8(images))
+                    save_png(grid, run_dir / "samples" / f"step_{step:08d}.png")
+                    trackers.log_image(step, "samples/ema", grid)
+                    if v.raw_grid:
+                        save_raw_grid(model, cfg, val_noise, val_labels, num_classes, alpha_bar, run_dir, step, trackers)
+                    trackers.log(step, heldout.evaluate(model, ema.model))
                 window_start += time.perf_counter() - pause_start  # images/s counts training only
 
             # Save.
@@ -273,8 +299,9 @@ def train(
                 pause_start = time.perf_counter()
                 state = {
                     "step": step,
-                    "images_seen": step * images_per_step,
-                    "data_position": step * images_per_step,
+                    "images_seen": position,
+                    "data_position": position,  # global: resumes on any world size dividing it
+                    "world_size": world_size,
                     "model": model.state_dict(),
                     "ema": ema.state_dict(),
                     "optimizer": optimizer.state_dict(),
@@ -286,7 +313,11 @@ def train(
                     "num_classes": num_classes,
                 }
                 c = cfg.checkpoint
-                if ckpt.save_or_report(state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error):
+                saved = not dctx.is_main or ckpt.save_or_report(
+                    state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error
+                )
+                distributed.barrier(dctx)  # no rank reads or resumes past an unwritten checkpoint
+                if saved:
                     last_saved = step
                 window_start += time.perf_counter() - pause_start
                 if stop.requested:
@@ -295,9 +326,10 @@ def train(
         stop.restore()
         progress.close()
         trackers.close()
+        distributed.teardown(dctx)
     final = ckpt.find_checkpoint(run_dir) if last_saved == step else None
     return TrainResult(
-        step=step, images_seen=step * images_per_step, checkpoint=final, skipped_steps=skipped_total,
+        step=step, images_seen=position, checkpoint=final, skipped_steps=skipped_total,
         stopped_by=stop.requested,
     )
 

@@ -1,0 +1,156 @@
+"""Training images/s, peak memory and model FLOPs utilisation: difftrain against diffusers.
+
+    python bench/train_throughput.py --presets tiny ddpm-cifar10 --batch 128 --steps 5 --rounds 3
+
+Both implementations train the same architecture (diffusers' UNet2DModel built from
+``diffusers_config``) on the same device, batch, precision and thread count, in this one
+process, in interleaved rounds (difftrain, diffusers, diffusers, difftrain, ...); images/s is the
+median over rounds. FLOPs per image (forward + backward) are counted with
+``torch.utils.flop_counter``; MFU divides achieved FLOP/s by this device's measured matmul peak
+in the training precision. Peak memory: CUDA's max allocated; on a CPU, the growth of peak RSS
+in a fresh subprocess that builds the step and runs two steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _steps import IMPLS, bench_config, fmt_float, median, sync  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def matmul_peak(device: torch.device, precision: str) -> float:
+    """Measured FLOP/s of a large square matmul in ``precision`` (best of a few)."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=DTYPES[precision])
+    b = torch.randn(n, n, device=device, dtype=DTYPES[precision])
+    best = 0.0
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        reps = 10 if device.type == "cuda" else 2
+        for _ in range(reps):
+            a @ b
+        sync(device)
+        best = max(best, reps * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def flops_per_image(cfg, device: torch.device) -> float:
+    """Forward + backward FLOPs of difftrain's model per image (counted, batch 2)."""
+    from difftrain.training.builders import build_model
+
+    model = build_model(cfg).to(device)
+    r = cfg.data.resolution
+    x = torch.randn(2, 3, r, r, device=device)
+    t = torch.randint(0, 1000, (2,), device=device)
+    with FlopCounterMode(display=False) as counter:
+        model(x, t, None).square().mean().backward()
+    return counter.get_total_flops() / 2
+
+
+def peak_memory_subprocess(impl: str, args, preset: str) -> float:
+    """MB of peak-RSS growth of building ``impl``'s step and running two steps (CPU)."""
+    cmd = [sys.executable, __file__, "--_memory", impl, "--presets", preset, "--batch", str(args.batch),
+           "--precision", args.precision, "--compile", args.compile, "--channels-last", args.channels_last,
+           "--device", args.device]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def _status_kb(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def _memory_child(args) -> None:
+    device = torch.device(args.device)
+    cfg = bench_config(args.presets[0], args.batch, args.precision, args.compile, args.channels_last)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the RSS now
+    before = _status_kb("VmRSS")
+    step, _ = IMPLS[args._memory](cfg, device)
+    step(), step()
+    print((_status_kb("VmHWM") - before) / 1024)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", nargs="+", default=["tiny", "ddpm-cifar10"])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (and compilation)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--precision", default="bf16" if torch.cuda.is_available() else "fp32")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="difftrain's train.compile")
+    p.add_argument("--channels-last", default="auto", choices=["auto", "on", "off"], help="difftrain's train.channels_last")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--_memory", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._memory:
+        return _memory_child(args)
+
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {name}; torch {torch.__version__}; batch {args.batch}; {args.precision}; "
+          f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
+          f"difftrain compile={args.compile} channels_last={args.channels_last}")
+    peak = matmul_peak(device, args.precision)
+    print(f"measured {args.precision} matmul peak: {peak / 1e12:.2f} TFLOP/s")
+    rows = []
+    for preset in args.presets:
+        cfg = bench_config(preset, args.batch, args.precision, args.compile, args.channels_last)
+        fpi = flops_per_image(cfg, device)
+        steps = {impl: build(cfg, device)[0] for impl, build in IMPLS.items()}
+        for impl, step in steps.items():
+            for _ in range(args.warmup):
+                step()
+            sync(device)
+        rates = {impl: [] for impl in steps}
+        memory = {}
+        order = list(steps)
+        for r in range(args.rounds):
+            for impl in order if r % 2 == 0 else order[::-1]:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    steps[impl]()
+                sync(device)
+                rates[impl].append(args.steps * args.batch / (time.perf_counter() - t0))
+                if device.type == "cuda":
+                    memory[impl] = torch.cuda.max_memory_allocated(device) / 2**20
+        if device.type != "cuda":
+            memory = {impl: peak_memory_subprocess(impl, args, preset) for impl in steps}
+        for impl in steps:
+            ips = median(rates[impl])
+            rows.append(dict(preset=preset, impl=impl, images_per_s=ips, rounds=rates[impl], peak_mb=memory[impl],
+                             gflop_per_image=fpi / 1e9, mfu=ips * fpi / peak))
+        del steps
+
+    print()
+    print("| preset | implementation | images/s (median) | speed-up | peak memory MB | GFLOP/image (fwd+bwd) | MFU |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        base = next(r for r in rows if r["preset"] == row["preset"] and r["impl"] == "diffusers")
+        print(f"| {row['preset']} | {row['impl']} | {fmt_float(row['images_per_s'])} | "
+              f"{row['images_per_s'] / base['images_per_s']:.2f}x | {fmt_float(row['peak_mb'])} | "
+              f"{row['gflop_per_image']:.2f} | {100 * row['mfu']:.1f}% |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=name, args=vars(args), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The single-process layer of training/distributed.py, and how ranks split a global batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from difftrain.data.sampler import InfiniteSampler
+from difftrain.training import distributed
+
+
+def test_single_process_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ctx = distributed.setup(torch.device("cpu"))
+    assert (ctx.rank, ctx.world_size, ctx.enabled, ctx.is_main) == (0, 1, False, True)
+    model = nn.Linear(2, 2)
+    assert distributed.wrap(model, ctx) is model
+    x = torch.arange(6)
+    assert distributed.rank_rows(x, ctx) is x
+    assert distributed.gather_cat(x, ctx) is x
+    assert distributed.shard(5, ctx) == slice(0, 5)
+
+
+def test_rank_rows_match_the_sampler_shards():
+    # Row i of rank r's batch is stream position r + i * W; rank_rows must pick the same rows
+    # of a tensor drawn for the global batch, or noise would not follow its image.
+    world, batch, start = 3, 4, 12
+    global_keys = [k for k, _ in zip(InfiniteSampler(50, seed=1, start=start), range(world * batch))]
+    drawn = torch.arange(world * batch)  # stands for noise drawn for the global batch
+    for rank in range(world):
+        ctx = distributed.DistContext(rank=rank, world_size=world)
+        keys = [k for k, _ in zip(InfiniteSampler(50, seed=1, start=start, rank=rank, world_size=world), range(batch))]
+        rows = distributed.rank_rows(drawn, ctx).tolist()
+        assert keys == [global_keys[j] for j in rows]
+
+
+def test_shards_cover_every_item_once():
+    for n in (0, 1, 5, 64):
+        for world in (1, 2, 3, 8):
+            parts = [distributed.shard(n, distributed.DistContext(rank=r, world_size=world)) for r in range(world)]
+            assert [i for p in parts for i in range(n)[p]] == list(range(n))
