@@ -22,7 +22,7 @@ import tomli_w
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
-Sampler = Literal["ddpm", "ddim"]
+Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant"]
 
