@@ -2,7 +2,7 @@
 
 These run a small stand-in feature network saved as TorchScript (the real FID Inception runs at
 a few images per second on a CPU); the network itself is tested in test_inception.py and
-test_fid.py. The stand-in sees what Inception would: (B, 3, 299, 299) in [-1, 1].
+test_fid.py. The stand-in sees what Inception would, (B, 3, 299, 299) in [-1, 1], and returns 64 features.
 """
 
 from __future__ import annotations
@@ -20,17 +20,21 @@ from PIL import Image
 from difftrain import cli
 from difftrain.config import load_config
 from difftrain.evaluation import InceptionFeatures, WEIGHTS_ENV_VAR, statistics_from_images
+from difftrain.evaluation import inception as inception_module
 from difftrain.evaluation.evaluate import describe, evaluate_checkpoint
 from difftrain.evaluation.reference import reference_statistics
 from difftrain.training.loop import train
 
 
+DIM = 64  # features of the stand-in: a 2048 x 2048 eigendecomposition per FID would dominate the tests
+
+
 class _StandIn(torch.nn.Module):
-    """Pools the 299x299 input to 3x8x8 and maps it to 2048 features with a fixed random matrix."""
+    """Pools the 299x299 input to 3x8x8 and maps it to DIM features with a fixed random matrix."""
 
     def __init__(self):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(192, 2048, generator=torch.Generator().manual_seed(0)) / 14)
+        self.weight = torch.nn.Parameter(torch.randn(192, DIM, generator=torch.Generator().manual_seed(0)) / 14)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pooled = F.adaptive_avg_pool2d(x, 8).reshape(x.shape[0], 192)
@@ -46,6 +50,8 @@ def weights(tmp_path_factory):
 
 @pytest.fixture
 def env(weights, tmp_path, monkeypatch):
+    monkeypatch.setattr(inception_module, "FEATURE_DIM", DIM)
+    monkeypatch.setattr(InceptionFeatures, "feature_dim", DIM)
     monkeypatch.setenv(WEIGHTS_ENV_VAR, str(weights))
     monkeypatch.setenv("DIFFTRAIN_CACHE", str(tmp_path / "cache"))
     return tmp_path
