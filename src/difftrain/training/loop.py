@@ -16,6 +16,7 @@ from difftrain.data.check import prepare_dataset
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import prediction_target, q_sample
 from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.evaluation.during_training import TrainingFID
 from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
 from difftrain.training import checkpoint as ckpt
 from difftrain.training import distributed
@@ -139,6 +140,7 @@ def train(
     progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar and dctx.is_main)
     val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
     val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
+    fid = TrainingFID(cfg, alpha_bar, device)  # a no-op unless evaluation.fid_every_steps > 0
 
     # Running sums live on the device and are read only at log steps (no per-step sync).
     zero = torch.zeros((), device=device)
@@ -293,6 +295,12 @@ def train(
                         save_raw_grid(model, cfg, val_noise, val_labels, num_classes, alpha_bar, run_dir, step, trackers)
                     trackers.log(step, heldout.evaluate(model, ema.model))
                 window_start += time.perf_counter() - pause_start  # images/s counts training only
+
+            # Measure FID.
+            pause_start = time.perf_counter()
+            if fid_metrics := fid(step, ema.model):
+                trackers.log(step, fid_metrics)
+                window_start += time.perf_counter() - pause_start
 
             # Save.
             if step % cfg.checkpoint.every_steps == 0 or step == end or stop.requested:

@@ -1,0 +1,130 @@
+"""FID and KID of a model's samples: generated in batches, fed to Inception, never kept on disk.
+
+An FID means little without how it was made, so every result carries the number of samples
+and reference images, the sampler, its steps and network evaluations, EMA or raw weights, the
+seed and the checkpoint step, and :func:`describe` never prints the number without them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from difftrain.diffusion.samplers import SAMPLER_NFE
+from difftrain.sampling import generate, initial_noise
+from difftrain.training.seeding import derive_seed
+
+from .fid import compare, statistics_from_images
+from .inception import InceptionFeatures
+from .reference import reference_statistics
+from .stats import FeatureStats
+
+
+def sample_statistics(
+    model: nn.Module,
+    inception: InceptionFeatures,
+    *,
+    alpha_bar: torch.Tensor,
+    prediction: str,
+    shape: tuple[int, int, int],
+    num: int,
+    sampler: str,
+    steps: int,
+    seed: int = 0,
+    batch_size: int = 256,
+    **sampler_options,
+) -> FeatureStats:
+    """Inception statistics of ``num`` samples of ``model`` (unconditional), shape (C, H, W).
+
+    Batch k of ``batch_size`` starts from initial noise seeded by (seed, k), so a result depends
+    on (seed, batch_size) and memory stays at one batch. Samples are rounded to uint8, as a PNG
+    would store them, before Inception sees them.
+    """
+    if num < 2:
+        raise ValueError(f"the number of samples must be >= 2 for a covariance, got {num}")
+
+    def batches():
+        for k, start in enumerate(range(0, num, batch_size)):
+            n = min(batch_size, num - start)
+            noise = initial_noise(n, shape, derive_seed(seed, "fid-batch", k))
+            images = generate(model, alpha_bar=alpha_bar, prediction=prediction, noise=noise,
+                              sampler=sampler, steps=steps, seed=derive_seed(seed, "fid-sampler", k),
+                              batch_size=batch_size, **sampler_options)
+            yield ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+    return statistics_from_images(batches(), inception,
+                                  metadata={"num_images": num, "sampler": sampler, "steps": steps})
+
+
+def fid_result(samples: FeatureStats, reference: FeatureStats, /, *, kid: bool = True, **context) -> dict:
+    """FID (and KID) of ``samples`` against ``reference``, with counts and ``context`` attached."""
+    scores = compare(samples, reference, kid=kid)
+    result = {"fid": scores["fid"], "num_samples": scores["count_a"], "num_reference": scores["count_b"]}
+    if "kid_mean" in scores:
+        result.update(kid_mean=scores["kid_mean"], kid_std=scores["kid_std"])
+    return {**result, **context}
+
+
+def describe(result: dict) -> str:
+    """One line: the FID with everything needed to read it."""
+    parts = [f"FID {result['fid']:.3f}"]
+    if "kid_mean" in result:
+        parts.append(f"KID {result['kid_mean'] * 1e3:.3f}e-3 +- {result['kid_std'] * 1e3:.3f}e-3")
+    text = ", ".join(parts) + f" from {result['num_samples']:,} samples vs {result['num_reference']:,} reference images"
+    if "sampler" in result:
+        weights = "EMA" if result.get("ema") else "raw"
+        text += (f"; {result['sampler']} {result['steps']} steps ({result['nfe']} NFE), {weights} weights, "
+                 f"seed {result['seed']}")
+    if "checkpoint_step" in result:
+        text += f", checkpoint step {result['checkpoint_step']}"
+    return text
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    *,
+    num: int,
+    sampler: str,
+    steps: int,
+    seed: int = 0,
+    use_ema: bool = True,
+    ref: str | None = None,
+    ref_num: int | None = None,
+    batch_size: int = 256,
+    device: str = "auto",
+    inception_path: str | None = None,
+    kid: bool = True,
+    **sampler_options,
+) -> dict:
+    """FID/KID of a checkpoint's samples against ``ref`` (an .npz or a folder), or, when ``ref``
+    is None, against its training data through the training preprocessing (cached; ``ref_num``
+    images, all by default). Returns the JSON-able result (see :func:`describe`)."""
+    from difftrain.inference import load_model
+
+    start = time.perf_counter()
+    loaded = load_model(checkpoint, use_ema=use_ema, device=device)
+    if loaded.num_classes:
+        raise ValueError("eval samples unconditionally; class-conditional models are not supported yet")
+    d = loaded.cfg.data
+    inception = InceptionFeatures(inception_path).to(next(loaded.model.parameters()).device)
+    if ref is not None and Path(ref).expanduser().is_file():
+        reference, ref_source = FeatureStats.load(Path(ref).expanduser()), str(ref)
+    elif ref is not None:
+        reference, _, _ = reference_statistics(ref, inception, num=ref_num)
+        ref_source = str(ref)
+    else:
+        reference, _, _ = reference_statistics(d.path, inception, resolution=d.resolution, channels=d.channels,
+                                               num=ref_num)
+        ref_source = f"{d.path} (training preprocessing, {d.resolution}px, {d.channels} channel(s))"
+    samples = sample_statistics(
+        loaded.model, inception, alpha_bar=loaded.alpha_bar, prediction=loaded.cfg.diffusion.prediction,
+        shape=(d.channels, d.resolution, d.resolution), num=num, sampler=sampler, steps=steps, seed=seed,
+        batch_size=batch_size, **sampler_options)
+    return fid_result(
+        samples, reference, kid=kid, sampler=sampler, steps=steps, nfe=SAMPLER_NFE[sampler](steps),
+        sampler_options=sampler_options, ema=use_ema, seed=seed, batch_size=batch_size,
+        checkpoint=loaded.path, checkpoint_step=loaded.step, reference=ref_source,
+        inception=inception.metadata, seconds=round(time.perf_counter() - start, 1))
