@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
 from .sampler import mix_seed, split_key
-from .transforms import augment, to_tensor
+from .transforms import augment, check_image_options, to_tensor
 
 _SHAPES_TAG = 0x7368_6170  # "shap": keeps these draws apart from other seeded streams
 _SUPERSAMPLE = 4  # shapes are drawn at 4x and box-reduced, for antialiased edges
@@ -92,14 +92,9 @@ class ShapesDataset(Dataset):
         color_jitter: float = 0.0,
         class_conditional: bool = False,
     ) -> None:
-        if channels not in (1, 3):
-            raise ValueError(f"data.channels must be 1 or 3, got {channels}")
-        if resolution < 4:
-            raise ValueError(f"data.resolution must be >= 4, got {resolution}")
+        check_image_options(resolution, channels, color_jitter, min_resolution=4)
         if num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {num_items}")
-        if color_jitter < 0:
-            raise ValueError(f"data.color_jitter must be >= 0, got {color_jitter}")
         self.resolution = resolution
         self.channels = channels
         self.num_items = num_items

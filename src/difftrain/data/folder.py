@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .sampler import split_key
-from .transforms import augment, load_image, resize_center_crop, to_tensor
+from .transforms import augment, check_image_options, load_image, resize_center_crop, to_tensor
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -74,12 +74,7 @@ class ImageFolderDataset(Dataset):
         color_jitter: float = 0.0,
         class_conditional: bool = False,
     ) -> None:
-        if channels not in (1, 3):
-            raise ValueError(f"data.channels must be 1 or 3, got {channels}")
-        if resolution < 1:
-            raise ValueError(f"data.resolution must be >= 1, got {resolution}")
-        if color_jitter < 0:
-            raise ValueError(f"data.color_jitter must be >= 0, got {color_jitter}")
+        check_image_options(resolution, channels, color_jitter)
         self.root = Path(root).expanduser()
         self.resolution = resolution
         self.channels = channels

@@ -43,6 +43,16 @@ def _high_depth_to_l(img: Image.Image) -> Image.Image:
     return Image.fromarray(np.round(a * 255.0).astype(np.uint8), mode="L")
 
 
+def check_image_options(resolution: int, channels: int, color_jitter: float, min_resolution: int = 1) -> None:
+    """Raise ValueError naming the data option that a dataset cannot use."""
+    if channels not in (1, 3):
+        raise ValueError(f"data.channels must be 1 or 3, got {channels}")
+    if resolution < min_resolution:
+        raise ValueError(f"data.resolution must be >= {min_resolution}, got {resolution}")
+    if color_jitter < 0:
+        raise ValueError(f"data.color_jitter must be >= 0, got {color_jitter}")
+
+
 def load_image(path: str | Path, channels: int, min_size: int | None = None) -> Image.Image:
     """Open an image file as 8-bit "RGB" (channels == 3) or "L" (channels == 1).
 
