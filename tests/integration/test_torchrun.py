@@ -9,23 +9,15 @@ import sys
 import pytest
 import torch
 
+from conftest import TINY_OVERRIDES
+
 from difftrain.training import checkpoint as ckpt
 
-# Two processes of 4 images each against one of 8: the same global batch.
-COMMON = [
-    "data.resolution=16",
-    "data.num_workers=0",
-    "model.preset=tiny",
-    "model.attention_resolutions=[8]",
-    "diffusion.num_timesteps=100",
-    "optim.lr=1e-3",
-    "optim.warmup_steps=2",
+# Two processes of 4 images each against one of 8: the same global batch. The tiny test run,
+# with these keys changed (later --set values win).
+COMMON = TINY_OVERRIDES + [
     "train.total_steps=4",
-    "train.log_every_steps=2",
-    "train.progress_bar=false",
     "train.device=cpu",
-    "ema.decay=0.9",
-    "checkpoint.every_steps=2",
     "validation.every_steps=4",
     "validation.num_images=3",
     "validation.steps=2",
