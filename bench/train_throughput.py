@@ -1,6 +1,7 @@
 """Training images/s, peak memory and model FLOPs utilisation: difftrain against diffusers.
 
     python bench/train_throughput.py --presets tiny ddpm-cifar10 --batch 128 --steps 5 --rounds 3
+    python bench/train_throughput.py --presets ddpm-cifar10 --precision fp32 bf16   # both, each matched
 
 Both implementations train the same architecture (diffusers' UNet2DModel built from
 ``diffusers_config``) on the same device, batch, precision and thread count, in this one
@@ -60,10 +61,10 @@ def flops_per_image(cfg, device: torch.device) -> float:
     return counter.get_total_flops() / 2
 
 
-def peak_memory_subprocess(impl: str, args, preset: str) -> float:
+def peak_memory_subprocess(impl: str, args, preset: str, precision: str) -> float:
     """MB of peak-RSS growth of building ``impl``'s step and running two steps (CPU)."""
     cmd = [sys.executable, __file__, "--_memory", impl, "--presets", preset, "--batch", str(args.batch),
-           "--precision", args.precision, "--compile", args.compile, "--channels-last", args.channels_last,
+           "--precision", precision, "--compile", args.compile, "--channels-last", args.channels_last,
            "--device", args.device]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return float(out.strip().splitlines()[-1])
@@ -76,7 +77,7 @@ def _status_kb(field: str) -> int:
 
 def _memory_child(args) -> None:
     device = torch.device(args.device)
-    cfg = bench_config(args.presets[0], args.batch, args.precision, args.compile, args.channels_last)
+    cfg = bench_config(args.presets[0], args.batch, args.precision[0], args.compile, args.channels_last)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the RSS now
     before = _status_kb("VmRSS")
     step, _ = IMPLS[args._memory](cfg, device)
@@ -91,7 +92,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (and compilation)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--precision", default="bf16" if torch.cuda.is_available() else "fp32")
+    p.add_argument("--precision", nargs="+", default=["bf16" if torch.cuda.is_available() else "fp32"],
+                   choices=sorted(DTYPES), help="each one measured for both implementations")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="difftrain's train.compile")
     p.add_argument("--channels-last", default="auto", choices=["auto", "on", "off"], help="difftrain's train.channels_last")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -103,14 +105,16 @@ def main() -> None:
 
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"device: {name}; torch {torch.__version__}; batch {args.batch}; {args.precision}; "
+    print(f"device: {name}; torch {torch.__version__}; batch {args.batch}; "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
           f"difftrain compile={args.compile} channels_last={args.channels_last}")
-    peak = matmul_peak(device, args.precision)
-    print(f"measured {args.precision} matmul peak: {peak / 1e12:.2f} TFLOP/s")
+    peaks = {precision: matmul_peak(device, precision) for precision in args.precision}
+    for precision, peak in peaks.items():
+        print(f"measured {precision} matmul peak: {peak / 1e12:.2f} TFLOP/s")
     rows = []
-    for preset in args.presets:
-        cfg = bench_config(preset, args.batch, args.precision, args.compile, args.channels_last)
+    for preset, precision in [(preset, precision) for preset in args.presets for precision in args.precision]:
+        peak = peaks[precision]
+        cfg = bench_config(preset, args.batch, precision, args.compile, args.channels_last)
         fpi = flops_per_image(cfg, device)
         steps = {impl: build(cfg, device)[0] for impl, build in IMPLS.items()}
         for impl, step in steps.items():
@@ -133,19 +137,21 @@ def main() -> None:
                 if device.type == "cuda":
                     memory[impl] = torch.cuda.max_memory_allocated(device) / 2**20
         if device.type != "cuda":
-            memory = {impl: peak_memory_subprocess(impl, args, preset) for impl in steps}
+            memory = {impl: peak_memory_subprocess(impl, args, preset, precision) for impl in steps}
         for impl in steps:
             ips = median(rates[impl])
-            rows.append(dict(preset=preset, impl=impl, images_per_s=ips, rounds=rates[impl], peak_mb=memory[impl],
+            rows.append(dict(preset=preset, precision=precision, impl=impl, images_per_s=ips, rounds=rates[impl], peak_mb=memory[impl],
                              gflop_per_image=fpi / 1e9, mfu=ips * fpi / peak))
         del steps
 
     print()
-    print("| preset | implementation | images/s (median) | speed-up | peak memory MB | GFLOP/image (fwd+bwd) | MFU |")
-    print("|---|---|---|---|---|---|---|")
+    print("| preset | precision | implementation | images/s (median) | speed-up | peak memory MB "
+          "| GFLOP/image (fwd+bwd) | MFU |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        base = next(r for r in rows if r["preset"] == row["preset"] and r["impl"] == "diffusers")
-        print(f"| {row['preset']} | {row['impl']} | {fmt_float(row['images_per_s'])} | "
+        base = next(r for r in rows if r["preset"] == row["preset"] and r["precision"] == row["precision"]
+                    and r["impl"] == "diffusers")
+        print(f"| {row['preset']} | {row['precision']} | {row['impl']} | {fmt_float(row['images_per_s'])} | "
               f"{row['images_per_s'] / base['images_per_s']:.2f}x | {fmt_float(row['peak_mb'])} | "
               f"{row['gflop_per_image']:.2f} | {100 * row['mfu']:.1f}% |")
     if args.json:

@@ -99,7 +99,7 @@ class TrainConfig:
     max_nonfinite_in_row: int = 20  # stop after this many skipped steps in a row
     progress_bar: bool = True  # a one-line progress display on stderr
     compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
-    channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA)
+    channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA and CPU)
     tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
 
 

@@ -1,4 +1,4 @@
-"""GPU speed switches: TF32, channels_last, torch.compile; each a no-op where it does not apply.
+"""Speed switches: TF32, channels_last, torch.compile; each a no-op where it does not apply.
 
 The other speed choices live where they act: bf16 autocast in ``precision.py``, the fused AdamW
 in ``builders.py``, the ``_foreach_lerp_`` EMA in ``ema.py``, scaled-dot-product attention and
@@ -11,11 +11,16 @@ import torch
 from torch import nn
 
 
-def resolve_toggle(value: str, device: torch.device) -> bool:
-    """``on`` / ``off``, or ``auto``: on for CUDA, off elsewhere (on a CPU neither channels_last
-    nor torch.compile was measured to pay for itself; see docs/benchmarks.md)."""
+# Where ``auto`` turns each switch on (docs/benchmarks.md has the measurements): channels_last
+# pays on CUDA tensor cores and in oneDNN's CPU convolutions; compiling the UNet took minutes on
+# a 2-core CPU and then ran slower than eager there, so ``auto`` compiles on CUDA only.
+AUTO_ON = {"channels_last": ("cuda", "cpu"), "compile": ("cuda",)}
+
+
+def resolve_toggle(value: str, device: torch.device, switch: str) -> bool:
+    """``on`` / ``off``, or ``auto``: on for the device types in ``AUTO_ON[switch]``."""
     if value == "auto":
-        return device.type == "cuda"
+        return device.type in AUTO_ON[switch]
     return value == "on"
 
 
@@ -34,7 +39,7 @@ def prepare_model(model: nn.Module, device: torch.device, channels_last: str, tf
     then run on the (B, C, H, W) inputs in channels_last layout too (the tensor cores' layout).
     """
     configure_backends(device, tf32)
-    if resolve_toggle(channels_last, device):
+    if resolve_toggle(channels_last, device, "channels_last"):
         model.to(memory_format=torch.channels_last)
     return model
 
@@ -45,6 +50,6 @@ def compile_model(net: nn.Module, device: torch.device, mode: str) -> nn.Module:
     Compile the DDP-wrapped module (if any) so that DDP's bucketed all-reduce overlaps the
     compiled backward; save and average the unwrapped model, never this one.
     """
-    if not resolve_toggle(mode, device):
+    if not resolve_toggle(mode, device, "compile"):
         return net
     return torch.compile(net)
