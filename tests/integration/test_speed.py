@@ -27,11 +27,10 @@ def _trains_the_same(tmp_path, overrides, switches, atol):
         torch.testing.assert_close(a[k].contiguous(), b[k].contiguous(), rtol=1e-4, atol=atol, msg=k)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_channels_last_trains_the_same(tmp_path, tiny_overrides, dropout):
-    # With dropout, the CPU mask is drawn in the same logical order whatever the memory format
-    # (nn.Dropout's is drawn in memory order: its weights would differ here by about 3e-3).
-    _trains_the_same(tmp_path, tiny_overrides + [f"model.dropout={dropout}"], ["train.channels_last=on"], atol=5e-5)
+def test_channels_last_trains_the_same(tmp_path, tiny_overrides):
+    # Without dropout: nn.Dropout draws its mask in memory order, so with channels_last on a CPU
+    # the same seed drops other units (the weights then differ by about 3e-3 here).
+    _trains_the_same(tmp_path, tiny_overrides + ["model.dropout=0"], ["train.channels_last=on"], atol=1e-5)
 
 
 def test_auto_turns_channels_last_on_for_cpu_and_cuda_and_compile_for_cuda_only():

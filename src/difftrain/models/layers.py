@@ -18,43 +18,7 @@ NORM_EPS = 1e-6
 
 def group_norm(channels: int, groups: int) -> nn.GroupNorm:
     """GroupNorm with the DDPM epsilon; `groups` must divide `channels`."""
-    return GroupNorm(groups, channels, eps=NORM_EPS)
-
-
-class GroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` (same parameters and state-dict keys) that normalises channels_last
-    input in NCHW order on a CPU.
-
-    PyTorch's CPU backward of GroupNorm is two to four times slower on channels_last input than
-    on contiguous input (docs/benchmarks.md), more than the two layout copies cost. Elsewhere,
-    and for contiguous input, this is ``nn.GroupNorm`` unchanged.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x: (B, C, H, W) -> (B, C, H, W) in x's memory format."""
-        if x.is_cpu and x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-            return super().forward(x.contiguous()).contiguous(memory_format=torch.channels_last)
-        return super().forward(x)
-
-
-class Dropout(nn.Dropout):
-    """``nn.Dropout`` whose mask, on a CPU, comes from 16 random bits per element.
-
-    A CPU draws random numbers slowly, and ``nn.Dropout`` draws one per element; four 16-bit
-    draws from each 64-bit random integer halve the cost of dropout's forward and backward
-    (docs/benchmarks.md). The drop probability is rounded to a multiple of 1/65536 (0.1 becomes
-    0.100006). On other devices, where dropout is one fused kernel, this is ``nn.Dropout``.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x: any shape -> the same shape; identity in eval mode or with p = 0."""
-        if not (self.training and self.p > 0 and x.is_cpu):
-            return super().forward(x)
-        n = x.numel()
-        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # 64 random bits each
-        bits = words.view(torch.int16)[:n].view(x.shape)  # uniform on [-32768, 32767]
-        keep = bits >= -32768 + round(self.p * 65536)
-        return torch.where(keep, x * (1.0 / (1.0 - self.p)), 0.0)
+    return nn.GroupNorm(groups, channels, eps=NORM_EPS)
 
 
 def sinusoidal_embedding(t: Tensor, dim: int) -> Tensor:
@@ -107,7 +71,7 @@ class ResBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
         self.time_proj = nn.Linear(emb_dim, out_channels)
         self.norm2 = group_norm(out_channels, norm_groups)
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
         self.skip = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
         # Recompute activations in backward instead of storing them (set by UNet).
