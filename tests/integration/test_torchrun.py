@@ -1,17 +1,28 @@
-"""torchrun with 2 processes (gloo, CPU) against one process at the same global batch."""
+"""torchrun with 2 processes (gloo, CPU) against one process at the same global batch, and
+2 processes set up as torchrun sets them up, for faults that hit one rank only."""
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import TINY_OVERRIDES
+from multiproc import free_port, rank_env
 
+from difftrain.config import load_config
 from difftrain.training import checkpoint as ckpt
+from difftrain.training.loop import train
+from difftrain.training.signals import EXIT_STOPPED
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Two processes of 4 images each against one of 8: the same global batch. The tiny test run,
 # with these keys changed (later --set values win).
@@ -68,3 +79,86 @@ def test_resume_on_another_world_size(tmp_path):
     _run(tmp_path / "resumed", 2, 4, "--stop-at-step", "2")
     _run(tmp_path / "resumed", 1, 8)  # the same run continued by one process
     _assert_close(_weights(tmp_path / "straight"), _weights(tmp_path / "resumed"))
+
+
+# Faults that reach one rank only. The ranks are started with torchrun's variables but without
+# torchrun, whose agent would stop the other rank as soon as one exits: here each rank's exit
+# code is its own.
+
+
+def _start_ranks(run_dir, overrides: list[str], world_size: int = 2, extra: list[str] = ()) -> list[subprocess.Popen]:
+    sets = [a for kv in overrides for a in ("--set", kv)]
+    cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run_dir), *sets, *extra]
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, **rank_env(rank, world_size, port), "PYTHONPATH": str(ROOT / "src")}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float = 120.0) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each rank; a rank still running after ``timeout_s`` is a hang."""
+    deadline, results = time.monotonic() + timeout_s, []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        outputs = [proc.communicate() for proc in procs]
+        pytest.fail(f"a rank hung; outputs: {outputs}")
+    return results
+
+
+def _stopped_at(stdout: str) -> int:
+    match = re.search(r"SIGTERM stopped the run at step (\d+)", stdout)
+    assert match, stdout
+    return int(match.group(1))
+
+
+ONE_RANK = COMMON + ["train.batch_size=4", "train.total_steps=10000", "train.log_every_steps=1",
+                     "validation.every_steps=0", "checkpoint.every_steps=10000"]
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    procs = _start_ranks(run, ONE_RANK)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # rank 0 logged 2 steps
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _finish(procs, 5)
+        time.sleep(0.02)
+    os.kill(procs[1].pid, signal.SIGTERM)  # rank 1 only: rank 0 learns of it at the next step boundary
+    (code0, out0, err0), (code1, out1, err1) = _finish(procs)
+    assert code0 == code1 == EXIT_STOPPED, err0 + err1
+    assert "SIGTERM received" in err1 and "SIGTERM received" not in err0
+    step = _stopped_at(out0)
+    assert _stopped_at(out1) == step >= 2
+    state = ckpt.load_checkpoint(run)  # complete, and the step both ranks stopped after
+    assert state["step"] == step and state["data_position"] == step * 8
+    assert (run / "checkpoints" / "latest").read_text().strip() == ckpt.checkpoint_name(step)
+
+    # Resumed by the same command, the run goes on as if never stopped: one step further, it has
+    # the weights of one process that trained straight there at the same global batch.
+    resume = ["--stop-at-step", str(step + 1)]
+    results = _finish(_start_ranks(run, ONE_RANK, extra=resume))
+    assert [code for code, _, _ in results] == [0, 0], results
+    train(load_config(None, ONE_RANK + ["train.batch_size=8"]), tmp_path / "straight", stop_at_step=step + 1)
+    resumed, straight = ckpt.load_checkpoint(run), ckpt.load_checkpoint(tmp_path / "straight")
+    assert resumed["step"] == straight["step"] == step + 1
+    _assert_close(resumed["model"], straight["model"])
+
+
+def test_a_failed_checkpoint_write_on_rank_0_stops_every_rank_with_its_error(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    # A dangling link where the checkpoint folder should be: rank 0 can't create it.
+    (run / "checkpoints").symlink_to(tmp_path / "missing" / "checkpoints")
+    overrides = COMMON + ["train.batch_size=4", "train.total_steps=4", "validation.every_steps=0",
+                          "checkpoint.every_steps=2", "checkpoint.on_write_error=stop"]
+    results = _finish(_start_ranks(run, overrides))
+    assert [code for code, _, _ in results] == [2, 2], results  # an error with a message, no hang
+    for _, _, err in results:
+        assert "cannot write the checkpoint of step 2" in err, err

@@ -28,7 +28,7 @@ from difftrain.training.lr_schedule import lr_at
 from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
-from difftrain.training.signals import StopRequest
+from difftrain.training.signals import StopRequest, signal_name
 from difftrain.training.speed import compile_model, prepare_model
 from difftrain.training.trackers import Trackers, build_trackers
 from difftrain.training.validation import save_raw_grid
@@ -150,6 +150,7 @@ def train(
     bucket_count = torch.zeros(NUM_LOSS_BUCKETS, device=device)
     window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
     last_saved = step
+    stopped_by = None  # the signal that stops every rank, once any of them has received one
     model.train()
     # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
     # workers fork, so that they inherit it and survive a Ctrl-C sent to the whole group.
@@ -302,8 +303,11 @@ def train(
                 trackers.log(step, fid_metrics)
                 window_start += time.perf_counter() - pause_start
 
+            # Agree on stopping: a signal to any rank stops all of them after this same step.
+            stopped_by = signal_name(distributed.max_over_ranks(stop.signum, dctx))
+
             # Save.
-            if step % cfg.checkpoint.every_steps == 0 or step == end or stop.requested:
+            if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by:
                 pause_start = time.perf_counter()
                 state = {
                     "step": step,
@@ -321,24 +325,30 @@ def train(
                     "num_classes": num_classes,
                 }
                 c = cfg.checkpoint
-                saved = not dctx.is_main or ckpt.save_or_report(
-                    state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error
+                # Rank 0 writes; every rank waits for it and then gets its outcome (the path, None
+                # when on_write_error="continue" let a failure pass, or its error to raise).
+                saved = distributed.run_on_main(
+                    lambda: ckpt.save_or_report(
+                        state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error
+                    ),
+                    dctx,
                 )
-                distributed.barrier(dctx)  # no rank reads or resumes past an unwritten checkpoint
                 if saved:
                     last_saved = step
                 window_start += time.perf_counter() - pause_start
-                if stop.requested:
+                if stopped_by:
                     break
     finally:
-        stop.restore()
         progress.close()
         trackers.close()
         distributed.teardown(dctx)
+        # Last: under torchrun a rank that exits stops the others with SIGTERM, which must not
+        # kill one that is still closing its files.
+        stop.restore()
     final = ckpt.find_checkpoint(run_dir) if last_saved == step else None
     return TrainResult(
         step=step, images_seen=position, checkpoint=final, skipped_steps=skipped_total,
-        stopped_by=stop.requested,
+        stopped_by=stopped_by,
     )
 
 
