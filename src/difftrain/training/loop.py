@@ -17,7 +17,7 @@ from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import prediction_target, q_sample
 from difftrain.diffusion.schedules import alpha_bar_schedule
 from difftrain.evaluation.during_training import TrainingFID
-from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
+from difftrain.sampling import grid_class_labels, initial_noise
 from difftrain.training import checkpoint as ckpt
 from difftrain.training import distributed
 from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
@@ -31,7 +31,7 @@ from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, st
 from difftrain.training.signals import StopRequest, signal_name
 from difftrain.training.speed import compile_model, prepare_model
 from difftrain.training.trackers import Trackers, build_trackers
-from difftrain.training.validation import save_raw_grid
+from difftrain.training.validation import save_grids, validation_grids
 
 NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
 
@@ -136,11 +136,11 @@ def train(
         prefetch_factor=d.prefetch_factor,
     )
     trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if dctx.is_main else Trackers([])
-    heldout = build_heldout(heldout_set, cfg, alpha_bar, device)
+    heldout = build_heldout(heldout_set, cfg, alpha_bar, device, dctx)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar and dctx.is_main)
     val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
     val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
-    fid = TrainingFID(cfg, alpha_bar, device)  # a no-op unless evaluation.fid_every_steps > 0
+    fid = TrainingFID(cfg, alpha_bar, device, dctx)  # a no-op unless evaluation.fid_every_steps > 0
 
     # Running sums live on the device and are read only at log steps (no per-step sync).
     zero = torch.zeros((), device=device)
@@ -275,26 +275,13 @@ def train(
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps):
                 pause_start = time.perf_counter()
-                mine = distributed.shard(v.num_images, dctx)  # each rank samples its share
-                images = generate(
-                    ema.model,
-                    alpha_bar=alpha_bar,
-                    prediction=cfg.diffusion.prediction,
-                    noise=val_noise[mine],
-                    sampler=v.sampler,
-                    steps=v.steps,
-                    seed=v.seed + rank,
-                    class_labels=None if val_labels is None else val_labels[mine],
-                    null_label=num_classes,
-                )
-                images = distributed.gather_cat(images, dctx)  # None except on rank 0
+                # Each rank samples its share of the grids and evaluates its share of the held-out
+                # set; rank 0 gathers them: the same grids and numbers on any number of processes.
+                grids = validation_grids(model, ema.model, cfg, val_noise, val_labels, num_classes, alpha_bar, dctx)
+                heldout_metrics = heldout.evaluate(model, ema.model)
                 if dctx.is_main:
-                    grid = make_grid(to_uint8(images))
-                    save_png(grid, run_dir / "samples" / f"step_{step:08d}.png")
-                    trackers.log_image(step, "samples/ema", grid)
-                    if v.raw_grid:
-                        save_raw_grid(model, cfg, val_noise, val_labels, num_classes, alpha_bar, run_dir, step, trackers)
-                    trackers.log(step, heldout.evaluate(model, ema.model))
+                    save_grids(grids, run_dir, step, trackers)
+                    trackers.log(step, heldout_metrics)
                 window_start += time.perf_counter() - pause_start  # images/s counts training only
 
             # Measure FID.
