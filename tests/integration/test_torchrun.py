@@ -79,7 +79,7 @@ def _assert_close(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-@pytest.mark.slow  # about 40 s alone, more on a busy 2-core machine: three processes start
+@pytest.mark.slow  # about 30 s alone, more on a busy 2-core machine: three processes start
 def test_two_processes_equal_one_at_the_same_global_batch(tmp_path):
     weights = tmp_path / "standin.pt"
     torch.jit.script(_StandInFeatures()).save(str(weights))

@@ -29,7 +29,8 @@ def sharded_sample_features(
     (which ``options`` are passed to), so the features are those of one process, in order."""
     total = num_batches(num, batch_size)
     mine = range(total)[distributed.shard(total, ctx)]
-    parts = [f.cpu() for f in sample_features(model, inception, num=num, batch_size=batch_size, batches=mine, **options)]
+    features = sample_features(model, inception, num=num, batch_size=batch_size, batches=mine, **options)
+    parts = [f.cpu() for f in features]
     local = torch.cat(parts) if parts else torch.zeros(0, inception.feature_dim)
     return distributed.gather_cat(local, ctx)
 
