@@ -7,7 +7,7 @@ connects them to a model, fixed seeds and files. Sampling always runs in float32
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +68,7 @@ def generate(
     null_label: int | None = None,
     guidance_scale: float = 1.0,
     batch_size: int = 256,
+    sample_ids: Sequence[int] | None = None,
     **sampler_options,
 ) -> torch.Tensor:
     """Sample images from fixed initial noise.
@@ -77,9 +78,15 @@ def generate(
         alpha_bar: (T,) the training schedule.
         noise: (N, C, H, W) x_T on the CPU (see :func:`initial_noise`).
         class_labels: (N,) long, or None for an unconditional model.
+        sample_ids: (N,) ints naming the samples. Given, row k's sampler noise (DDPM, DDIM with
+            eta > 0) comes from its own generator seeded by (seed, sample_ids[k]), so a sample
+            is the same whichever batch or process draws it. Without them each batch of
+            ``batch_size`` draws from one generator seeded by (seed, batch number).
     Returns:
         (N, C, H, W) float32 images in [-1, 1], on the CPU.
     """
+    if sample_ids is not None and len(sample_ids) != noise.shape[0]:
+        raise ValueError(f"got {len(sample_ids)} sample_ids for {noise.shape[0]} noise rows")
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     device = next(model.parameters()).device
@@ -93,11 +100,15 @@ def generate(
             x_T = noise[start : start + batch_size].to(device)
             labels = None if class_labels is None else class_labels[start : start + batch_size].to(device)
             denoiser = model_denoiser(model, alpha_bar, prediction, labels, null_label, guidance_scale)
-            gen = torch.Generator(device=device).manual_seed(derive_seed(seed, "sampler", i))
+            if sample_ids is None:
+                gen = torch.Generator(device=device).manual_seed(derive_seed(seed, "sampler", i))
+            else:
+                ids = sample_ids[start : start + batch_size]
+                gen = [torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", int(k))) for k in ids]
             out.append(SAMPLERS[sampler](denoiser, x_T, timesteps, alpha_bar, gen, **sampler_options).cpu())
     finally:
         model.train(was_training)
-    return torch.cat(out)
+    return torch.cat(out) if out else torch.zeros(noise.shape)  # no rows: a rank with no share
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -16,6 +16,7 @@ from difftrain.diffusion.samplers import (
     sampling_timesteps,
 )
 from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.sampling import generate
 
 NUM_TIMESTEPS = 100
 ALPHA_BAR = alpha_bar_schedule("linear", NUM_TIMESTEPS)
@@ -184,6 +185,51 @@ def test_same_seed_same_sample_different_seed_different_sample(sampler, options)
 
     assert torch.equal(sample(11), sample(11))
     assert not torch.allclose(sample(11), sample(12))
+
+
+@pytest.mark.parametrize(
+    "sampler, options", [(ddpm_sample, {}), (ddim_sample, {"eta": 0.7})], ids=["ddpm", "ddim"]
+)
+def test_one_generator_per_row_makes_a_sample_independent_of_its_batch(sampler, options):
+    # How a grid split across processes stays the grid of one process: row i draws from its own
+    # generator, so sampling rows 0-1 and 2-3 apart equals sampling all four together.
+    denoiser = make_x0_denoiser(toy_model, ALPHA_BAR, "epsilon", clip=True)
+    timesteps = sampling_timesteps(NUM_TIMESTEPS, 10)
+    x_T = torch.randn((4, 3, 8, 8), generator=torch.Generator().manual_seed(0))
+
+    def rows(ids):
+        gens = [torch.Generator().manual_seed(100 + i) for i in ids]
+        return sampler(denoiser, x_T[ids], timesteps, ALPHA_BAR, gens, **options)
+
+    whole = rows([0, 1, 2, 3])
+    torch.testing.assert_close(torch.cat([rows([0, 1]), rows([2, 3])]), whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(rows([2]), whole[2:3], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="3 generators for a batch of 4"):
+        sampler(denoiser, x_T, timesteps, ALPHA_BAR, [torch.Generator()] * 3, **options)
+
+
+class _ToyNet(torch.nn.Module):
+    """toy_model as a network with the UNet's call signature (and one parameter for its device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x, t, labels=None):
+        return toy_model(x, t) + self.anchor
+
+
+def test_generate_with_sample_ids_is_the_same_however_the_rows_are_split():
+    net, noise = _ToyNet(), torch.randn((5, 3, 8, 8), generator=torch.Generator().manual_seed(0))
+    common = {"alpha_bar": ALPHA_BAR, "prediction": "epsilon", "sampler": "ddpm", "steps": 6, "seed": 9}
+    whole = generate(net, noise=noise, sample_ids=range(5), **common)
+    parts = [generate(net, noise=noise[s], sample_ids=range(5)[s], batch_size=2, **common)
+             for s in (slice(0, 3), slice(3, 5))]
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-6)
+    # Without ids the noise follows the batches, as before: then the split changes the samples.
+    assert not torch.allclose(generate(net, noise=noise[3:], **common), whole[3:])
+    # A share of no rows (more processes than images) is an empty batch, not an error.
+    assert generate(net, noise=noise[5:], sample_ids=range(5, 5), **common).shape == (0, 3, 8, 8)
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLERS))

@@ -10,13 +10,16 @@ image; x_T: (B, C, H, W) noise at timesteps[0]; timesteps: (N,) long, strictly d
 runs in, coefficients are formed in float64 and the last step returns the denoiser's x0_hat
 (no noise is added after timesteps[-1], i.e. alpha_bar before the first step is taken as 1).
 Noise comes from torch.randn(..., generator=generator, device=x.device) (so the generator must
-live on x_T's device) and a seeded generator reproduces a sample exactly. Call samplers under
+live on x_T's device) and a seeded generator reproduces a sample exactly. ``generator`` may also
+be a sequence of B generators, one per row: row i's noise then comes from generator[i] alone, so
+a sample does not depend on which other samples share its batch. Call samplers under
 torch.no_grad() unless gradients are wanted.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -26,6 +29,8 @@ from difftrain.diffusion.process import check_prediction, to_x0_and_eps
 
 # denoiser(x_t (B, C, H, W), t (B,) long) -> x0_hat (B, C, H, W).
 Denoiser = Callable[[Tensor, Tensor], Tensor]
+# One generator for the batch, one per row of the batch, or None (the global generator).
+Generators = torch.Generator | Sequence[torch.Generator] | None
 
 # How sampling_timesteps spreads `steps` timesteps over [0, T) (Lin et al. 2024, sec. 3.3).
 SPACINGS = ("trailing", "leading", "linspace")
@@ -105,9 +110,16 @@ def _predict_x0(denoiser: Denoiser, x: Tensor, t: int) -> Tensor:
     return x0_hat.to(torch.float32)
 
 
-def _noise_like(x: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Standard normal noise shaped like x (float32), drawn from ``generator``."""
-    return torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+def _noise_like(x: Tensor, generator: Generators) -> Tensor:
+    """Standard normal noise shaped like x (B, ...) float32, drawn from ``generator``, or row i
+    from ``generator[i]`` when it is a sequence of B generators."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    if len(generator) != x.shape[0]:
+        raise ValueError(f"got {len(generator)} generators for a batch of {x.shape[0]}")
+    return torch.stack(
+        [torch.randn(x.shape[1:], generator=g, device=x.device, dtype=torch.float32) for g in generator]
+    )
 
 
 def ddpm_sample(
@@ -115,7 +127,7 @@ def ddpm_sample(
     x_T: Tensor,
     timesteps: Tensor,
     alpha_bar: Tensor,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> Tensor:
     """Ancestral sampling (DDPM, Ho et al. 2020, alg. 2) with the posterior variance beta-tilde.
 
@@ -148,7 +160,7 @@ def ddim_sample(
     x_T: Tensor,
     timesteps: Tensor,
     alpha_bar: Tensor,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     *,
     eta: float = 0.0,
 ) -> Tensor:
@@ -235,7 +247,7 @@ def dpmpp_2m_sample(
     x_T: Tensor,
     timesteps: Tensor,
     alpha_bar: Tensor,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     *,
     lower_order_final: bool = True,
 ) -> Tensor:
@@ -251,7 +263,7 @@ def dpmpp_3m_sample(
     x_T: Tensor,
     timesteps: Tensor,
     alpha_bar: Tensor,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     *,
     lower_order_final: bool = True,
 ) -> Tensor:
@@ -266,7 +278,7 @@ def heun_sample(
     x_T: Tensor,
     timesteps: Tensor,
     alpha_bar: Tensor,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> Tensor:
     """Heun's second-order method on the probability flow ODE as in EDM (Karras et al. 2022, alg. 1,
     deterministic, no churn), on the discrete schedule.

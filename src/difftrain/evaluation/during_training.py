@@ -1,5 +1,10 @@
 """FID during training: every ``evaluation.fid_every_steps`` steps, on the EMA model, logged
-together with the sample count it was measured on (FID is biased upwards at small counts)."""
+together with the sample count it was measured on (FID is biased upwards at small counts).
+
+Under torchrun the sampling and the Inception features are spread across ranks by whole
+batches; batch k's noise depends on (seed, batch size, k) alone and rank 0 folds the gathered
+features in batch order, so the FID is the one a single process measures.
+"""
 
 from __future__ import annotations
 
@@ -9,31 +14,51 @@ import torch
 from torch import nn
 
 from difftrain.config import Config
+from difftrain.training import distributed
+from difftrain.training.distributed import DistContext
 
-from .evaluate import fid_result, sample_statistics
+from .evaluate import fid_result, num_batches, sample_features, statistics_from_features
+from .inception import InceptionFeatures
+
+
+def sharded_sample_features(
+    model: nn.Module, inception: InceptionFeatures, *, num: int, batch_size: int, ctx: DistContext, **options
+) -> torch.Tensor | None:
+    """(num, D) float32 Inception features of all ``num`` samples on rank 0's CPU, None on the
+    others. Rank r draws the batches ``shard(num_batches, ctx)`` of :func:`sample_features`
+    (which ``options`` are passed to), so the features are those of one process, in order."""
+    total = num_batches(num, batch_size)
+    mine = range(total)[distributed.shard(total, ctx)]
+    features = sample_features(model, inception, num=num, batch_size=batch_size, batches=mine, **options)
+    parts = [f.cpu() for f in features]
+    local = torch.cat(parts) if parts else torch.zeros(0, inception.feature_dim)
+    return distributed.gather_cat(local, ctx)
 
 
 class TrainingFID:
     """Call ``fid(step, ema_model)`` after each step; it returns metrics to log at evaluation
-    steps and {} otherwise. A disabled one (fid_every_steps = 0) does nothing and loads nothing.
+    steps (on rank 0; {} on the others, and at other steps). A disabled one (fid_every_steps =
+    0) does nothing and loads nothing. Every rank must call it: each samples its share.
 
-    The Inception network and the reference statistics are loaded at the first evaluation; the
-    reference is ``evaluation.fid_ref`` (an .npz or a folder), or else the training data through
-    the training preprocessing (cached by content, see evaluation.reference).
+    The Inception network is loaded at the first evaluation, by every rank, and the reference
+    statistics by rank 0: ``evaluation.fid_ref`` (an .npz or a folder), or else the training data
+    through the training preprocessing (cached by content, see evaluation.reference).
     """
 
-    def __init__(self, cfg: Config, alpha_bar: torch.Tensor, device: torch.device):
+    def __init__(self, cfg: Config, alpha_bar: torch.Tensor, device: torch.device, ctx: DistContext | None = None):
         self.cfg, self.alpha_bar, self.device = cfg, alpha_bar, device
+        self.ctx = ctx or DistContext()
         self.every = cfg.evaluation.fid_every_steps
         self._inception = None
         self._reference = None
 
     def _setup(self) -> None:
-        from .inception import InceptionFeatures
         from .reference import load_or_compute, reference_statistics
 
         e, d = self.cfg.evaluation, self.cfg.data
         self._inception = InceptionFeatures(e.inception_path or None).to(self.device)
+        if not self.ctx.is_main:
+            return
         if e.fid_ref:
             self._reference = load_or_compute(e.fid_ref, self._inception)
         else:
@@ -48,10 +73,15 @@ class TrainingFID:
         if self._inception is None:
             self._setup()
         e, d = self.cfg.evaluation, self.cfg.data
-        samples = sample_statistics(
+        features = sharded_sample_features(
             ema_model, self._inception, alpha_bar=self.alpha_bar, prediction=self.cfg.diffusion.prediction,
             shape=(d.channels, d.resolution, d.resolution), num=e.fid_num_samples, sampler=e.fid_sampler,
-            steps=e.fid_steps, seed=e.fid_seed, batch_size=e.fid_batch_size)
+            steps=e.fid_steps, seed=e.fid_seed, batch_size=e.fid_batch_size, ctx=self.ctx)
+        if features is None:  # not rank 0
+            return {}
+        samples = statistics_from_features(
+            features.split(e.fid_batch_size), self._inception,
+            {"num_images": e.fid_num_samples, "sampler": e.fid_sampler, "steps": e.fid_steps})
         result = fid_result(samples, self._reference, kid=False)
         return {"fid": result["fid"], "fid_num_samples": result["num_samples"],
                 "fid_num_reference": result["num_reference"], "fid_steps": e.fid_steps,

@@ -8,6 +8,7 @@ seed and the checkpoint step, and :func:`describe` never prints the number witho
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,10 +18,55 @@ from difftrain.diffusion.samplers import SAMPLER_NFE
 from difftrain.sampling import generate, initial_noise
 from difftrain.training.seeding import derive_seed
 
-from .fid import compare, statistics_from_images
+from .fid import compare
 from .inception import InceptionFeatures
 from .reference import reference_statistics
 from .stats import FeatureStats
+
+
+def sample_features(
+    model: nn.Module,
+    inception: InceptionFeatures,
+    *,
+    alpha_bar: torch.Tensor,
+    prediction: str,
+    shape: tuple[int, int, int],
+    num: int,
+    sampler: str,
+    steps: int,
+    seed: int = 0,
+    batch_size: int = 256,
+    batches: Iterable[int] | None = None,
+    **sampler_options,
+) -> Iterator[torch.Tensor]:
+    """Inception features, (n_k, D) float32, of batch k of ``num`` samples of ``model``
+    (unconditional, shape (C, H, W)) for each k of ``batches`` in turn (all of them by default).
+
+    Batch k holds samples ``k * batch_size`` onwards and starts from initial noise seeded by
+    (seed, k), so its samples depend on (seed, batch_size, k) alone: any process can draw any
+    batch. Samples are rounded to uint8, as a PNG would store them, before Inception sees them.
+    """
+    for k in range(num_batches(num, batch_size)) if batches is None else batches:
+        n = min(batch_size, num - k * batch_size)
+        noise = initial_noise(n, shape, derive_seed(seed, "fid-batch", k))
+        images = generate(model, alpha_bar=alpha_bar, prediction=prediction, noise=noise,
+                          sampler=sampler, steps=steps, seed=derive_seed(seed, "fid-sampler", k),
+                          batch_size=batch_size, **sampler_options)
+        yield inception(((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8))
+
+
+def num_batches(num: int, batch_size: int) -> int:
+    """Batches of at most ``batch_size`` that ``num`` samples take."""
+    return -(-num // batch_size)
+
+
+def statistics_from_features(features: Iterable[torch.Tensor], inception: InceptionFeatures,
+                             metadata: dict) -> FeatureStats:
+    """FeatureStats of feature batches (B, D), in order, with the network's metadata attached."""
+    stats = FeatureStats(dim=inception.feature_dim, metadata={**inception.metadata, **metadata})
+    for batch in features:
+        stats.update(batch)
+    return stats
 
 
 def sample_statistics(
@@ -39,24 +85,16 @@ def sample_statistics(
 ) -> FeatureStats:
     """Inception statistics of ``num`` samples of ``model`` (unconditional), shape (C, H, W).
 
-    Batch k of ``batch_size`` starts from initial noise seeded by (seed, k), so a result depends
-    on (seed, batch_size) and memory stays at one batch. Samples are rounded to uint8, as a PNG
-    would store them, before Inception sees them.
+    The samples are those of :func:`sample_features`, so a result depends on (seed, batch_size),
+    and memory stays at one batch.
     """
     if num < 2:
         raise ValueError(f"the number of samples must be >= 2 for a covariance, got {num}")
-
-    def batches():
-        for k, start in enumerate(range(0, num, batch_size)):
-            n = min(batch_size, num - start)
-            noise = initial_noise(n, shape, derive_seed(seed, "fid-batch", k))
-            images = generate(model, alpha_bar=alpha_bar, prediction=prediction, noise=noise,
-                              sampler=sampler, steps=steps, seed=derive_seed(seed, "fid-sampler", k),
-                              batch_size=batch_size, **sampler_options)
-            yield ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-
-    return statistics_from_images(batches(), inception,
-                                  metadata={"num_images": num, "sampler": sampler, "steps": steps})
+    features = sample_features(model, inception, alpha_bar=alpha_bar, prediction=prediction, shape=shape,
+                               num=num, sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
+                               **sampler_options)
+    return statistics_from_features(features, inception,
+                                    {"num_images": num, "sampler": sampler, "steps": steps})
 
 
 def fid_result(samples: FeatureStats, reference: FeatureStats, /, *, kid: bool = True, **context) -> dict:

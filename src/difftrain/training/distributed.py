@@ -12,6 +12,12 @@ for the whole global micro-batch from a generator seeded by (seed, step, micro) 
 keeps its rows (:func:`rank_rows`), so a run on W processes at per-device batch B sees the same
 images, timesteps and noise as one process at batch W x B, and ends with the same weights up to
 float rounding (DDP averages the gradients of the per-rank means).
+
+Control messages go over a second process group, always gloo, so that they stay on the CPU: each
+step the ranks agree on whether to stop (:func:`max_over_ranks`, one small all-reduce of a CPU
+integer, no device synchronisation); rank 0 shares the outcome of what only it does, such as
+writing a checkpoint (:func:`run_on_main`); and CPU tensors are gathered on rank 0
+(:func:`gather_cat`).
 """
 
 from __future__ import annotations
@@ -19,11 +25,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +46,7 @@ class DistContext:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     owns_group: bool = False  # this module created the process group and will destroy it
+    control: object | None = None  # a gloo group of all ranks for CPU-side control messages
 
     @property
     def enabled(self) -> bool:
@@ -64,13 +76,19 @@ def setup(device: torch.device) -> DistContext:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistContext(rank, world_size, local_rank, device, owns)
+    # Stop flags and rank 0's outcomes: CPU tensors on gloo, never a CUDA synchronisation.
+    control = dist.new_group(backend="gloo")
+    return DistContext(rank, world_size, local_rank, device, owns, control)
 
 
 def teardown(ctx: DistContext) -> None:
-    """Leave the process group that :func:`setup` created."""
-    if ctx.owns_group and dist.is_initialized():
+    """Leave the process groups that :func:`setup` created."""
+    if not dist.is_initialized():
+        return
+    if ctx.owns_group:
         dist.destroy_process_group()
+    elif ctx.control is not None:
+        dist.destroy_process_group(ctx.control)
 
 
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
@@ -109,11 +127,6 @@ def all_reduce_sum_(*tensors: torch.Tensor) -> None:
             dist.all_reduce(t)
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
-        dist.barrier()
-
-
 def shard(n: int, ctx: DistContext) -> slice:
     """This rank's contiguous share of ``n`` items (sizes differ by at most one)."""
     base, extra = divmod(n, ctx.world_size)
@@ -122,12 +135,64 @@ def shard(n: int, ctx: DistContext) -> slice:
 
 
 def gather_cat(x: torch.Tensor, ctx: DistContext) -> torch.Tensor | None:
-    """Concatenate every rank's CPU tensor, in rank order, on rank 0 (None on the others).
+    """Concatenate every rank's tensor (N_r, ...), in rank order, on rank 0's CPU (None on the
+    others); sent over the control group.
 
-    For sampling spread across ranks: rank r computes the items ``shard(n, ctx)``.
+    For work spread across ranks: rank r computes the items ``shard(n, ctx)``, so the result
+    holds items 0 .. n-1 in order, as one process would have computed them.
     """
     if not ctx.enabled:
         return x
-    parts: list = [None] * ctx.world_size
-    dist.all_gather_object(parts, x.cpu())
+    parts: list | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(x.cpu(), parts, dst=0, group=ctx.control)
     return torch.cat(parts) if ctx.is_main else None
+
+
+def max_over_ranks(value: int, ctx: DistContext) -> int:
+    """The largest ``value`` of any rank, on every rank; ``value`` itself in one process.
+
+    One all-reduce of a CPU integer on the control group: cheap enough to call every step, and
+    it never waits for the device. Every rank must call it at the same point of the loop.
+    """
+    if not ctx.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.control)
+    return int(t.item())
+
+
+def run_on_main(fn: Callable[[], T], ctx: DistContext) -> T:
+    """Call ``fn()`` on rank 0 only; every rank returns its result or raises its exception.
+
+    The other ranks wait for rank 0's outcome (so this is also a barrier: none of them goes on
+    before ``fn`` has finished) and then do the same thing as rank 0, instead of one rank
+    leaving the loop on an error while the others wait for it in the next collective. The
+    result and the exception are pickled; an exception that can't be is sent as a RuntimeError
+    with its message.
+    """
+    if not ctx.enabled:
+        return fn()
+    message: list = [None]
+    error = None
+    if ctx.is_main:
+        try:
+            message[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            error = e
+            message[0] = ("error", _picklable(e))
+    dist.broadcast_object_list(message, src=0, group=ctx.control)
+    kind, payload = message[0]
+    if error is not None:
+        raise error
+    if kind == "error":
+        raise payload
+    return payload
+
+
+def _picklable(e: Exception) -> Exception:
+    """``e`` if it survives pickling, else a RuntimeError carrying its type and message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any failure means: send the text instead
+        return RuntimeError(f"on rank 0: {type(e).__name__}: {e}")

@@ -4,6 +4,10 @@ Training loss is noisy (each step draws new t and noise) and is measured on data
 seen. The held-out loss is measured on images the model never trains on, with noise and
 timesteps drawn once from a fixed seed, so two evaluations differ only through the weights:
 the curve is smooth, over-fitting shows as a rise, and runs can be compared number for number.
+
+Under torchrun each rank evaluates its shard of the held-out images; the noise and timestep of
+image i are drawn for the whole set and depend on i alone, and the per-image losses are gathered
+on rank 0 in order, so the numbers are those of one process (to float rounding).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from difftrain.config import Config
 from difftrain.data.sampler import split_key
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import prediction_target, q_sample
+from difftrain.training import distributed
+from difftrain.training.distributed import DistContext
 from difftrain.training.seeding import derive_seed
 
 
@@ -91,30 +97,38 @@ class HeldOutLoss:
         alpha_bar: (T,) the schedule, on ``device``.
         device: where the frozen tensors live and the model runs.
         num_buckets: timestep buckets for the per-bucket losses.
+        ctx: the process's place in a distributed run; it keeps and evaluates only its shard
+            ``distributed.shard(N, ctx)`` of the N held-out images.
     """
 
     def __init__(self, dataset: Dataset, cfg: Config, alpha_bar: torch.Tensor, device: torch.device,
-                 num_buckets: int = 10):
-        v = cfg.validation
+                 num_buckets: int = 10, ctx: DistContext | None = None):
+        v, d = cfg.validation, cfg.data
+        self.ctx = ctx or DistContext()
         n = min(len(dataset), v.heldout_max_images)
-        items = [dataset[i] for i in range(n)]
-        self.x0 = torch.stack([x for x, _ in items]).to(device)  # (N, C, H, W)
-        num_classes = getattr(dataset, "num_classes", 0) if cfg.data.class_conditional else 0
-        self.labels = torch.tensor([y for _, y in items], device=device) if num_classes else None
+        mine = distributed.shard(n, self.ctx)
+        # Drawn for all N images, whatever this rank keeps: image i's t and noise depend on i alone.
         g = torch.Generator().manual_seed(derive_seed(v.seed, "heldout-noise"))
         T = cfg.diffusion.num_timesteps
-        self.t = stratified_timesteps(n, T, g).to(device)  # (N,)
-        self.noise = torch.randn(self.x0.shape, generator=g).to(device)  # (N, C, H, W)
+        t = stratified_timesteps(n, T, g)  # (N,)
+        noise = torch.randn((n, d.channels, d.resolution, d.resolution), generator=g)  # (N, C, H, W)
+        items = [dataset[i] for i in range(n)[mine]]
+        self.x0 = torch.stack([x for x, _ in items]).to(device) if items else torch.zeros_like(noise[mine]).to(device)
+        num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
+        self.labels = torch.tensor([y for _, y in items], dtype=torch.long, device=device) if num_classes else None
+        self.t = t[mine].to(device)  # (N_r,) this rank's rows
+        self.noise = noise[mine].to(device)  # (N_r, C, H, W)
         self.alpha_bar = alpha_bar
         self.diffusion = cfg.diffusion
         self.batch_size = v.heldout_batch_size
         self.weights = v.heldout_weights
         self.num_buckets = num_buckets
-        self.buckets = (self.t * num_buckets) // T  # (N,)
+        self.buckets = (t * num_buckets) // T  # (N,) on the CPU, for all images
 
     @torch.no_grad()
     def per_sample(self, model: nn.Module) -> torch.Tensor:
-        """(N,) float32 loss of each held-out triple, in eval mode (training mode is restored)."""
+        """(N_r,) float32 loss of each of this rank's held-out triples (all N in one process), in
+        eval mode (training mode is restored)."""
         was_training = model.training
         model.eval()
         dc = self.diffusion
@@ -130,11 +144,13 @@ class HeldOutLoss:
                 out.append(diffusion_loss(model(x_t, t, labels), target, weight))
         finally:
             model.train(was_training)
-        return torch.cat(out)
+        return torch.cat(out) if out else torch.zeros(0, device=self.x0.device)
 
     def summarize(self, losses: torch.Tensor, prefix: str) -> dict[str, float]:
-        """``{prefix}/loss`` and ``{prefix}/loss_bucket/i`` (empty buckets left out)."""
-        sums = torch.zeros(self.num_buckets, device=losses.device).index_add_(0, self.buckets, losses)
+        """``{prefix}/loss`` and ``{prefix}/loss_bucket/i`` (empty buckets left out) from the
+        (N,) losses of all held-out images."""
+        losses = losses.cpu()
+        sums = torch.zeros(self.num_buckets).index_add_(0, self.buckets, losses)
         counts = torch.bincount(self.buckets, minlength=self.num_buckets)
         metrics = {f"{prefix}/loss": losses.mean().item()}
         for i, (s, c) in enumerate(zip(sums.tolist(), counts.tolist())):
@@ -143,12 +159,14 @@ class HeldOutLoss:
         return metrics
 
     def evaluate(self, model: nn.Module, ema_model: nn.Module) -> dict[str, float]:
-        """Held-out metrics of the EMA (``heldout/...``) and/or raw (``heldout_raw/...``) weights."""
+        """Held-out metrics of the EMA (``heldout/...``) and/or raw (``heldout_raw/...``) weights
+        on rank 0, {} on the others. Every rank must call it: each evaluates its shard."""
         metrics: dict[str, float] = {}
-        if self.weights in ("ema", "both"):
-            metrics.update(self.summarize(self.per_sample(ema_model), "heldout"))
-        if self.weights in ("raw", "both"):
-            metrics.update(self.summarize(self.per_sample(model), "heldout_raw"))
+        for weights, prefix, net in (("ema", "heldout", ema_model), ("raw", "heldout_raw", model)):
+            if self.weights in (weights, "both"):
+                losses = distributed.gather_cat(self.per_sample(net), self.ctx)  # (N,) on rank 0
+                if losses is not None:
+                    metrics.update(self.summarize(losses, prefix))
         return metrics
 
 
@@ -159,11 +177,12 @@ class NoHeldOut:
         return {}
 
 
-def build_heldout(dataset: Dataset | None, cfg: Config, alpha_bar: torch.Tensor, device: torch.device):
-    """A :class:`HeldOutLoss` on ``dataset``, or a no-op when there is none."""
+def build_heldout(dataset: Dataset | None, cfg: Config, alpha_bar: torch.Tensor, device: torch.device,
+                  ctx: DistContext | None = None):
+    """A :class:`HeldOutLoss` on ``dataset`` (this rank's shard of it), or a no-op when there is none."""
     if dataset is None:
         return NoHeldOut()
-    return HeldOutLoss(dataset, cfg, alpha_bar, device)
+    return HeldOutLoss(dataset, cfg, alpha_bar, device, ctx=ctx)
 
 
 def bucket_bounds(num_timesteps: int, num_buckets: int = 10) -> Iterator[tuple[int, int]]:

@@ -17,7 +17,7 @@ from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import prediction_target, q_sample
 from difftrain.diffusion.schedules import alpha_bar_schedule
 from difftrain.evaluation.during_training import TrainingFID
-from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
+from difftrain.sampling import grid_class_labels, initial_noise
 from difftrain.training import checkpoint as ckpt
 from difftrain.training import distributed
 from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
@@ -28,10 +28,10 @@ from difftrain.training.lr_schedule import lr_at
 from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
-from difftrain.training.signals import StopRequest
+from difftrain.training.signals import StopRequest, signal_name
 from difftrain.training.speed import compile_model, prepare_model
 from difftrain.training.trackers import Trackers, build_trackers
-from difftrain.training.validation import save_raw_grid
+from difftrain.training.validation import save_grids, validation_grids
 
 NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
 
@@ -136,11 +136,11 @@ def train(
         prefetch_factor=d.prefetch_factor,
     )
     trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if dctx.is_main else Trackers([])
-    heldout = build_heldout(heldout_set, cfg, alpha_bar, device)
+    heldout = build_heldout(heldout_set, cfg, alpha_bar, device, dctx)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar and dctx.is_main)
     val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
     val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
-    fid = TrainingFID(cfg, alpha_bar, device)  # a no-op unless evaluation.fid_every_steps > 0
+    fid = TrainingFID(cfg, alpha_bar, device, dctx)  # a no-op unless evaluation.fid_every_steps > 0
 
     # Running sums live on the device and are read only at log steps (no per-step sync).
     zero = torch.zeros((), device=device)
@@ -150,6 +150,7 @@ def train(
     bucket_count = torch.zeros(NUM_LOSS_BUCKETS, device=device)
     window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
     last_saved = step
+    stopped_by = None  # the signal that stops every rank, once any of them has received one
     model.train()
     # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
     # workers fork, so that they inherit it and survive a Ctrl-C sent to the whole group.
@@ -274,26 +275,13 @@ def train(
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps):
                 pause_start = time.perf_counter()
-                mine = distributed.shard(v.num_images, dctx)  # each rank samples its share
-                images = generate(
-                    ema.model,
-                    alpha_bar=alpha_bar,
-                    prediction=cfg.diffusion.prediction,
-                    noise=val_noise[mine],
-                    sampler=v.sampler,
-                    steps=v.steps,
-                    seed=v.seed + rank,
-                    class_labels=None if val_labels is None else val_labels[mine],
-                    null_label=num_classes,
-                )
-                images = distributed.gather_cat(images, dctx)  # None except on rank 0
+                # Each rank samples its share of the grids and evaluates its share of the held-out
+                # set; rank 0 gathers them: the same grids and numbers on any number of processes.
+                grids = validation_grids(model, ema.model, cfg, val_noise, val_labels, num_classes, alpha_bar, dctx)
+                heldout_metrics = heldout.evaluate(model, ema.model)
                 if dctx.is_main:
-                    grid = make_grid(to_uint8(images))
-                    save_png(grid, run_dir / "samples" / f"step_{step:08d}.png")
-                    trackers.log_image(step, "samples/ema", grid)
-                    if v.raw_grid:
-                        save_raw_grid(model, cfg, val_noise, val_labels, num_classes, alpha_bar, run_dir, step, trackers)
-                    trackers.log(step, heldout.evaluate(model, ema.model))
+                    save_grids(grids, run_dir, step, trackers)
+                    trackers.log(step, heldout_metrics)
                 window_start += time.perf_counter() - pause_start  # images/s counts training only
 
             # Measure FID.
@@ -302,8 +290,11 @@ def train(
                 trackers.log(step, fid_metrics)
                 window_start += time.perf_counter() - pause_start
 
+            # Agree on stopping: a signal to any rank stops all of them after this same step.
+            stopped_by = signal_name(distributed.max_over_ranks(stop.signum, dctx))
+
             # Save.
-            if step % cfg.checkpoint.every_steps == 0 or step == end or stop.requested:
+            if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by:
                 pause_start = time.perf_counter()
                 state = {
                     "step": step,
@@ -321,24 +312,30 @@ def train(
                     "num_classes": num_classes,
                 }
                 c = cfg.checkpoint
-                saved = not dctx.is_main or ckpt.save_or_report(
-                    state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error
+                # Rank 0 writes; every rank waits for it and then gets its outcome (the path, None
+                # when on_write_error="continue" let a failure pass, or its error to raise).
+                saved = distributed.run_on_main(
+                    lambda: ckpt.save_or_report(
+                        state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error
+                    ),
+                    dctx,
                 )
-                distributed.barrier(dctx)  # no rank reads or resumes past an unwritten checkpoint
                 if saved:
                     last_saved = step
                 window_start += time.perf_counter() - pause_start
-                if stop.requested:
+                if stopped_by:
                     break
     finally:
-        stop.restore()
         progress.close()
         trackers.close()
         distributed.teardown(dctx)
+        # Last: under torchrun a rank that exits stops the others with SIGTERM, which must not
+        # kill one that is still closing its files.
+        stop.restore()
     final = ckpt.find_checkpoint(run_dir) if last_saved == step else None
     return TrainResult(
         step=step, images_seen=position, checkpoint=final, skipped_steps=skipped_total,
-        stopped_by=stop.requested,
+        stopped_by=stopped_by,
     )
 
 

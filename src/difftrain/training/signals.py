@@ -6,6 +6,11 @@ in sysexits.h: "stopped early; run the same command again to continue"). A secon
 exits at once with 128 + the signal number (130 for SIGINT, 143 for SIGTERM), as a shell
 reports a process killed by that signal; the newest complete checkpoint stays loadable because
 every checkpoint write is atomic.
+
+Under torchrun the ranks agree at every step boundary (see the training loop's "Agree on
+stopping"): each contributes :attr:`StopRequest.signum` and all of them stop after the same step
+if any one was signalled, so a signal that reaches one rank only (or the ranks at different
+steps) stops the whole run with one checkpoint instead of leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ import threading
 
 EXIT_STOPPED = 75  # a signal stopped the run after saving a checkpoint
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def signal_name(signum: int) -> str | None:
+    """``"SIGTERM"`` for 15 and so on; None for 0 (no signal)."""
+    return signal.Signals(signum).name if signum else None
 
 
 class StopRequest:
@@ -42,6 +52,11 @@ class StopRequest:
             file=sys.stderr,
             flush=True,
         )
+
+    @property
+    def signum(self) -> int:
+        """The number of the signal received, 0 if none."""
+        return signal.Signals[self.requested].value if self.requested else 0
 
     def install(self) -> "StopRequest":
         """Start catching the signals (also what ``with`` does)."""

@@ -1,0 +1,66 @@
+"""Run a function on W real processes joined by gloo, set up the way torchrun sets them up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from difftrain.training import distributed
+
+
+def free_port() -> int:
+    """A TCP port free at the time of the call, for MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a one-machine run."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
+    torch.set_num_threads(1)
+    ctx = distributed.setup(torch.device("cpu"))
+    try:
+        result = fn(ctx, *args)
+    finally:
+        distributed.teardown(ctx)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0) -> list:
+    """``fn(ctx, *args)`` on ``world_size`` spawned processes; their results in rank order.
+
+    ``fn`` must be a module-level function and its result something ``torch.save`` can write.
+    A process that raises fails the call with its traceback; a hang is killed after
+    ``timeout_s``.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = mp.start_processes(
+            _worker, (world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not procs.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in procs.processes:
+                    p.kill()
+                raise TimeoutError(f"{world_size} processes still running after {timeout_s:.0f} s: a hang")
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

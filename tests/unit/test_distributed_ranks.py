@@ -1,0 +1,130 @@
+"""training/distributed.py on two real gloo processes: control messages, and work spread across
+ranks (held-out loss, validation grid, FID features) that must equal one process's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_OVERRIDES
+from multiproc import run_ranks
+
+from difftrain.config import load_config
+from difftrain.data import build_dataset
+from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.evaluation.during_training import sharded_sample_features
+from difftrain.sampling import initial_noise
+from difftrain.training import checkpoint as ckpt
+from difftrain.training import distributed
+from difftrain.training.builders import build_model
+from difftrain.training.heldout import HeldOutLoss, split_heldout
+from difftrain.training.validation import sample_grid
+
+# ---- Control messages --------------------------------------------------------------------------
+
+
+def _control(ctx: distributed.DistContext, tmp_path) -> dict:
+    out = {"max": distributed.max_over_ranks(15 if ctx.rank == 1 else 0, ctx)}  # a signal on rank 1 only
+    out["shared"] = distributed.run_on_main(lambda: f"computed by rank {ctx.rank}", ctx)
+    blocked = tmp_path / "a-file"  # a checkpoint folder under a file: the write fails on rank 0
+    blocked.write_text("")
+    save = lambda policy: ckpt.save_or_report({"step": 4}, blocked / "checkpoints", 4, 1, 0, policy)  # noqa: E731
+    try:
+        distributed.run_on_main(lambda: save("stop"), ctx)
+    except ckpt.CheckpointWriteError as e:
+        out["stop"] = str(e)
+    out["continue"] = distributed.run_on_main(lambda: save("continue"), ctx)
+    out["gathered"] = distributed.gather_cat(torch.arange(ctx.rank + 1) + 10 * ctx.rank, ctx)
+    return out
+
+
+def test_control_messages_reach_every_rank(tmp_path):
+    rank0, rank1 = run_ranks(_control, 2, tmp_path)
+    assert rank0["max"] == rank1["max"] == 15  # rank 0 learns of rank 1's signal
+    assert rank0["shared"] == rank1["shared"] == "computed by rank 0"
+    # Rank 0's failed write is every rank's error, so none of them waits for it at a barrier.
+    assert rank0["stop"] == rank1["stop"] and "cannot write the checkpoint of step 4" in rank1["stop"]
+    assert rank0["continue"] is None and rank1["continue"] is None
+    assert rank0["gathered"].tolist() == [0, 10, 11] and rank1["gathered"] is None
+
+
+# ---- Work spread across ranks equals one process's -----------------------------------------------
+
+OVERRIDES = TINY_OVERRIDES + [
+    "data.heldout_fraction=0.05",
+    "validation.heldout_max_images=7",  # odd, and batches of 3: the ranks' batches differ from one process's
+    "validation.heldout_batch_size=3",
+    "validation.num_images=5",
+    "validation.sampler=ddpm",  # draws noise at every step
+    "validation.steps=3",
+]
+FID = {"num": 7, "batch_size": 2, "sampler": "ddpm", "steps": 2, "seed": 3}
+
+
+class _Features:
+    """Stands in for the Inception network: 8 features from a fixed projection of the pixels."""
+
+    feature_dim = 8
+    metadata: dict = {}
+
+    def __init__(self, pixels: int):
+        self.weight = torch.randn(pixels, self.feature_dim, generator=torch.Generator().manual_seed(0))
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return images.float().flatten(1) @ self.weight / 255
+
+
+def _perturbed_model(cfg, seed: int) -> torch.nn.Module:
+    """The tiny UNet with every weight moved randomly, so that no output is trivially zero."""
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _spread_work(ctx: distributed.DistContext) -> dict:
+    """The held-out loss, the validation grid and the FID features, as ``ctx``'s rank sees them."""
+    cfg = load_config(None, OVERRIDES)
+    alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps)
+    model, ema_model = _perturbed_model(cfg, 0), _perturbed_model(cfg, 1)
+    d, v = cfg.data, cfg.validation
+    shape = (d.channels, d.resolution, d.resolution)
+    _, held = split_heldout(build_dataset(d.path, d.resolution, d.channels, False, 0.0, False), cfg, None)
+    heldout = HeldOutLoss(held, cfg, alpha_bar, torch.device("cpu"), ctx=ctx).evaluate(model, ema_model)
+    noise = initial_noise(v.num_images, shape, v.seed)
+    grid = sample_grid(ema_model, cfg, noise, None, 0, alpha_bar, ctx)
+    features = sharded_sample_features(ema_model, _Features(d.resolution**2 * d.channels), alpha_bar=alpha_bar,
+                                       prediction=cfg.diffusion.prediction, shape=shape, ctx=ctx, **FID)
+    return {"heldout": heldout, "grid": grid, "features": features}
+
+
+@pytest.fixture(scope="module")
+def one_and_two():
+    """(one process's results, [rank 0's, rank 1's] of two processes)."""
+    return _spread_work(distributed.DistContext()), run_ranks(_spread_work, 2)
+
+
+def test_heldout_loss_on_two_ranks_equals_one_process(one_and_two):
+    one, (rank0, rank1) = one_and_two
+    assert rank1["heldout"] == {}  # rank 0 logs
+    assert rank0["heldout"].keys() == one["heldout"].keys() and "heldout_raw/loss" in one["heldout"]
+    for key, value in one["heldout"].items():
+        assert rank0["heldout"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_validation_grid_on_two_ranks_equals_one_process(one_and_two):
+    one, (rank0, rank1) = one_and_two
+    assert rank1["grid"] is None
+    assert rank0["grid"].shape == one["grid"].shape
+    # uint8 pixels: at most one level of rounding apart, nearly all of them equal.
+    diff = (rank0["grid"].astype(int) - one["grid"].astype(int))
+    assert abs(diff).max() <= 1 and (diff != 0).mean() < 1e-3
+
+
+def test_fid_features_on_two_ranks_equal_one_process(one_and_two):
+    one, (rank0, rank1) = one_and_two
+    assert rank1["features"] is None
+    assert one["features"].shape == (FID["num"], 8)
+    torch.testing.assert_close(rank0["features"], one["features"], rtol=1e-5, atol=1e-5)
