@@ -61,6 +61,21 @@ def test_sigterm_saves_at_the_step_boundary_and_the_run_resumes_exactly(tmp_path
     assert ckpt.state_dict_sha256(a["ema"]["model"]) == ckpt.state_dict_sha256(b["ema"]["model"])
 
 
+def test_a_stopping_run_saves_before_it_would_validate(tmp_path, tiny_overrides):
+    # A preemption gives seconds: the step at which the stop is seen is saved without its grid.
+    overrides = tiny_overrides + ["train.total_steps=10000", "train.log_every_steps=1", "validation.every_steps=1",
+                                  "checkpoint.every_steps=10000", "tracking.tensorboard=false"]
+    run = tmp_path / "run"
+    proc = _train_proc(run, overrides)
+    _wait_for(lambda: len(list((run / "samples").glob("step_*.png"))) >= 2, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err
+    stopped_at = int(ckpt.load_checkpoint(run)["step"])
+    grids = sorted(int(p.stem.split("_")[1]) for p in (run / "samples").glob("step_*.png"))
+    assert grids == list(range(1, stopped_at)), (grids, stopped_at)  # every step's grid but the last
+
+
 def test_ctrl_c_to_the_process_group_with_loader_workers_stops_cleanly(tmp_path, tiny_overrides):
     overrides = tiny_overrides + ["train.total_steps=10000", "train.log_every_steps=1", "validation.every_steps=0",
                                   "checkpoint.every_steps=10000", "tracking.tensorboard=false", "data.num_workers=1"]

@@ -271,9 +271,13 @@ def train(
                 bucket_loss.zero_(), bucket_count.zero_()
                 window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
 
+            # Agree on stopping: a signal to any rank stops all of them after this same step. A
+            # stopping run saves at once (a preemption gives it seconds), skipping evaluation.
+            stopped_by = signal_name(distributed.max_over_ranks(stop.signum, dctx))
+
             # Validate.
             v = cfg.validation
-            if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps):
+            if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
                 pause_start = time.perf_counter()
                 # Each rank samples its share of the grids and evaluates its share of the held-out
                 # set; rank 0 gathers them: the same grids and numbers on any number of processes.
@@ -286,12 +290,9 @@ def train(
 
             # Measure FID.
             pause_start = time.perf_counter()
-            if fid_metrics := fid(step, ema.model):
+            if not stopped_by and (fid_metrics := fid(step, ema.model)):
                 trackers.log(step, fid_metrics)
                 window_start += time.perf_counter() - pause_start
-
-            # Agree on stopping: a signal to any rank stops all of them after this same step.
-            stopped_by = signal_name(distributed.max_over_ranks(stop.signum, dctx))
 
             # Save.
             if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by:
