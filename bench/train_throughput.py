@@ -48,6 +48,14 @@ def matmul_peak(device: torch.device, precision: str) -> float:
     return best
 
 
+def preset_precision(preset: str) -> str:
+    """The training precision that ``configs/<preset>.toml`` sets (fp32 without such a file)."""
+    from difftrain.config import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{preset}.toml"
+    return load_config(path, []).train.precision if path.exists() else "fp32"
+
+
 def flops_per_image(cfg, device: torch.device) -> float:
     """Forward + backward FLOPs of difftrain's model per image (counted, batch 2)."""
     from difftrain.training.builders import build_model
@@ -154,6 +162,15 @@ def main() -> None:
         print(f"| {row['preset']} | {row['precision']} | {row['impl']} | {fmt_float(row['images_per_s'])} | "
               f"{row['images_per_s'] / base['images_per_s']:.2f}x | {fmt_float(row['peak_mb'])} | "
               f"{row['gflop_per_image']:.2f} | {100 * row['mfu']:.1f}% |")
+    # What each user gets without flags: difftrain trains in its config file's precision (bf16
+    # in the GPU presets), diffusers' train_unconditional in fp32 (--mixed_precision "no").
+    for preset in args.presets:
+        default = preset_precision(preset)
+        ours = next((r for r in rows if r["preset"] == preset and r["impl"] == "difftrain" and r["precision"] == default), None)
+        theirs = next((r for r in rows if r["preset"] == preset and r["impl"] == "diffusers" and r["precision"] == "fp32"), None)
+        if default != "fp32" and ours and theirs:
+            print(f"\n{preset}, each at its default precision: difftrain {default} (configs/{preset}.toml) against "
+                  f"diffusers fp32: {ours['images_per_s'] / theirs['images_per_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=name, args=vars(args), rows=rows), indent=1))
 

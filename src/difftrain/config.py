@@ -47,6 +47,7 @@ class DataConfig:
     cache: bool = False  # decode a folder once into a uint8 memory-mapped cache (small images)
     cache_dir: str = ""  # where decode caches live; "" = $XDG_CACHE_HOME/difftrain or ~/.cache/difftrain
     on_bad_image: OnBadImage = "skip"  # unreadable or too-small images: skip (logged) or fail
+    min_image_size: int = 0  # smallest short side accepted, upscaled to resolution; 0 = resolution
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
 
@@ -323,6 +324,10 @@ def validate(cfg: Config) -> None:
     _check(d.color_jitter >= 0, f"data.color_jitter must be >= 0, got {d.color_jitter}")
     _check(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     _check(d.prefetch_factor >= 1, f"data.prefetch_factor must be >= 1, got {d.prefetch_factor}")
+    _check(
+        0 <= d.min_image_size <= d.resolution,
+        f"data.min_image_size must be in [0, data.resolution={d.resolution}], got {d.min_image_size}",
+    )
     _check(
         m.preset in MODEL_PRESETS,
         f"model.preset must be one of {', '.join(MODEL_PRESETS)}, got {m.preset!r}",

@@ -190,8 +190,8 @@ def test_training_skips_bad_images_including_one_that_goes_bad_mid_run(tmp_path,
     root = make_messy_folder(tmp_path / "d", good=6)
     real = check.prepare_dataset
 
-    def prepare_then_break_one(dataset, mode, run_dir):
-        dataset = real(dataset, mode, run_dir)
+    def prepare_then_break_one(dataset, mode, run_dir, min_size):
+        dataset = real(dataset, mode, run_dir, min_size)
         (root / "good_0.png").write_bytes(b"not a png any more")  # breaks after the scan
         return dataset
 
@@ -218,6 +218,31 @@ def test_empty_or_too_small_folder_fails_before_the_model_is_built(tmp_path, tin
     cfg = load_config(None, tiny_overrides + [f"data.path={root}"])
     with pytest.raises(ValueError, match=r"holds 0 images|fewer than train.batch_size"):
         train(cfg, tmp_path / "run")
+
+
+def test_small_images_are_skipped_unless_min_image_size_accepts_and_upscales_them(tmp_path, tiny_overrides):
+    from PIL import Image
+
+    from difftrain.data import build_dataset
+
+    root = tmp_path / "small"  # 12x12 images (like MNIST's 28x28 against a resolution of 32)
+    root.mkdir()
+    for i in range(10):
+        Image.new("RGB", (12, 12), (20 * i, 0, 0)).save(root / f"{i}.png")
+    Image.new("RGB", (8, 8)).save(root / "tiny.png")
+    run = ["train.total_steps=2", "validation.every_steps=0", f"data.path={root}"]
+    with pytest.raises(ValueError, match="holds 0 usable images .*11 too small: lower data.min_image_size"):
+        train(load_config(None, tiny_overrides + run), tmp_path / "skipped")
+    assert "min_image_size" in (tmp_path / "skipped" / "bad_images.log").read_text()  # says how to accept them
+
+    train(load_config(None, tiny_overrides + run + ["data.min_image_size=12"]), tmp_path / "upscaled")
+    log = (tmp_path / "upscaled" / "bad_images.log").read_text()
+    assert "tiny.png" in log and "0.png" not in log  # still too small: 8 < 12
+    assert ckpt.load_checkpoint(tmp_path / "upscaled")["step"] == 2
+    x, _ = build_dataset(str(root), 16, 3, False, 0.0, False)[(0, 0)]
+    assert x.shape == (3, 16, 16)  # upscaled to the resolution
+    with pytest.raises(Exception, match="data.min_image_size must be in"):
+        load_config(None, tiny_overrides + ["data.min_image_size=17"])
 
 
 # 5. Numbers ----------------------------------------------------------------------------------

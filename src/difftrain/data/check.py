@@ -70,8 +70,9 @@ def _bucket(side: int) -> str:
     return f">={lo}" if lo >= 1024 else f"{lo}-{lo * 2 - 1}"
 
 
-def _check_file(path: Path, resolution: int) -> tuple[str | None, str | None, tuple[int, int] | None, str | None]:
-    """(mode, format, size after EXIF rotation, reason it is bad or None) of one file."""
+def _check_file(path: Path, min_size: int) -> tuple[str | None, str | None, tuple[int, int] | None, str | None]:
+    """(mode, format, size after EXIF rotation, reason it is bad or None) of one file; a short
+    side under ``min_size`` pixels is a reason."""
     try:
         if path.stat().st_size == 0:
             return None, None, None, "empty file (0 bytes)"
@@ -80,8 +81,11 @@ def _check_file(path: Path, resolution: int) -> tuple[str | None, str | None, tu
         rgb = load_image(path, 3)  # a full decode: catches truncated and corrupt data
     except OSError as e:
         return None, None, None, f"unreadable: {e.__cause__ or e}"
-    if min(rgb.size) < resolution:
-        return mode, fmt, rgb.size, f"too small: {rgb.size[0]}x{rgb.size[1]} < resolution {resolution}"
+    if min(rgb.size) < min_size:
+        return mode, fmt, rgb.size, (
+            f"too small: {rgb.size[0]}x{rgb.size[1]}, short side < {min_size} "
+            "(data.min_image_size accepts smaller images and upscales them)"
+        )
     return mode, fmt, rgb.size, None
 
 
@@ -97,7 +101,9 @@ def folder_key(root: Path, files: list[Path], resolution: int) -> str:
 def check_folder(root: str | Path, resolution: int) -> DataReport:
     """Decode every image under ``root`` and report it (see :class:`DataReport`).
 
-    Raises ValueError naming ``root`` when it is missing or holds no image file.
+    ``resolution`` is the smallest short side accepted: the training resolution, or
+    ``data.min_image_size`` when smaller images are to be upscaled. Raises ValueError naming
+    ``root`` when it is missing or holds no image file.
     """
     root = Path(root).expanduser()
     files = scan_images(root)
@@ -140,18 +146,20 @@ def cached_check(root: str | Path, resolution: int, cache: Path) -> tuple[DataRe
     return report, False
 
 
-def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path):
+def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: int = 0):
     """Check an image-folder dataset at train start; leave out its bad files or fail.
 
     Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
     bad file raises ValueError listing them; with "skip" they are dropped, counted on stderr
     and listed in ``run_dir/bad_images.log``, and a file that goes bad later (mid-run) is
-    replaced by a deterministic other sample (see ``ImageFolderDataset.__getitem__``).
+    replaced by a deterministic other sample (see ``ImageFolderDataset.__getitem__``). Images
+    whose short side is under ``min_size`` (0: the dataset's resolution) are bad; larger ones
+    are resized to the resolution, up or down.
     """
     if not isinstance(dataset, ImageFolderDataset):
         return dataset
     run_dir = Path(run_dir)
-    report, cached = cached_check(dataset.root, dataset.resolution, run_dir / CACHE_NAME)
+    report, cached = cached_check(dataset.root, min_size or dataset.resolution, run_dir / CACHE_NAME)
     print(
         f"difftrain: data {report.root}: {report.num_files} files, {len(report.bad)} bad"
         f"{' (cached scan)' if cached else ''}",
@@ -177,5 +185,9 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path):
             file=sys.stderr,
         )
     if len(dataset) == 0:
-        raise ValueError(f"data.path {report.root} holds 0 usable images ({len(report.bad)} bad)")
+        small = sum(r.startswith("too small") for r in report.bad.values())
+        hint = f"; {small} too small: lower data.min_image_size to upscale them" if small else ""
+        raise ValueError(
+            f"data.path {report.root} holds 0 usable images ({len(report.bad)} bad, listed in {dataset.bad_log}{hint})"
+        )
     return dataset

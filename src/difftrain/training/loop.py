@@ -69,7 +69,7 @@ def train(
     # Data.
     d = cfg.data
     dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
-    dataset = prepare_dataset(dataset, d.on_bad_image, run_dir)  # scan (cached); skip or fail on bad files
+    dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size)  # scan (cached); skip or fail
     dataset = with_decode_cache(dataset, d.cache, d.cache_dir)  # data.cache: decoded once, memory-mapped
     dataset, heldout_set = split_heldout(
         dataset, cfg, lambda p: build_dataset(p, d.resolution, d.channels, False, 0.0, d.class_conditional)
