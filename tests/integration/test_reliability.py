@@ -84,7 +84,8 @@ def test_ctrl_c_to_the_process_group_with_loader_workers_stops_cleanly(tmp_path,
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    _wait_for(lambda: (run / "metrics.jsonl").exists(), proc)
+    # A logged step: the handler is installed (a Ctrl-C during start-up is a plain KeyboardInterrupt).
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 1, proc)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: main process and workers
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, err
