@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import pickle
 from collections.abc import Callable
@@ -101,7 +102,10 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
         return model
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # The UNet has GroupNorm, no BatchNorm: no buffers to broadcast every step.
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (and warns on the old name).
+    params = inspect.signature(DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
 def sync_gradients(net: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
