@@ -70,29 +70,17 @@ def statistics_from_features(features: Iterable[torch.Tensor], inception: Incept
 
 
 def sample_statistics(
-    model: nn.Module,
-    inception: InceptionFeatures,
-    *,
-    alpha_bar: torch.Tensor,
-    prediction: str,
-    shape: tuple[int, int, int],
-    num: int,
-    sampler: str,
-    steps: int,
-    seed: int = 0,
-    batch_size: int = 256,
-    **sampler_options,
+    model: nn.Module, inception: InceptionFeatures, *, num: int, sampler: str, steps: int, **options
 ) -> FeatureStats:
-    """Inception statistics of ``num`` samples of ``model`` (unconditional), shape (C, H, W).
+    """Inception statistics of ``num`` samples of ``model`` (unconditional).
 
-    The samples are those of :func:`sample_features`, so a result depends on (seed, batch_size),
-    and memory stays at one batch.
+    The samples are those of :func:`sample_features` (``options``: its other keywords, alpha_bar,
+    prediction, shape, seed, batch_size and the sampler's options), so a result depends on
+    (seed, batch_size), and memory stays at one batch.
     """
     if num < 2:
         raise ValueError(f"the number of samples must be >= 2 for a covariance, got {num}")
-    features = sample_features(model, inception, alpha_bar=alpha_bar, prediction=prediction, shape=shape,
-                               num=num, sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
-                               **sampler_options)
+    features = sample_features(model, inception, num=num, sampler=sampler, steps=steps, **options)
     return statistics_from_features(features, inception,
                                     {"num_images": num, "sampler": sampler, "steps": steps})
 
