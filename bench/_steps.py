@@ -1,7 +1,8 @@
 """The two training steps that the benchmarks compare, on the same architecture and batch.
 
-difftrain's step is the training loop's inner step (fused AdamW, foreach EMA, device-side
-skip of non-finite steps, no host synchronisation); diffusers' step follows
+difftrain's step is the training loop's own ``train_step`` (fused AdamW, foreach EMA,
+device-side skip of non-finite steps, no host synchronisation; captured as a CUDA graph where
+``cuda_graphs`` is on); diffusers' step follows
 ``examples/unconditional_image_generation/train_unconditional.py`` (DDPMScheduler.add_noise,
 MSE on epsilon, AdamW, gradient clipping, EMAModel). Both train on a fixed in-memory batch, so
 the data pipeline is measured apart (bench/loader.py).
@@ -9,26 +10,26 @@ the data pipeline is measured apart (bench/loader.py).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from difftrain.config import load_config
-from difftrain.diffusion.losses import diffusion_loss, loss_weight
-from difftrain.diffusion.process import prediction_target, q_sample
-from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.diffusion.objective import build_objective
 from difftrain.models.diffusers_export import diffusers_config
-from difftrain.training.builders import build_model, build_optimizer
-from difftrain.training.ema import EMA
-from difftrain.training.precision import autocast
-from difftrain.training.speed import compile_model, prepare_model
+from difftrain.runtime.device import compile_model, resolve_toggle
+from difftrain.runtime.distributed import DistContext
+from difftrain.training.state import RunState, build_model
+from difftrain.training.step import CapturedStep, StepMetrics, train_step
 
 
-def bench_config(preset: str, batch: int, precision: str, compile_: str, channels_last: str):
+def bench_config(preset: str, batch: int, precision: str, compile_: str, channels_last: str, cuda_graphs: str = "off"):
     return load_config(
         None,
         [
+            f"train.cuda_graphs={cuda_graphs}",
             f"model.preset={preset}",
             f"train.batch_size={batch}",
             f"train.precision={precision}",
@@ -40,37 +41,22 @@ def bench_config(preset: str, batch: int, precision: str, compile_: str, channel
 
 
 def difftrain_step(cfg, device: torch.device):
-    """Return (step(), model) for difftrain's training step on a fixed batch."""
-    model = prepare_model(build_model(cfg).to(device), device, cfg.train.channels_last, cfg.train.tf32)
-    net = compile_model(model, device, cfg.train.compile)
-    ema = EMA(model, decay=0.9999)
-    opt = build_optimizer(cfg, model, device)
-    alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps).to(device)
+    """Return (step(), model) for difftrain's training step (training/step.py, as the loop runs it)
+    on a fixed batch."""
+    state = RunState.build(cfg, 0, device)
+    state.net = compile_model(state.model, device, cfg.train.compile)
+    objective = build_objective(cfg.diffusion).to(device)
+    step_fn = CapturedStep(state, objective) if resolve_toggle(cfg.train.cuda_graphs, device, "cuda_graphs") else train_step
+    metrics = StepMetrics(device)
     B, r = cfg.train.batch_size, cfg.data.resolution
-    x0 = torch.rand(B, 3, r, r, device=device) * 2 - 1
-    count = [0]
+    batch = (torch.rand(B, 3, r, r, device=device) * 2 - 1, torch.zeros(B, dtype=torch.long))
+    batches = itertools.repeat(batch)
+    dctx = DistContext(device=device)
 
     def step():
-        gen = torch.Generator(device=device).manual_seed(count[0])
-        count[0] += 1
-        t = torch.randint(0, alpha_bar.shape[0], (B,), device=device, generator=gen)
-        noise = torch.randn(x0.shape, device=device, generator=gen)
-        ab_t = alpha_bar[t]
-        x_t = q_sample(x0, t, noise, alpha_bar)
-        target = prediction_target("epsilon", x0, noise, ab_t)
-        weight = loss_weight("uniform", ab_t, "epsilon")
-        with autocast(cfg.train.precision, device):
-            out = net(x_t, t, None)
-        loss = diffusion_loss(out, target, weight).mean()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        opt.found_inf = (~finite).float()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ema.update(model, apply=finite.float())
+        step_fn(state, objective, batches, cfg.optim.lr, metrics, dctx)
 
-    return step, model
+    return step, state.model
 
 
 def diffusers_step(cfg, device: torch.device):

@@ -41,9 +41,9 @@ def main() -> None:
     args = p.parse_args()
 
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="difftrain-cache-")
-    folder = build_dataset(args.path, args.resolution, 3, True, 0.0, False)
+    folder = build_dataset(args.path, resolution=args.resolution, channels=3, random_flip=True, color_jitter=0.0, class_conditional=False)
     t0 = time.perf_counter()
-    cached = build_dataset(args.path, args.resolution, 3, True, 0.0, False, cache=True, cache_dir=cache_dir)
+    cached = build_dataset(args.path, resolution=args.resolution, channels=3, random_flip=True, color_jitter=0.0, class_conditional=False, cache=True, cache_dir=cache_dir)
     print(f"{len(folder):,} images; decode cache built (or found) in {time.perf_counter() - t0:.1f} s at {cached.path}")
     print(f"CPU cores: {os.cpu_count()}; batch {args.batch}; {args.batches} timed batches\n")
     print("| source | workers | images/s |")

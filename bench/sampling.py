@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.diffusion.objective import DDPMObjective
 from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
 from difftrain.sampling import generate, initial_noise
-from difftrain.training.builders import build_model
+from difftrain.training.state import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _steps import bench_config, median, sync  # noqa: E402
@@ -43,11 +43,11 @@ def main() -> None:
     hf.load_state_dict(to_diffusers_state_dict(model))
     pipe = DDIMPipeline(unet=hf.to(device).eval(), scheduler=DDIMScheduler(num_train_timesteps=1000))
     pipe.set_progress_bar_config(disable=True)
-    alpha_bar = alpha_bar_schedule("linear", 1000).to(device)
+    objective = DDPMObjective("linear", 1000, "epsilon", "uniform").to(device)
     noise = initial_noise(args.num, (3, cfg.data.resolution, cfg.data.resolution), 0)
 
     def ours():
-        generate(model, alpha_bar=alpha_bar, prediction="epsilon", noise=noise, steps=args.steps, batch_size=args.num)
+        generate(model, objective=objective, noise=noise, steps=args.steps, batch_size=args.num)
 
     def theirs():
         pipe(batch_size=args.num, num_inference_steps=args.steps, output_type="np",

@@ -58,7 +58,7 @@ def preset_precision(preset: str) -> str:
 
 def flops_per_image(cfg, device: torch.device) -> float:
     """Forward + backward FLOPs of difftrain's model per image (counted, batch 2)."""
-    from difftrain.training.builders import build_model
+    from difftrain.training.state import build_model
 
     model = build_model(cfg).to(device)
     r = cfg.data.resolution

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from difftrain.training import distributed
+from difftrain.runtime import distributed
 
 
 def free_port() -> int:

@@ -15,12 +15,12 @@ def describe_checkpoint(path: str | Path) -> dict:
     model = state["model"]
     return {
         "path": state["path"],
-        "step": int(state["step"]),
-        "images_seen": int(state["images_seen"]),
+        "step": state["step"],
+        "images_seen": state["data_position"],
         "parameters": sum(t.numel() for t in model.values()),
         "model_sha256": state_dict_sha256(model),
         "ema_sha256": state_dict_sha256(state["ema"]["model"]),
-        "skipped_steps": int(state["counters"]["skipped_steps"]),
+        "skipped_steps": state["skipped_steps"],
         "config": state["config"],
         "config_toml": config_to_toml(cfg),
     }

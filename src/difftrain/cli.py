@@ -129,7 +129,7 @@ def _fid(args: argparse.Namespace) -> int:
     inception = InceptionFeatures(args.inception).to(_device(args.device))
     a, b = (load_or_compute(path, inception, args.batch_size) for path in (args.a, args.b))
     result = fid_result(a, b, kid=not args.no_kid, a=args.a, b=args.b)
-    print(describe(result).replace("samples vs", f"images in {args.a} vs").replace("reference images", f"in {args.b}"))
+    print(describe(result, a=f"images in {args.a}", b=f"in {args.b}"))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -173,7 +173,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _device(name: str):
-    from difftrain.training.builders import resolve_device
+    from difftrain.runtime.device import resolve_device
 
     return resolve_device(name)
 

@@ -19,6 +19,7 @@ import tomli_w
 
 # Choices shared with the registries they name. Each registry module checks these at import
 # time (see tests/unit/test_config.py), so a choice can't go missing from either side.
+ObjectiveName = Literal["ddpm"]
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
@@ -66,6 +67,7 @@ class ModelConfig:
 
 @dataclass
 class DiffusionConfig:
+    objective: ObjectiveName = "ddpm"  # the training objective family (diffusion/objective.py)
     num_timesteps: int = 1000  # T; integer timesteps t in [0, T)
     schedule: Schedule = "cosine"  # noise schedule of alpha_bar(t)
     prediction: Prediction = "epsilon"  # what the network predicts
@@ -102,6 +104,7 @@ class TrainConfig:
     compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
     channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA and CPU)
     tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
+    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: on for CUDA)
 
 
 @dataclass
@@ -392,6 +395,7 @@ def validate(cfg: Config) -> None:
 # Keys whose change makes a checkpoint meaningless for the new run: the network's shape, what
 # it sees, and what it was trained to predict.
 ARCHITECTURE_KEYS = (
+    "diffusion.objective",
     "model.preset",
     "model.base_channels",
     "model.channel_mult",

@@ -9,17 +9,18 @@ import torch
 from torch import nn
 
 from difftrain.config import Config, config_from_dict
-from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.diffusion.objective import Objective, build_objective
+from difftrain.runtime.device import resolve_device
 from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
-from difftrain.training.builders import build_model, resolve_device
-from difftrain.training.checkpoint import load_checkpoint
+from difftrain.training.checkpoint import load_checkpoint, load_weights
+from difftrain.training.state import build_model
 
 
 @dataclasses.dataclass
 class LoadedModel:
     model: nn.Module  # in eval mode, float32
     cfg: Config
-    alpha_bar: torch.Tensor  # (T,) float64
+    objective: Objective  # what it was trained with; it holds the samplers
     num_classes: int
     step: int
     path: str
@@ -31,12 +32,12 @@ def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto
     unless ``use_ema`` is False, on ``device``."""
     state = load_checkpoint(checkpoint)
     cfg = config_from_dict(state["config"], source=state["path"])
-    num_classes = int(state.get("num_classes", 0))
+    num_classes = state["num_classes"]
     model = build_model(cfg, num_classes)
-    model.load_state_dict(state["ema"]["model"] if use_ema else state["model"])
+    key = "ema.model" if use_ema else "model"
+    load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"], key)
     model = model.to(resolve_device(device)).eval()
-    alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps)
-    return LoadedModel(model, cfg, alpha_bar, num_classes, int(state["step"]), state["path"], use_ema)
+    return LoadedModel(model, cfg, build_objective(cfg.diffusion), num_classes, state["step"], state["path"], use_ema)
 
 
 def class_labels_for(num: int, num_classes: int, class_label: int | None) -> torch.Tensor | None:
@@ -71,8 +72,7 @@ def sample_to_folder(
     labels = class_labels_for(num, loaded.num_classes, class_label)
     images = generate(
         loaded.model,
-        alpha_bar=loaded.alpha_bar,
-        prediction=loaded.cfg.diffusion.prediction,
+        objective=loaded.objective,
         noise=noise,
         sampler=sampler,
         steps=steps,

@@ -15,37 +15,32 @@ import torch
 from PIL import Image
 from torch import nn
 
-from difftrain.diffusion.process import to_x0_and_eps
-from difftrain.diffusion.samplers import SAMPLERS, sampling_timesteps
-from difftrain.training.seeding import derive_seed
+from difftrain.diffusion.objective import Objective
+from difftrain.runtime.seeding import derive_seed
 
 
-def model_denoiser(
+def guided_network(
     model: nn.Module,
-    alpha_bar: torch.Tensor,
-    prediction: str,
     class_labels: torch.Tensor | None = None,
     null_label: int | None = None,
     guidance_scale: float = 1.0,
-    clip: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Wrap ``model`` as ``denoiser(x_t (B,C,H,W), t (B,)) -> x0_hat (B,C,H,W)``.
+    """Bind labels and guidance into ``network(x (B,C,H,W), cond (B,)) -> output (B,C,H,W)`` float32.
 
-    The raw output (epsilon, v or x0) is turned into an x0 prediction and clipped to [-1, 1].
     With class labels and ``guidance_scale != 1`` the output is classifier-free guided (Ho &
-    Salimans 2022): ``out_uncond + s * (out_cond - out_uncond)``.
+    Salimans 2022): ``out_uncond + s * (out_cond - out_uncond)``; every parameterization is
+    linear in the output, so guiding it guides the x0 prediction alike.
     """
 
-    def denoise(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        labels = None if class_labels is None else class_labels[: x_t.shape[0]]
-        out = model(x_t, t, labels).float()
+    def network(x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        labels = None if class_labels is None else class_labels[: x.shape[0]]
+        out = model(x, cond, labels).float()
         if labels is not None and guidance_scale != 1.0:
-            uncond = model(x_t, t, torch.full_like(labels, null_label)).float()
+            uncond = model(x, cond, torch.full_like(labels, null_label)).float()
             out = uncond + guidance_scale * (out - uncond)
-        x0, _ = to_x0_and_eps(prediction, out, x_t, alpha_bar[t])
-        return x0.clamp(-1.0, 1.0) if clip else x0
+        return out
 
-    return denoise
+    return network
 
 
 def initial_noise(num: int, shape: tuple[int, int, int], seed: int) -> torch.Tensor:
@@ -58,8 +53,7 @@ def initial_noise(num: int, shape: tuple[int, int, int], seed: int) -> torch.Ten
 def generate(
     model: nn.Module,
     *,
-    alpha_bar: torch.Tensor,
-    prediction: str,
+    objective: Objective,
     noise: torch.Tensor,
     sampler: str = "ddim",
     steps: int = 50,
@@ -75,7 +69,7 @@ def generate(
 
     Args:
         model: the network, in float32; put in eval mode for the call.
-        alpha_bar: (T,) the training schedule.
+        objective: what the network was trained with; it holds the samplers.
         noise: (N, C, H, W) x_T on the CPU (see :func:`initial_noise`).
         class_labels: (N,) long, or None for an unconditional model.
         sample_ids: (N,) ints naming the samples. Given, row k's sampler noise (DDPM, DDIM with
@@ -87,11 +81,9 @@ def generate(
     """
     if sample_ids is not None and len(sample_ids) != noise.shape[0]:
         raise ValueError(f"got {len(sample_ids)} sample_ids for {noise.shape[0]} noise rows")
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    if sampler not in objective.samplers:
+        raise ValueError(f"sampler must be one of {', '.join(objective.samplers)}, got {sampler!r}")
     device = next(model.parameters()).device
-    alpha_bar = alpha_bar.to(device)
-    timesteps = sampling_timesteps(alpha_bar.shape[0], steps).to(device)
     was_training = model.training
     model.eval()
     out = []
@@ -99,13 +91,13 @@ def generate(
         for i, start in enumerate(range(0, noise.shape[0], batch_size)):
             x_T = noise[start : start + batch_size].to(device)
             labels = None if class_labels is None else class_labels[start : start + batch_size].to(device)
-            denoiser = model_denoiser(model, alpha_bar, prediction, labels, null_label, guidance_scale)
+            network = guided_network(model, labels, null_label, guidance_scale)
             if sample_ids is None:
                 gen = torch.Generator(device=device).manual_seed(derive_seed(seed, "sampler", i))
             else:
                 ids = sample_ids[start : start + batch_size]
                 gen = [torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", int(k))) for k in ids]
-            out.append(SAMPLERS[sampler](denoiser, x_T, timesteps, alpha_bar, gen, **sampler_options).cpu())
+            out.append(objective.sample(network, x_T, sampler, steps, gen, **sampler_options).cpu())
     finally:
         model.train(was_training)
     return torch.cat(out) if out else torch.zeros(noise.shape)  # no rows: a rank with no share

@@ -185,8 +185,7 @@ def test_read_only_checkpoint_folder_stops_cleanly(tmp_path, tiny_overrides, tmp
 
 def test_training_skips_bad_images_including_one_that_goes_bad_mid_run(tmp_path, tiny_overrides, monkeypatch):
     from tests.unit.test_data_check import BAD, make_messy_folder
-    from difftrain.data import check
-    from difftrain.training import loop
+    from difftrain.data import check, prepare
 
     root = make_messy_folder(tmp_path / "d", good=6)
     real = check.prepare_dataset
@@ -196,7 +195,7 @@ def test_training_skips_bad_images_including_one_that_goes_bad_mid_run(tmp_path,
         (root / "good_0.png").write_bytes(b"not a png any more")  # breaks after the scan
         return dataset
 
-    monkeypatch.setattr(loop, "prepare_dataset", prepare_then_break_one)
+    monkeypatch.setattr(prepare, "prepare_dataset", prepare_then_break_one)
     cfg = load_config(None, tiny_overrides + [f"data.path={root}", "validation.every_steps=0", "train.total_steps=4"])
     assert train(cfg, tmp_path / "run").step == 4
     log = (tmp_path / "run" / "bad_images.log").read_text()
@@ -206,7 +205,7 @@ def test_training_skips_bad_images_including_one_that_goes_bad_mid_run(tmp_path,
 
 @pytest.mark.parametrize("count", [0, 3])
 def test_empty_or_too_small_folder_fails_before_the_model_is_built(tmp_path, tiny_overrides, monkeypatch, count):
-    from difftrain.training import loop
+    from difftrain.training import state
 
     root = tmp_path / "d"
     root.mkdir()
@@ -215,7 +214,7 @@ def test_empty_or_too_small_folder_fails_before_the_model_is_built(tmp_path, tin
         from PIL import Image
 
         Image.new("RGB", (20, 20), (i, 0, 0)).save(root / f"{i}.png")
-    monkeypatch.setattr(loop, "build_model", lambda *a: pytest.fail("the model was built"))
+    monkeypatch.setattr(state, "build_model", lambda *a: pytest.fail("the model was built"))
     cfg = load_config(None, tiny_overrides + [f"data.path={root}"])
     with pytest.raises(ValueError, match=r"holds 0 images|fewer than train.batch_size"):
         train(cfg, tmp_path / "run")
@@ -240,7 +239,7 @@ def test_small_images_are_skipped_unless_min_image_size_accepts_and_upscales_the
     log = (tmp_path / "upscaled" / "bad_images.log").read_text()
     assert "tiny.png" in log and "0.png" not in log  # still too small: 8 < 12
     assert ckpt.load_checkpoint(tmp_path / "upscaled")["step"] == 2
-    x, _ = build_dataset(str(root), 16, 3, False, 0.0, False)[(0, 0)]
+    x, _ = build_dataset(str(root), resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)[(0, 0)]
     assert x.shape == (3, 16, 16)  # upscaled to the resolution
     with pytest.raises(Exception, match="data.min_image_size must be in"):
         load_config(None, tiny_overrides + ["data.min_image_size=17"])
@@ -250,17 +249,17 @@ def test_small_images_are_skipped_unless_min_image_size_accepts_and_upscales_the
 
 
 def test_divergence_stops_with_a_diagnostic(tmp_path, tiny_overrides, monkeypatch):
-    from difftrain.training import loop
+    from difftrain.diffusion import objective
 
     cfg = load_config(None, tiny_overrides + ["train.max_nonfinite_in_row=2", "validation.every_steps=0"])
     train(cfg, tmp_path, stop_at_step=2)
     before = (tmp_path / "checkpoints" / "step_00000002.pt").read_bytes()
-    real = loop.diffusion_loss
-    monkeypatch.setattr(loop, "diffusion_loss", lambda out, target, w: real(out, target, w) * float("inf"))
+    real = objective.diffusion_loss
+    monkeypatch.setattr(objective, "diffusion_loss", lambda out, target, w: real(out, target, w) * float("inf"))
     with pytest.raises(TrainingDiverged) as e:
         train(cfg, tmp_path)
     text = str(e.value)
-    assert "timesteps: [" in text and "x0: shape (8, 3, 16, 16)" in text and "gradient norms:" in text
+    assert "noise levels: [" in text and "x0: shape (8, 3, 16, 16)" in text and "gradient norms:" in text
     assert "conv_in" in text or "weight" in text  # per-layer names
     assert (tmp_path / "checkpoints" / "step_00000002.pt").read_bytes() == before
 

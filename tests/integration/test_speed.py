@@ -8,7 +8,7 @@ import torch
 from difftrain.config import load_config
 from difftrain.training import checkpoint as ckpt
 from difftrain.training.loop import train
-from difftrain.training.speed import resolve_toggle
+from difftrain.runtime.device import resolve_toggle
 
 
 def _final_weights(run_dir) -> dict[str, torch.Tensor]:

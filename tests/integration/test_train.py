@@ -70,16 +70,16 @@ def test_loss_falls_within_a_few_hundred_steps(tmp_path, tiny_overrides):
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, tiny_overrides, monkeypatch):
-    from difftrain.training import loop
+    from difftrain.diffusion import objective
 
-    real = loop.diffusion_loss
-    monkeypatch.setattr(loop, "diffusion_loss", lambda out, target, w: real(out, target, w) * float("nan"))
+    real = objective.diffusion_loss
+    monkeypatch.setattr(objective, "diffusion_loss", lambda out, target, w: real(out, target, w) * float("nan"))
     cfg = load_config(None, tiny_overrides + ["train.max_nonfinite_in_row=3", "validation.every_steps=0"])
     with pytest.raises(TrainingDiverged, match="non-finite"):
         train(cfg, tmp_path)
     for _, path in ckpt.list_checkpoints(tmp_path / "checkpoints"):  # skipped steps left weights finite
         state = ckpt.load_checkpoint(path)
-        assert state["counters"]["skipped_steps"] == state["step"]
+        assert state["skipped_steps"] == state["step"]
         assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 

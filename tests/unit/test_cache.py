@@ -57,6 +57,6 @@ def test_built_once_and_rebuilt_when_an_image_changes(tmp_path):
 
 def test_build_dataset_uses_the_cache_when_asked(tmp_path):
     root = _folder(tmp_path / "images")
-    ds = build_dataset(str(root), 8, 3, False, 0.0, False, cache=True, cache_dir=str(tmp_path / "c"))
+    ds = build_dataset(str(root), resolution=8, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False, cache=True, cache_dir=str(tmp_path / "c"))
     assert isinstance(ds, CachedImageDataset)
-    assert isinstance(build_dataset(str(root), 8, 3, False, 0.0, False), ImageFolderDataset)
+    assert isinstance(build_dataset(str(root), resolution=8, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False), ImageFolderDataset)

@@ -12,7 +12,11 @@ from difftrain.training import checkpoint as ckpt
 
 
 def _state(step: int) -> dict:
-    return {"step": step, "model": {"w": torch.full((3,), float(step))}, "config": {"train": {"seed": 0}}}
+    """A checkpoint of every key the schema asks for, with a tiny model."""
+    w = {"w": torch.full((3,), float(step))}
+    return {"step": step, "data_position": 8 * step, "skipped_steps": 0, "num_classes": 0,
+            "config": {"train": {"seed": 0}}, "model": w, "ema": {"model": dict(w), "num_updates": step},
+            "optimizer": {"state": {}, "param_groups": []}, "scaler": {}, "rng": {"torch": torch.get_rng_state()}}
 
 
 def test_save_points_latest_at_the_newest(tmp_path):

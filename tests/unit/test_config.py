@@ -70,6 +70,7 @@ def test_typo_in_a_file_names_the_key_and_file(tmp_path):
 
 def test_literal_choices_match_the_registries():
     from difftrain.diffusion.losses import LOSS_WEIGHTINGS
+    from difftrain.diffusion.objective import OBJECTIVES
     from difftrain.diffusion.process import PREDICTIONS
     from difftrain.diffusion.samplers import SAMPLERS
     from difftrain.diffusion.schedules import SCHEDULES
@@ -78,6 +79,7 @@ def test_literal_choices_match_the_registries():
     assert set(typing.get_args(C.Prediction)) == set(PREDICTIONS)
     assert set(typing.get_args(C.LossWeighting)) == set(LOSS_WEIGHTINGS)
     assert set(typing.get_args(C.Sampler)) == set(SAMPLERS)
+    assert set(typing.get_args(C.ObjectiveName)) == set(OBJECTIVES)
 
 
 def test_incompatible_keys_are_the_architecture_ones():

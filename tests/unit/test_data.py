@@ -133,12 +133,12 @@ def test_loader_leaves_the_global_rng_alone():
 
 def test_build_dataset_dispatches_and_names_builtin_choices(tmp_path):
     assert "shapes" in BUILTIN_DATASETS
-    ds = build_dataset("builtin:shapes", 16, 1, False, 0.0, True)
+    ds = build_dataset("builtin:shapes", resolution=16, channels=1, random_flip=False, color_jitter=0.0, class_conditional=True)
     assert isinstance(ds, ShapesDataset) and ds.num_classes == 3
     with pytest.raises(ValueError, match="builtin:shapes"):
-        build_dataset("builtin:nope", 16, 3, False, 0.0, False)
+        build_dataset("builtin:nope", resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)
     save(tmp_path / "a.png", Image.new("RGB", (8, 8)))
-    assert isinstance(build_dataset(str(tmp_path), 16, 3, False, 0.0, False), ImageFolderDataset)
+    assert isinstance(build_dataset(str(tmp_path), resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False), ImageFolderDataset)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from difftrain.data.sampler import InfiniteSampler
-from difftrain.training import distributed
+from difftrain.runtime import distributed
 
 
 def test_single_process_is_a_no_op(monkeypatch):

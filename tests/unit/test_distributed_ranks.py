@@ -11,13 +11,14 @@ from multiproc import run_ranks
 
 from difftrain.config import load_config
 from difftrain.data import build_dataset
-from difftrain.diffusion.schedules import alpha_bar_schedule
 from difftrain.evaluation.during_training import sharded_sample_features
 from difftrain.sampling import initial_noise
 from difftrain.training import checkpoint as ckpt
-from difftrain.training import distributed
-from difftrain.training.builders import build_model
-from difftrain.training.heldout import HeldOutLoss, split_heldout
+from difftrain.runtime import distributed
+from difftrain.training.state import build_model
+from difftrain.data.split import split_heldout
+from difftrain.diffusion.objective import build_objective
+from difftrain.training.heldout import HeldOutLoss
 from difftrain.training.validation import sample_grid
 
 # ---- Control messages --------------------------------------------------------------------------
@@ -87,16 +88,16 @@ def _perturbed_model(cfg, seed: int) -> torch.nn.Module:
 def _spread_work(ctx: distributed.DistContext) -> dict:
     """The held-out loss, the validation grid and the FID features, as ``ctx``'s rank sees them."""
     cfg = load_config(None, OVERRIDES)
-    alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps)
+    objective = build_objective(cfg.diffusion)
     model, ema_model = _perturbed_model(cfg, 0), _perturbed_model(cfg, 1)
     d, v = cfg.data, cfg.validation
     shape = (d.channels, d.resolution, d.resolution)
-    _, held = split_heldout(build_dataset(d.path, d.resolution, d.channels, False, 0.0, False), cfg, None)
-    heldout = HeldOutLoss(held, cfg, alpha_bar, torch.device("cpu"), ctx=ctx).evaluate(model, ema_model)
+    _, held = split_heldout(build_dataset(d.path, resolution=d.resolution, channels=d.channels, random_flip=False, color_jitter=0.0, class_conditional=False), cfg, None)
+    heldout = HeldOutLoss(held, cfg, objective, torch.device("cpu"), ctx=ctx).evaluate(model, ema_model)
     noise = initial_noise(v.num_images, shape, v.seed)
-    grid = sample_grid(ema_model, cfg, noise, None, 0, alpha_bar, ctx)
-    features = sharded_sample_features(ema_model, _Features(d.resolution**2 * d.channels), alpha_bar=alpha_bar,
-                                       prediction=cfg.diffusion.prediction, shape=shape, ctx=ctx, **FID)
+    grid = sample_grid(ema_model, cfg, noise, None, 0, objective, ctx)
+    features = sharded_sample_features(ema_model, _Features(d.resolution**2 * d.channels), objective=objective,
+                                       shape=shape, ctx=ctx, **FID)
     return {"heldout": heldout, "grid": grid, "features": features}
 
 

@@ -98,7 +98,7 @@ def test_training_preprocessing_reference_matches_the_dataset(env, weights):
     net = InceptionFeatures(weights)
     data = _folder(env / "data", 6, size=24, mode="RGB")
     stats, _, _ = reference_statistics(str(data), net, resolution=16, channels=3, use_cache=False)
-    dataset = build_dataset(str(data), 16, 3, False, 0.0, False)
+    dataset = build_dataset(str(data), resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])
     direct = statistics_from_images([((images + 1) * 127.5).round().to(torch.uint8)], net)
     np.testing.assert_allclose(stats.mean, direct.mean, rtol=1e-6, atol=1e-6)

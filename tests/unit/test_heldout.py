@@ -6,15 +6,16 @@ import torch
 
 from difftrain.config import load_config
 from difftrain.data import build_dataset
-from difftrain.diffusion.schedules import alpha_bar_schedule
-from difftrain.training.builders import build_model
-from difftrain.training.heldout import HeldOutLoss, bucket_bounds, heldout_indices, split_heldout, stratified_timesteps
+from difftrain.training.state import build_model
+from difftrain.data.split import heldout_indices, split_heldout
+from difftrain.diffusion.objective import DDPMObjective, build_objective
+from difftrain.training.heldout import HeldOutLoss, bucket_bounds
 
 
 def test_split_is_deterministic_disjoint_and_complete(tiny_overrides):
     cfg = load_config(None, tiny_overrides + ["data.heldout_fraction=0.1"])
     build = lambda p: None  # noqa: E731
-    full = build_dataset("builtin:shapes", 16, 3, False, 0.0, False)
+    full = build_dataset("builtin:shapes", resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)
     train_a, held_a = split_heldout(full, cfg, build)
     train_b, held_b = split_heldout(full, cfg, build)
     assert held_a.indices == held_b.indices
@@ -29,9 +30,10 @@ def test_split_is_deterministic_disjoint_and_complete(tiny_overrides):
 
 
 def test_stratified_timesteps_cover_every_bucket_equally():
-    t = stratified_timesteps(200, 1000, torch.Generator().manual_seed(0))
+    objective = DDPMObjective("cosine", 1000, "epsilon", "uniform")
+    t = objective.stratified_levels(200, torch.Generator().manual_seed(0))
     assert t.dtype == torch.long and int(t.min()) >= 0 and int(t.max()) < 1000
-    counts = torch.bincount(t * 10 // 1000, minlength=10)
+    counts = torch.bincount(objective.bucket(t, 10), minlength=10)
     assert counts.tolist() == [20] * 10
     bounds = list(bucket_bounds(1000))
     assert bounds[0] == (0, 99) and bounds[-1] == (900, 999)
@@ -39,12 +41,12 @@ def test_stratified_timesteps_cover_every_bucket_equally():
 
 def test_heldout_loss_is_frozen_and_tracks_the_weights(tiny_overrides):
     cfg = load_config(None, tiny_overrides + ["data.heldout_fraction=0.05", "validation.heldout_max_images=40"])
-    full = build_dataset("builtin:shapes", 16, 3, False, 0.0, False)
+    full = build_dataset("builtin:shapes", resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)
     _, held = split_heldout(full, cfg, lambda p: None)
-    alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps)
+    objective = build_objective(cfg.diffusion)
     model = build_model(cfg)
     ema = build_model(cfg)
-    ev = HeldOutLoss(held, cfg, alpha_bar, torch.device("cpu"))
+    ev = HeldOutLoss(held, cfg, objective, torch.device("cpu"))
     a, b = ev.evaluate(model, ema), ev.evaluate(model, ema)
     assert a == b  # frozen noise and timesteps: same weights, same numbers
     assert set(a) >= {"heldout/loss", "heldout_raw/loss", "heldout/loss_bucket/0", "heldout/loss_bucket/9"}

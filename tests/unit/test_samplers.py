@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from difftrain.diffusion.objective import DDPMObjective
 from difftrain.diffusion.process import PREDICTIONS, prediction_target, q_sample
 from difftrain.diffusion.samplers import (
     SAMPLER_NFE,
@@ -221,7 +222,8 @@ class _ToyNet(torch.nn.Module):
 
 def test_generate_with_sample_ids_is_the_same_however_the_rows_are_split():
     net, noise = _ToyNet(), torch.randn((5, 3, 8, 8), generator=torch.Generator().manual_seed(0))
-    common = {"alpha_bar": ALPHA_BAR, "prediction": "epsilon", "sampler": "ddpm", "steps": 6, "seed": 9}
+    objective = DDPMObjective("linear", NUM_TIMESTEPS, "epsilon", "uniform")
+    common = {"objective": objective, "sampler": "ddpm", "steps": 6, "seed": 9}
     whole = generate(net, noise=noise, sample_ids=range(5), **common)
     parts = [generate(net, noise=noise[s], sample_ids=range(5)[s], batch_size=2, **common)
              for s in (slice(0, 3), slice(3, 5))]

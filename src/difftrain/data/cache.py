@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from difftrain.runtime.files import cache_dir
+
 from .folder import ImageFolderDataset
 from .sampler import split_key
 from .transforms import augment, load_image, resize_center_crop, to_tensor
@@ -29,9 +31,8 @@ PREPROCESS_VERSION = 1
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/difftrain`` or ``~/.cache/difftrain``."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "difftrain"
+    """The decode caches' folder (see :func:`difftrain.runtime.files.cache_dir`)."""
+    return cache_dir("decode")
 
 
 def cache_key(dataset: ImageFolderDataset) -> str:

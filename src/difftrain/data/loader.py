@@ -13,11 +13,12 @@ from .sampler import InfiniteSampler
 
 def build_dataset(
     path: str,
+    *,
     resolution: int,
-    channels: int,
-    random_flip: bool,
-    color_jitter: float,
-    class_conditional: bool,
+    channels: int = 3,
+    random_flip: bool = False,
+    color_jitter: float = 0.0,
+    class_conditional: bool = False,
     cache: bool = False,
     cache_dir: str = "",
 ) -> Dataset:

@@ -13,7 +13,6 @@ from .inception import (
     WEIGHTS_ENV_VAR,
     InceptionFeatures,
     find_inception_weights,
-    inception_score,
     preprocess_for_inception,
 )
 from .stats import FeatureStats
@@ -27,7 +26,6 @@ __all__ = [
     "find_inception_weights",
     "frechet_distance",
     "image_folder_statistics",
-    "inception_score",
     "kernel_inception_distance",
     "list_images",
     "preprocess_for_inception",

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from difftrain.config import Config
-from difftrain.training import distributed
-from difftrain.training.distributed import DistContext
+from difftrain.runtime import distributed
+from difftrain.runtime.distributed import DistContext
 
 from .evaluate import fid_result, num_batches, sample_features, statistics_from_features
 from .inception import InceptionFeatures
@@ -45,8 +45,8 @@ class TrainingFID:
     through the training preprocessing (cached by content, see evaluation.reference).
     """
 
-    def __init__(self, cfg: Config, alpha_bar: torch.Tensor, device: torch.device, ctx: DistContext | None = None):
-        self.cfg, self.alpha_bar, self.device = cfg, alpha_bar, device
+    def __init__(self, cfg: Config, objective, device: torch.device, ctx: DistContext | None = None):
+        self.cfg, self.objective, self.device = cfg, objective, device
         self.ctx = ctx or DistContext()
         self.every = cfg.evaluation.fid_every_steps
         self._inception = None
@@ -66,15 +66,19 @@ class TrainingFID:
                 d.path, self._inception, resolution=d.resolution, channels=d.channels,
                 num=e.fid_ref_num or None)
 
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is an evaluation step."""
+        return bool(self.every) and step % self.every == 0
+
     def __call__(self, step: int, ema_model: nn.Module) -> dict[str, float]:
-        if not self.every or step % self.every != 0:
+        if not self.due(step):
             return {}
         start = time.perf_counter()
         if self._inception is None:
             self._setup()
         e, d = self.cfg.evaluation, self.cfg.data
         features = sharded_sample_features(
-            ema_model, self._inception, alpha_bar=self.alpha_bar, prediction=self.cfg.diffusion.prediction,
+            ema_model, self._inception, objective=self.objective,
             shape=(d.channels, d.resolution, d.resolution), num=e.fid_num_samples, sampler=e.fid_sampler,
             steps=e.fid_steps, seed=e.fid_seed, batch_size=e.fid_batch_size, ctx=self.ctx)
         if features is None:  # not rank 0

@@ -16,7 +16,7 @@ from torch import nn
 
 from difftrain.diffusion.samplers import SAMPLER_NFE
 from difftrain.sampling import generate, initial_noise
-from difftrain.training.seeding import derive_seed
+from difftrain.runtime.seeding import derive_seed
 
 from .fid import compare
 from .inception import InceptionFeatures
@@ -28,8 +28,7 @@ def sample_features(
     model: nn.Module,
     inception: InceptionFeatures,
     *,
-    alpha_bar: torch.Tensor,
-    prediction: str,
+    objective,
     shape: tuple[int, int, int],
     num: int,
     sampler: str,
@@ -49,7 +48,7 @@ def sample_features(
     for k in range(num_batches(num, batch_size)) if batches is None else batches:
         n = min(batch_size, num - k * batch_size)
         noise = initial_noise(n, shape, derive_seed(seed, "fid-batch", k))
-        images = generate(model, alpha_bar=alpha_bar, prediction=prediction, noise=noise,
+        images = generate(model, objective=objective, noise=noise,
                           sampler=sampler, steps=steps, seed=derive_seed(seed, "fid-sampler", k),
                           batch_size=batch_size, **sampler_options)
         yield inception(((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8))
@@ -74,8 +73,8 @@ def sample_statistics(
 ) -> FeatureStats:
     """Inception statistics of ``num`` samples of ``model`` (unconditional).
 
-    The samples are those of :func:`sample_features` (``options``: its other keywords, alpha_bar,
-    prediction, shape, seed, batch_size and the sampler's options), so a result depends on
+    The samples are those of :func:`sample_features` (``options``: its other keywords, objective,
+    shape, seed, batch_size and the sampler's options), so a result depends on
     (seed, batch_size), and memory stays at one batch.
     """
     if num < 2:
@@ -94,12 +93,12 @@ def fid_result(samples: FeatureStats, reference: FeatureStats, /, *, kid: bool =
     return {**result, **context}
 
 
-def describe(result: dict) -> str:
-    """One line: the FID with everything needed to read it."""
+def describe(result: dict, a: str = "samples", b: str = "reference images") -> str:
+    """One line: the FID with everything needed to read it; ``a`` and ``b`` name the two sides."""
     parts = [f"FID {result['fid']:.3f}"]
     if "kid_mean" in result:
         parts.append(f"KID {result['kid_mean'] * 1e3:.3f}e-3 +- {result['kid_std'] * 1e3:.3f}e-3")
-    text = ", ".join(parts) + f" from {result['num_samples']:,} samples vs {result['num_reference']:,} reference images"
+    text = ", ".join(parts) + f" from {result['num_samples']:,} {a} vs {result['num_reference']:,} {b}"
     if "sampler" in result:
         weights = "EMA" if result.get("ema") else "raw"
         text += (f"; {result['sampler']} {result['steps']} steps ({result['nfe']} NFE), {weights} weights, "
@@ -146,7 +145,7 @@ def evaluate_checkpoint(
                                                num=ref_num)
         ref_source = f"{d.path} (training preprocessing, {d.resolution}px, {d.channels} channel(s))"
     samples = sample_statistics(
-        loaded.model, inception, alpha_bar=loaded.alpha_bar, prediction=loaded.cfg.diffusion.prediction,
+        loaded.model, inception, objective=loaded.objective,
         shape=(d.channels, d.resolution, d.resolution), num=num, sampler=sampler, steps=steps, seed=seed,
         batch_size=batch_size, **sampler_options)
     return fid_result(

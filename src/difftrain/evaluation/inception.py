@@ -22,7 +22,7 @@ What that TorchScript file is (read from `module.code` and its submodules' code)
   pytorch-fid's FIDInceptionA/C/E_1/E_2. `tests/unit/test_inception.py` rebuilds the network
   by hand from those blocks, copies these weights into it, and gets the same features.
 - There is no classifier head (no logits), so an Inception Score cannot be computed with it:
-  see `InceptionFeatures.has_classifier_head` and `inception_score`.
+  see `InceptionFeatures.has_classifier_head`.
 
 Preprocessing follows pytorch-fid's `InceptionV3(resize_input=True, normalize_input=True)`:
 images in [0, 255] are scaled to [0, 1], resized to 299x299 with
@@ -145,7 +145,7 @@ class InceptionFeatures(nn.Module):
     """FID Inception-v3 returning 2048-d pool3 features; always in eval mode, never grads.
 
     No Inception Score: the TorchScript network stops at pool3 and has no classifier head
-    (`has_classifier_head` is False; `inception_score` raises).
+    (`has_classifier_head` is False: no Inception Score from it).
 
     Usage: `net = InceptionFeatures().to(device); feats = net(images_uint8)`.
     """
@@ -193,11 +193,3 @@ class InceptionFeatures(nn.Module):
                 f"{images.shape[0]} images, expected ({images.shape[0]}, {FEATURE_DIM}); "
                 "is it the FID Inception TorchScript?")
         return features
-
-
-def inception_score(*args, **kwargs):
-    """Not available: the FID Inception TorchScript has no classifier head (no logits)."""
-    raise NotImplementedError(
-        "Inception Score needs Inception-v3's 1008-way classifier logits, but the FID "
-        f"network difftrain uses ({FID_HELPER_PACKAGE}/{FID_HELPER_WEIGHTS}) ends at the "
-        "2048-d pool3 features and has no classifier head. Use FID or KID instead.")

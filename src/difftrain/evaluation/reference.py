@@ -27,11 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from difftrain.runtime.files import atomic_write, cache_dir, files_fingerprint
+
 from .fid import _ImageFiles, _same_size_runs, list_images, statistics_from_images
 from .inception import InceptionFeatures
 from .stats import FeatureStats
 
-CACHE_ENV_VAR = "DIFFTRAIN_CACHE"  # overrides the cache folder (default ~/.cache/difftrain)
 TRAINING_PREPROCESSING = (
     "difftrain training preprocessing without augmentation: load_image, antialiased resize of "
     "the short side, centre crop, [-1,1] -> uint8 round((x+1)*127.5)"
@@ -40,18 +41,8 @@ FOLDER_PREPROCESSING = "image files read with Pillow, converted to RGB, native s
 
 
 def default_cache_dir() -> Path:
-    """$DIFFTRAIN_CACHE/fid, else ~/.cache/difftrain/fid."""
-    root = os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "difftrain"
-    return Path(root).expanduser() / "fid"
-
-
-def files_fingerprint(root: Path, paths: list[Path]) -> str:
-    """SHA-256 over (relative path, size, mtime in ns) of every file, in order."""
-    digest = hashlib.sha256()
-    for path in paths:
-        st = path.stat()
-        digest.update(f"{path.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
+    """$DIFFTRAIN_CACHE/fid, else ~/.cache/difftrain/fid (see :func:`runtime.files.cache_dir`)."""
+    return cache_dir("fid")
 
 
 def cache_key(description: dict) -> str:
@@ -87,7 +78,7 @@ def _source_description(data: str, resolution: int | None, channels: int | None)
                 "preprocessing": FOLDER_PREPROCESSING}, paths
     from difftrain.data import build_dataset  # local: keeps evaluation importable without data
 
-    dataset = build_dataset(data, resolution, channels, random_flip=False, color_jitter=0.0,
+    dataset = build_dataset(data, resolution=resolution, channels=channels, random_flip=False, color_jitter=0.0,
                             class_conditional=False)
     if hasattr(dataset, "paths"):
         root = Path(data).expanduser().resolve()
@@ -140,9 +131,8 @@ def reference_statistics(
     stats = statistics_from_images(batches, inception, max_features=max_features, metadata=meta)
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        stats.save(tmp)
-        os.replace(tmp, cache_file)  # atomic: a reader never sees half a file
+        with atomic_write(cache_file) as f:  # a reader never sees half a file
+            stats.save(f)
     return stats, cache_file, False
 
 

@@ -109,7 +109,7 @@ class FeatureStats:
         for row in np.nonzero(slots < cap)[0]:
             reservoir[slots[row]] = x[row]
 
-    def save(self, path: str | os.PathLike, include_features: bool = True) -> None:
+    def save(self, path, include_features: bool = True) -> None:
         """Write an .npz: mu, sigma, count, optionally features, and metadata (JSON string).
 
         mu and sigma are named as in pytorch-fid's statistics files, so those tools can read
@@ -123,6 +123,9 @@ class FeatureStats:
         }
         if include_features and self.features is not None:
             arrays["features"] = self.features
+        if hasattr(path, "write"):  # an open binary file
+            np.savez(path, **arrays)
+            return
         with open(path, "wb") as f:  # a file object keeps np.savez from appending ".npz"
             np.savez(f, **arrays)
 

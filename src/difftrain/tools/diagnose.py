@@ -19,9 +19,9 @@ from difftrain.diffusion.process import q_sample, to_x0_and_eps
 from difftrain.diffusion.samplers import sampling_timesteps
 from difftrain.sampling import make_grid, save_png, to_uint8
 from difftrain.tools.common import Setup, build_setup, fetch_batch
-from difftrain.training.checkpoint import load_checkpoint, state_dict_sha256
+from difftrain.training.checkpoint import load_checkpoint, load_weights, state_dict_sha256
 from difftrain.training.heldout import bucket_bounds
-from difftrain.training.seeding import derive_seed, step_generator
+from difftrain.runtime.seeding import derive_seed, step_generator
 
 
 @dataclasses.dataclass
@@ -51,9 +51,9 @@ def check_timesteps(setup: Setup, draws: int = 64) -> Check:
     cfg = setup.cfg
     T = cfg.diffusion.num_timesteps
     ts = []
-    for step in range(draws):
-        gen = step_generator(cfg.train.seed, 0, step, setup.device, "diffusion")
-        ts.append(torch.randint(0, T, (cfg.train.batch_size,), device=setup.device, generator=gen))
+    for step in range(draws):  # the generator and draw of training/step.py's draw_micro_batch
+        gen = step_generator(cfg.train.seed, 0, step * cfg.train.grad_accum_steps, setup.device, "diffusion")
+        ts.append(setup.objective.draw_levels(cfg.train.batch_size, gen, setup.device))
     t = torch.cat(ts)
     sched = sampling_timesteps(T, cfg.validation.steps)
     problems = []
@@ -116,8 +116,8 @@ def error_per_timestep(setup: Setup, num_images: int = 32, num_buckets: int = 10
     for i, (first, last) in enumerate(bucket_bounds(T, num_buckets)):
         t = torch.randint(first, last + 1, (x0.shape[0],), generator=g).to(setup.device)
         noise = torch.randn(x0.shape, generator=g).to(setup.device)
-        x_t = q_sample(x0, t, noise, setup.alpha_bar)
-        x0_hat, eps_hat = to_x0_and_eps(cfg.diffusion.prediction, model(x_t, t, labels), x_t, setup.alpha_bar[t])
+        x_t = q_sample(x0, t, noise, setup.objective.alpha_bar)
+        x0_hat, eps_hat = to_x0_and_eps(cfg.diffusion.prediction, model(x_t, t, labels), x_t, setup.objective.alpha_bar[t])
         rows.append({
             "bucket": i, "t_first": first, "t_last": last,
             "eps_mse": float((eps_hat - noise).square().mean()),
@@ -140,9 +140,9 @@ def trajectory_grid(setup: Setup, timesteps: list[int], num_images: int = 4) -> 
         xs, preds = [], []
         for tv in timesteps:
             t = torch.full((1,), tv, device=setup.device, dtype=torch.long)
-            x_t = q_sample(x0[k : k + 1], t, noise[k : k + 1], setup.alpha_bar)
+            x_t = q_sample(x0[k : k + 1], t, noise[k : k + 1], setup.objective.alpha_bar)
             lab = None if labels is None else labels[k : k + 1]
-            x0_hat, _ = to_x0_and_eps(cfg.diffusion.prediction, model(x_t, t, lab), x_t, setup.alpha_bar[t])
+            x0_hat, _ = to_x0_and_eps(cfg.diffusion.prediction, model(x_t, t, lab), x_t, setup.objective.alpha_bar[t])
             xs.append(x_t.clamp(-1, 1))
             preds.append(x0_hat.clamp(-1, 1))
         rows += [torch.cat([x0[k : k + 1]] + xs), torch.cat([x0[k : k + 1]] + preds)]
@@ -154,12 +154,12 @@ def diagnose(checkpoint: str | Path, out_dir: str | Path, timesteps: list[int] |
              num_images: int = 32, device: str | None = None) -> dict:
     """Run every check on ``checkpoint`` (EMA weights); write ``diagnose.json``,
     ``trajectory.png`` to ``out_dir``; return the JSON record."""
-    state = load_checkpoint(checkpoint)
+    state = load_checkpoint(checkpoint)  # checked against the schema: every key below exists
     cfg = config_from_dict(state["config"], source=state["path"])
     if device:
         cfg.train.device = device
     setup = build_setup(cfg)
-    setup.model.load_state_dict(state["ema"]["model"] if state.get("ema") else state["model"])
+    load_weights(setup.model, state["ema"]["model"], state["path"], "ema.model")
     T = cfg.diffusion.num_timesteps
     timesteps = timesteps or [0, T // 10, T // 4, T // 2, 3 * T // 4, T - 1]
     bad = [t for t in timesteps if not 0 <= t < T]
@@ -170,7 +170,7 @@ def diagnose(checkpoint: str | Path, out_dir: str | Path, timesteps: list[int] |
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_png(trajectory_grid(setup, timesteps), out_dir / "trajectory.png")
-    record = {"checkpoint": state["path"], "step": int(state["step"]),
+    record = {"checkpoint": state["path"], "step": state["step"],
               "checks": [dataclasses.asdict(c) for c in checks], "error_per_timestep": errors,
               "trajectory": {"png": str(out_dir / "trajectory.png"), "timesteps": timesteps,
                              "rows": "per image: x_t at each t (first column x_0), then predicted x_0"}}

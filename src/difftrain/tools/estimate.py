@@ -16,9 +16,10 @@ import os
 import torch
 
 from difftrain.config import Config
-from difftrain.tools.common import RandomImages, Setup, batch_loss, build_setup, fetch_batch
-from difftrain.training.builders import build_optimizer
-from difftrain.training.ema import EMA
+from difftrain.diffusion.objective import per_sample_loss
+from difftrain.runtime.distributed import DistContext
+from difftrain.tools.common import RandomImages, Setup, build_setup, fetch_batch
+from difftrain.training.step import StepMetrics, draw_micro_batch, train_step
 
 MiB = 2**20
 
@@ -52,9 +53,10 @@ def activation_bytes(setup: Setup, batch_size: int) -> tuple[int, int]:
         torch.cuda.synchronize(setup.device)
         torch.cuda.reset_peak_memory_stats(setup.device)
         base = torch.cuda.memory_allocated(setup.device)
-    gen = torch.Generator(device=setup.device).manual_seed(0)
+    b = draw_micro_batch(setup.state, setup.objective, x0, labels, 0, DistContext(device=setup.device))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = batch_loss(setup, x0, labels, gen).mean()
+        loss = per_sample_loss(setup.objective, setup.model, b.x0, b.labels, b.levels, b.noise,
+                               setup.state.precision.autocast()).mean()
     loss.backward()
     peak = torch.cuda.max_memory_allocated(setup.device) - base if cuda else 0
     setup.model.zero_grad(set_to_none=True)
@@ -98,15 +100,14 @@ def estimate(
     model = setup.model
     params = _tensor_bytes(model.parameters())
     buffers = _tensor_bytes(model.buffers())
-    # One real optimizer step: creates gradients and the optimizer's state.
-    optimizer = build_optimizer(cfg, model, setup.device)
-    x0, labels = fetch_batch(setup, min(b, 2), seed=1)
-    batch_loss(setup, x0, labels, torch.Generator(device=setup.device).manual_seed(1)).mean().backward()
-    grads = _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # One real optimizer step (the training loop's): creates the optimizer's state. Gradients
+    # take what the weights take (one per parameter, in its dtype).
+    batches = iter([fetch_batch(setup, min(b, 2), seed=1)] * cfg.train.grad_accum_steps)
+    train_step(setup.state, setup.objective, batches, cfg.optim.lr, StepMetrics(setup.device))
+    grads = _tensor_bytes(model.parameters())
+    optimizer = setup.state.optimizer
     opt_state = _tensor_bytes(v for s in optimizer.state.values() for v in s.values())
-    ema = _tensor_bytes(EMA(model).model.parameters())
+    ema = _tensor_bytes(setup.state.ema.model.parameters())
     # Activations at b and 2b: the slope per image and the part that does not grow with b.
     act_b, peak_b = activation_bytes(setup, b)
     act_2b, _ = activation_bytes(setup, 2 * b)

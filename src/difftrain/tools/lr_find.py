@@ -15,13 +15,12 @@ import json
 import math
 from pathlib import Path
 
-import torch
 
 from difftrain.config import Config
 from difftrain.report.png_plot import png_line_plot
-from difftrain.tools.common import batch_loss, build_setup, fetch_batch
-from difftrain.training.builders import build_optimizer
-from difftrain.training.seeding import derive_seed
+from difftrain.tools.common import build_setup, fetch_batch
+from difftrain.training.step import StepMetrics, train_step
+from difftrain.runtime.seeding import derive_seed
 
 
 def lr_schedule(start_lr: float, end_lr: float, num_steps: int) -> list[float]:
@@ -75,27 +74,17 @@ def lr_find(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = build_setup(cfg)
-    model, tc = setup.model, cfg.train
-    optimizer = build_optimizer(cfg, model, setup.device)
-    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    tc = cfg.train
     lrs = lr_schedule(start_lr, end_lr, num_steps)
+    metrics = StepMetrics(setup.device)
     losses: list[float] = []
     stop = "reached --end-lr"
     best = math.inf
     for i, lr in enumerate(lrs):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        total = 0.0
-        for micro in range(tc.grad_accum_steps):
-            x0, labels = fetch_batch(setup, tc.batch_size, derive_seed(tc.seed, "lr-find-data", i, micro))
-            gen = torch.Generator(device=setup.device).manual_seed(derive_seed(tc.seed, "lr-find", i, micro))
-            loss = batch_loss(setup, x0, labels, gen).mean() / tc.grad_accum_steps
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
+        batches = (fetch_batch(setup, tc.batch_size, derive_seed(tc.seed, "lr-find-data", i, m))
+                   for m in range(tc.grad_accum_steps))
+        train_step(setup.state, setup.objective, batches, lr, metrics)  # the training loop's step
+        losses.append(metrics.last_loss.item())
         s = smooth(losses, beta)[-1]
         if not math.isfinite(s):
             stop = f"loss not finite at lr {lr:.3g}"

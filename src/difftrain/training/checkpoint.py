@@ -1,9 +1,11 @@
 """Crash-safe checkpoints: atomic writes, a latest-pointer, rotation, safe loading.
 
 A checkpoint is one file, ``checkpoints/step_XXXXXXXX.pt``: a dict of tensors, numbers,
-strings and lists (model, EMA, optimizer, scaler, LR schedule, step, data position, RNG states
-and the config), written with ``torch.save`` and read back with ``weights_only=True``, so
-loading never unpickles code. ``checkpoints/latest`` names the newest complete file.
+strings and lists, written with ``torch.save`` and read back with ``weights_only=True``, so
+loading never unpickles code. ``checkpoints/latest`` names the newest complete file. Its keys
+are :data:`SCHEMA` (the run state of ``training/state.py``); every reader goes through
+:func:`load_checkpoint`, which upgrades older versions and checks each key once, naming the
+file and the key when one is missing or wrong.
 
 Writes go to a temporary file in the same directory, are flushed and fsync'd, then renamed
 over the final name and the directory is fsync'd; the pointer is updated the same way. Old
@@ -22,7 +24,10 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "difftrain-checkpoint-v1"
+from difftrain.runtime.files import atomic_write, atomic_write_bytes, unlink_quietly
+
+FORMAT = "difftrain-checkpoint-v2"
+_OLDER_FORMATS = ("difftrain-checkpoint-v1",)
 LATEST = "latest"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 # Test hook for fault injection: seconds to pause between writing a checkpoint's temporary file
@@ -37,6 +42,10 @@ class CheckpointWriteError(RuntimeError):
     """
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable, not difftrain's, or holds a wrong or missing key."""
+
+
 class NonFiniteWeights(ValueError):
     """Refused to write a checkpoint whose model or EMA weights hold NaN or infinity."""
 
@@ -45,57 +54,23 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _unlink_quietly(path: Path) -> None:
-    """Remove a partial temporary file; a folder we can't write to may refuse that too."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
+def _pause_for_fault_injection() -> None:
+    pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+    if pause > 0:
+        time.sleep(pause)
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with atomic_write(path, before_rename=_pause_for_fault_injection) as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
-        if pause > 0:
-            time.sleep(pause)
-        os.replace(tmp, path)
     except BaseException as e:
-        _unlink_quietly(tmp)
         cause = _os_error_in(e)
         if cause is not None and cause is not e:
             # torch.save's zip writer replaces a failed write (ENOSPC) with a RuntimeError of
             # its own; report the OS error underneath instead.
             raise cause from e
         raise
-    _fsync_dir(path.parent)
 
 
 def _os_error_in(e: BaseException | None) -> OSError | None:
@@ -129,13 +104,16 @@ def save_checkpoint(
     Rotation keeps the newest ``keep_last`` files plus every file whose step is a multiple of
     ``keep_every_steps`` (when > 0), for later evaluation.
     """
-    check_finite(state)
+    try:
+        check_finite(state)
+    except NonFiniteWeights as e:
+        raise NonFiniteWeights(f"refusing to write a checkpoint: {e}") from None
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / checkpoint_name(step)
     _save_atomic({"format": FORMAT, **state}, path)
     atomic_write_bytes(ckpt_dir / LATEST, (path.name + "\n").encode())
     for stale in ckpt_dir.glob(".step_*.pt.tmp"):  # left by a process killed mid-write
-        _unlink_quietly(stale)
+        unlink_quietly(stale)
     existing = list_checkpoints(ckpt_dir)
     newest = {p for _, p in existing[-keep_last:]}
     for s, p in existing:
@@ -151,7 +129,7 @@ def check_finite(state: dict) -> None:
     for group, tensors in groups.items():
         for name, t in tensors.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise NonFiniteWeights(f"refusing to write a checkpoint: {group} weight {name} is not finite")
+                raise NonFiniteWeights(f"{group} weight {name} is not finite")
 
 
 def save_or_report(
@@ -209,17 +187,91 @@ def find_checkpoint(path: str | Path) -> Path:
     return found[-1][1]
 
 
+# key -> (check, what it must be): the run state as training/state.py writes it.
+def _is_tensor_dict(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in v.items())
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+SCHEMA = {
+    "step": (_is_count, "an integer >= 0"),
+    "data_position": (_is_count, "an integer >= 0 (images consumed by all ranks)"),
+    "skipped_steps": (_is_count, "an integer >= 0"),
+    "num_classes": (_is_count, "an integer >= 0"),
+    "config": (lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values()), "a table of config sections"),
+    "model": (lambda v: _is_tensor_dict(v) and len(v) > 0, "a non-empty dict of tensors"),
+    "ema": (lambda v: isinstance(v, dict) and _is_tensor_dict(v.get("model")) and _is_count(v.get("num_updates")),
+            "a dict with 'model' (tensors) and 'num_updates'"),
+    "optimizer": (lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
+                  and isinstance(v.get("param_groups"), list), "an optimizer state dict"),
+    "scaler": (lambda v: isinstance(v, dict), "a dict (the loss scaler's state)"),
+    "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor), "a dict with the 'torch' RNG state"),
+}
+
+
+def _upgrade(state: dict) -> dict:
+    """A v1 checkpoint in v2's keys: ``counters.skipped_steps`` -> ``skipped_steps``; the
+    unread ``images_seen``, ``lr_schedule`` and ``world_size`` dropped."""
+    if state.get("format") == "difftrain-checkpoint-v1":
+        state = dict(state)
+        counters = state.pop("counters", {})
+        state["skipped_steps"] = counters.get("skipped_steps") if isinstance(counters, dict) else None
+        state.setdefault("data_position", state.get("images_seen"))
+        state.setdefault("num_classes", 0)
+        for key in ("images_seen", "lr_schedule", "world_size"):
+            state.pop(key, None)
+        state["format"] = FORMAT
+    return state
+
+
+def check_schema(state: dict, path: str | Path) -> None:
+    """Raise :class:`CheckpointError` naming ``path`` and the first missing or wrong key, or
+    the first model or EMA weight that is not finite."""
+    for key, (ok, what) in SCHEMA.items():
+        if key not in state:
+            raise CheckpointError(f"checkpoint {path} has no key {key!r} ({what} expected)")
+        if not ok(state[key]):
+            raise CheckpointError(f"checkpoint {path}: key {key!r} must be {what}, got {type(state[key]).__name__}")
+    try:
+        check_finite(state)
+    except NonFiniteWeights as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+
+
 def load_checkpoint(path: str | Path) -> dict:
-    """Load a checkpoint on the CPU with ``weights_only=True`` (never runs pickled code)."""
+    """Load a checkpoint on the CPU with ``weights_only=True`` (never runs pickled code), upgrade
+    an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read."""
     path = find_checkpoint(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named
-        raise ValueError(f"cannot load checkpoint {path}: {e}") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a difftrain checkpoint (format {FORMAT!r} expected)")
+        raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, *_OLDER_FORMATS):
+        raise CheckpointError(f"{path} is not a difftrain checkpoint (format {FORMAT!r} expected)")
+    state = _upgrade(state)
+    check_schema(state, path)
     state["path"] = str(path)
     return state
+
+
+def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: str | Path, key: str) -> None:
+    """``module.load_state_dict(tensors)``, with a missing, unexpected or wrongly shaped weight
+    reported as a :class:`CheckpointError` naming the file and the key."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(own))
+    if missing or extra:
+        what = f"lacks {missing[0]!r}" if missing else f"has an unknown weight {extra[0]!r}"
+        raise CheckpointError(f"checkpoint {path}: key {key!r} {what} for this model "
+                              f"({len(missing)} missing, {len(extra)} unknown)")
+    for name, t in tensors.items():
+        if t.shape != own[name].shape:
+            raise CheckpointError(f"checkpoint {path}: key {key}.{name} has shape {tuple(t.shape)}, "
+                                  f"the model's is {tuple(own[name].shape)}")
+    module.load_state_dict(tensors)
 
 
 def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+
+from difftrain.diffusion.losses import diffusion_loss
 
 
 def _stats(name: str, x: torch.Tensor) -> str:
@@ -20,35 +20,25 @@ def _stats(name: str, x: torch.Tensor) -> str:
     )
 
 
-def divergence_report(
-    model: torch.nn.Module,
-    x0: torch.Tensor,
-    t: torch.Tensor,
-    x_t: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor | None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    max_layers: int = 12,
-) -> str:
+def divergence_report(model: torch.nn.Module, objective, batch, max_layers: int = 12) -> str:
     """Recompute the last micro-batch's loss and gradients and describe them.
 
     Args:
         model: the network (its weights are not changed; its gradients are cleared after).
-        x0, x_t, target: (B, C, H, W) clean images, noised inputs and regression target.
-        t: (B,) integer timesteps. weight: (B,) loss weights. labels: (B,) or None.
-        loss_fn: per-sample loss, (out, target, weight) -> (B,).
+        objective: the run's objective; batch: the last ``step.MicroBatch`` (x0, labels, levels, noise).
 
-    Returns lines with the statistics of each batch tensor, the timesteps, the per-sample loss,
-    and the gradient norm of each parameter tensor: every non-finite one, then the largest.
+    Returns lines with the statistics of each batch tensor, the noise levels, the per-sample
+    loss, and the gradient norm of each parameter tensor: every non-finite one, then the largest.
     """
+    b = objective.noised(batch.x0, batch.levels, batch.noise)
+    x0, x_t, target, t = batch.x0, b.input, b.target, batch.levels
     lines = ["diagnostic (the last micro-batch, recomputed in fp32):"]
     for name, x in (("x0", x0), ("x_t", x_t), ("target", target)):
         lines.append(_stats(name, x))
-    lines.append(f"  timesteps: {t.tolist()}")
+    lines.append(f"  noise levels: {t.tolist()}")
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        per_sample = loss_fn(model(x_t, t, labels).float(), target, weight)
+        per_sample = diffusion_loss(model(x_t, b.cond, batch.labels).float(), target, b.weight)
         lines.append(f"  per-sample loss: {[round(v, 4) for v in per_sample.detach().tolist()]}")
         per_sample.mean().backward()
     norms = {

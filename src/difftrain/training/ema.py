@@ -48,14 +48,20 @@ class EMA:
                 (a skipped optimizer step); keeps the update free of host synchronisation.
         """
         weight = 1.0 - self.current_decay()
-        params = [p.detach() for p in model.parameters()]
         if apply is not None:
             weight = apply.to(torch.float32) * weight
+        self.lerp_(model, weight)
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def lerp_(self, model: nn.Module, weight: float | torch.Tensor) -> None:
+        """``ema += weight * (params - ema)`` and copy the buffers; ``weight`` may be a 0-dim
+        device tensor (a captured step fills it before each replay). Counts no update."""
+        params = [p.detach() for p in model.parameters()]
         if params:
             torch._foreach_lerp_(self._ema_params, params, weight)
         for ema_buf, buf in zip(self._ema_buffers, model.buffers()):
             ema_buf.copy_(buf)
-        self.num_updates += 1
 
     def state_dict(self) -> dict:
         return {

@@ -1,4 +1,4 @@
-"""The held-out split and its loss: frozen noise and timesteps, overall and per timestep bucket.
+"""The held-out loss: frozen noise and noise levels, overall and per noise-level bucket.
 
 Training loss is noisy (each step draws new t and noise) and is measured on data the model has
 seen. The held-out loss is measured on images the model never trains on, with noise and
@@ -19,72 +19,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from difftrain.config import Config
-from difftrain.data.sampler import split_key
-from difftrain.diffusion.losses import diffusion_loss, loss_weight
-from difftrain.diffusion.process import prediction_target, q_sample
-from difftrain.training import distributed
-from difftrain.training.distributed import DistContext
-from difftrain.training.seeding import derive_seed
-
-
-class IndexSubset(Dataset):
-    """The items ``indices`` of ``dataset``; keys may be an index or ``(index, sample_seed)``."""
-
-    def __init__(self, dataset: Dataset, indices: list[int]):
-        self.dataset = dataset
-        self.indices = list(indices)
-        self.num_classes = getattr(dataset, "num_classes", 0)
-        self.classes = getattr(dataset, "classes", [])
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, key: int | tuple[int, int]):
-        index, seed = split_key(key)
-        inner = self.indices[index]
-        return self.dataset[inner if seed is None else (inner, seed)]
-
-
-def heldout_indices(num_items: int, fraction: float, seed: int) -> list[int]:
-    """The sorted indices of the held-out share of ``num_items`` (at least one when > 0).
-
-    Drawn from a generator seeded by ``seed`` alone, so a run and its resumes (and any run
-    with the same seed and data) hold out the same images.
-    """
-    if fraction <= 0:
-        return []
-    count = max(1, round(fraction * num_items))
-    g = torch.Generator().manual_seed(derive_seed(seed, "heldout-split"))
-    return sorted(torch.randperm(num_items, generator=g)[:count].tolist())
-
-
-def split_heldout(dataset: Dataset, cfg: Config, build) -> tuple[Dataset, Dataset | None]:
-    """(training set, held-out set or None) from ``data.heldout_fraction`` or ``data.heldout_path``.
-
-    ``build(path)`` builds a dataset for ``data.heldout_path`` with the run's data options. A
-    fraction removes its images from the training set; a separate folder leaves it whole.
-    """
-    d = cfg.data
-    if d.heldout_path:
-        return dataset, build(d.heldout_path)
-    held = heldout_indices(len(dataset), d.heldout_fraction, cfg.train.seed)
-    if not held:
-        return dataset, None
-    if len(held) >= len(dataset):
-        raise ValueError(f"data.heldout_fraction={d.heldout_fraction} leaves no training images of {len(dataset)}")
-    kept = sorted(set(range(len(dataset))) - set(held))
-    return IndexSubset(dataset, kept), IndexSubset(dataset, held)
-
-
-def stratified_timesteps(num: int, num_timesteps: int, generator: torch.Generator) -> torch.Tensor:
-    """(num,) long timesteps, one drawn uniformly inside each of ``num`` equal slices of [0, T).
-
-    Every timestep bucket of width T / k then holds num / k of them (exactly, when k divides
-    num), so per-bucket averages rest on equal counts.
-    """
-    u = torch.rand(num, generator=generator, dtype=torch.float64)
-    t = ((torch.arange(num, dtype=torch.float64) + u) * num_timesteps / num).floor().long()
-    return t.clamp_(0, num_timesteps - 1)
+from difftrain.diffusion.objective import Objective, per_sample_loss
+from difftrain.runtime import distributed
+from difftrain.runtime.distributed import DistContext
+from difftrain.runtime.seeding import derive_seed
 
 
 class HeldOutLoss:
@@ -94,14 +32,14 @@ class HeldOutLoss:
         dataset: the held-out images (items ``(image (C, H, W) in [-1, 1], label)``); the first
             ``max_images`` are used, unaugmented.
         cfg: the run's config (diffusion settings, seeds, validation options).
-        alpha_bar: (T,) the schedule, on ``device``.
+        objective: the run's objective (on ``device``): its stratified noise levels and loss.
         device: where the frozen tensors live and the model runs.
         num_buckets: timestep buckets for the per-bucket losses.
         ctx: the process's place in a distributed run; it keeps and evaluates only its shard
             ``distributed.shard(N, ctx)`` of the N held-out images.
     """
 
-    def __init__(self, dataset: Dataset, cfg: Config, alpha_bar: torch.Tensor, device: torch.device,
+    def __init__(self, dataset: Dataset, cfg: Config, objective: Objective, device: torch.device,
                  num_buckets: int = 10, ctx: DistContext | None = None):
         v, d = cfg.validation, cfg.data
         self.ctx = ctx or DistContext()
@@ -109,8 +47,7 @@ class HeldOutLoss:
         mine = distributed.shard(n, self.ctx)
         # Drawn for all N images, whatever this rank keeps: image i's t and noise depend on i alone.
         g = torch.Generator().manual_seed(derive_seed(v.seed, "heldout-noise"))
-        T = cfg.diffusion.num_timesteps
-        t = stratified_timesteps(n, T, g)  # (N,)
+        t = objective.stratified_levels(n, g)  # (N,) equal counts in every bucket
         noise = torch.randn((n, d.channels, d.resolution, d.resolution), generator=g)  # (N, C, H, W)
         items = [dataset[i] for i in range(n)[mine]]
         self.x0 = torch.stack([x for x, _ in items]).to(device) if items else torch.zeros_like(noise[mine]).to(device)
@@ -118,12 +55,11 @@ class HeldOutLoss:
         self.labels = torch.tensor([y for _, y in items], dtype=torch.long, device=device) if num_classes else None
         self.t = t[mine].to(device)  # (N_r,) this rank's rows
         self.noise = noise[mine].to(device)  # (N_r, C, H, W)
-        self.alpha_bar = alpha_bar
-        self.diffusion = cfg.diffusion
+        self.objective = objective
         self.batch_size = v.heldout_batch_size
         self.weights = v.heldout_weights
         self.num_buckets = num_buckets
-        self.buckets = (t * num_buckets) // T  # (N,) on the CPU, for all images
+        self.buckets = objective.bucket(t, num_buckets)  # (N,) on the CPU, for all images
 
     @torch.no_grad()
     def per_sample(self, model: nn.Module) -> torch.Tensor:
@@ -131,17 +67,12 @@ class HeldOutLoss:
         eval mode (training mode is restored)."""
         was_training = model.training
         model.eval()
-        dc = self.diffusion
         out = []
         try:
             for s in range(0, self.x0.shape[0], self.batch_size):
                 x0, t, noise = (a[s : s + self.batch_size] for a in (self.x0, self.t, self.noise))
                 labels = None if self.labels is None else self.labels[s : s + self.batch_size]
-                ab_t = self.alpha_bar[t]
-                x_t = q_sample(x0, t, noise, self.alpha_bar)
-                target = prediction_target(dc.prediction, x0, noise, ab_t)
-                weight = loss_weight(dc.loss_weighting, ab_t, dc.prediction, dc.min_snr_gamma)
-                out.append(diffusion_loss(model(x_t, t, labels), target, weight))
+                out.append(per_sample_loss(self.objective, model, x0, labels, t, noise))
         finally:
             model.train(was_training)
         return torch.cat(out) if out else torch.zeros(0, device=self.x0.device)
@@ -177,12 +108,12 @@ class NoHeldOut:
         return {}
 
 
-def build_heldout(dataset: Dataset | None, cfg: Config, alpha_bar: torch.Tensor, device: torch.device,
+def build_heldout(dataset: Dataset | None, cfg: Config, objective: Objective, device: torch.device,
                   ctx: DistContext | None = None):
     """A :class:`HeldOutLoss` on ``dataset`` (this rank's shard of it), or a no-op when there is none."""
     if dataset is None:
         return NoHeldOut()
-    return HeldOutLoss(dataset, cfg, alpha_bar, device, ctx=ctx)
+    return HeldOutLoss(dataset, cfg, objective, device, ctx=ctx)
 
 
 def bucket_bounds(num_timesteps: int, num_buckets: int = 10) -> Iterator[tuple[int, int]]:

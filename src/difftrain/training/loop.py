@@ -3,37 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from difftrain.config import Config, allowed_changes, config_to_dict, config_to_toml, incompatible_keys
-from difftrain.data import build_dataset, build_loader
-from difftrain.data.cache import with_decode_cache
-from difftrain.data.check import prepare_dataset
-from difftrain.diffusion.losses import diffusion_loss, loss_weight
-from difftrain.diffusion.process import prediction_target, q_sample
-from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.config import Config, config_to_dict, config_to_toml
+from difftrain.data import build_loader
+from difftrain.data.prepare import prepare_training_data
+from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.during_training import TrainingFID
+from difftrain.runtime import distributed
+from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
+from difftrain.runtime.files import atomic_write_bytes
 from difftrain.sampling import grid_class_labels, initial_noise
 from difftrain.training import checkpoint as ckpt
-from difftrain.training import distributed
-from difftrain.training.builders import build_model, build_optimizer, effective_batch, peak_lr, resolve_device
 from difftrain.training.diagnostics import divergence_report
-from difftrain.training.ema import EMA
-from difftrain.training.heldout import build_heldout, split_heldout
+from difftrain.training.heldout import build_heldout
 from difftrain.training.lr_schedule import lr_at
-from difftrain.training.precision import autocast, grad_scaler
 from difftrain.training.progress import Progress, memory_stats
-from difftrain.training.seeding import derive_seed, rng_state, set_rng_state, step_generator
 from difftrain.training.signals import StopRequest, signal_name
-from difftrain.training.speed import compile_model, prepare_model
+from difftrain.training.state import RunState, effective_batch, peak_lr, resume_source
+from difftrain.training.step import CapturedStep, StepMetrics, train_step
 from difftrain.training.trackers import Trackers, build_trackers
 from difftrain.training.validation import save_grids, validation_grids
-
-NUM_LOSS_BUCKETS = 10  # loss is also reported per tenth of [0, T)
 
 
 class TrainingDiverged(RuntimeError):
@@ -61,271 +55,126 @@ def train(
     same data order, random numbers, LR schedule and EMA, so the result is the same as one
     uninterrupted run (bit for bit on the CPU in fp32).
     """
-    run_dir = Path(run_dir)
-    tc = cfg.train
+    started = time.perf_counter()
+    run_dir, tc = Path(run_dir), cfg.train
     dctx = distributed.setup(resolve_device(tc.device))  # a no-op without torchrun
-    device, rank, world_size = dctx.device, dctx.rank, dctx.world_size
+    device, is_main = dctx.device, dctx.is_main
 
-    # Data.
-    d = cfg.data
-    dataset = build_dataset(d.path, d.resolution, d.channels, d.random_flip, d.color_jitter, d.class_conditional)
-    dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size)  # scan (cached); skip or fail
-    dataset = with_decode_cache(dataset, d.cache, d.cache_dir)  # data.cache: decoded once, memory-mapped
-    dataset, heldout_set = split_heldout(
-        dataset, cfg, lambda p: build_dataset(p, d.resolution, d.channels, False, 0.0, d.class_conditional)
-    )
-    num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
-    if len(dataset) < tc.batch_size:
-        raise ValueError(f"data.path {d.path} holds {len(dataset)} images, fewer than train.batch_size={tc.batch_size}")
+    # Data: scanned for bad images, cached, the held-out share split off.
+    data = prepare_training_data(cfg, run_dir)
 
-    # Model, EMA, optimizer, schedule.
-    torch.manual_seed(derive_seed(tc.seed, "init"))  # the same initial weights on every rank
-    model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
-    # `net` runs forward and backward (DDP-wrapped, compiled); `model` is saved and averaged.
-    net = compile_model(distributed.wrap(model, dctx), device, tc.compile)
-    ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup)
-    optimizer = build_optimizer(cfg, model, device)
-    scaler = grad_scaler(tc.precision, device)
-    alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps).to(device)
-    T = cfg.diffusion.num_timesteps
-    lr_peak = peak_lr(cfg, world_size)
-    images_per_step = effective_batch(cfg, world_size)
-
-    # Resume.
-    step = 0
-    position = 0  # images consumed by all ranks together: the global data position
-    skipped_total = 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    source = resume if resume is not None else _existing_checkpoint(run_dir)
+    # Run state: fresh weights, or where a checkpoint left off.
+    objective = build_objective(cfg.diffusion).to(device)
+    state = RunState.build(cfg, data.num_classes, device)
+    source = resume_source(run_dir, resume)
     if source is not None:
-        state = ckpt.load_checkpoint(source)
-        bad = incompatible_keys(state["config"], config_to_dict(cfg))
-        if bad:
-            lines = "\n".join(f"  {k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in bad.items())
-            raise ValueError(f"cannot resume from {state['path']}: the config changes the model or data:\n{lines}")
-        for k, (old, new) in allowed_changes(state["config"], config_to_dict(cfg)).items():
-            print(f"difftrain: resuming with a changed {k}: checkpoint {old!r}, now {new!r}")
-        model.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        step = int(state["step"])
-        position = int(state.get("data_position", step * images_per_step))
-        if position % world_size:
-            raise ValueError(
-                f"cannot resume {state['path']} on {world_size} processes: its data position "
-                f"{position} (images seen) is not a multiple of the world size"
-            )
-        skipped_total = int(state["counters"]["skipped_steps"])
-        if dctx.is_main:
-            print(f"difftrain: resumed from {state['path']} at step {step} ({position:,} images seen)")
-        del state
-    if dctx.is_main:
-        (run_dir / "samples").mkdir(exist_ok=True)
-        ckpt.atomic_write_bytes(run_dir / "config.toml", config_to_toml(cfg).encode())
-    loader = build_loader(
-        dataset,
-        batch_size=tc.batch_size,
-        seed=tc.seed,
-        start=position,
-        num_workers=d.num_workers,
-        device=device,
-        rank=rank,
-        world_size=world_size,
-        prefetch_factor=d.prefetch_factor,
-    )
-    trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if dctx.is_main else Trackers([])
-    heldout = build_heldout(heldout_set, cfg, alpha_bar, device, dctx)  # each rank holds its shard
-    progress = Progress(tc.total_steps, start_step=step, enabled=tc.progress_bar and dctx.is_main)
-    val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
-    val_labels = grid_class_labels(cfg.validation.num_images, num_classes)
-    fid = TrainingFID(cfg, alpha_bar, device, dctx)  # a no-op unless evaluation.fid_every_steps > 0
+        saved = ckpt.load_checkpoint(source)
+        for line in state.check_resumable(saved, dctx.world_size):
+            print(f"difftrain: {line}")
+        state.load_state_dict(saved)
+        if is_main:
+            print(f"difftrain: resumed from {saved['path']} at step {state.step} ({state.position:,} images seen)")
+        del saved
+    # `state.net` runs forward and backward (DDP-wrapped, compiled); `state.model` is saved and averaged.
+    state.net = compile_model(distributed.wrap(state.model, dctx), device, tc.compile)
+    step_fn = _step_function(state, objective, dctx)
 
-    # Running sums live on the device and are read only at log steps (no per-step sync).
-    zero = torch.zeros((), device=device)
-    loss_sum, grad_norm_sum, skipped_window = zero.clone(), zero.clone(), zero.clone()
-    streak, max_streak = zero.clone(), zero.clone()
-    bucket_loss = torch.zeros(NUM_LOSS_BUCKETS, device=device)
-    bucket_count = torch.zeros(NUM_LOSS_BUCKETS, device=device)
-    window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
-    last_saved = step
-    stopped_by = None  # the signal that stops every rank, once any of them has received one
-    model.train()
+    # Run folder, loader, trackers and the evaluations.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        (run_dir / "samples").mkdir(exist_ok=True)
+        atomic_write_bytes(run_dir / "config.toml", config_to_toml(cfg).encode())
+    d = cfg.data
+    loader = build_loader(
+        data.train, batch_size=tc.batch_size, seed=tc.seed, start=state.position, num_workers=d.num_workers,
+        device=device, rank=dctx.rank, world_size=dctx.world_size, prefetch_factor=d.prefetch_factor,
+    )
+    trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if is_main else Trackers([])
+    heldout = build_heldout(data.heldout, cfg, objective, device, dctx)  # each rank holds its shard
+    progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
+    val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
+    val_labels = grid_class_labels(cfg.validation.num_images, data.num_classes)
+    fid = TrainingFID(cfg, objective, device, dctx)  # a no-op unless evaluation.fid_every_steps > 0
+    metrics = StepMetrics(device)  # running sums on the device, read at log steps only
+    lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
+    end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
+    last_saved, stopped_by, first_step_s = state.step, None, None
+    paused: dict[str, float] = {}  # seconds of evaluation and saving in this log window
+    state.model.train()
     # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
     # workers fork, so that they inherit it and survive a Ctrl-C sent to the whole group.
     stop = StopRequest().install()
-    data_iter = iter(loader)
-
-    end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
+    batches = _TimedBatches(iter(loader))
+    window_start = time.perf_counter()
     try:
-        while step < end:
-            # Every random number of this step derives from (seed, rank, step).
-            torch.manual_seed(derive_seed(tc.seed, rank, step, "dropout"))
-            lr = lr_at(
-                step,
-                peak_lr=lr_peak,
-                warmup_steps=cfg.optim.warmup_steps,
-                total_steps=tc.total_steps,
-                schedule=cfg.optim.lr_schedule,
-                min_lr_ratio=cfg.optim.min_lr_ratio,
-            )
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            # Accumulate gradients.
-            step_loss = zero.clone()
-            for micro in range(tc.grad_accum_steps):
-                fetch_start = time.perf_counter()
-                x0, labels = next(data_iter)
-                data_wait += time.perf_counter() - fetch_start
-                x0 = x0.to(device, non_blocking=True)
-                labels = labels.to(device, non_blocking=True) if num_classes else None
-                # Drawn for the global micro-batch, this rank keeps its rows: the same numbers
-                # whatever the world size (see training/distributed.py).
-                gen = step_generator(tc.seed, 0, step * tc.grad_accum_steps + micro, device, "diffusion")
-                n = x0.shape[0] * world_size
-                t = distributed.rank_rows(torch.randint(0, T, (n,), device=device, generator=gen), dctx)
-                noise = distributed.rank_rows(torch.randn((n, *x0.shape[1:]), device=device, generator=gen), dctx)
-                if labels is not None:  # label dropout for classifier-free guidance
-                    drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx)
-                    drop = drop < cfg.model.class_dropout
-                    labels = torch.where(drop, torch.full_like(labels, num_classes), labels)
-                ab_t = alpha_bar[t]
-                x_t = q_sample(x0, t, noise, alpha_bar)
-                target = prediction_target(cfg.diffusion.prediction, x0, noise, ab_t)
-                weight = loss_weight(cfg.diffusion.loss_weighting, ab_t, cfg.diffusion.prediction, cfg.diffusion.min_snr_gamma)
-                with distributed.sync_gradients(net, sync=micro == tc.grad_accum_steps - 1):
-                    with autocast(tc.precision, device):
-                        out = net(x_t, t, labels)
-                    per_sample = diffusion_loss(out, target, weight)  # (B,) float32
-                    loss = per_sample.mean() / tc.grad_accum_steps
-                    scaler.scale(loss).backward()
-                step_loss += loss.detach()
-                buckets = (t * NUM_LOSS_BUCKETS) // T
-                bucket_loss.index_add_(0, buckets, per_sample.detach())
-                bucket_count.index_add_(0, buckets, torch.ones_like(per_sample))
-
-            # Clip gradients; a non-finite loss or gradient skips the step on the device.
-            scaler.unscale_(optimizer)
-            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
-
-            # Optimizer step.
-            if scaler.is_enabled():
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.found_inf = (~finite).float()
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-            # Update EMA.
-            if (step + 1) % cfg.ema.update_every_steps == 0:
-                ema.update(model, apply=finite.float())
-            step += 1
-            position += images_per_step
-
-            # Account.
-            ok = finite.float()
-            loss_sum += torch.where(finite, step_loss, zero)
-            grad_norm_sum += torch.where(finite, grad_norm, zero)
-            skipped_window += 1 - ok
-            streak = (streak + 1) * (1 - ok)
-            max_streak = torch.maximum(max_streak, streak)
-            window_steps += 1
+        while state.step < end:
+            # One optimizer step: accumulate, clip, step, EMA (training/step.py).
+            lr = lr_at(state.step, peak_lr=lr_peak, warmup_steps=cfg.optim.warmup_steps, total_steps=tc.total_steps,
+                       schedule=cfg.optim.lr_schedule, min_lr_ratio=cfg.optim.min_lr_ratio)
+            step_fn(state, objective, batches, lr, metrics, dctx)
+            if first_step_s is None:
+                first_step_s = time.perf_counter() - started
+                if is_main:
+                    print(f"difftrain: first step after {first_step_s:.1f} s (start-up: data, model, compile)")
+            step = state.step
 
             # Log.
             if step % tc.log_every_steps == 0 or step == end:
-                elapsed = time.perf_counter() - window_start
-                distributed.all_reduce_sum_(loss_sum, bucket_loss, bucket_count)  # grad norms agree
-                loss_sum /= world_size
-                skipped = int(skipped_window.item())
-                skipped_total += skipped
-                good = max(1, window_steps - skipped)
-                counts = bucket_count.clamp(min=1)
-                metrics = {
-                    "loss": loss_sum.item() / good,
-                    "grad_norm": grad_norm_sum.item() / good,
-                    "lr": lr,
-                    "ema_decay": ema.current_decay(),
-                    "images_per_s": window_steps * images_per_step / elapsed,
-                    "data_wait_frac": data_wait / elapsed,
-                    "skipped_steps": skipped_total,
-                    "images_seen": position,
-                    **{f"loss_bucket/{i}": v for i, v in enumerate((bucket_loss / counts).tolist())},
+                elapsed = time.perf_counter() - window_start - sum(paused.values())
+                window = metrics.read(dctx)
+                state.skipped_steps += window["skipped"]
+                logged = {
+                    "loss": window["loss"], "grad_norm": window["grad_norm"], "lr": lr,
+                    "ema_decay": state.ema.current_decay(),
+                    "images_per_s": window["steps"] * images_per_step / elapsed,
+                    "data_wait_frac": batches.take_wait() / elapsed,
+                    "skipped_steps": state.skipped_steps, "images_seen": state.position,
+                    "time_to_first_step_s": first_step_s,
+                    **paused,  # validation_s, fid_s, checkpoint_s: so their cost is visible
+                    **{f"loss_bucket/{i}": v for i, v in enumerate(window["buckets"])},
                     **memory_stats(device),
                 }
-                trackers.log(step, metrics)
-                progress.update(step, metrics)
-                if max_streak.item() >= tc.max_nonfinite_in_row:
-                    raise TrainingDiverged(
-                        f"{int(max_streak.item())} non-finite steps in a row by step {step} "
-                        f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}); the last good "
-                        f"checkpoint in {run_dir / 'checkpoints'} is untouched. Lower optim.lr, "
-                        f"use bf16 instead of fp16, or check the data.\n"
-                        + divergence_report(model, x0, t, x_t, target, weight, labels, diffusion_loss)
-                    )
-                loss_sum.zero_(), grad_norm_sum.zero_(), skipped_window.zero_(), max_streak.zero_()
-                bucket_loss.zero_(), bucket_count.zero_()
-                window_steps, data_wait, window_start = 0, 0.0, time.perf_counter()
+                trackers.log(step, logged)
+                progress.update(step, logged)
+                if window["max_streak"] >= tc.max_nonfinite_in_row:
+                    raise TrainingDiverged(_diverged_message(state, objective, metrics, window["max_streak"], run_dir))
+                window_start, paused = time.perf_counter(), {}
 
             # Agree on stopping: a signal to any rank stops all of them after this same step. A
             # stopping run saves at once (a preemption gives it seconds), skipping evaluation.
             stopped_by = signal_name(distributed.max_over_ranks(stop.signum, dctx))
 
-            # Validate.
+            # Validate: grids from fixed noise and the held-out loss, each rank its share.
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
-                pause_start = time.perf_counter()
-                # Each rank samples its share of the grids and evaluates its share of the held-out
-                # set; rank 0 gathers them: the same grids and numbers on any number of processes.
-                grids = validation_grids(model, ema.model, cfg, val_noise, val_labels, num_classes, alpha_bar, dctx)
-                heldout_metrics = heldout.evaluate(model, ema.model)
-                if dctx.is_main:
-                    save_grids(grids, run_dir, step, trackers)
-                    trackers.log(step, heldout_metrics)
-                window_start += time.perf_counter() - pause_start  # images/s counts training only
+                with _Timed(paused, "validation_s"):
+                    grids = validation_grids(state.model, state.ema.model, cfg, val_noise, val_labels,
+                                             data.num_classes, objective, dctx)
+                    heldout_metrics = heldout.evaluate(state.model, state.ema.model)
+                    if is_main:
+                        save_grids(grids, run_dir, step, trackers)
+                        trackers.log(step, heldout_metrics)
 
-            # Measure FID.
-            pause_start = time.perf_counter()
-            if not stopped_by and (fid_metrics := fid(step, ema.model)):
-                trackers.log(step, fid_metrics)
-                window_start += time.perf_counter() - pause_start
+            # Measure FID of the EMA weights.
+            if not stopped_by and fid.due(step):
+                with _Timed(paused, "fid_s"):
+                    trackers.log(step, fid(step, state.ema.model))
 
-            # Save.
+            # Save: rank 0 writes, every rank gets its outcome (the path, None when
+            # on_write_error="continue" let a failure pass, or the error to raise).
             if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by:
-                pause_start = time.perf_counter()
-                state = {
-                    "step": step,
-                    "images_seen": position,
-                    "data_position": position,  # global: resumes on any world size dividing it
-                    "world_size": world_size,
-                    "model": model.state_dict(),
-                    "ema": ema.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "lr_schedule": {"peak_lr": lr_peak, "last_lr": lr, "warmup_steps": cfg.optim.warmup_steps},
-                    "rng": rng_state(),
-                    "counters": {"skipped_steps": skipped_total + int(skipped_window.item())},
-                    "config": config_to_dict(cfg),
-                    "num_classes": num_classes,
-                }
                 c = cfg.checkpoint
-                # Rank 0 writes; every rank waits for it and then gets its outcome (the path, None
-                # when on_write_error="continue" let a failure pass, or its error to raise).
-                saved = distributed.run_on_main(
-                    lambda: ckpt.save_or_report(
-                        state, run_dir / "checkpoints", step, c.keep_last, c.keep_every_steps, c.on_write_error
-                    ),
-                    dctx,
-                )
-                if saved:
-                    last_saved = step
-                window_start += time.perf_counter() - pause_start
-                if stopped_by:
-                    break
+                with _Timed(paused, "checkpoint_s"):
+                    snapshot = state.state_dict()
+                    snapshot["skipped_steps"] += int(metrics.skipped.item())  # this window's, not yet logged
+                    saved_to = distributed.run_on_main(
+                        lambda: ckpt.save_or_report(snapshot, run_dir / "checkpoints", step, c.keep_last,
+                                                    c.keep_every_steps, c.on_write_error),
+                        dctx,
+                    )
+                last_saved = step if saved_to else last_saved
+            if stopped_by:
+                break
     finally:
         progress.close()
         trackers.close()
@@ -333,15 +182,63 @@ def train(
         # Last: under torchrun a rank that exits stops the others with SIGTERM, which must not
         # kill one that is still closing its files.
         stop.restore()
-    final = ckpt.find_checkpoint(run_dir) if last_saved == step else None
-    return TrainResult(
-        step=step, images_seen=position, checkpoint=final, skipped_steps=skipped_total,
-        stopped_by=stopped_by,
+    final = ckpt.find_checkpoint(run_dir) if last_saved == state.step else None
+    return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
+                       skipped_steps=state.skipped_steps, stopped_by=stopped_by)
+
+
+def _step_function(state: RunState, objective, dctx: distributed.DistContext):
+    """``train_step``, or the same step captured as a CUDA graph (``train.cuda_graphs``; not
+    under DDP, whose all-reduce hooks are not captured: auto keeps the eager step there)."""
+    use_graphs = resolve_toggle(state.cfg.train.cuda_graphs, dctx.device, "cuda_graphs")
+    if use_graphs and dctx.enabled:
+        if state.cfg.train.cuda_graphs == "on":
+            raise ValueError("train.cuda_graphs='on' is not supported under torchrun (DDP); use 'auto' or 'off'")
+        use_graphs = False
+    return CapturedStep(state, objective) if use_graphs else train_step
+
+
+class _TimedBatches:
+    """The loader's iterator, counting the seconds spent waiting for batches."""
+
+    def __init__(self, it: Iterator):
+        self.it, self.wait = it, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.wait += time.perf_counter() - start
+
+    def take_wait(self) -> float:
+        wait, self.wait = self.wait, 0.0
+        return wait
+
+
+class _Timed:
+    """``with _Timed(paused, "name"):`` adds the block's seconds to ``paused[name]``; the loop
+    leaves paused time out of images/s (it counts training only) and logs it."""
+
+    def __init__(self, paused: dict, name: str):
+        self.paused, self.name = paused, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.paused[self.name] = self.paused.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:
+    tc = state.cfg.train
+    return (
+        f"{streak} non-finite steps in a row by step {state.step} "
+        f"(train.max_nonfinite_in_row={tc.max_nonfinite_in_row}); the last good "
+        f"checkpoint in {run_dir / 'checkpoints'} is untouched. Lower optim.lr, "
+        f"use bf16 instead of fp16, or check the data.\n"
+        + divergence_report(state.model, objective, metrics.last)
     )
-
-
-def _existing_checkpoint(run_dir: Path) -> Path | None:
-    try:
-        return ckpt.find_checkpoint(run_dir / "checkpoints")
-    except FileNotFoundError:
-        return None

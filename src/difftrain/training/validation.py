@@ -10,7 +10,7 @@ from torch import nn
 
 from difftrain.config import Config
 from difftrain.sampling import generate, make_grid, save_png, to_uint8
-from difftrain.training import distributed
+from difftrain.runtime import distributed
 
 
 def sample_grid(
@@ -19,7 +19,7 @@ def sample_grid(
     noise: torch.Tensor,
     labels: torch.Tensor | None,
     num_classes: int,
-    alpha_bar: torch.Tensor,
+    objective,
     ctx: distributed.DistContext,
 ) -> np.ndarray | None:
     """The grid of ``model``'s samples from the fixed noise ``(N, C, H, W)``: an (H', W', C)
@@ -32,8 +32,7 @@ def sample_grid(
     mine = distributed.shard(noise.shape[0], ctx)
     images = generate(
         model,
-        alpha_bar=alpha_bar,
-        prediction=cfg.diffusion.prediction,
+        objective=objective,
         noise=noise[mine],
         sampler=v.sampler,
         steps=v.steps,
@@ -53,14 +52,14 @@ def validation_grids(
     noise: torch.Tensor,
     labels: torch.Tensor | None,
     num_classes: int,
-    alpha_bar: torch.Tensor,
+    objective,
     ctx: distributed.DistContext,
 ) -> dict[str, np.ndarray]:
     """``{"samples/ema": grid}``, plus ``"samples/raw"`` (the raw weights from the same noise)
     with ``validation.raw_grid``, on rank 0; ``{}`` on the others. Every rank must call it."""
-    grids = {"samples/ema": sample_grid(ema_model, cfg, noise, labels, num_classes, alpha_bar, ctx)}
+    grids = {"samples/ema": sample_grid(ema_model, cfg, noise, labels, num_classes, objective, ctx)}
     if cfg.validation.raw_grid:
-        grids["samples/raw"] = sample_grid(model, cfg, noise, labels, num_classes, alpha_bar, ctx)
+        grids["samples/raw"] = sample_grid(model, cfg, noise, labels, num_classes, objective, ctx)
     return {name: grid for name, grid in grids.items() if grid is not None}
 
 

@@ -1,26 +1,44 @@
-"""Speed switches: TF32, channels_last, torch.compile; each a no-op where it does not apply.
+"""The device and its speed switches: TF32, channels_last, torch.compile, CUDA graphs; each a
+no-op where it does not apply.
 
 The other speed choices live where they act: bf16 autocast in ``precision.py``, the fused AdamW
-in ``builders.py``, the ``_foreach_lerp_`` EMA in ``ema.py``, scaled-dot-product attention and
+in ``training/state.py``, the ``_foreach_lerp_`` EMA in ``ema.py``, scaled-dot-product attention and
 gradient checkpointing (``model.gradient_checkpointing``) in the UNet.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+from difftrain.runtime.files import cache_dir
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device is {name!r} but CUDA is not available on this machine")
+    return device
 
 
 # Where ``auto`` turns each switch on (docs/benchmarks.md has the measurements): channels_last
 # pays on CUDA tensor cores and in oneDNN's CPU convolutions; compiling the UNet took minutes on
 # a 2-core CPU and then ran slower than eager there, so ``auto`` compiles on CUDA only.
-AUTO_ON = {"channels_last": ("cuda", "cpu"), "compile": ("cuda",)}
+# CUDA graphs replay a captured step without launching its kernels one by one (CUDA only).
+AUTO_ON = {"channels_last": ("cuda", "cpu"), "compile": ("cuda",), "cuda_graphs": ("cuda",)}
 
 
 def resolve_toggle(value: str, device: torch.device, switch: str) -> bool:
     """``on`` / ``off``, or ``auto``: on for the device types in ``AUTO_ON[switch]``."""
     if value == "auto":
         return device.type in AUTO_ON[switch]
+    if value == "on" and device.type not in AUTO_ON[switch] and switch == "cuda_graphs":
+        raise ValueError(f"train.cuda_graphs is 'on' but the device is {device.type}: CUDA graphs need CUDA")
     return value == "on"
 
 
@@ -52,4 +70,7 @@ def compile_model(net: nn.Module, device: torch.device, mode: str) -> nn.Module:
     """
     if not resolve_toggle(mode, device, "compile"):
         return net
+    # Inductor's compiled kernels are kept in difftrain's cache folder, so a second run (or a
+    # resume) of the same model loads them instead of compiling again.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
     return torch.compile(net)

@@ -1,0 +1,54 @@
+"""The data chain of a run in one call: build, check, cache, split off the held-out images."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from torch.utils.data import Dataset
+
+from .cache import with_decode_cache
+from .check import prepare_dataset
+from .loader import build_dataset
+from .split import split_heldout
+
+
+@dataclasses.dataclass
+class TrainingData:
+    train: Dataset  # items ((C, H, W) in [-1, 1], label), keyed by (index, sample_seed)
+    heldout: Dataset | None  # the held-out images, unaugmented; None without a held-out split
+    num_classes: int  # 0 when unconditional
+
+
+def dataset_from_config(d, path: str | None = None, augment: bool = True) -> Dataset:
+    """The dataset at ``path`` (default ``data.path``) with the options of ``DataConfig`` ``d``;
+    without ``augment``, no flip or colour jitter."""
+    return build_dataset(
+        d.path if path is None else path,
+        resolution=d.resolution,
+        channels=d.channels,
+        random_flip=d.random_flip and augment,
+        color_jitter=d.color_jitter if augment else 0.0,
+        class_conditional=d.class_conditional,
+    )
+
+
+def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
+    """The training and held-out sets of ``cfg``: bad images scanned for (the scan cached in
+    ``run_dir``; skipped or fatal per ``data.on_bad_image``), decoded once into the decode cache
+    when ``data.cache``, and the held-out share split off.
+
+    Raises ValueError naming ``data.path`` when fewer images than ``train.batch_size`` remain.
+    """
+    d = cfg.data
+    dataset = dataset_from_config(d)
+    if run_dir is not None:
+        dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size)
+        dataset = with_decode_cache(dataset, d.cache, d.cache_dir)
+    train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False))
+    num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0
+    if len(train) < cfg.train.batch_size:
+        raise ValueError(
+            f"data.path {d.path} holds {len(train)} images, fewer than train.batch_size={cfg.train.batch_size}"
+        )
+    return TrainingData(train, heldout, num_classes)

@@ -1,0 +1,87 @@
+"""Files: one atomic write, one fingerprint of a set of files, one cache folder.
+
+Every file difftrain writes for later (checkpoints, the latest pointer, config.toml, caches,
+statistics) goes through :func:`atomic_write`: a temporary file beside the target, flushed and
+fsync'd, renamed over it, then the folder fsync'd; a crash leaves the old file or the new one,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+CACHE_ENV_VAR = "DIFFTRAIN_CACHE"  # the cache folder; else $XDG_CACHE_HOME/difftrain or ~/.cache/difftrain
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a deletion inside the folder ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove a partial temporary file; a folder we can't write to may refuse that too."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, before_rename=None) -> Iterator[BinaryIO]:
+    """``with atomic_write(path) as f: f.write(...)``: ``path`` gets all of it or none of it.
+
+    ``before_rename`` (a callable) runs after the data is durable and before the rename: a test
+    hook for aiming a kill inside the write. The temporary file is removed on any error.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file."""
+    with atomic_write(path) as f:
+        f.write(data)
+
+
+def files_fingerprint(root: Path, paths: list[Path], salt: str = "") -> str:
+    """SHA-256 (hex) over ``salt`` and (relative path, size, mtime in ns) of every file, in order:
+    the key under which anything computed from these files is cached."""
+    digest = hashlib.sha256(salt.encode())
+    for path in paths:
+        st = path.stat()
+        rel = path.relative_to(root).as_posix().encode("utf-8", "surrogateescape")
+        digest.update(rel + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def cache_dir(kind: str, override: str | os.PathLike | None = None) -> Path:
+    """The folder for one kind of cache ("decode", "fid", "inductor"): ``override`` itself when
+    given, else ``$DIFFTRAIN_CACHE/kind``, ``$XDG_CACHE_HOME/difftrain/kind`` or
+    ``~/.cache/difftrain/kind``."""
+    if override:
+        return Path(override).expanduser()
+    root = os.environ.get(CACHE_ENV_VAR)
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "difftrain"
+    return Path(root).expanduser() / kind

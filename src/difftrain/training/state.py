@@ -1,0 +1,160 @@
+"""The run state: everything a run carries from one optimizer step to the next, and the
+checkpoint it becomes (the keys of ``checkpoint.SCHEMA``).
+
+    state = RunState.build(cfg, num_classes, device)      # fresh weights from the run's seed
+    state.load_state_dict(load_checkpoint(path))           # or where a checkpoint left off
+    state.state_dict()                                     # what save_checkpoint writes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys
+from difftrain.models import build_unet
+from difftrain.models.unet import UNet
+from difftrain.runtime.device import prepare_model
+from difftrain.runtime.precision import Precision
+from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
+from difftrain.training.checkpoint import load_weights
+from difftrain.training.ema import EMA
+
+
+def build_model(cfg: Config, num_classes: int = 0) -> UNet:
+    """The UNet of ``cfg.model.preset`` with the config's non-None overrides."""
+    m = cfg.model
+    overrides = {
+        key: getattr(m, key)
+        for key in ("base_channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout")
+        if getattr(m, key) is not None
+    }
+    return build_unet(
+        m.preset,
+        resolution=cfg.data.resolution,
+        in_channels=cfg.data.channels,
+        num_classes=num_classes,
+        gradient_checkpointing=m.gradient_checkpointing,
+        **overrides,
+    )
+
+
+def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; the fused kernel where it exists (CPU and CUDA), which skips a non-finite step on
+    the device (see ``runtime/precision.py``)."""
+    o = cfg.optim
+    return torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+        fused=device.type in ("cuda", "cpu"),
+    )
+
+
+def effective_batch(cfg: Config, world_size: int = 1) -> int:
+    """Images per optimizer step: per-device batch x accumulation x world size."""
+    return cfg.train.batch_size * cfg.train.grad_accum_steps * world_size
+
+
+def peak_lr(cfg: Config, world_size: int = 1) -> float:
+    """``optim.lr``, scaled by the linear rule (Goyal et al. 2017) when ``optim.scale_lr``."""
+    if not cfg.optim.scale_lr:
+        return cfg.optim.lr
+    return cfg.optim.lr * effective_batch(cfg, world_size) / cfg.optim.base_batch
+
+
+@dataclasses.dataclass
+class RunState:
+    """Model, EMA, optimizer, loss scale, step, data position and counters of one run.
+
+    ``model`` is the unwrapped network: the one saved, averaged by the EMA and loaded into;
+    ``net`` is the same weights as they run forward and backward (DDP-wrapped and compiled
+    where those are on), set by the training loop and never saved.
+    """
+
+    cfg: Config
+    model: nn.Module
+    ema: EMA
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    num_classes: int = 0
+    step: int = 0  # optimizer steps taken
+    position: int = 0  # images consumed by all ranks together: the global data position
+    skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient, as of the last log
+    net: nn.Module | None = None
+
+    @classmethod
+    def build(cls, cfg: Config, num_classes: int, device: torch.device) -> RunState:
+        """Fresh weights from the run's seed (the same on every rank), on ``device``."""
+        tc = cfg.train
+        torch.manual_seed(derive_seed(tc.seed, "init"))
+        model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
+        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup)
+        optimizer = build_optimizer(cfg, model, device)
+        state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), num_classes)
+        state.net = model
+        return state
+
+    def state_dict(self) -> dict:
+        """The checkpoint of this state (``checkpoint.SCHEMA``), with the global RNG states."""
+        return {
+            "step": self.step,
+            "data_position": self.position,  # global: resumes on any world size dividing it
+            "skipped_steps": self.skipped_steps,
+            "num_classes": self.num_classes,
+            "config": config_to_dict(self.cfg),
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.precision.state_dict(),
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint read by ``load_checkpoint`` (checked against the schema)."""
+        path = state.get("path", "checkpoint")
+        load_weights(self.model, state["model"], path, "model")
+        load_weights(self.ema.model, state["ema"]["model"], path, "ema.model")
+        self.ema.load_state_dict(state["ema"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
+        self.precision.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.position = state["data_position"]
+        self.skipped_steps = state["skipped_steps"]
+
+    def check_resumable(self, state: dict, world_size: int) -> list[str]:
+        """Raise ValueError if ``state`` cannot continue this run (a changed model or data, a
+        data position the world size does not divide); else the lines naming allowed changes."""
+        path = state.get("path", "checkpoint")
+        new = config_to_dict(self.cfg)
+        bad = incompatible_keys(state["config"], new)
+        if bad:
+            lines = "\n".join(f"  {k}: checkpoint {old!r}, now {now!r}" for k, (old, now) in bad.items())
+            raise ValueError(f"cannot resume from {path}: the config changes the model or data:\n{lines}")
+        if state["num_classes"] != self.num_classes:
+            raise ValueError(f"cannot resume from {path}: it has {state['num_classes']} classes, the data "
+                             f"{self.num_classes}")
+        if state["data_position"] % world_size:
+            raise ValueError(
+                f"cannot resume {path} on {world_size} processes: its data position "
+                f"{state['data_position']} (images seen) is not a multiple of the world size"
+            )
+        return [f"resuming with a changed {k}: checkpoint {old!r}, now {now!r}"
+                for k, (old, now) in allowed_changes(state["config"], new).items()]
+
+
+def resume_source(run_dir: Path, resume: str | Path | None) -> Path | None:
+    """The checkpoint to continue from: ``resume`` if given, else the run's newest, else None."""
+    from difftrain.training.checkpoint import find_checkpoint
+
+    if resume is not None:
+        return Path(resume)
+    try:
+        return find_checkpoint(run_dir / "checkpoints")
+    except FileNotFoundError:
+        return None

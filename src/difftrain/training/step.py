@@ -1,0 +1,266 @@
+"""One optimizer step as a unit: ``train_step(state, objective, batches, lr, metrics)``.
+
+The training loop, the benchmarks, ``lr-find`` and ``estimate`` call it; nothing copies it. A
+step draws its random numbers from (seed, step, micro-batch), accumulates gradients over
+``train.grad_accum_steps`` micro-batches, clips, takes the optimizer step (skipped on the device
+when the loss or a gradient is not finite), updates the EMA and adds its figures to
+:class:`StepMetrics`, all without waiting for the device.
+
+On CUDA, :class:`CapturedStep` runs the same step as one CUDA graph (``train.cuda_graphs``):
+the random numbers are drawn outside the graph, exactly as :func:`train_step` draws them, and
+copied into static input buffers; the learning rate and the EMA weight are device tensors that
+are filled before each replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from difftrain.diffusion.objective import Objective, per_sample_loss
+from difftrain.runtime import distributed
+from difftrain.runtime.distributed import DistContext
+from difftrain.runtime.seeding import derive_seed, step_generator
+from difftrain.training.state import RunState
+
+NUM_LOSS_BUCKETS = 10  # the loss is also reported per tenth of the noise levels
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch as the step uses it, all on the device: this rank's rows."""
+
+    x0: torch.Tensor  # (B, C, H, W)
+    labels: torch.Tensor | None  # (B,) long, the null label where dropped; None when unconditional
+    levels: torch.Tensor  # (B,) noise levels (DDPM: timesteps)
+    noise: torch.Tensor  # (B, C, H, W)
+
+
+def draw_micro_batch(
+    state: RunState, objective: Objective, x0: torch.Tensor, labels: torch.Tensor | None, micro: int,
+    dctx: DistContext,
+) -> MicroBatch:
+    """Move a loaded micro-batch to the device and draw its noise levels, noise and label dropout.
+
+    They are drawn for the GLOBAL micro-batch from a generator seeded by (seed, step, micro) and
+    this rank keeps its rows, so any world size sees the same numbers (see runtime/distributed.py).
+    """
+    cfg, device = state.cfg, dctx.device
+    x0 = x0.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True) if state.num_classes else None
+    gen = step_generator(cfg.train.seed, 0, state.step * cfg.train.grad_accum_steps + micro, device, "diffusion")
+    n = x0.shape[0] * dctx.world_size
+    levels = distributed.rank_rows(objective.draw_levels(n, gen, device), dctx)
+    noise = distributed.rank_rows(torch.randn((n, *x0.shape[1:]), device=device, generator=gen), dctx)
+    if labels is not None:  # label dropout for classifier-free guidance
+        drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx)
+        labels = torch.where(drop < cfg.model.class_dropout, torch.full_like(labels, state.num_classes), labels)
+    return MicroBatch(x0, labels, levels, noise)
+
+
+class StepMetrics:
+    """Running sums of a log window, kept on the device; :meth:`read` is the one host sync."""
+
+    def __init__(self, device: torch.device, num_buckets: int = NUM_LOSS_BUCKETS):
+        zero = torch.zeros((), device=device)
+        self.loss_sum, self.grad_norm_sum, self.skipped = zero.clone(), zero.clone(), zero.clone()
+        self.streak, self.max_streak = zero.clone(), zero.clone()
+        self.bucket_loss = torch.zeros(num_buckets, device=device)
+        self.bucket_count = torch.zeros(num_buckets, device=device)
+        self.num_buckets = num_buckets
+        self.steps = 0
+        self.last: MicroBatch | None = None  # the last micro-batch, for a divergence report
+        self.last_loss: torch.Tensor | None = None
+
+    def add_micro(self, objective: Objective, batch: MicroBatch, per_sample: torch.Tensor) -> None:
+        """Per-sample losses (B,) of one micro-batch, by noise-level bucket."""
+        buckets = objective.bucket(batch.levels, self.num_buckets)
+        self.bucket_loss.index_add_(0, buckets, per_sample.detach())
+        self.bucket_count.index_add_(0, buckets, torch.ones_like(per_sample))
+
+    def add_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
+        """One optimizer step's loss and gradient norm (left out when the step was skipped)."""
+        self.last_loss = loss  # the step's loss as computed, even when skipped
+        ok = finite.float()
+        zero = torch.zeros_like(loss)
+        self.loss_sum += torch.where(finite, loss, zero)
+        self.grad_norm_sum += torch.where(finite, grad_norm, zero)
+        self.skipped += 1 - ok
+        self.streak.copy_((self.streak + 1) * (1 - ok))
+        torch.maximum(self.max_streak, self.streak, out=self.max_streak)
+
+    def read(self, dctx: DistContext) -> dict:
+        """The window's means (losses averaged over ranks), skipped steps and longest run of
+        skipped steps; then start a new window."""
+        distributed.all_reduce_sum_(self.loss_sum, self.bucket_loss, self.bucket_count)  # grad norms agree
+        skipped = int(self.skipped.item())
+        good = max(1, self.steps - skipped)
+        counts = self.bucket_count.clamp(min=1)
+        out = {
+            "loss": self.loss_sum.item() / dctx.world_size / good,
+            "grad_norm": self.grad_norm_sum.item() / good,
+            "skipped": skipped,
+            "max_streak": int(self.max_streak.item()),
+            "steps": self.steps,
+            "buckets": (self.bucket_loss / counts).tolist(),
+        }
+        for t in (self.loss_sum, self.grad_norm_sum, self.skipped, self.max_streak, self.bucket_loss, self.bucket_count):
+            t.zero_()
+        self.steps = 0
+        return out
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch], metrics: StepMetrics) -> torch.Tensor:
+    """Forward and backward of every micro-batch; returns the step's loss (0-dim, detached)."""
+    net, accum = state.net, len(batches)
+    step_loss = torch.zeros((), device=batches[0].x0.device)
+    for micro, b in enumerate(batches):
+        with distributed.sync_gradients(net, sync=micro == accum - 1):
+            per_sample = per_sample_loss(objective, net, b.x0, b.labels, b.levels, b.noise, state.precision.autocast())
+            loss = per_sample.mean() / accum
+            state.precision.backward(loss)
+        step_loss += loss.detach()
+        metrics.add_micro(objective, b, per_sample)
+    return step_loss
+
+
+def _update(state: RunState, step_loss: torch.Tensor, metrics: StepMetrics, ema_weight: torch.Tensor | None) -> None:
+    """Clip, step (skipped on the device if not finite), update the EMA, count."""
+    grad_norm, finite = state.precision.step(state.optimizer, state.model.parameters(), state.cfg.optim.grad_clip, step_loss)
+    if ema_weight is not None:  # captured: the EMA weight is a device tensor (0 between updates)
+        state.ema.lerp_(state.model, finite.float() * ema_weight)
+    elif (state.step + 1) % state.cfg.ema.update_every_steps == 0:
+        state.ema.update(state.model, apply=finite.float())
+    metrics.add_step(step_loss, grad_norm, finite)
+
+
+def train_step(
+    state: RunState,
+    objective: Objective,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    metrics: StepMetrics,
+    dctx: DistContext | None = None,
+) -> StepMetrics:
+    """One optimizer step on ``train.grad_accum_steps`` micro-batches taken from ``batches``.
+
+    batches: yields (x0 (B, C, H, W) in [-1, 1], labels (B,) long), this rank's share.
+    Advances ``state.step`` and ``state.position``; returns ``metrics`` with the step added.
+    """
+    dctx = dctx or DistContext(device=next(state.model.parameters()).device)
+    cfg = state.cfg
+    # Every random number of this step derives from (seed, rank, step).
+    torch.manual_seed(derive_seed(cfg.train.seed, dctx.rank, state.step, "dropout"))
+    _set_lr(state.optimizer, lr)
+    micro = [draw_micro_batch(state, objective, *next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
+    _update(state, _accumulate(state, objective, micro, metrics), metrics, None)
+    _advance(state, metrics, micro, dctx)
+    return metrics
+
+
+def _advance(state: RunState, metrics: StepMetrics, micro: list[MicroBatch], dctx: DistContext) -> None:
+    metrics.steps += 1
+    metrics.last = micro[-1]
+    state.step += 1
+    state.position += micro[0].x0.shape[0] * len(micro) * dctx.world_size
+
+
+class CapturedStep:
+    """:func:`train_step` replayed as one CUDA graph: forward, backward, clipping, the fused AdamW
+    step, the non-finite skip, the EMA update and the metric sums, with gradient accumulation.
+
+    The first call warms up on a side stream (three eager steps, which also create AdamW's state
+    and compile the network) and then captures; each later call draws the step's random numbers
+    as ``train_step`` does, copies them and the batch into the static buffers, and replays.
+    DDP is not captured: under torchrun the loop keeps the eager step (see ``runtime/device.py``).
+    """
+
+    WARMUP_STEPS = 3
+
+    def __init__(self, state: RunState, objective: Objective):
+        device = next(state.model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError("train.cuda_graphs needs a CUDA device")
+        self.objective = objective
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: list[MicroBatch] | None = None
+        # Tensors the graph reads, filled before each replay.
+        self.ema_weight = torch.zeros((), device=device)
+        for group in state.optimizer.param_groups:  # a tensor learning rate, read by the captured step
+            group["lr"] = torch.tensor(float(group["lr"]), device=device)
+            group["capturable"] = True
+
+    def _copy_in(self, micro: list[MicroBatch]) -> None:
+        if self.static is None:
+            self.static = [MicroBatch(*(None if v is None else v.clone() for v in dataclasses.astuple(b))) for b in micro]
+            return
+        for dst, src in zip(self.static, micro):
+            for d, s in zip(dataclasses.astuple(dst), dataclasses.astuple(src)):
+                if d is not None:
+                    d.copy_(s, non_blocking=True)
+
+    def _body(self, state: RunState, metrics: StepMetrics) -> None:
+        _update(state, _accumulate(state, self.objective, self.static, metrics), metrics, self.ema_weight)
+
+    def __call__(self, state: RunState, objective: Objective, batches, lr: float, metrics: StepMetrics,
+                 dctx: DistContext | None = None) -> StepMetrics:
+        dctx = dctx or DistContext(device=self.ema_weight.device)
+        cfg = state.cfg
+        dropout_seed = derive_seed(cfg.train.seed, dctx.rank, state.step, "dropout")
+        torch.manual_seed(dropout_seed)
+        _set_lr(state.optimizer, lr)
+        micro = [draw_micro_batch(state, objective, *next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
+        self._copy_in(micro)
+        update = (state.step + 1) % cfg.ema.update_every_steps == 0
+        self.ema_weight.fill_(1.0 - state.ema.current_decay() if update else 0.0)
+        if self.graph is None:
+            self._capture(state, metrics, dropout_seed)
+        else:
+            self.graph.replay()
+        state.ema.num_updates += int(update)
+        _advance(state, metrics, micro, dctx)
+        return metrics
+
+    def _capture(self, state: RunState, metrics: StepMetrics, dropout_seed: int) -> None:
+        """Warm up on a side stream (eager steps on the state's own tensors, which are restored
+        in place afterwards), capture the step, then replay it once as this call's step."""
+        tensors = _state_tensors(state)
+        saved = [t.detach().clone() for t in tensors]
+        scratch = StepMetrics(self.ema_weight.device, metrics.num_buckets)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*capturable=True.*")  # the warm-up runs uncaptured
+            for _ in range(self.WARMUP_STEPS):
+                self._body(state, scratch)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for t, v in zip(tensors, saved):
+                t.copy_(v)
+            for t in _state_tensors(state)[len(tensors):]:  # AdamW's state, created by the warm-up
+                t.zero_()
+        state.optimizer.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # records the kernels; runs none of them
+            self._body(state, metrics)
+        torch.manual_seed(dropout_seed)  # the replay draws the dropout masks the eager step would
+        self.graph.replay()
+
+
+def _state_tensors(state: RunState) -> list[torch.Tensor]:
+    """Every tensor a step changes: weights, EMA, loss scale, then AdamW's state (if any yet)."""
+    tensors = list(state.model.state_dict().values()) + list(state.ema.model.state_dict().values())
+    tensors += state.precision.tensors()
+    tensors += [v for s in state.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return [t for t in tensors if t is not None]

@@ -1,0 +1,130 @@
+"""The optimizer step as a unit: the guarded step of every precision, the run state's
+checkpoint schema, and the CUDA-graph switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_OVERRIDES
+from difftrain.config import load_config
+from difftrain.diffusion.objective import build_objective
+from difftrain.runtime.device import resolve_toggle
+from difftrain.runtime.distributed import DistContext
+from difftrain.runtime.precision import Precision
+from difftrain.training import checkpoint as ckpt
+from difftrain.training.state import RunState
+from difftrain.training.step import CapturedStep, StepMetrics, train_step
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_non_finite_gradient_skips_the_step_for_any_optimizer(fused, precision):
+    layer = torch.nn.Linear(4, 4)
+    before = [p.detach().clone() for p in layer.parameters()]
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused)
+    amp = Precision(precision, torch.device("cpu"))
+    loss = layer(torch.full((2, 4), float("nan"))).sum()
+    amp.backward(loss)
+    _, finite = amp.step(opt, layer.parameters(), 1.0, loss.detach())
+    assert not bool(finite)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    # and a finite one is taken
+    loss = layer(torch.ones(2, 4)).sum()
+    amp.backward(loss)
+    _, finite = amp.step(opt, layer.parameters(), 1.0, loss.detach())
+    assert bool(finite) and not torch.equal(before[0], layer.weight)
+
+
+def test_train_step_advances_the_state_and_counts_on_the_device():
+    cfg = load_config(None, TINY_OVERRIDES + ["train.grad_accum_steps=2", "train.batch_size=4"])
+    device = torch.device("cpu")
+    state, objective = RunState.build(cfg, 0, device), build_objective(cfg.diffusion)
+    metrics = StepMetrics(device)
+    batch = (torch.rand(4, 3, 16, 16) * 2 - 1, torch.zeros(4, dtype=torch.long))
+    batches = iter([batch] * 4)
+    for _ in range(2):
+        train_step(state, objective, batches, 1e-3, metrics)
+    assert (state.step, state.position, state.ema.num_updates) == (2, 16, 2)
+    window = metrics.read(DistContext())
+    assert window["steps"] == 2 and window["skipped"] == 0 and window["loss"] > 0
+    assert sum(1 for v in window["buckets"] if v > 0) >= 1
+
+
+def test_cuda_graphs_resolve_off_on_the_cpu_and_refuse_on():
+    cpu = torch.device("cpu")
+    assert resolve_toggle("auto", cpu, "cuda_graphs") is False
+    with pytest.raises(ValueError, match="train.cuda_graphs"):
+        resolve_toggle("on", cpu, "cuda_graphs")
+    cfg = load_config(None, TINY_OVERRIDES)
+    with pytest.raises(ValueError, match="CUDA"):
+        CapturedStep(RunState.build(cfg, 0, cpu), build_objective(cfg.diffusion))
+
+
+def _saved_state(tmp_path):
+    cfg = load_config(None, TINY_OVERRIDES)
+    state = RunState.build(cfg, 0, torch.device("cpu"))
+    return ckpt.save_checkpoint(state.state_dict(), tmp_path, 0), state
+
+
+def test_the_schema_names_the_file_and_the_key(tmp_path):
+    path, state = _saved_state(tmp_path)
+    raw = torch.load(path, weights_only=True)
+    for broken, match in [
+        ({k: v for k, v in raw.items() if k != "optimizer"}, "no key 'optimizer'"),
+        ({**raw, "ema": [1, 2]}, "key 'ema' must be"),
+        ({**raw, "step": -3}, "key 'step' must be"),
+        ({**raw, "model": {k: v.fill_(float("nan")) if v.is_floating_point() else v
+                           for k, v in {k: v.clone() for k, v in raw["model"].items()}.items()}}, "not finite"),
+    ]:
+        torch.save(broken, tmp_path / "bad.pt")
+        with pytest.raises(ckpt.CheckpointError, match=match) as e:
+            ckpt.load_checkpoint(tmp_path / "bad.pt")
+        assert "bad.pt" in str(e.value)
+    # a wrongly shaped weight is named when it is loaded into the model
+    name = next(k for k, v in raw["model"].items() if v.ndim == 4)
+    torch.save({**raw, "model": {**raw["model"], name: torch.zeros(1, 1, 1, 1)}}, tmp_path / "bad.pt")
+    with pytest.raises(ckpt.CheckpointError, match=f"model.{name} has shape"):
+        state.load_state_dict(ckpt.load_checkpoint(tmp_path / "bad.pt"))
+
+
+def test_a_v1_checkpoint_is_upgraded_on_load(tmp_path):
+    path, state = _saved_state(tmp_path)
+    raw = torch.load(path, weights_only=True)
+    v1 = {k: v for k, v in raw.items() if k not in ("skipped_steps",)}
+    v1.update(format="difftrain-checkpoint-v1", counters={"skipped_steps": 2}, images_seen=raw["data_position"],
+              lr_schedule={"peak_lr": 1e-3}, world_size=1)
+    torch.save(v1, tmp_path / "old.pt")
+    loaded = ckpt.load_checkpoint(tmp_path / "old.pt")
+    assert loaded["skipped_steps"] == 2 and "counters" not in loaded and "lr_schedule" not in loaded
+    state.load_state_dict(loaded)
+    assert state.skipped_steps == 2
+
+
+@pytest.mark.gpu
+def test_the_captured_step_gives_the_eager_weights():
+    """Captured and uncaptured steps on CUDA (bf16, accumulation, labels, dropout) end with the
+    same weights to bf16 tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    overrides = TINY_OVERRIDES + ["train.grad_accum_steps=2", "train.batch_size=4", "train.precision=bf16",
+                                  "model.dropout=0.1", "train.compile=off"]
+    cfg = load_config(None, overrides)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(4, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 3, (4,), generator=g)) for _ in range(12)]
+    results = []
+    for step_fn in ("eager", "captured"):
+        state, objective = RunState.build(cfg, 3, device), build_objective(cfg.diffusion).to(device)
+        fn = CapturedStep(state, objective) if step_fn == "captured" else train_step
+        metrics, batches = StepMetrics(device), iter(data)
+        for _ in range(6):
+            fn(state, objective, batches, 1e-3, metrics)
+        results.append((state.model.state_dict(), state.ema.model.state_dict(),
+                        metrics.read(DistContext(device=device))))
+    (eager, eager_ema, m_eager), (captured, captured_ema, m_captured) = results
+    for k in eager:
+        torch.testing.assert_close(captured[k].float(), eager[k].float(), rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(captured_ema[k].float(), eager_ema[k].float(), rtol=2e-2, atol=2e-3)
+    assert m_captured["steps"] == m_eager["steps"] == 6
+    assert m_captured["loss"] == pytest.approx(m_eager["loss"], rel=2e-2)
