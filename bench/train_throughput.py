@@ -69,9 +69,9 @@ def flops_per_image(cfg, device: torch.device) -> float:
     return counter.get_total_flops() / 2
 
 
-def peak_memory_subprocess(impl: str, args, preset: str, precision: str) -> float:
+def peak_memory_subprocess(impl: str, args, preset: str, precision: str, batch: int) -> float:
     """MB of peak-RSS growth of building ``impl``'s step and running two steps (CPU)."""
-    cmd = [sys.executable, __file__, "--_memory", impl, "--presets", preset, "--batch", str(args.batch),
+    cmd = [sys.executable, __file__, "--_memory", impl, "--presets", preset, "--batch", str(batch),
            "--precision", precision, "--compile", args.compile, "--channels-last", args.channels_last,
            "--device", args.device]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -85,7 +85,7 @@ def _status_kb(field: str) -> int:
 
 def _memory_child(args) -> None:
     device = torch.device(args.device)
-    cfg = bench_config(args.presets[0], args.batch, args.precision[0], args.compile, args.channels_last)
+    cfg = bench_config(args.presets[0], args.batch[0], args.precision[0], args.compile, args.channels_last)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the RSS now
     before = _status_kb("VmRSS")
     step, _ = IMPLS[args._memory](cfg, device)
@@ -96,7 +96,7 @@ def _memory_child(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=["tiny", "ddpm-cifar10"])
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=int, nargs="+", default=[128], help="batch sizes to sweep (e.g. 128 256 512)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (and compilation)")
     p.add_argument("--rounds", type=int, default=3)
@@ -104,6 +104,9 @@ def main() -> None:
                    choices=sorted(DTYPES), help="each one measured for both implementations")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="difftrain's train.compile")
     p.add_argument("--channels-last", default="auto", choices=["auto", "on", "off"], help="difftrain's train.channels_last")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="difftrain's train.cuda_graphs (the step captured as a CUDA graph)")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS), help="implementations to measure")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--_memory", help=argparse.SUPPRESS)
@@ -115,16 +118,17 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; batch {args.batch}; "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; "
-          f"difftrain compile={args.compile} channels_last={args.channels_last}")
+          f"difftrain compile={args.compile} channels_last={args.channels_last} cuda_graphs={args.cuda_graphs}")
     peaks = {precision: matmul_peak(device, precision) for precision in args.precision}
     for precision, peak in peaks.items():
         print(f"measured {precision} matmul peak: {peak / 1e12:.2f} TFLOP/s")
     rows = []
-    for preset, precision in [(preset, precision) for preset in args.presets for precision in args.precision]:
+    cases = [(preset, precision, batch) for preset in args.presets for precision in args.precision for batch in args.batch]
+    for preset, precision, batch in cases:
         peak = peaks[precision]
-        cfg = bench_config(preset, args.batch, precision, args.compile, args.channels_last)
+        cfg = bench_config(preset, batch, precision, args.compile, args.channels_last, args.cuda_graphs)
         fpi = flops_per_image(cfg, device)
-        steps = {impl: build(cfg, device)[0] for impl, build in IMPLS.items()}
+        steps = {impl: IMPLS[impl](cfg, device)[0] for impl in args.impls}
         for impl, step in steps.items():
             for _ in range(args.warmup):
                 step()
@@ -141,26 +145,27 @@ def main() -> None:
                 for _ in range(args.steps):
                     steps[impl]()
                 sync(device)
-                rates[impl].append(args.steps * args.batch / (time.perf_counter() - t0))
+                rates[impl].append(args.steps * batch / (time.perf_counter() - t0))
                 if device.type == "cuda":
                     memory[impl] = torch.cuda.max_memory_allocated(device) / 2**20
         if device.type != "cuda":
-            memory = {impl: peak_memory_subprocess(impl, args, preset, precision) for impl in steps}
+            memory = {impl: peak_memory_subprocess(impl, args, preset, precision, batch) for impl in steps}
         for impl in steps:
             ips = median(rates[impl])
-            rows.append(dict(preset=preset, precision=precision, impl=impl, images_per_s=ips, rounds=rates[impl], peak_mb=memory[impl],
+            rows.append(dict(preset=preset, precision=precision, batch=batch, impl=impl, images_per_s=ips, rounds=rates[impl], peak_mb=memory[impl],
                              gflop_per_image=fpi / 1e9, mfu=ips * fpi / peak))
         del steps
 
     print()
-    print("| preset | precision | implementation | images/s (median) | speed-up | peak memory MB "
+    print("| preset | precision | batch | implementation | images/s (median) | speed-up | peak memory MB "
           "| GFLOP/image (fwd+bwd) | MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        base = next(r for r in rows if r["preset"] == row["preset"] and r["precision"] == row["precision"]
-                    and r["impl"] == "diffusers")
-        print(f"| {row['preset']} | {row['precision']} | {row['impl']} | {fmt_float(row['images_per_s'])} | "
-              f"{row['images_per_s'] / base['images_per_s']:.2f}x | {fmt_float(row['peak_mb'])} | "
+        base = next((r for r in rows if r["preset"] == row["preset"] and r["precision"] == row["precision"]
+                     and r["batch"] == row["batch"] and r["impl"] == "diffusers"), None)
+        speedup = f"{row['images_per_s'] / base['images_per_s']:.2f}x" if base else "n/a"
+        print(f"| {row['preset']} | {row['precision']} | {row['batch']} | {row['impl']} | {fmt_float(row['images_per_s'])} | "
+              f"{speedup} | {fmt_float(row['peak_mb'])} | "
               f"{row['gflop_per_image']:.2f} | {100 * row['mfu']:.1f}% |")
     # What each user gets without flags: difftrain trains in its config file's precision (bf16
     # in the GPU presets), diffusers' train_unconditional in fp32 (--mixed_precision "no").
