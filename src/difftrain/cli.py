@@ -12,6 +12,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -374,8 +375,10 @@ def input_error(e: BaseException) -> str | None:
     from difftrain.training.loop import TrainingDiverged
 
     if _is_out_of_memory(e):
+        asked = re.search(r"allocate (\d+) bytes", str(e))
+        what = f"{int(asked.group(1)) / 2**30:,.1f} GiB asked for" if asked else _first_line(str(e))[:120]
         return (
-            f"out of memory ({_first_line(str(e)) or type(e).__name__}): the batch or resolution does not fit; "
+            f"out of memory ({what or type(e).__name__}): the batch or resolution does not fit; "
             "lower train.batch_size (and raise train.grad_accum_steps to keep the effective batch) or "
             "data.resolution; `difftrain estimate --config ...` measures what fits"
         )
