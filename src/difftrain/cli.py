@@ -1,13 +1,28 @@
-"""The ``difftrain`` command: parse arguments, build the config, call the API. No logic here."""
+"""The ``difftrain`` command: parse arguments, build the config, call the API. No logic here.
+
+Every error caused by the input (a config, a data folder, a checkpoint, a full or read-only
+disk, memory) ends the command with one line naming the option or the file, and exit code 2;
+a traceback is printed only for a bug in difftrain, with a line saying so (exit code 70).
+The exit codes are listed in the README ("Exit codes").
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import re
 import sys
+import traceback
 from pathlib import Path
 
-from difftrain.config import ConfigError, config_to_toml, load_config
+from difftrain.config import ConfigError, check_environment, config_to_toml, load_config
+
+EXIT_PROBLEMS_FOUND = 1  # data check found bad files; diagnose found a failing check
+EXIT_BAD_INPUT = 2  # config, data, checkpoint, disk or memory: the message names which
+EXIT_BUG = 70  # EX_SOFTWARE: an internal error, with its traceback
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`| head`)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -17,7 +32,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         return 0
+    check_environment(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / (Path(args.config).stem if args.config else "default")
+    _make_folder(run_dir, "--run-dir")
     result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
     if result.stopped_by:
         from difftrain.training.signals import EXIT_STOPPED
@@ -33,26 +50,30 @@ def _data_check(args: argparse.Namespace) -> int:
 
     report = check_folder(args.path, args.resolution)
     print(json.dumps(report.__dict__, indent=2) if args.json else report.summary())
-    return 1 if report.bad else 0
+    return EXIT_PROBLEMS_FOUND if report.bad or report.unreadable_folders else 0
 
 
 def _sample(args: argparse.Namespace) -> int:
     from difftrain.inference import load_model, sample_to_folder
 
+    _make_folder(Path(args.out), "--out")
     loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device)
     options = {"eta": args.eta} if args.sampler == "ddim" else {}
-    grid = sample_to_folder(
-        loaded,
-        args.out,
-        num=args.num,
-        sampler=args.sampler,
-        steps=args.steps,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        class_label=args.class_label,
-        guidance_scale=args.guidance_scale,
-        **options,
-    )
+    try:
+        grid = sample_to_folder(
+            loaded,
+            args.out,
+            num=args.num,
+            sampler=args.sampler,
+            steps=args.steps,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            class_label=args.class_label,
+            guidance_scale=args.guidance_scale,
+            **options,
+        )
+    except OSError as e:  # a full or read-only disk: name the folder (a failed write names no file)
+        raise OSError(e.errno, f"cannot write the samples: {e.strerror or e}", e.filename or args.out) from e
     weights = "EMA" if loaded.ema else "raw"
     print(
         f"difftrain: {args.num} images from {loaded.path} (step {loaded.step}, {weights} weights, "
@@ -172,6 +193,23 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_folder(path: Path, option: str) -> None:
+    """Create an output folder, or raise one clear error: it is a file, or cannot be made."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create the folder ({option}): {e.strerror or e}", str(path)) from e
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _device(name: str):
     from difftrain.runtime.device import resolve_device
 
@@ -194,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--run-dir", help="run directory (default runs/<config name>); resumes if it has checkpoints")
     p.add_argument("--resume", help="resume from this checkpoint file or run directory")
-    p.add_argument("--stop-at-step", type=int, help="save and exit at this step (the schedule still spans total_steps)")
+    p.add_argument("--stop-at-step", type=_positive_int, help="save and exit at this step (the schedule still spans total_steps)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=_train)
 
@@ -306,15 +344,82 @@ def _sampler_choices() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe is noticed here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # `difftrain inspect --json | head`: the reader has what it wanted. Point stdout at
+        # /dev/null so that Python's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print(f"difftrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - sorted below into bad input and bugs
+        message = input_error(e)
+        if message is None:
+            traceback.print_exc()
+            print(f"difftrain {args.command}: internal error ({type(e).__name__}): this is a bug in difftrain; "
+                  "please report it with the traceback above", file=sys.stderr)
+            return EXIT_BUG
+        print(f"difftrain {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def input_error(e: BaseException) -> str | None:
+    """The message for an error caused by the input (config, data, checkpoint, disk, memory),
+    or None for anything else: a bug."""
     from difftrain.training.checkpoint import CheckpointWriteError
     from difftrain.training.loop import TrainingDiverged
 
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointWriteError, TrainingDiverged) as e:
-        print(f"difftrain {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    if _is_out_of_memory(e):
+        asked = re.search(r"allocate (\d+) bytes", str(e))
+        what = f"{int(asked.group(1)) / 2**30:,.1f} GiB asked for" if asked else _first_line(str(e))[:120]
+        return (
+            f"out of memory ({what or type(e).__name__}): the batch or resolution does not fit; "
+            "lower train.batch_size (and raise train.grad_accum_steps to keep the effective batch) or "
+            "data.resolution; `difftrain estimate --config ...` measures what fits"
+        )
+    if isinstance(e, OSError):
+        return _describe_os_error(e)
+    if isinstance(e, (ConfigError, ValueError, CheckpointWriteError, TrainingDiverged)):
+        return _unwrap_worker_error(str(e))
+    return None
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    if isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
+        return True
+    # The CPU allocator raises a plain RuntimeError.
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+
+
+def _describe_os_error(e: OSError) -> str:
+    """``PATH: ENOSPC No space left on device``, or the error's own message when it names no file."""
+    from difftrain.data.transforms import printable
+
+    if not e.filename:
+        return _unwrap_worker_error(str(e))
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    where = printable(os.fsdecode(e.filename)) + (f" -> {printable(os.fsdecode(e.filename2))}" if e.filename2 else "")
+    return f"{where}: {_first_line(e.strerror or str(e))}" + (f" ({code})" if code else "")
+
+
+def _unwrap_worker_error(text: str) -> str:
+    """A DataLoader worker's error arrives as "Caught X in DataLoader worker process N" plus
+    the worker's traceback; keep the original message, the traceback's last line."""
+    if "Original Traceback" in text:
+        last = text.strip().splitlines()[-1]
+        name, sep, message = last.partition(": ")
+        return message if sep and " " not in name else last
+    return text
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 if __name__ == "__main__":

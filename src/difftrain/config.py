@@ -8,6 +8,8 @@ the key, written to the run directory and stored in every checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import types
 import typing
@@ -269,10 +271,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = Config()
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
+        if not path.is_file():
+            raise ConfigError(f"config file {path} is not a file")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         _apply(cfg, data, str(path))
@@ -317,11 +323,45 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def _check_values(cfg: Config) -> None:
+    """Every float option (and every float in a list option) must be finite: TOML reads inf
+    and nan, and an infinite lr or jitter passes every range check below. Every string must
+    be UTF-8 text (a path given in bytes that are not would not survive config.toml)."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            items = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+                shown = list(value) if isinstance(value, tuple) else value
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {shown}")
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ConfigError(
+                        f"{section.name}.{f.name} must be UTF-8 text, got {ascii(value)} (rename the file or folder)"
+                    ) from None
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` naming the first invalid key."""
     from difftrain.models import MODEL_PRESETS  # local: keeps config importable on its own
 
+    _check_values(cfg)
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
+    _check(d.path.strip() != "", "data.path must name a folder of images or builtin:NAME, got an empty string")
+    _check(
+        d.heldout_path is None or d.heldout_path.strip() != "",
+        "data.heldout_path must name a folder of images, got an empty string (leave it out for none)",
+    )
+    for key, seed in (("train.seed", t.seed), ("validation.seed", cfg.validation.seed),
+                      ("evaluation.fid_seed", cfg.evaluation.fid_seed)):
+        _check(_SEED_RANGE[0] <= seed <= _SEED_RANGE[1], f"{key} must fit in 64 bits (0 <= seed < 2**64), got {seed}")
     _check(d.resolution >= 8, f"data.resolution must be >= 8, got {d.resolution}")
     _check(d.channels in (1, 3), f"data.channels must be 1 or 3, got {d.channels}")
     _check(d.color_jitter >= 0, f"data.color_jitter must be >= 0, got {d.color_jitter}")
@@ -354,10 +394,7 @@ def validate(cfg: Config) -> None:
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be >= 1, got {t.grad_accum_steps}")
     _check(t.log_every_steps >= 1, f"train.log_every_steps must be >= 1, got {t.log_every_steps}")
     _check(t.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got {t.max_nonfinite_in_row}")
-    _check(
-        t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda") or t.device == "mps",
-        f"train.device must be auto, cpu, cuda, cuda:N or mps, got {t.device!r}",
-    )
+    _check(bool(_DEVICE.match(t.device)), f"train.device must be auto, cpu, cuda, cuda:N or mps, got {t.device!r}")
     _check(0 <= cfg.ema.decay <= 1, f"ema.decay must be in [0, 1], got {cfg.ema.decay}")
     _check(cfg.ema.update_every_steps >= 1, f"ema.update_every_steps must be >= 1, got {cfg.ema.update_every_steps}")
     c = cfg.checkpoint
@@ -387,6 +424,31 @@ def validate(cfg: Config) -> None:
         f"evaluation.fid_steps must be in [1, diffusion.num_timesteps={cfg.diffusion.num_timesteps}], got {e.fid_steps}",
     )
     _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
+
+
+def check_environment(cfg: Config) -> None:
+    """Checks of a config against this machine, before a command uses it: the device exists in
+    this PyTorch build, and the data folders exist. Not part of :func:`validate`, so that a
+    checkpoint trained on a GPU still loads on a CPU machine."""
+    import torch
+
+    device = cfg.train.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"train.device is {device!r} but this PyTorch build or machine has no CUDA device "
+            f"(torch {torch.__version__}); use auto or cpu"
+        )
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"train.device is {device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("train.device is 'mps' but MPS is not available in this PyTorch build or machine")
+    for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
+        if path and not path.startswith("builtin:"):
+            where = Path(path).expanduser()
+            if not where.exists():
+                raise ConfigError(f"{key} {path} does not exist")
+            if not where.is_dir():
+                raise ConfigError(f"{key} {path} is not a folder")
 
 
 # ---------------------------------------------------------------------------------------------

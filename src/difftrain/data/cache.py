@@ -24,7 +24,7 @@ from difftrain.runtime.files import cache_dir
 
 from .folder import ImageFolderDataset
 from .sampler import split_key
-from .transforms import augment, load_image, resize_center_crop, to_tensor
+from .transforms import augment, resize_center_crop, to_tensor
 
 # Bump when load_image / resize_center_crop change what they produce.
 PREPROCESS_VERSION = 1
@@ -36,45 +36,87 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(dataset: ImageFolderDataset) -> str:
-    """A digest of the file list (paths, sizes, mtimes), resolution, channels and version."""
+    """A digest of the file list (paths, sizes, mtimes), resolution, channels and version.
+
+    Sizes and times are those recorded when the run first started (``dataset.file_stats``)
+    where there are any, so a resumed run finds its cache even if a file changed since; a
+    file that is gone counts as size -1.
+    """
+    from .check import file_stats
+
     h = hashlib.sha256(f"v{PREPROCESS_VERSION}:{dataset.resolution}:{dataset.channels}".encode())
-    for path in dataset.paths:
-        st = path.stat()
-        h.update(f"\n{path.relative_to(dataset.root).as_posix()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    stats = dataset.file_stats or file_stats(dataset.paths)
+    for name, (size, mtime) in zip(dataset.files, stats):
+        h.update(b"\n" + os.fsencode(name) + f":{size}:{mtime}".encode())
     return h.hexdigest()[:24]
 
 
 class _Decode(Dataset):
-    """Image i of a folder dataset as (H, W, C) uint8, for building the cache in workers."""
+    """Image i of a folder dataset as (H, W, C) uint8, for building the cache in workers.
+
+    A file that fails to decode is replaced as in training (``data.on_bad_image = "skip"``:
+    the next readable image, logged) or stops the build ("fail"), naming the file.
+    """
 
     def __init__(self, dataset: ImageFolderDataset):
-        self.paths, self.channels, self.resolution = dataset.paths, dataset.channels, dataset.resolution
+        self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.dataset)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        img = load_image(self.paths[i], self.channels, min_size=2 * self.resolution)
-        a = np.asarray(resize_center_crop(img, self.resolution), dtype=np.uint8)
+        img, _ = self.dataset._load(i)
+        a = np.asarray(resize_center_crop(img, self.dataset.resolution), dtype=np.uint8)
         return a[:, :, None] if a.ndim == 2 else a
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove ``*.npy.<pid>.tmp`` files left by cache builds whose process is gone (killed)."""
+    for tmp in folder.glob("*.npy.*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def build_cache(dataset: ImageFolderDataset, path: Path, num_workers: int = 0) -> None:
     """Decode every image of ``dataset`` into a new ``.npy`` file at ``path`` (atomic rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
     r, c = dataset.resolution, dataset.channels
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(dataset), r, r, c))
-    loader = DataLoader(_Decode(dataset), batch_size=256, num_workers=num_workers, collate_fn=np.stack)
-    i = 0
-    for batch in loader:
-        out[i : i + len(batch)] = batch
-        i += len(batch)
-    out.flush()
-    del out
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # concurrent builders (one per rank) each write whole files
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(dataset), r, r, c))
+        loader = DataLoader(_Decode(dataset), batch_size=256, num_workers=num_workers, collate_fn=np.stack)
+        i = 0
+        for batch in loader:
+            out[i : i + len(batch)] = batch
+            i += len(batch)
+        out.flush()
+        del out
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # concurrent builders (one per rank) each write whole files
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno is not None and not e.filename:
+            raise OSError(e.errno, e.strerror or str(e), str(tmp)) from e  # e.g. ENOSPC: name the file
+        raise
 
 
 class CachedImageDataset(Dataset):

@@ -5,6 +5,10 @@ caches it in the run directory (``data_check.json``) under a key of every file's
 path, size and modification time, so a resume of a large folder does not decode it again.
 With ``data.on_bad_image = "skip"`` the bad files are left out and logged (with their reason)
 to ``bad_images.log``; with "fail" the run stops before any model is built.
+
+The run's first start also saves the list of files it trains on (``data_files.json``); a
+resume uses that list instead of a rescan, so a file deleted or broken in between is replaced
+by the same substitute an uninterrupted run would have used, and resume stays exact.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from pathlib import Path
 from PIL import Image
 
 from .folder import ImageFolderDataset, scan_images
-from .transforms import load_image
+from .transforms import BadImage, load_image, open_image, printable
 
 CACHE_NAME = "data_check.json"
 BAD_LOG_NAME = "bad_images.log"
+FILE_LIST_NAME = "data_files.json"
 
 
 @dataclasses.dataclass
@@ -38,6 +43,7 @@ class DataReport:
     short_sides: dict[str, int]  # short side bucket ("<16", "16-31", ..., ">=1024") -> count
     bad: dict[str, str]
     key: str = ""
+    unreadable_folders: dict[str, str] = dataclasses.field(default_factory=dict)  # relative path/ -> reason
 
     @property
     def num_good(self) -> int:
@@ -46,14 +52,16 @@ class DataReport:
     def summary(self) -> str:
         """A few lines for a terminal."""
         lines = [
-            f"{self.root}: {self.num_files} image files, {self.num_good} usable, {len(self.bad)} bad "
+            f"{printable(self.root)}: {self.num_files} image files, {self.num_good} usable, {len(self.bad)} bad "
             f"(resolution {self.resolution})",
             "  modes:       " + _histogram(self.modes),
             "  formats:     " + _histogram(self.formats),
             "  short side:  " + _histogram(self.short_sides),
         ]
         for path, reason in sorted(self.bad.items()):
-            lines.append(f"  bad: {path}: {reason}")
+            lines.append(f"  bad: {printable(path)}: {printable(reason)}")
+        for path, reason in sorted(self.unreadable_folders.items()):
+            lines.append(f"  not searched: {printable(path)}: {printable(reason)}")
         return "\n".join(lines)
 
 
@@ -76,11 +84,13 @@ def _check_file(path: Path, min_size: int) -> tuple[str | None, str | None, tupl
     try:
         if path.stat().st_size == 0:
             return None, None, None, "empty file (0 bytes)"
-        with Image.open(path) as img:
+        with open_image(path) as img:
             mode, fmt = img.mode, img.format or "?"
         rgb = load_image(path, 3)  # a full decode: catches truncated and corrupt data
-    except OSError as e:
-        return None, None, None, f"unreadable: {e.__cause__ or e}"
+    except BadImage as e:
+        return None, None, None, f"unreadable: {e.reason}"
+    except OSError as e:  # stat: gone, or a name the file system refuses
+        return None, None, None, f"unreadable: {printable(e.strerror or str(e))}"
     if min(rgb.size) < min_size:
         return mode, fmt, rgb.size, (
             f"too small: {rgb.size[0]}x{rgb.size[1]}, short side < {min_size} "
@@ -89,12 +99,26 @@ def _check_file(path: Path, min_size: int) -> tuple[str | None, str | None, tupl
     return mode, fmt, rgb.size, None
 
 
+def file_stats(paths: list[Path]) -> list[tuple[int, int]]:
+    """(size, mtime in ns) of each file; (-1, -1) for one that is gone or cannot be read."""
+    out = []
+    for f in paths:
+        try:
+            st = f.stat()
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append((-1, -1))
+    return out
+
+
 def folder_key(root: Path, files: list[Path], resolution: int) -> str:
-    """SHA-256 over (relative path, size, mtime) of every file and the resolution."""
+    """SHA-256 over (relative path, size, mtime) of every file and the resolution.
+
+    File names that are not valid UTF-8 are hashed by their bytes (``os.fsencode``).
+    """
     h = hashlib.sha256(f"v1|{resolution}|".encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.relative_to(root).as_posix()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    for f, (size, mtime) in zip(files, file_stats(files)):
+        h.update(os.fsencode(f.relative_to(root).as_posix()) + f"|{size}|{mtime}\n".encode())
     return h.hexdigest()
 
 
@@ -106,7 +130,8 @@ def check_folder(root: str | Path, resolution: int) -> DataReport:
     ``root`` when it is missing or holds no image file.
     """
     root = Path(root).expanduser()
-    files = scan_images(root)
+    unreadable: dict[str, str] = {}
+    files = scan_images(root, unreadable)
     modes: collections.Counter[str] = collections.Counter()
     formats: collections.Counter[str] = collections.Counter()
     sides: collections.Counter[str] = collections.Counter()
@@ -121,7 +146,8 @@ def check_folder(root: str | Path, resolution: int) -> DataReport:
         if reason is not None:
             bad[rel] = reason
     return DataReport(
-        str(root), resolution, len(files), dict(modes), dict(formats), dict(sides), bad, folder_key(root, files, resolution)
+        str(root), resolution, len(files), dict(modes), dict(formats), dict(sides), bad,
+        folder_key(root, files, resolution), unreadable,
     )
 
 
@@ -131,19 +157,32 @@ def cached_check(root: str | Path, resolution: int, cache: Path) -> tuple[DataRe
     Returns (report, True when it came from the cache).
     """
     root = Path(root).expanduser()
-    key = folder_key(root, scan_images(root), resolution)
+    key = folder_key(root, scan_images(root, {}), resolution)
     try:
         data = json.loads(cache.read_text())
         if data.get("key") == key:
             return DataReport(**data), True
-    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+    except (OSError, ValueError, TypeError):  # missing, unreadable, not JSON, or another layout
         pass
     report = check_folder(root, resolution)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".{cache.name}.tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(report), indent=1))
-    os.replace(tmp, cache)
+    _write_json(cache, dataclasses.asdict(report))
     return report, False
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1))  # ensure_ascii: any file name is written
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        # A write error has no file name of its own (ENOSPC): give it the path.
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
 def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: int = 0):
@@ -155,32 +194,42 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     replaced by a deterministic other sample (see ``ImageFolderDataset.__getitem__``). Images
     whose short side is under ``min_size`` (0: the dataset's resolution) are bad; larger ones
     are resized to the resolution, up or down.
+
+    The first start saves the resulting file list to ``run_dir/data_files.json``; a resume
+    (a run directory with a checkpoint and that list, for the same folder) reuses it without a
+    rescan, so the data order does not depend on what changed in the folder meanwhile.
     """
     if not isinstance(dataset, ImageFolderDataset):
         return dataset
     run_dir = Path(run_dir)
-    report, cached = cached_check(dataset.root, min_size or dataset.resolution, run_dir / CACHE_NAME)
+    min_size = min_size or dataset.resolution
+    dataset.on_bad_image = on_bad_image
+    dataset.bad_log = run_dir / BAD_LOG_NAME
+    saved = _saved_file_list(run_dir, dataset, min_size)
+    if saved is not None:
+        return _resume_file_list(dataset, saved, on_bad_image)
+
+    report, cached = cached_check(dataset.root, min_size, run_dir / CACHE_NAME)
     print(
-        f"difftrain: data {report.root}: {report.num_files} files, {len(report.bad)} bad"
+        f"difftrain: data {printable(report.root)}: {report.num_files} files, {len(report.bad)} bad"
         f"{' (cached scan)' if cached else ''}",
         file=sys.stderr,
     )
-    if report.bad and on_bad_image == "fail":
-        listed = "\n".join(f"  {p}: {r}" for p, r in sorted(report.bad.items())[:20])
-        more = f"\n  ... and {len(report.bad) - 20} more" if len(report.bad) > 20 else ""
+    problems = {**report.bad, **report.unreadable_folders}
+    if problems and on_bad_image == "fail":
+        listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(problems.items())[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise ValueError(
-            f"data.path {report.root} holds {len(report.bad)} bad image files "
+            f"data.path {printable(report.root)} holds {len(report.bad)} bad image files"
+            f"{f' and {len(report.unreadable_folders)} unreadable folders' if report.unreadable_folders else ''} "
             f"(data.on_bad_image='fail'; set it to 'skip' to leave them out):\n{listed}{more}"
         )
-    dataset.on_bad_image = on_bad_image
-    dataset.bad_log = run_dir / BAD_LOG_NAME
-    if report.bad:
+    if problems:
         dataset.drop(set(report.bad))
-        with open(dataset.bad_log, "a") as f:
-            for p, r in sorted(report.bad.items()):
-                f.write(f"start\t{p}\t{r}\n")
+        _append_log(dataset.bad_log, [f"start\t{printable(p)}\t{printable(r)}" for p, r in sorted(problems.items())])
+        folders = f" and {len(report.unreadable_folders)} unreadable folders" if report.unreadable_folders else ""
         print(
-            f"difftrain: skipped {len(report.bad)} bad image files (listed in {dataset.bad_log}); "
+            f"difftrain: skipped {len(report.bad)} bad image files{folders} (listed in {dataset.bad_log}); "
             f"{len(dataset)} remain",
             file=sys.stderr,
         )
@@ -188,6 +237,72 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         small = sum(r.startswith("too small") for r in report.bad.values())
         hint = f"; {small} too small: lower data.min_image_size to upscale them" if small else ""
         raise ValueError(
-            f"data.path {report.root} holds 0 usable images ({len(report.bad)} bad, listed in {dataset.bad_log}{hint})"
+            f"data.path {printable(report.root)} holds 0 usable images ({len(report.bad)} bad, "
+            f"listed in {dataset.bad_log}{hint})"
         )
+    stats = file_stats(dataset.paths)
+    dataset.file_stats = stats
+    _write_json(run_dir / FILE_LIST_NAME, {
+        "version": 1, "root": str(dataset.root), "min_size": min_size,
+        "class_conditional": dataset.class_conditional, "classes": dataset.classes,
+        "files": dataset.files, "stats": stats,
+    })
     return dataset
+
+
+def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int) -> dict | None:
+    """The file list of this run's first start, when this start resumes it; else None.
+
+    Resuming means: the run directory holds a checkpoint, and the list was made for the same
+    folder, minimum size and class layout (a changed data.path is rescanned, with a warning).
+    """
+    from difftrain.training.checkpoint import list_checkpoints
+
+    path = run_dir / FILE_LIST_NAME
+    if not path.is_file() or not list_checkpoints(run_dir / "checkpoints"):
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        files, stats = list(saved["files"]), [tuple(s) for s in saved["stats"]]
+        same = (saved["root"], saved["min_size"], saved["class_conditional"]) == (
+            str(dataset.root), min_size, dataset.class_conditional)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"difftrain: warning: {path} is unreadable ({printable(str(e))}); rescanning the data, "
+              "so the resumed data order may differ", file=sys.stderr)
+        return None
+    if not same or len(stats) != len(files) or not files:
+        print(f"difftrain: warning: data.path or data.min_image_size changed since the run started; "
+              f"rescanning {printable(str(dataset.root))} (the resumed data order differs)", file=sys.stderr)
+        return None
+    return {"files": files, "classes": list(saved.get("classes", [])), "stats": stats}
+
+
+def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: str) -> ImageFolderDataset:
+    """Put the saved file list on ``dataset``; report (or, in fail mode, refuse) files now gone."""
+    dataset.set_files(saved["files"], saved["classes"])
+    dataset.file_stats = saved["stats"]
+    now = file_stats(dataset.paths)
+    changed = [f for f, a, b in zip(dataset.files, saved["stats"], now) if tuple(a) != tuple(b)]
+    gone = [f for f, b in zip(dataset.files, now) if b[0] < 0]
+    print(f"difftrain: data {printable(str(dataset.root))}: the {len(dataset)} files listed at the run's start "
+          f"({FILE_LIST_NAME}); {len(gone)} gone, {len(changed) - len(gone)} changed since", file=sys.stderr)
+    if gone and on_bad_image == "fail":
+        listed = "\n".join(f"  {printable(f)}" for f in gone[:20])
+        raise ValueError(
+            f"data.path {printable(str(dataset.root))}: {len(gone)} image files of this run are gone "
+            f"(data.on_bad_image='fail'; 'skip' replaces each by the next readable image):\n{listed}"
+        )
+    if len(gone) == len(dataset):
+        raise ValueError(f"data.path {printable(str(dataset.root))}: all {len(gone)} image files of this run are gone")
+    if changed:
+        _append_log(dataset.bad_log, [f"resume\t{printable(f)}\tgone or changed since the run started" for f in changed])
+    return dataset
+
+
+def _append_log(path: Path, lines: list[str]) -> None:
+    """Append lines to ``bad_images.log``; a write error names the file."""
+    try:
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e

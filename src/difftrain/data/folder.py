@@ -10,27 +10,40 @@ import torch
 from torch.utils.data import Dataset
 
 from .sampler import split_key
-from .transforms import augment, check_image_options, load_image, resize_center_crop, to_tensor
+from .transforms import augment, check_image_options, load_image, printable, resize_center_crop, to_tensor
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
-def scan_images(root: str | Path) -> list[Path]:
+def scan_images(root: str | Path, unreadable: dict[str, str] | None = None, option: str = "data.path") -> list[Path]:
     """Every image file under ``root``, recursively, sorted by path relative to ``root``.
 
     Rules: an image is a file whose extension (any case) is in ``IMAGE_EXTENSIONS``; names
     starting with "." are skipped, files and folders alike (.DS_Store, macOS "._x.jpg"
     resource forks, .ipynb_checkpoints, .git); symbolic links are followed, each real folder
-    visited once. Raises ValueError naming ``root`` when it is missing or holds no image.
+    visited once. A subfolder that cannot be listed (permissions) is recorded in
+    ``unreadable`` (relative path + "/" -> reason) when given, else raises ValueError naming
+    it: never skipped without a word. Raises ValueError naming ``option`` and ``root`` when
+    it is missing or holds no image. File names need not be UTF-8 (they are kept as
+    ``os.fsdecode`` gives them).
     """
     root = Path(root).expanduser()
+    if not str(root).strip():
+        raise ValueError(f"{option} is empty")
     if not root.exists():
-        raise ValueError(f"data.path {root} does not exist")
+        raise ValueError(f"{option} {printable(str(root))} does not exist")
     if not root.is_dir():
-        raise ValueError(f"data.path {root} is not a folder")
+        raise ValueError(f"{option} {printable(str(root))} is not a folder")
     found: list[Path] = []
     seen: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    failed: dict[str, str] = {}
+
+    def on_error(e: OSError) -> None:
+        where = Path(e.filename or root)
+        rel = "." if where == root else where.relative_to(root).as_posix()
+        failed[rel + "/"] = f"unreadable folder: {printable(e.strerror or str(e))}"
+
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=on_error):
         real = os.path.realpath(dirpath)
         if real in seen:  # a symlink loop or a second link to the same folder
             dirnames[:] = []
@@ -45,12 +58,21 @@ def scan_images(root: str | Path) -> list[Path]:
                 and path.is_file()  # not a broken link
             ):
                 found.append(path)
+    if failed and unreadable is None:
+        first = next(iter(failed.items()))
+        raise ValueError(f"{option} {printable(str(root))}: cannot list {printable(first[0])} ({first[1]})")
+    if unreadable is not None:
+        unreadable.update(failed)
     if not found:
         raise ValueError(
-            f"data.path {root} holds 0 images (looked for {', '.join(IMAGE_EXTENSIONS)}, "
-            "in any case, in subfolders too)"
+            f"{option} {printable(str(root))} holds 0 images (looked for {', '.join(IMAGE_EXTENSIONS)}, "
+            "in any case, in subfolders too)" + (f"; {len(failed)} folders could not be read" if failed else "")
         )
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+class DataGone(OSError):
+    """Every image of a folder dataset became unreadable during a run."""
 
 
 class ImageFolderDataset(Dataset):
@@ -80,33 +102,53 @@ class ImageFolderDataset(Dataset):
         self.channels = channels
         self.random_flip = random_flip
         self.color_jitter = color_jitter
-        self.classes: list[str] = []
-        parts = [p.relative_to(self.root).parts for p in scan_images(self.root)]
-        labels = [0] * len(parts)
+        self.class_conditional = class_conditional
+        # Subfolders that could not be listed (relative path + "/" -> reason), for the scan's report.
+        self.unreadable_folders: dict[str, str] = {}
+        files = [p.relative_to(self.root).as_posix() for p in scan_images(self.root, self.unreadable_folders)]
+        classes = []
         if class_conditional:
-            loose = [q[0] for q in parts if len(q) == 1]
+            loose = [f for f in files if "/" not in f]
             if loose:
                 raise ValueError(
                     f"data.class_conditional needs every image in a class subfolder of "
-                    f"{self.root}, but {len(loose)} lie directly in it (e.g. {loose[0]}); "
+                    f"{printable(str(self.root))}, but {len(loose)} lie directly in it (e.g. {printable(loose[0])}); "
                     "move them into a subfolder or set data.class_conditional = false"
                 )
-            self.classes = sorted({q[0] for q in parts})
-            index = {name: k for k, name in enumerate(self.classes)}
-            labels = [index[q[0]] for q in parts]
-        # NumPy arrays rather than lists of Python objects: forked DataLoader workers would
-        # touch every object's refcount and so copy a list's pages, once per worker.
-        self._files = np.array([os.fsencode("/".join(q)) for q in parts], dtype=np.bytes_)
-        self._labels = np.array(labels, dtype=np.int64)
+            classes = sorted({f.split("/", 1)[0] for f in files})
+        self.set_files(files, classes)
         # What a file that fails to decode does: "fail" raises; "skip" (set by
         # data.check.prepare_dataset) logs it to ``bad_log`` and substitutes another sample.
         self.on_bad_image = "fail"
         self.bad_log: Path | None = None
+        # (size, mtime ns) of each file when the run first started (set by prepare_dataset):
+        # the decode cache's key, so that a resume finds the cache the run started with.
+        self.file_stats: list[tuple[int, int]] | None = None
+
+    def set_files(self, files: list[str], classes: list[str]) -> None:
+        """Use these files (relative "/"-separated paths, in index order) and class names.
+
+        A resumed run sets the list its first start saved, so its indices, and so its data
+        order, do not depend on a rescan of a folder that changed in between.
+        """
+        self.classes = list(classes)
+        index = {name: k for k, name in enumerate(self.classes)}
+        labels = [index.get(f.split("/", 1)[0], 0) if self.classes else 0 for f in files]
+        # NumPy arrays rather than lists of Python objects: forked DataLoader workers would
+        # touch every object's refcount and so copy a list's pages, once per worker.
+        self._files = np.array([os.fsencode(f) for f in files], dtype=np.bytes_)
+        self._labels = np.array(labels, dtype=np.int64)
+
+    @property
+    def files(self) -> list[str]:
+        """The image files as relative "/"-separated paths, in index order."""
+        return [os.fsdecode(f) for f in self._files.tolist()]
 
     def drop(self, relative_paths: set[str]) -> None:
         """Leave out the files whose paths (relative to the root, "/"-separated) are given."""
         keep = np.array([os.fsdecode(f) not in relative_paths for f in self._files.tolist()], dtype=bool)
         self._files, self._labels = self._files[keep], self._labels[keep]
+        self.file_stats = None
 
     @property
     def num_classes(self) -> int:
@@ -155,6 +197,13 @@ class ImageFolderDataset(Dataset):
                 if self.on_bad_image != "skip":
                     raise
                 if self.bad_log is not None:
-                    with open(self.bad_log, "a") as f:
-                        f.write(f"mid-run\t{os.fsdecode(self._files[i])}\t{e.__cause__ or e}\n")
-        raise OSError(f"no image under {self.root} can be read any more")
+                    reason = getattr(e, "reason", None) or printable(str(e))
+                    try:
+                        with open(self.bad_log, "a") as f:
+                            f.write(f"mid-run\t{printable(os.fsdecode(self._files[i]))}\t{reason}\n")
+                    except OSError:
+                        pass  # a full disk: the skip itself must not stop the run
+        raise DataGone(
+            f"data.path {printable(str(self.root))}: none of its {len(self)} images can be read any more "
+            "(moved, deleted or unmounted?)"
+        )

@@ -168,7 +168,10 @@ def find_checkpoint(path: str | Path) -> Path:
     """Resolve a checkpoint file, a ``checkpoints/`` folder or a run directory to one file.
 
     A folder resolves through its ``latest`` pointer, or to its newest checkpoint when the
-    pointer is missing or names a file that is gone.
+    pointer is missing or names a file that is gone. The pointer is followed only when it
+    holds the name of one of this folder's own checkpoints (``step_NNNNNNNN.pt``): a path, a
+    ``..``, another run's checkpoint, bytes that are not UTF-8 or an over-long name are
+    ignored with a warning, and the newest checkpoint of the folder is used instead.
     """
     path = Path(path)
     if path.is_file():
@@ -176,15 +179,38 @@ def find_checkpoint(path: str | Path) -> Path:
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}: not a file or a directory")
-    pointer = ckpt_dir / LATEST
-    if pointer.is_file():
-        named = ckpt_dir / pointer.read_text().strip()
-        if named.is_file():
-            return named
     found = list_checkpoints(ckpt_dir)
+    named = _read_latest(ckpt_dir / LATEST)
+    if named is not None:
+        if named.name in {p.name for _, p in found}:
+            return ckpt_dir / named.name
+        if found:
+            print(f"difftrain: warning: {ckpt_dir / LATEST} names {named.text}, which is not a checkpoint of "
+                  f"this folder; using the newest one, {found[-1][1].name}", file=sys.stderr)
     if not found:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
     return found[-1][1]
+
+
+class _Pointer:
+    """What a ``latest`` file holds: ``name`` when it is a plain checkpoint name, and its text."""
+
+    def __init__(self, name: str, text: str):
+        self.name, self.text = name, text
+
+
+def _read_latest(pointer: Path) -> _Pointer | None:
+    """The ``latest`` pointer's content; None when there is none. Never raises."""
+    try:
+        if not pointer.is_file():
+            return None
+        raw = pointer.read_bytes()[:1024]
+    except OSError:
+        return None
+    text = raw.decode("utf-8", "backslashreplace").strip()
+    shown = repr(text if len(text) <= 80 else text[:77] + "...")
+    name = text if _NAME.match(text) and len(text) <= 255 else ""  # no "/", "..", or absolute path
+    return _Pointer(name, shown)
 
 
 # key -> (check, what it must be): the run state as training/state.py writes it.

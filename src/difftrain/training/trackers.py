@@ -6,6 +6,7 @@ credential: W&B and MLflow read theirs from their own environment variables or f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -22,19 +23,37 @@ class Tracker(Protocol):
 
 
 class JSONLTracker:
-    """One JSON object per logged step in ``metrics.jsonl`` (line-buffered, append-only)."""
+    """One JSON object per logged step in ``metrics.jsonl`` (append-only, one write per line).
+
+    A failed write (disk full, read-only file system) raises an OSError naming the file; the
+    line is written whole or not at all, so the file never ends in half a record that the
+    next resume would append to.
+    """
 
     def __init__(self, path: Path):
-        self._file = open(path, "a", buffering=1)
+        self.path = path
+        try:
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        line = (json.dumps({"step": step, **metrics}) + "\n").encode()
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):  # a short write: the disk filled up inside this line
+                os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_END) - written)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def log_image(self, step: int, name: str, image: np.ndarray) -> None:
         pass  # images live in samples/
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 class TensorBoardTracker:
