@@ -172,7 +172,7 @@ def cached_check(root: str | Path, resolution: int, cache: Path) -> tuple[DataRe
 def _write_json(path: Path, data: dict) -> None:
     """Write ``data`` to ``path`` atomically (a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: ranks write at once
     try:
         tmp.write_text(json.dumps(data, indent=1))  # ensure_ascii: any file name is written
         os.replace(tmp, path)
