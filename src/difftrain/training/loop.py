@@ -83,7 +83,7 @@ def train(
     model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
     # `net` runs forward and backward (DDP-wrapped, compiled); `model` is saved and averaged.
     net = compile_model(distributed.wrap(model, dctx), device, tc.compile)
-    ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup)
+    ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
     optimizer = build_optimizer(cfg, model, device)
     scaler = grad_scaler(tc.precision, device)
     alpha_bar = alpha_bar_schedule(cfg.diffusion.schedule, cfg.diffusion.num_timesteps).to(device)
