@@ -113,6 +113,7 @@ class TrainConfig:
 class EMAConfig:
     decay: float = 0.9999  # final EMA decay
     warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t))
+    warmup_power: float = 0.0  # > 0: decay_t = min(decay, 1 - (1 + t) ** -power) instead (diffusers: 0.75)
     update_every_steps: int = 1  # optimizer steps between EMA updates
 
 
@@ -396,6 +397,7 @@ def validate(cfg: Config) -> None:
     _check(t.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got {t.max_nonfinite_in_row}")
     _check(bool(_DEVICE.match(t.device)), f"train.device must be auto, cpu, cuda, cuda:N or mps, got {t.device!r}")
     _check(0 <= cfg.ema.decay <= 1, f"ema.decay must be in [0, 1], got {cfg.ema.decay}")
+    _check(cfg.ema.warmup_power >= 0, f"ema.warmup_power must be >= 0 (0 = the DDPM ramp), got {cfg.ema.warmup_power}")
     _check(cfg.ema.update_every_steps >= 1, f"ema.update_every_steps must be >= 1, got {cfg.ema.update_every_steps}")
     c = cfg.checkpoint
     _check(c.every_steps >= 1, f"checkpoint.every_steps must be >= 1, got {c.every_steps}")

@@ -89,3 +89,36 @@ def test_state_dict_round_trip():
     assert other.num_updates == 1
     for a, b in zip(other.model.state_dict().values(), ema.model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_power_warmup_follows_its_formula():
+    ema = EMA(_model(), decay=0.9999, warmup=True, warmup_power=0.75)
+    for t in range(4):
+        assert abs(ema.current_decay() - min(0.9999, 1 - (1 + t) ** -0.75)) < 1e-12
+        ema.update(_model(1))
+    assert ema.current_decay() == 1 - 5**-0.75
+
+
+def test_power_warmup_averages_longer_than_the_ddpm_ramp_late_in_a_short_run():
+    # After t updates the DDPM ramp averages over about (10 + t) / 9 updates, the power ramp
+    # over about (1 + t) ** 0.75: more at the few hundred steps of a short run.
+    ddpm, power = EMA(_model(), warmup=True), EMA(_model(), warmup=True, warmup_power=0.75)
+    ddpm.num_updates = power.num_updates = 300
+    assert 1 / (1 - power.current_decay()) > 1.5 / (1 - ddpm.current_decay())
+
+
+def test_power_warmup_is_capped_by_decay_and_saved():
+    ema = EMA(_model(), decay=0.99, warmup=True, warmup_power=0.75)
+    ema.num_updates = 10**6
+    assert ema.current_decay() == 0.99
+    assert ema.state_dict()["warmup_power"] == 0.75
+
+
+def test_config_reaches_the_power_warmup():
+    import pytest
+
+    from difftrain.config import ConfigError, load_config
+
+    assert load_config(overrides=["ema.warmup_power=0.75"]).ema.warmup_power == 0.75
+    with pytest.raises(ConfigError, match="ema.warmup_power"):
+        load_config(overrides=["ema.warmup_power=-1"])

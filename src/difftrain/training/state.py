@@ -90,7 +90,7 @@ class RunState:
         tc = cfg.train
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
-        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup)
+        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         optimizer = build_optimizer(cfg, model, device)
         state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), num_classes)
         state.net = model
