@@ -130,8 +130,7 @@ def test_metrics_on_a_full_disk_stop_the_run_naming_the_file(tmp_path, tiny_over
 
 
 def test_every_image_disappearing_mid_run_is_one_line(tmp_path, tiny_overrides, monkeypatch, capsys):
-    from difftrain.data import check
-    from difftrain.training import loop
+    from difftrain.data import check, prepare
 
     data = _folder(tmp_path / "d")
     real = check.prepare_dataset
@@ -142,7 +141,7 @@ def test_every_image_disappearing_mid_run_is_one_line(tmp_path, tiny_overrides, 
             f.unlink()
         return dataset
 
-    monkeypatch.setattr(loop, "prepare_dataset", prepare_then_delete_all)
+    monkeypatch.setattr(prepare, "prepare_dataset", prepare_then_delete_all)
     overrides = tiny_overrides + [f"data.path={data}", "validation.every_steps=0", "tracking.tensorboard=false",
                                   "data.num_workers=1"]
     code = main(["train", "--run-dir", str(tmp_path / "run")] + [x for o in overrides for x in ("--set", o)])
@@ -187,7 +186,6 @@ def test_resume_stays_exact_when_an_image_changes_while_the_run_is_stopped(tmp_p
     assert ckpt.state_dict_sha256(sa["model"]) == ckpt.state_dict_sha256(sb["model"])
 
 
-@pytest.mark.xfail(strict=True, reason="needs the loop change: report the resumed checkpoint when no step runs")
 def test_resuming_a_finished_run_into_a_new_folder_is_not_an_error(finished_run, tmp_path, capsys):
     source = ckpt.find_checkpoint(finished_run)
     overrides = _tiny() + ["train.total_steps=2"]
@@ -195,7 +193,6 @@ def test_resuming_a_finished_run_into_a_new_folder_is_not_an_error(finished_run,
                 + [x for o in overrides for x in ("--set", o)]) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="needs the loop change: config.toml write errors name the file")
 def test_config_toml_on_a_full_disk_names_the_file(tmp_path, tiny_overrides, capsys):
     run = tmp_path / "run"
     run.mkdir()

@@ -52,6 +52,11 @@ def atomic_write(path: str | os.PathLike, before_rename=None) -> Iterator[Binary
         if before_rename is not None:
             before_rename()
         os.replace(tmp, path)
+    except OSError as e:
+        unlink_quietly(tmp)
+        if e.filename is None:  # a failed write or fsync names no file: name the one being written
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         unlink_quietly(tmp)
         raise

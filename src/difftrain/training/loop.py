@@ -66,9 +66,10 @@ def train(
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)
     state = RunState.build(cfg, data.num_classes, device)
-    source = resume_source(run_dir, resume)
+    source, resumed_from = resume_source(run_dir, resume), None
     if source is not None:
         saved = ckpt.load_checkpoint(source)
+        resumed_from = Path(saved["path"])
         for line in state.check_resumable(saved, dctx.world_size):
             print(f"difftrain: {line}")
         state.load_state_dict(saved)
@@ -98,7 +99,8 @@ def train(
     metrics = StepMetrics(device)  # running sums on the device, read at log steps only
     lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
-    last_saved, stopped_by, first_step_s = state.step, None, None
+    start_step = last_saved = state.step
+    stopped_by, first_step_s = None, None
     paused: dict[str, float] = {}  # seconds of evaluation and saving in this log window
     state.model.train()
     # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
@@ -182,7 +184,10 @@ def train(
         # Last: under torchrun a rank that exits stops the others with SIGTERM, which must not
         # kill one that is still closing its files.
         stop.restore()
-    final = ckpt.find_checkpoint(run_dir) if last_saved == state.step else None
+    if resumed_from is not None and state.step == start_step:
+        final = resumed_from  # nothing was left to train: the checkpoint resumed from is the result
+    else:
+        final = ckpt.find_checkpoint(run_dir) if last_saved == state.step else None
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
 
