@@ -9,6 +9,12 @@ import os
 # before torch is imported; subprocesses inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Caches that outlive a run (scans, decode caches, FID statistics, compiled kernels) go to a
+# folder of this test session, not the user's ~/.cache.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("DIFFTRAIN_CACHE", tempfile.mkdtemp(prefix="difftrain-test-cache-"))
+
 import pytest  # noqa: E402
 
 from difftrain.config import load_config  # noqa: E402

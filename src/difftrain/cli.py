@@ -48,7 +48,7 @@ def _train(args: argparse.Namespace) -> int:
 def _data_check(args: argparse.Namespace) -> int:
     from difftrain.data.check import check_folder
 
-    report = check_folder(args.path, args.resolution)
+    report = check_folder(args.path, args.resolution, num_workers=args.workers)
     print(json.dumps(report.__dict__, indent=2) if args.json else report.summary())
     return EXIT_PROBLEMS_FOUND if report.bad or report.unreadable_folders else 0
 
@@ -241,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = data_sub.add_parser("check", help="decode every image; report counts, sizes, modes and bad files (exit 1 if any)")
     p.add_argument("path", help="a folder of images")
     p.add_argument("--resolution", type=int, default=32, help="images with a shorter side are reported too small")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decoding processes (0 = this process)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_data_check)
 

@@ -112,3 +112,23 @@ def test_a_file_that_goes_bad_mid_run_is_replaced_deterministically(tmp_path):
     ds.on_bad_image = "fail"
     with pytest.raises(OSError, match="1.png"):
         ds[1]
+
+
+def test_the_scan_runs_in_worker_processes_and_is_reused_by_another_run(tmp_path, monkeypatch):
+    """A parallel scan gives the serial report; a second run of the same folder takes the scan
+    from the shared cache instead of decoding again, and a changed file scans anew."""
+    from difftrain.data import check
+
+    root = make_messy_folder(tmp_path / "d", good=300)  # enough files for the worker pool
+    serial = check.check_folder(root, 16)
+    parallel = check.check_folder(root, 16, num_workers=2)
+    assert parallel == serial and parallel.bad
+    monkeypatch.setenv("DIFFTRAIN_CACHE", str(tmp_path / "cache"))
+    first, cached = check.cached_check(root, 16, tmp_path / "run1" / check.CACHE_NAME, num_workers=2)
+    assert not cached and first == serial
+    monkeypatch.setattr(check, "check_folder", lambda *a: pytest.fail("scanned again"))
+    second, cached = check.cached_check(root, 16, tmp_path / "run2" / check.CACHE_NAME)
+    assert cached and second == first and (tmp_path / "run2" / check.CACHE_NAME).is_file()
+    (root / "good_0.png").write_bytes(b"changed")
+    with pytest.raises(pytest.fail.Exception, match="scanned again"):
+        check.cached_check(root, 16, tmp_path / "run3" / check.CACHE_NAME)

@@ -155,9 +155,9 @@ class CachedImageDataset(Dataset):
         return x, int(self._labels[index])
 
 
-def with_decode_cache(dataset: Dataset, enabled: bool, cache_dir: str = "") -> Dataset:
+def with_decode_cache(dataset: Dataset, enabled: bool, cache_dir: str = "", num_workers: int = 0) -> Dataset:
     """``dataset`` read from its decode cache when ``enabled`` (``data.cache``) and it is an
     image folder; built-in (generated) datasets are returned as they are."""
     if not enabled or not isinstance(dataset, ImageFolderDataset):
         return dataset
-    return CachedImageDataset(dataset, cache_dir or None)
+    return CachedImageDataset(dataset, cache_dir or None, num_workers)

@@ -14,14 +14,18 @@ by the same substitute an uninterrupted run would have used, and resume stays ex
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import sys
 from pathlib import Path
 
 from PIL import Image
+
+from difftrain.runtime.files import cache_dir
 
 from .folder import ImageFolderDataset, scan_images
 from .transforms import BadImage, load_image, open_image, printable
@@ -122,12 +126,13 @@ def folder_key(root: Path, files: list[Path], resolution: int) -> str:
     return h.hexdigest()
 
 
-def check_folder(root: str | Path, resolution: int) -> DataReport:
+def check_folder(root: str | Path, resolution: int, num_workers: int = 0) -> DataReport:
     """Decode every image under ``root`` and report it (see :class:`DataReport`).
 
     ``resolution`` is the smallest short side accepted: the training resolution, or
-    ``data.min_image_size`` when smaller images are to be upscaled. Raises ValueError naming
-    ``root`` when it is missing or holds no image file.
+    ``data.min_image_size`` when smaller images are to be upscaled. ``num_workers`` > 0
+    decodes in that many processes. Raises ValueError naming ``root`` when it is missing or
+    holds no image file.
     """
     root = Path(root).expanduser()
     unreadable: dict[str, str] = {}
@@ -136,8 +141,7 @@ def check_folder(root: str | Path, resolution: int) -> DataReport:
     formats: collections.Counter[str] = collections.Counter()
     sides: collections.Counter[str] = collections.Counter()
     bad: dict[str, str] = {}
-    for f in files:
-        mode, fmt, size, reason = _check_file(f, resolution)
+    for f, (mode, fmt, size, reason) in zip(files, _check_files(files, resolution, num_workers)):
         rel = f.relative_to(root).as_posix()
         if mode is not None:
             modes[mode] += 1
@@ -151,21 +155,44 @@ def check_folder(root: str | Path, resolution: int) -> DataReport:
     )
 
 
-def cached_check(root: str | Path, resolution: int, cache: Path) -> tuple[DataReport, bool]:
-    """:func:`check_folder`, reusing ``cache`` when its key still matches the folder.
+def _check_files(files: list[Path], resolution: int, num_workers: int):
+    """:func:`_check_file` of each file, in order; in ``num_workers`` processes when > 0."""
+    if num_workers <= 0 or len(files) < 256:
+        return [_check_file(f, resolution) for f in files]
+    with concurrent.futures.ProcessPoolExecutor(num_workers) as pool:
+        return list(pool.map(_check_file, files, itertools.repeat(resolution), chunksize=256))
 
-    Returns (report, True when it came from the cache).
+
+def shared_scan_cache(root: Path, key: str) -> Path:
+    """Where a scan of ``root`` with folder key ``key`` is kept for every run that trains on it."""
+    name = hashlib.sha256(os.fsencode(str(root.resolve())) + key.encode()).hexdigest()[:32]
+    return cache_dir("scan") / f"{name}.json"
+
+
+def cached_check(root: str | Path, resolution: int, cache: Path, num_workers: int = 0) -> tuple[DataReport, bool]:
+    """:func:`check_folder`, reusing ``cache`` (the run's copy), or the scan another run made of
+    the same folder (:func:`shared_scan_cache`), when its key still matches the folder.
+
+    Returns (report, True when it came from a cache).
     """
     root = Path(root).expanduser()
     key = folder_key(root, scan_images(root, {}), resolution)
-    try:
-        data = json.loads(cache.read_text())
-        if data.get("key") == key:
-            return DataReport(**data), True
-    except (OSError, ValueError, TypeError):  # missing, unreadable, not JSON, or another layout
-        pass
-    report = check_folder(root, resolution)
+    shared = shared_scan_cache(root, key)
+    for path in (cache, shared):
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                if path is shared:
+                    _write_json(cache, data)
+                return DataReport(**data), True
+        except (OSError, ValueError, TypeError):  # missing, unreadable, not JSON, or another layout
+            pass
+    report = check_folder(root, resolution, num_workers)
     _write_json(cache, dataclasses.asdict(report))
+    try:
+        _write_json(shared, dataclasses.asdict(report))
+    except OSError:  # a shared cache that can't be written only costs the next run a scan
+        pass
     return report, False
 
 
@@ -185,7 +212,7 @@ def _write_json(path: Path, data: dict) -> None:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
-def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: int = 0):
+def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: int = 0, num_workers: int = 0):
     """Check an image-folder dataset at train start; leave out its bad files or fail.
 
     Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
@@ -209,7 +236,7 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     if saved is not None:
         return _resume_file_list(dataset, saved, on_bad_image)
 
-    report, cached = cached_check(dataset.root, min_size, run_dir / CACHE_NAME)
+    report, cached = cached_check(dataset.root, min_size, run_dir / CACHE_NAME, num_workers)
     print(
         f"difftrain: data {printable(report.root)}: {report.num_files} files, {len(report.bad)} bad"
         f"{' (cached scan)' if cached else ''}",

@@ -43,8 +43,10 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
     d = cfg.data
     dataset = dataset_from_config(d)
     if run_dir is not None:
-        dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size)
-        dataset = with_decode_cache(dataset, d.cache, d.cache_dir)
+        # The scan and the cache build decode in data.num_workers processes; both are reused by
+        # later runs of the same folder (the scan keyed by its files, the cache by their contents).
+        dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size, d.num_workers)
+        dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
     train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False))
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0
     if len(train) < cfg.train.batch_size:
