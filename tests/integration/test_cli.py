@@ -64,3 +64,10 @@ def test_config_typo_and_bad_value_name_the_key():
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     proc = run("sample", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_version_defaults_in_help_and_config_once():
+    assert run("--version").stdout.startswith("difftrain ")
+    assert "(default: 256)" in run("sample", "--help").stdout
+    proc = run("train", "--config", TINY, "--config", TINY, check=False)
+    assert proc.returncode == 2 and "--config given twice" in proc.stderr

@@ -81,4 +81,6 @@ def test_resume_with_a_heldout_split_stays_exact(tmp_path, tiny_overrides):
     digests = [ckpt.state_dict_sha256(ckpt.load_checkpoint(tmp_path / d)["model"]) for d in ("straight", "resumed")]
     assert digests[0] == digests[1]
     last = [[r for r in _lines(tmp_path / d) if r["step"] == 6 and "heldout/loss" in r][-1] for d in ("straight", "resumed")]
+    for row in last:
+        assert row.pop("time") > 0  # wall-clock time of the row: differs between the two runs
     assert last[0] == last[1]  # frozen held-out triples: the same weights give the same numbers

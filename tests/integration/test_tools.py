@@ -137,5 +137,5 @@ def test_report_is_self_contained(run_dir, tmp_path):
     page = out.read_text()
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # nothing fetched from the network
     assert page.count("data:image/png;base64,") == 4  # EMA grids at steps 3 and 6, raw grids too
-    assert "held-out loss by timestep bucket" in page and "step_00000006.pt" in page
+    assert "held-out loss by noise-level bucket" in page and "step_00000006.pt" in page
     assert "[optim]" in page

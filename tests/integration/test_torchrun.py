@@ -169,7 +169,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(tmp_p
     assert code0 == code1 == EXIT_STOPPED, err0 + err1
     assert "SIGTERM received" in err1 and "SIGTERM received" not in err0
     step = _stopped_at(out0)
-    assert _stopped_at(out1) == step >= 2
+    assert step >= 2 and "stopped the run" not in out1  # one final line under torchrun: rank 0's
     state = ckpt.load_checkpoint(run)  # complete, and the step both ranks stopped after
     assert state["step"] == step and state["data_position"] == step * 8
     assert (run / "checkpoints" / "latest").read_text().strip() == ckpt.checkpoint_name(step)

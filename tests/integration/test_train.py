@@ -89,3 +89,19 @@ def test_class_conditional_run(tmp_path, tiny_overrides):
     state = ckpt.load_checkpoint(tmp_path)
     assert state["num_classes"] == 3
     assert torch.isfinite(state["model"]["class_embed.weight"]).all()
+
+
+def test_run_records_keep_the_original_config_and_append_each_start(tmp_path, tiny_overrides):
+    import json
+
+    train(load_config(None, tiny_overrides + ["train.total_steps=2"]), tmp_path)
+    original = (tmp_path / "config.toml").read_text()
+    train(load_config(None, tiny_overrides + ["train.total_steps=4", "optim.lr=5e-4"]), tmp_path)
+    assert (tmp_path / "config.toml").read_text() == original  # never rewritten
+    starts = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [s["resumed_at_step"] for s in starts] == [0, 2]
+    assert starts[0]["changed"] == {}
+    assert starts[1]["changed"]["optim.lr"] == [1e-3, 5e-4] and "train.total_steps" in starts[1]["changed"]
+    assert {"time", "command", "version", "device", "world_size"} <= set(starts[1])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["time"] > 1.6e9 for r in rows) and "time_to_first_step_s" in rows[0]

@@ -122,12 +122,15 @@ def evaluate_checkpoint(
     device: str = "auto",
     inception_path: str | None = None,
     kid: bool = True,
+    progress: bool = False,
     **sampler_options,
 ) -> dict:
     """FID/KID of a checkpoint's samples against ``ref`` (an .npz or a folder), or, when ``ref``
     is None, against its training data through the training preprocessing (cached; ``ref_num``
-    images, all by default). Returns the JSON-able result (see :func:`describe`)."""
+    images, all by default). With ``progress``, progress lines on stderr. Returns the JSON-able
+    result (see :func:`describe`)."""
     from difftrain.inference import load_model
+    from difftrain.runtime.progress import CountProgress
 
     start = time.perf_counter()
     loaded = load_model(checkpoint, use_ema=use_ema, device=device)
@@ -138,16 +141,16 @@ def evaluate_checkpoint(
     if ref is not None and Path(ref).expanduser().is_file():
         reference, ref_source = FeatureStats.load(Path(ref).expanduser()), str(ref)
     elif ref is not None:
-        reference, _, _ = reference_statistics(ref, inception, num=ref_num)
+        reference, _, _ = reference_statistics(ref, inception, num=ref_num, progress=progress)
         ref_source = str(ref)
     else:
         reference, _, _ = reference_statistics(d.path, inception, resolution=d.resolution, channels=d.channels,
-                                               num=ref_num)
+                                               num=ref_num, progress=progress)
         ref_source = f"{d.path} (training preprocessing, {d.resolution}px, {d.channels} channel(s))"
     samples = sample_statistics(
         loaded.model, inception, objective=loaded.objective,
         shape=(d.channels, d.resolution, d.resolution), num=num, sampler=sampler, steps=steps, seed=seed,
-        batch_size=batch_size, **sampler_options)
+        batch_size=batch_size, progress=CountProgress("eval: samples", num, enabled=progress), **sampler_options)
     return fid_result(
         samples, reference, kid=kid, sampler=sampler, steps=steps, nfe=SAMPLER_NFE[sampler](steps),
         sampler_options=sampler_options, ema=use_ema, seed=seed, batch_size=batch_size,

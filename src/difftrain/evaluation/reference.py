@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from difftrain.runtime.files import atomic_write, cache_dir, files_fingerprint
+from difftrain.runtime.progress import CountProgress
 
 from .fid import _ImageFiles, _same_size_runs, list_images, statistics_from_images
 from .inception import InceptionFeatures
@@ -102,6 +103,7 @@ def reference_statistics(
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     max_features: int = 10_000,
+    progress: bool = False,
 ) -> tuple[FeatureStats, Path | None, bool]:
     """Statistics of real images: a folder at native size (``resolution`` None), or ``data`` as
     ``data.path`` through the training preprocessing at ``resolution`` and ``channels``.
@@ -128,12 +130,21 @@ def reference_statistics(
             "source_preprocessing": description["preprocessing"]}
     if resolution is not None:
         meta.update(resolution=resolution, channels=channels)
+    if progress:
+        batches = _counted(batches, CountProgress("reference images", len(indices)))
     stats = statistics_from_images(batches, inception, max_features=max_features, metadata=meta)
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(cache_file) as f:  # a reader never sees half a file
             stats.save(f)
     return stats, cache_file, False
+
+
+def _counted(batches, progress) -> Iterator:
+    """``batches`` unchanged, telling ``progress`` of each one's images."""
+    for batch in batches:
+        yield batch
+        progress.advance(len(batch))
 
 
 def load_or_compute(path: str, inception: InceptionFeatures, batch_size: int = 50) -> FeatureStats:

@@ -20,7 +20,7 @@ from difftrain.report.plots import RAMP, svg_line_plot
 from difftrain.training.checkpoint import list_checkpoints
 
 MAX_GRIDS = 12  # grids shown in the strip, evenly spread over the run
-GRID_WIDTH_PX = 240  # each grid is downscaled to this width in the page
+GRID_WIDTH_PX = 320  # each grid is shown at this width: larger ones downscaled, smaller ones enlarged (pixelated)
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:20px;color:#222;max-width:1500px}
@@ -29,7 +29,7 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:22px 0 8px;border-bot
 .legend{font-size:11px;display:flex;flex-wrap:wrap;gap:2px 10px;max-width:410px}
 .legend i{display:inline-block;width:10px;height:10px;margin-right:3px;vertical-align:middle}
 .strip{display:flex;gap:8px;overflow-x:auto;padding-bottom:6px} .strip figure{text-align:center;font-size:12px}
-.strip img{image-rendering:pixelated;border:1px solid #ccc}
+.strip img{image-rendering:pixelated;border:1px solid #ccc;width:320px;height:auto}
 pre{background:#f5f5f5;padding:10px;max-height:420px;overflow:auto;font-size:12px}
 table{border-collapse:collapse;font-size:13px} td,th{padding:2px 10px;border-bottom:1px solid #eee;text-align:left}
 .meta{color:#555}
@@ -104,17 +104,18 @@ def _plots(rows: dict[int, dict[str, float]]) -> str:
     keys = {k for r in rows.values() for k in r}
     buckets = sorted((k for k in keys if k.startswith("heldout/loss_bucket/")), key=lambda k: int(k.rsplit("/", 1)[1]))
     train_buckets = sorted((k for k in keys if k.startswith("loss_bucket/")), key=lambda k: int(k.rsplit("/", 1)[1]))
+    held_out = "heldout/loss" in keys or "heldout_raw/loss" in keys  # no held-out set: no held-out panels
     figs = [
         svg_line_plot("training loss", {"loss": _series(rows, "loss")}, log_y=True),
-        svg_line_plot(
+        held_out and svg_line_plot(
             "held-out loss",
             {name: _series(rows, key) for name, key in
              (("EMA weights", "heldout/loss"), ("raw weights", "heldout_raw/loss"), ("training loss", "loss"))},
             log_y=True,
         ),
-        svg_line_plot("held-out loss by timestep bucket (EMA; 0 = least noise)",
+        held_out and svg_line_plot("held-out loss by noise-level bucket (EMA; 0 = least noise)",
                       {f"bucket {k.rsplit('/', 1)[1]}": _series(rows, k) for k in buckets}, log_y=True, colors=RAMP),
-        svg_line_plot("training loss by timestep bucket",
+        svg_line_plot("training loss by noise-level bucket",
                       {f"bucket {k.rsplit('/', 1)[1]}": _series(rows, k) for k in train_buckets}, log_y=True,
                       colors=RAMP),
         svg_line_plot("gradient norm (before clipping)", {"grad_norm": _series(rows, "grad_norm")}, log_y=True),
@@ -124,7 +125,7 @@ def _plots(rows: dict[int, dict[str, float]]) -> str:
         svg_line_plot("memory (MiB)", {"CPU max RSS": _series(rows, "cpu_max_rss_mib"),
                                        "GPU max allocated": _series(rows, "gpu_max_allocated_mib")}),
     ]
-    return '<div class="plots">' + "".join(figs) + "</div>"
+    return '<div class="plots">' + "".join(f for f in figs if f) + "</div>"
 
 
 def _checkpoints(run_dir: Path) -> str:

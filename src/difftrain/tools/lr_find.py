@@ -19,6 +19,7 @@ from pathlib import Path
 from difftrain.config import Config
 from difftrain.report.png_plot import png_line_plot
 from difftrain.tools.common import build_setup, fetch_batch
+from difftrain.runtime.progress import CountProgress
 from difftrain.training.step import StepMetrics, train_step
 from difftrain.runtime.seeding import derive_seed
 
@@ -68,6 +69,7 @@ def lr_find(
     num_steps: int = 100,
     diverge_factor: float = 4.0,
     beta: float = 0.9,
+    progress: bool = False,
 ) -> dict:
     """Run the sweep on ``cfg``'s model and data; write ``lr_find.png``, ``.csv`` and ``.json``
     to ``out_dir``; return the JSON record (rates, losses, suggestion, stop reason)."""
@@ -77,6 +79,7 @@ def lr_find(
     tc = cfg.train
     lrs = lr_schedule(start_lr, end_lr, num_steps)
     metrics = StepMetrics(setup.device)
+    shown = CountProgress("lr-find", num_steps, unit="steps", enabled=progress)
     losses: list[float] = []
     stop = "reached --end-lr"
     best = math.inf
@@ -85,6 +88,7 @@ def lr_find(
                    for m in range(tc.grad_accum_steps))
         train_step(setup.state, setup.objective, batches, lr, metrics)  # the training loop's step
         losses.append(metrics.last_loss.item())
+        shown.advance(1)
         s = smooth(losses, beta)[-1]
         if not math.isfinite(s):
             stop = f"loss not finite at lr {lr:.3g}"

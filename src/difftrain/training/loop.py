@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from difftrain.config import Config, config_to_dict, config_to_toml
+from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
 from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
-from difftrain.runtime.files import atomic_write_bytes
 from difftrain.sampling import grid_class_labels, initial_noise
 from difftrain.training import checkpoint as ckpt
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.heldout import build_heldout
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.progress import Progress, memory_stats
+from difftrain.training.records import record_start
 from difftrain.training.signals import StopRequest, signal_name
 from difftrain.training.state import RunState, effective_batch, peak_lr, resume_source
 from difftrain.training.step import CapturedStep, StepMetrics, train_step
@@ -84,7 +85,10 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
         (run_dir / "samples").mkdir(exist_ok=True)
-        atomic_write_bytes(run_dir / "config.toml", config_to_toml(cfg).encode())
+        record_start(run_dir, cfg, device, dctx.world_size, state.step)  # config.toml once, history.jsonl always
+        print(f"difftrain: {_start_line(cfg, state, data, dctx)}")
+        for warning in _warnings(cfg):
+            print(f"difftrain: warning: {warning}", file=sys.stderr)
     d = cfg.data
     loader = build_loader(
         data.train, batch_size=tc.batch_size, seed=tc.seed, start=state.position, num_workers=d.num_workers,
@@ -236,6 +240,29 @@ class _Timed:
 
     def __exit__(self, *exc):
         self.paused[self.name] = self.paused.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContext) -> str:
+    """Device, parameters, images, effective batch, steps and precision of this start."""
+    tc, w = cfg.train, dctx.world_size
+    params = sum(p.numel() for p in state.model.parameters())
+    held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
+    per_step = effective_batch(cfg, w)
+    where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)
+    return (f"{where}, {cfg.model.preset} UNet {params / 1e6:.2f}M parameters, {len(data.train):,} images{held}, "
+            f"batch {tc.batch_size} x {tc.grad_accum_steps} accumulation x {w} processes = {per_step} per step, "
+            f"steps {state.step:,} -> {tc.total_steps:,} ({tc.total_steps * per_step:,} images), {tc.precision}, "
+            f"{cfg.diffusion.objective} objective")
+
+
+def _warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but probably not what was meant."""
+    o, tc = cfg.optim, cfg.train
+    out = []
+    if o.warmup_steps >= tc.total_steps:
+        out.append(f"optim.warmup_steps={o.warmup_steps:,} is not shorter than train.total_steps={tc.total_steps:,}: "
+                   "the learning rate never reaches optim.lr")
+    return out
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:

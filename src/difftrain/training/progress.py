@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from difftrain.runtime.progress import duration as _duration
+
 
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Peak resident memory of this process and, on CUDA, peak allocated GPU memory, in MiB."""
@@ -15,13 +17,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         stats["gpu_max_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return stats
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 class Progress:
@@ -54,4 +49,3 @@ class Progress:
     def close(self) -> None:
         if self.enabled and self._tty:
             sys.stderr.write("\n")
-

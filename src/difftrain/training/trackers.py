@@ -23,7 +23,8 @@ class Tracker(Protocol):
 
 
 class JSONLTracker:
-    """One JSON object per logged step in ``metrics.jsonl`` (append-only, one write per line).
+    """One JSON object per logged step in ``metrics.jsonl`` (append-only, one write per line),
+    with the wall-clock ``time`` (Unix seconds) it was logged at.
 
     A failed write (disk full, read-only file system) raises an OSError naming the file; the
     line is written whole or not at all, so the file never ends in half a record that the
@@ -38,7 +39,7 @@ class JSONLTracker:
             raise OSError(e.errno, e.strerror, str(path)) from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        line = (json.dumps({"step": step, **metrics}) + "\n").encode()
+        line = (json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n").encode()
         try:
             written = os.write(self._fd, line)
             if written != len(line):  # a short write: the disk filled up inside this line
