@@ -300,3 +300,23 @@ def test_ddpm_heun_on_the_cosine_schedule_starts_at_sigma_max_not_2e4():
 def test_karras_timesteps_are_distinct_and_in_range(schedule, T, steps):
     t = karras_timesteps(alpha_bar_schedule(schedule, T), steps)
     assert t.shape == (steps,) and bool((t[1:] < t[:-1]).all()) and 0 <= int(t[-1]) and int(t[0]) < T
+
+
+@pytest.mark.parametrize("family", ["edm", "flow"])
+def test_network_evaluations_match_sampler_nfe_and_edm_starts_at_sigma_max(family):
+    obj = EDMObjective() if family == "edm" else FlowObjective()
+    for sampler in obj.samplers:
+        conds = []
+
+        def net(x, cond):
+            conds.append(float(cond[0]))
+            return torch.zeros_like(x)
+
+        with torch.no_grad():
+            obj.sample(net, x_T()[:4], sampler, 5, None)
+        assert len(conds) == obj.sampler_nfe[sampler](5), sampler
+        assert conds[0] == pytest.approx(1000.0, abs=1e-3)  # sigma_max = 80 / t = 1
+    if family == "edm":  # x_T is scaled by sigma_max: c_in x at sigma_max has unit-ish scale
+        seen = []
+        obj.sample(lambda x, c: seen.append(x.std().item()) or torch.zeros_like(x), x_T(), "euler", 2, None)
+        assert seen[0] == pytest.approx(80 / math.sqrt(80**2 + 0.25), rel=0.05)
