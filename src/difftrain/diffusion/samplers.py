@@ -321,8 +321,9 @@ def heun_sample(
 
     (the slope difference d_s - d_t reduces to (D_t - D_s) / sigma_s).
 
-    Two network evaluations per step between timesteps, one at the last timestep, whose x0_hat is
-    returned: 2N - 1 in all. Deterministic (``generator`` is unused); shapes as in the module
+    ``DDPMObjective`` walks it on ``karras_timesteps`` (EDM's sigma grid, capped at sigma_max),
+    not on the trailing grid. Two network evaluations per step between timesteps, one at the last
+    timestep, whose x0_hat is returned: 2N - 1 in all. Deterministic (``generator`` is unused); shapes as in the module
     docstring.
     """
     x, steps, alpha_bars = _prepare(x_T, timesteps, alpha_bar)
