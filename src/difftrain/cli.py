@@ -63,7 +63,8 @@ def _sample(args: argparse.Namespace) -> int:
 
     _make_folder(Path(args.out), "--out")
     loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device)
-    options = {"eta": args.eta} if args.sampler == "ddim" else {}
+    args.sampler = args.sampler or loaded.cfg.validation.sampler  # default: the run's own
+    options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
     try:
         grid = sample_to_folder(
             loaded,
@@ -187,7 +188,7 @@ def _fid_ref(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from difftrain.evaluation.evaluate import describe, evaluate_checkpoint
 
-    options = {"eta": args.eta} if args.sampler == "ddim" else {}
+    options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
     result = evaluate_checkpoint(
         args.checkpoint, num=args.num, sampler=args.sampler, steps=args.steps, seed=args.seed,
         use_ema=not args.no_ema, ref=args.ref, ref_num=args.ref_num, batch_size=args.batch_size,
@@ -288,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     p.add_argument("--num", type=int, default=64, help="number of images")
-    p.add_argument("--sampler", default="ddim", choices=_sampler_choices(), help="sampler")
+    p.add_argument("--sampler", choices=_sampler_choices(),
+                   help="sampler (default: the run's validation.sampler); the model's objective must have it")
     p.add_argument("--steps", type=int, default=50, help="sampling steps")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial and sampler noise")
@@ -323,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="FID and KID of a checkpoint's samples; writes a JSON with how they were made")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     p.add_argument("--num", type=int, default=10_000, help="number of samples")
-    p.add_argument("--sampler", default="ddim", choices=_sampler_choices(), help="sampler")
+    p.add_argument("--sampler", choices=_sampler_choices(),
+                   help="sampler (default: the run's evaluation.fid_sampler); the model's objective must have it")
     p.add_argument("--steps", type=int, default=50, help="sampling steps")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial and sampler noise")
@@ -379,9 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampler_choices() -> list[str]:
-    from difftrain.diffusion.samplers import SAMPLERS
+    """Every objective's samplers (whether a model's objective has one is checked when sampling)."""
+    from difftrain.diffusion.objective import sampler_names
 
-    return list(SAMPLERS)
+    return sampler_names()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,11 +21,12 @@ import tomli_w
 
 # Choices shared with the registries they name. Each registry module checks these at import
 # time (see tests/unit/test_config.py), so a choice can't go missing from either side.
-ObjectiveName = Literal["ddpm"]
+ObjectiveName = Literal["ddpm", "edm", "flow"]
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
-Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun"]
+# The union of every objective's samplers; validate() refuses one the chosen objective lacks.
+Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
@@ -75,6 +76,17 @@ class DiffusionConfig:
     prediction: Prediction = "epsilon"  # what the network predicts
     loss_weighting: LossWeighting = "uniform"  # per-timestep loss weight
     min_snr_gamma: float = 5.0  # gamma of min-SNR weighting (Hang et al. 2023)
+    # The keys above are DDPM's (edm and flow ignore them); sigma_min/max and rho are also
+    # the sigma grid DDPM's heun sampler walks.
+    sigma_min: float = 0.002  # sigma (data units) where EDM's sampling grid ends, before the last step to 0
+    sigma_max: float = 80.0  # sigma (data units) where EDM's sampling grid starts; EDM scales x_T by it
+    rho: float = 7.0  # curvature of EDM's sigma grid (Karras et al. 2022, eq. 5); 1 = uniform in sigma
+    edm_sigma_data: float = 0.5  # std of the data (data units) in EDM's preconditioning
+    edm_p_mean: float = -1.2  # mean of ln(sigma) in EDM training (lognormal)
+    edm_p_std: float = 1.2  # std of ln(sigma) in EDM training
+    flow_logit_mean: float = 0.0  # mean of logit(t) in flow training (logit-normal, SD3)
+    flow_logit_std: float = 1.0  # std of logit(t) in flow training
+    flow_shift: float = 1.0  # flow sampling grid shift t' = s t / (1 + (s - 1) t); 1 = uniform
 
 
 @dataclass
@@ -349,6 +361,30 @@ def _check_values(cfg: Config) -> None:
                     ) from None
 
 
+def _check_objective(cfg: Config) -> None:
+    """The keys of the chosen objective, and the samplers it has."""
+    from difftrain.diffusion.objective import OBJECTIVE_SAMPLERS  # local, like MODEL_PRESETS
+
+    dc = cfg.diffusion
+    for key in ("sigma_min", "edm_sigma_data", "edm_p_std", "flow_logit_std", "flow_shift", "rho"):
+        _check(getattr(dc, key) > 0, f"diffusion.{key} must be > 0, got {getattr(dc, key)}")
+    _check(dc.sigma_max > dc.sigma_min,
+           f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
+    names = OBJECTIVE_SAMPLERS[dc.objective]
+    for key, sampler in (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler)):
+        _check(sampler in names, f"{key} must be one of {', '.join(names)} for diffusion.objective={dc.objective!r}, "
+                                 f"got {sampler!r}")
+
+
+def _check_steps(key: str, steps: int, cfg: Config) -> None:
+    """Sampling steps: >= 1, and at most T for the DDPM family (integer timesteps)."""
+    if cfg.diffusion.objective == "ddpm":
+        T = cfg.diffusion.num_timesteps
+        _check(1 <= steps <= T, f"{key} must be in [1, diffusion.num_timesteps={T}], got {steps}")
+    else:
+        _check(steps >= 1, f"{key} must be >= 1, got {steps}")
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` naming the first invalid key."""
     from difftrain.models import MODEL_PRESETS  # local: keeps config importable on its own
@@ -382,6 +418,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= m.class_dropout < 1, f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
     _check(cfg.diffusion.num_timesteps >= 2, f"diffusion.num_timesteps must be >= 2, got {cfg.diffusion.num_timesteps}")
     _check(cfg.diffusion.min_snr_gamma > 0, f"diffusion.min_snr_gamma must be > 0, got {cfg.diffusion.min_snr_gamma}")
+    _check_objective(cfg)
     _check(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     _check(all(0 <= b < 1 for b in o.betas), f"optim.betas must be in [0, 1), got {list(o.betas)}")
     _check(o.eps > 0, f"optim.eps must be > 0, got {o.eps}")
@@ -413,18 +450,12 @@ def validate(cfg: Config) -> None:
     )
     _check(v.heldout_max_images >= 1, f"validation.heldout_max_images must be >= 1, got {v.heldout_max_images}")
     _check(v.heldout_batch_size >= 1, f"validation.heldout_batch_size must be >= 1, got {v.heldout_batch_size}")
-    _check(
-        1 <= v.steps <= cfg.diffusion.num_timesteps,
-        f"validation.steps must be in [1, diffusion.num_timesteps={cfg.diffusion.num_timesteps}], got {v.steps}",
-    )
+    _check_steps("validation.steps", v.steps, cfg)
     e = cfg.evaluation
     _check(e.fid_every_steps >= 0, f"evaluation.fid_every_steps must be >= 0 (0 = never), got {e.fid_every_steps}")
     _check(e.fid_num_samples >= 2, f"evaluation.fid_num_samples must be >= 2, got {e.fid_num_samples}")
     _check(e.fid_ref_num == 0 or e.fid_ref_num >= 2, f"evaluation.fid_ref_num must be 0 (all) or >= 2, got {e.fid_ref_num}")
-    _check(
-        1 <= e.fid_steps <= cfg.diffusion.num_timesteps,
-        f"evaluation.fid_steps must be in [1, diffusion.num_timesteps={cfg.diffusion.num_timesteps}], got {e.fid_steps}",
-    )
+    _check_steps("evaluation.fid_steps", e.fid_steps, cfg)
     _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
 
 
@@ -471,6 +502,7 @@ ARCHITECTURE_KEYS = (
     "diffusion.num_timesteps",
     "diffusion.schedule",
     "diffusion.prediction",
+    "diffusion.edm_sigma_data",
 )
 
 

@@ -84,7 +84,8 @@ def generate(
     if sample_ids is not None and len(sample_ids) != noise.shape[0]:
         raise ValueError(f"got {len(sample_ids)} sample_ids for {noise.shape[0]} noise rows")
     if sampler not in objective.samplers:
-        raise ValueError(f"sampler must be one of {', '.join(objective.samplers)}, got {sampler!r}")
+        raise ValueError(f"sampler must be one of {', '.join(objective.samplers)} for {objective.family} models, "
+                         f"got {sampler!r}")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -70,7 +70,7 @@ def test_typo_in_a_file_names_the_key_and_file(tmp_path):
 
 def test_literal_choices_match_the_registries():
     from difftrain.diffusion.losses import LOSS_WEIGHTINGS
-    from difftrain.diffusion.objective import OBJECTIVES
+    from difftrain.diffusion.objective import OBJECTIVE_SAMPLERS, OBJECTIVES
     from difftrain.diffusion.process import PREDICTIONS
     from difftrain.diffusion.samplers import SAMPLERS
     from difftrain.diffusion.schedules import SCHEDULES
@@ -78,7 +78,10 @@ def test_literal_choices_match_the_registries():
     assert set(typing.get_args(C.Schedule)) == set(SCHEDULES)
     assert set(typing.get_args(C.Prediction)) == set(PREDICTIONS)
     assert set(typing.get_args(C.LossWeighting)) == set(LOSS_WEIGHTINGS)
-    assert set(typing.get_args(C.Sampler)) == set(SAMPLERS)
+    # Sampler is the union of every objective's samplers; DDPM's are the SAMPLERS registry.
+    assert set(typing.get_args(C.Sampler)) == {n for names in OBJECTIVE_SAMPLERS.values() for n in names}
+    assert set(OBJECTIVE_SAMPLERS["ddpm"]) == set(SAMPLERS)
+    assert set(OBJECTIVE_SAMPLERS) == set(OBJECTIVES)
     assert set(typing.get_args(C.ObjectiveName)) == set(OBJECTIVES)
 
 

@@ -199,3 +199,17 @@ def test_evaluation_options_fail_early_naming_the_key():
                           ("evaluation.fid_sampler=euler", "evaluation.fid_sampler")):
         with pytest.raises(ConfigError, match=key):
             load_config(None, [override])
+
+
+@pytest.mark.parametrize("objective, sampler, nfe", [("edm", "heun", 3), ("flow", "heun", 4)])
+def test_fid_during_training_and_eval_of_edm_and_flow(env, tiny_overrides, objective, sampler, nfe):
+    cfg = load_config(None, tiny_overrides + [
+        f"diffusion.objective={objective}", f"validation.sampler={sampler}", f"evaluation.fid_sampler={sampler}",
+        "evaluation.fid_every_steps=6", "evaluation.fid_num_samples=4", "evaluation.fid_steps=2",
+        "evaluation.fid_ref_num=8", "evaluation.fid_batch_size=4", "validation.every_steps=0", "train.total_steps=6"])
+    train(cfg, env / "run")
+    rows = [json.loads(line) for line in (env / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "fid" in r] == [6] and all(np.isfinite(r["fid"]) for r in rows if "fid" in r)
+    # eval defaults to the run's fid_sampler and reports the objective's NFE (flow's heun: 2N)
+    result = evaluate_checkpoint(env / "run", num=4, sampler=None, steps=2, seed=1, ref_num=8, batch_size=4, kid=False)
+    assert (result["sampler"], result["nfe"]) == (sampler, nfe) and np.isfinite(result["fid"])

@@ -5,8 +5,9 @@ family (like EDM's loss classes), and says how to sample from a network trained 
 training step, the held-out loss, ``diagnose``, ``lr-find``, ``estimate`` and the benchmarks all
 compute a batch's loss through :func:`per_sample_loss`, so there is one copy of it.
 
-A noise *level* is what an objective draws per sample (DDPM: the integer timestep t); its
-``cond`` is what the network is conditioned on. Levels fall into ``num_buckets`` buckets of
+Three families, switched by ``diffusion.objective``: "ddpm" (below), "edm" (:mod:`.edm`) and
+"flow" (:mod:`.flow`). A noise *level* is what an objective draws per sample (DDPM: the integer
+timestep t; EDM: sigma; flow: t in (0, 1)); its ``cond`` is what the network is conditioned on. Levels fall into ``num_buckets`` buckets of
 equal probability under the training distribution, for the loss per bucket.
 
 Every objective has the same methods:
@@ -14,50 +15,33 @@ Every objective has the same methods:
     draw_levels(n, generator, device) -> (n,)          training levels
     stratified_levels(n, generator) -> (n,)             equal counts per bucket (held-out loss)
     bucket(levels, num_buckets) -> (n,) long            the bucket of each level
+    quantile(u) -> (n,)                                 the level at probability u (u: (n,) in (0, 1))
     noised(x0, levels, noise) -> Noised                 network input, cond, target, weight
+    x0_hat(noised, out, levels) -> (B, C, H, W)         the denoised image from the network output
     sample(network, x_T, sampler, steps, generator)     x_0 from the network, with ``samplers``
+
+``x_T`` is unit Gaussian noise for every family; an objective whose prior is wider (EDM: sigma_max)
+scales it in ``sample``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from difftrain.diffusion.edm import EDMObjective
+from difftrain.diffusion.flow import FlowObjective
+from difftrain.diffusion.interface import Network, Noised, Objective
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import check_prediction, prediction_target, q_sample, to_x0_and_eps
-from difftrain.diffusion.samplers import SAMPLERS, sampling_timesteps
+from difftrain.diffusion.samplers import SAMPLER_NFE, SAMPLERS, karras_timesteps, sampling_timesteps
 from difftrain.diffusion.schedules import alpha_bar_schedule
 
-# network(x (B, C, H, W), cond (B,)) -> raw output (B, C, H, W): labels and guidance bound in.
-Network = Callable[[Tensor, Tensor], Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class Noised:
-    """One batch prepared for the network: ``net(input, cond)`` is regressed onto ``target``
-    with per-sample ``weight``."""
-
-    input: Tensor  # (B, C, H, W) what the network sees
-    cond: Tensor  # (B,) the noise conditioning the network gets
-    target: Tensor  # (B, C, H, W)
-    weight: Tensor  # (B,) float32
-
-
-class Objective(Protocol):
-    family: str
-    samplers: dict[str, Callable[..., Tensor]]
-
-    def to(self, device: torch.device) -> Objective: ...
-    def draw_levels(self, n: int, generator: torch.Generator, device: torch.device) -> Tensor: ...
-    def stratified_levels(self, n: int, generator: torch.Generator) -> Tensor: ...
-    def bucket(self, levels: Tensor, num_buckets: int) -> Tensor: ...
-    def noised(self, x0: Tensor, levels: Tensor, noise: Tensor) -> Noised: ...
-    def sample(self, network: Network, x_T: Tensor, sampler: str, steps: int, generator, **options) -> Tensor: ...
+__all__ = ["OBJECTIVES", "OBJECTIVE_SAMPLERS", "DDPMObjective", "EDMObjective", "FlowObjective", "Network", "Noised", "Objective",
+           "build_objective", "per_sample_loss", "sampler_names"]
 
 
 class DDPMObjective:
@@ -68,19 +52,23 @@ class DDPMObjective:
     Args:
         schedule: a key of ``SCHEDULES``; ``num_timesteps``: T.
         prediction: "epsilon", "v" or "x0"; ``loss_weighting``: a key of ``LOSS_WEIGHTINGS``.
+        sigma_min, sigma_max, rho: the sigma grid "heun" walks (see ``karras_timesteps``).
     """
 
     family = "ddpm"
     samplers = SAMPLERS
+    sampler_nfe = SAMPLER_NFE  # network evaluations per sampler for N steps
 
     def __init__(self, schedule: str, num_timesteps: int, prediction: str, loss_weighting: str,
-                 min_snr_gamma: float = 5.0):
+                 min_snr_gamma: float = 5.0, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                 rho: float = 7.0):
         check_prediction(prediction)
         self.alpha_bar = alpha_bar_schedule(schedule, num_timesteps)  # (T,) float64
         self.num_timesteps = num_timesteps
         self.prediction = prediction
         self.loss_weighting = loss_weighting
         self.min_snr_gamma = min_snr_gamma
+        self.sigma_min, self.sigma_max, self.rho = sigma_min, sigma_max, rho
 
     def to(self, device: torch.device) -> DDPMObjective:
         """Keep alpha_bar on ``device`` (once, not a copy per step); returns self."""
@@ -90,6 +78,10 @@ class DDPMObjective:
     def draw_levels(self, n: int, generator: torch.Generator, device: torch.device) -> Tensor:
         """(n,) long timesteps uniform in [0, T)."""
         return torch.randint(0, self.num_timesteps, (n,), device=device, generator=generator)
+
+    def quantile(self, u: Tensor) -> Tensor:
+        """(n,) long: the timestep at probability u in [0, 1) of the uniform draw, floor(u T)."""
+        return (u.double() * self.num_timesteps).floor().long().clamp_(0, self.num_timesteps - 1)
 
     def stratified_levels(self, n: int, generator: torch.Generator) -> Tensor:
         """(n,) long timesteps, one uniform inside each of n equal slices of [0, T) (CPU)."""
@@ -109,6 +101,10 @@ class DDPMObjective:
         weight = loss_weight(self.loss_weighting, ab_t, self.prediction, self.min_snr_gamma)
         return Noised(x_t, levels, target, weight)
 
+    def x0_hat(self, b: Noised, out: Tensor, levels: Tensor) -> Tensor:
+        """x0 from the network output on ``b.input`` = x_t (``to_x0_and_eps``), unclipped, float32."""
+        return to_x0_and_eps(self.prediction, out.float(), b.input, self.alpha_bar[levels])[0]
+
     def denoiser(self, network: Network, alpha_bar: Tensor, clip: bool = True) -> Callable[[Tensor, Tensor], Tensor]:
         """``denoiser(x_t, t) -> x0_hat`` (float32, clipped to [-1, 1]) from the raw network;
         ``alpha_bar`` (T,) on the network's device."""
@@ -120,23 +116,42 @@ class DDPMObjective:
         return denoise
 
     def sample(self, network: Network, x_T: Tensor, sampler: str, steps: int, generator, **options) -> Tensor:
-        """x_0 (B, C, H, W) float32 from x_T by ``sampler`` over ``steps`` trailing timesteps."""
+        """x_0 (B, C, H, W) float32 from x_T by ``sampler`` over ``steps`` timesteps: trailing ones
+        (Lin et al. 2024), except for "heun", which walks the timesteps nearest EDM's sigma grid
+        capped at sigma_max (the trailing grid starts at sigma ~ 2e4 on the cosine schedule)."""
         if sampler not in self.samplers:
             raise ValueError(f"sampler must be one of {', '.join(self.samplers)} for ddpm models, got {sampler!r}")
-        timesteps = sampling_timesteps(self.num_timesteps, steps).to(x_T.device)
+        if sampler == "heun":
+            timesteps = karras_timesteps(self.alpha_bar, steps, self.sigma_min, self.sigma_max, self.rho)
+        else:
+            timesteps = sampling_timesteps(self.num_timesteps, steps)
+        timesteps = timesteps.to(x_T.device)
         alpha_bar = self.alpha_bar.to(x_T.device)
         return self.samplers[sampler](self.denoiser(network, alpha_bar), x_T, timesteps, alpha_bar, generator, **options)
 
 
-def build_objective(diffusion) -> DDPMObjective:
+def build_objective(diffusion) -> Objective:
     """The objective of a ``DiffusionConfig`` (``cfg.diffusion``), on the CPU."""
     return OBJECTIVES[diffusion.objective](diffusion)
 
 
-# name -> builder from cfg.diffusion; feeds the config's choices.
+# name -> builder from cfg.diffusion; feeds the config's choices. Each family reads its own keys.
 OBJECTIVES: dict[str, Callable[..., Objective]] = {
-    "ddpm": lambda d: DDPMObjective(d.schedule, d.num_timesteps, d.prediction, d.loss_weighting, d.min_snr_gamma),
+    "ddpm": lambda d: DDPMObjective(d.schedule, d.num_timesteps, d.prediction, d.loss_weighting, d.min_snr_gamma,
+                                    d.sigma_min, d.sigma_max, d.rho),
+    "edm": lambda d: EDMObjective(d.edm_sigma_data, d.edm_p_mean, d.edm_p_std, d.sigma_min, d.sigma_max, d.rho),
+    "flow": lambda d: FlowObjective(d.flow_logit_mean, d.flow_logit_std, d.flow_shift),
 }
+
+# name -> the samplers of that family (config validation; the CLI offers their union).
+OBJECTIVE_SAMPLERS: dict[str, tuple[str, ...]] = {
+    "ddpm": tuple(DDPMObjective.samplers), "edm": tuple(EDMObjective.samplers), "flow": tuple(FlowObjective.samplers),
+}
+
+
+def sampler_names() -> list[str]:
+    """Every sampler name of every objective, each once, in registry order."""
+    return list(dict.fromkeys(n for names in OBJECTIVE_SAMPLERS.values() for n in names))
 
 
 def per_sample_loss(

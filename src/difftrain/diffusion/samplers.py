@@ -66,6 +66,33 @@ def sampling_timesteps(num_timesteps: int, steps: int, spacing: str = "trailing"
     return timesteps.to(torch.long)
 
 
+def karras_timesteps(alpha_bar: Tensor, steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                     rho: float = 7.0) -> Tensor:
+    """The timesteps nearest EDM's sigma grid (Karras et al. 2022, eq. 5), (steps,) long, strictly
+    descending in [0, T): the grid runs from min(sigma_max, sigma_{T-1}) down to max(sigma_min,
+    sigma_0), with sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t), and each sigma goes to the
+    timestep nearest it in log sigma. Where two land on one timestep the larger moves up, so
+    there are always ``steps`` of them (steps <= T).
+
+    The trailing grid starts at T - 1, which on the cosine schedule is sigma ~ 2e4: an ODE
+    solver there spends its first steps far outside the range EDM found useful (sigma_max = 80).
+    alpha_bar: (T,).
+    """
+    T = alpha_bar.shape[0]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= T:
+        raise ValueError(f"sampling steps must be an integer in [1, {T}], got {steps!r}")
+    ab = alpha_bar.detach().to("cpu", torch.float64)
+    log_sigma = 0.5 * (torch.log1p(-ab) - torch.log(ab))  # (T,) ascending in t
+    hi = min(math.log(sigma_max), float(log_sigma[-1]))
+    lo = min(max(math.log(sigma_min), float(log_sigma[0])), hi)
+    i = torch.arange(steps, dtype=torch.float64) / max(steps - 1, 1)
+    sigmas = (math.exp(hi / rho) + i * (math.exp(lo / rho) - math.exp(hi / rho))) ** rho  # (steps,) descending
+    t = (sigmas.log()[:, None] - log_sigma[None, :]).abs().argmin(dim=1).tolist()
+    for k in range(steps - 2, -1, -1):  # strictly descending: a tie moves up one timestep
+        t[k] = max(t[k], t[k + 1] + 1)
+    return torch.tensor([min(v, T - 1 - k) for k, v in enumerate(t)], dtype=torch.long)
+
+
 def make_x0_denoiser(
     model_fn: Callable[[Tensor, Tensor], Tensor], alpha_bar: Tensor, prediction: str, clip: bool = True
 ) -> Denoiser:
@@ -294,8 +321,9 @@ def heun_sample(
 
     (the slope difference d_s - d_t reduces to (D_t - D_s) / sigma_s).
 
-    Two network evaluations per step between timesteps, one at the last timestep, whose x0_hat is
-    returned: 2N - 1 in all. Deterministic (``generator`` is unused); shapes as in the module
+    ``DDPMObjective`` walks it on ``karras_timesteps`` (EDM's sigma grid, capped at sigma_max),
+    not on the trailing grid. Two network evaluations per step between timesteps, one at the last
+    timestep, whose x0_hat is returned: 2N - 1 in all. Deterministic (``generator`` is unused); shapes as in the module
     docstring.
     """
     x, steps, alpha_bars = _prepare(x_T, timesteps, alpha_bar)

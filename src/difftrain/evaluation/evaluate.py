@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.diffusion.samplers import SAMPLER_NFE
 from difftrain.sampling import generate, initial_noise
 from difftrain.runtime.seeding import derive_seed
 
@@ -112,7 +111,7 @@ def evaluate_checkpoint(
     checkpoint: str | Path,
     *,
     num: int,
-    sampler: str,
+    sampler: str | None,
     steps: int,
     seed: int = 0,
     use_ema: bool = True,
@@ -127,13 +126,14 @@ def evaluate_checkpoint(
 ) -> dict:
     """FID/KID of a checkpoint's samples against ``ref`` (an .npz or a folder), or, when ``ref``
     is None, against its training data through the training preprocessing (cached; ``ref_num``
-    images, all by default). With ``progress``, progress lines on stderr. Returns the JSON-able
-    result (see :func:`describe`)."""
+    images, all by default). ``sampler`` None: the run's ``evaluation.fid_sampler``. With
+    ``progress``, progress lines on stderr. Returns the JSON-able result (see :func:`describe`)."""
     from difftrain.inference import load_model
     from difftrain.runtime.progress import CountProgress
 
     start = time.perf_counter()
     loaded = load_model(checkpoint, use_ema=use_ema, device=device)
+    sampler = sampler or loaded.cfg.evaluation.fid_sampler
     if loaded.num_classes:
         raise ValueError("eval samples unconditionally; class-conditional models are not supported yet")
     d = loaded.cfg.data
@@ -152,7 +152,7 @@ def evaluate_checkpoint(
         shape=(d.channels, d.resolution, d.resolution), num=num, sampler=sampler, steps=steps, seed=seed,
         batch_size=batch_size, progress=CountProgress("eval: samples", num, enabled=progress), **sampler_options)
     return fid_result(
-        samples, reference, kid=kid, sampler=sampler, steps=steps, nfe=SAMPLER_NFE[sampler](steps),
+        samples, reference, kid=kid, sampler=sampler, steps=steps, nfe=loaded.objective.sampler_nfe[sampler](steps),
         sampler_options=sampler_options, ema=use_ema, seed=seed, batch_size=batch_size,
         checkpoint=loaded.path, checkpoint_step=loaded.step, reference=ref_source,
         inception=inception.metadata, seconds=round(time.perf_counter() - start, 1))

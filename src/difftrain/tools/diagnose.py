@@ -1,5 +1,5 @@
-"""``difftrain diagnose``: the pitfall checks of the training guides, the noise-prediction error
-per timestep, and a denoising trajectory grid, for one checkpoint.
+"""``difftrain diagnose``: the pitfall checks of the training guides, the error per noise-level
+bucket, and a denoising trajectory grid, for one checkpoint, through the run's objective.
 
 Each check reports ``ok``, ``warn`` or ``fail`` with a sentence saying what it saw and, when it
 is not ok, what to do.
@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from difftrain.config import config_from_dict
-from difftrain.diffusion.process import q_sample, to_x0_and_eps
+from difftrain.diffusion.losses import diffusion_loss
+from difftrain.diffusion.process import to_x0_and_eps
 from difftrain.diffusion.samplers import sampling_timesteps
 from difftrain.sampling import make_grid, save_png, to_uint8
 from difftrain.tools.common import Setup, build_setup, fetch_batch
@@ -44,17 +45,42 @@ def check_data_range(setup: Setup, num: int = 64) -> Check:
     return Check("data in [-1, 1]", "ok", f"batch of {x0.shape[0]} spans [{lo:.3f}, {hi:.3f}]")
 
 
+def _training_levels(setup: Setup, draws: int) -> torch.Tensor:
+    """The noise levels of the first ``draws`` steps, drawn as training/step.py's draw_micro_batch does."""
+    cfg = setup.cfg
+    levels = []
+    for step in range(draws):
+        gen = step_generator(cfg.train.seed, 0, step * cfg.train.grad_accum_steps, setup.device, "diffusion")
+        levels.append(setup.objective.draw_levels(cfg.train.batch_size, gen, setup.device))
+    return torch.cat(levels)
+
+
+def check_levels(setup: Setup, draws: int = 64, num_buckets: int = 10) -> Check:
+    """Continuous training levels (EDM sigma, flow t), drawn as the loop draws them, are finite,
+    inside the objective's range, and reach every bucket of the training distribution."""
+    name = "noise levels cover the range"
+    obj = setup.objective
+    levels = _training_levels(setup, draws).double().cpu()
+    hi = 1.0 if obj.family == "flow" else float("inf")
+    if not bool(torch.isfinite(levels).all()) or not bool(((levels > 0) & (levels < hi)).all()):
+        return Check(name, "fail", f"training levels span [{float(levels.min()):.4g}, {float(levels.max()):.4g}], "
+                                   f"outside (0, {hi:g})")
+    counts = torch.bincount(obj.bucket(levels, num_buckets), minlength=num_buckets)
+    if int(counts.min()) == 0:
+        return Check(name, "warn", f"{levels.numel()} training draws leave buckets empty: {counts.tolist()}")
+    return Check(name, "ok", f"{levels.numel()} {obj.family} training draws (as the loop draws them) span "
+                             f"[{float(levels.min()):.4g}, {float(levels.max()):.4g}], every bucket reached")
+
+
 def check_timesteps(setup: Setup, draws: int = 64) -> Check:
     """Training timesteps (drawn as the loop draws them) are integers covering 0 .. T-1, and
     the validation sampler starts at t = T-1, so its pure-noise x_T matches what was trained
-    (Lin et al. 2024); its last step returns the x0 prediction."""
+    (Lin et al. 2024); its last step returns the x0 prediction. Other objectives: :func:`check_levels`."""
+    if setup.objective.family != "ddpm":
+        return check_levels(setup, draws)
     cfg = setup.cfg
     T = cfg.diffusion.num_timesteps
-    ts = []
-    for step in range(draws):  # the generator and draw of training/step.py's draw_micro_batch
-        gen = step_generator(cfg.train.seed, 0, step * cfg.train.grad_accum_steps, setup.device, "diffusion")
-        ts.append(setup.objective.draw_levels(cfg.train.batch_size, gen, setup.device))
-    t = torch.cat(ts)
+    t = _training_levels(setup, draws)
     sched = sampling_timesteps(T, cfg.validation.steps)
     problems = []
     if t.dtype not in (torch.int64, torch.int32):
@@ -105,49 +131,71 @@ def check_optimizer_state(state: dict) -> Check:
 
 @torch.no_grad()
 def error_per_timestep(setup: Setup, num_images: int = 32, num_buckets: int = 10) -> list[dict]:
-    """The noise-prediction error mean((eps_hat - eps)^2) per timestep bucket, on one batch of
-    training images, each image evaluated at one timestep drawn inside every bucket."""
-    cfg = setup.cfg
-    T = cfg.diffusion.num_timesteps
+    """The training loss and the denoising error mean((x0_hat - x0)^2) per noise-level bucket
+    (equal probability under the training distribution), on one batch of training images, each
+    image evaluated at stratified levels across the buckets (DDPM: also the noise-prediction
+    error and each bucket's timestep range)."""
+    cfg, obj = setup.cfg, setup.objective
     model = setup.model.eval()
     x0, labels = fetch_batch(setup, num_images, seed=derive_seed(cfg.train.seed, "diagnose"), augment=False)
+    n = x0.shape[0]
     g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "diagnose-noise"))
+    levels = obj.stratified_levels(n * num_buckets, g)  # (k n,) ascending: slice i ~ bucket i
+    noise = torch.randn((n * num_buckets, *x0.shape[1:]), generator=g).to(setup.device)
+    buckets = obj.bucket(levels, num_buckets)
+    levels = levels.to(setup.device)
+    x0 = x0.repeat(num_buckets, 1, 1, 1)
+    labels = None if labels is None else labels.repeat(num_buckets)
+    b = obj.noised(x0, levels, noise)
+    out = model(b.input, b.cond, labels).float()
+    loss = diffusion_loss(out, b.target, b.weight).cpu()
+    x0_err = (obj.x0_hat(b, out, levels).clamp(-1, 1) - x0).square().flatten(1).mean(1).cpu()
+    if obj.family == "ddpm":
+        eps_hat = to_x0_and_eps(obj.prediction, out, b.input, obj.alpha_bar[levels])[1]
+        eps_err = (eps_hat - noise).square().flatten(1).mean(1).cpu()
+        bounds = list(bucket_bounds(cfg.diffusion.num_timesteps, num_buckets))
     rows = []
-    for i, (first, last) in enumerate(bucket_bounds(T, num_buckets)):
-        t = torch.randint(first, last + 1, (x0.shape[0],), generator=g).to(setup.device)
-        noise = torch.randn(x0.shape, generator=g).to(setup.device)
-        x_t = q_sample(x0, t, noise, setup.objective.alpha_bar)
-        x0_hat, eps_hat = to_x0_and_eps(cfg.diffusion.prediction, model(x_t, t, labels), x_t, setup.objective.alpha_bar[t])
-        rows.append({
-            "bucket": i, "t_first": first, "t_last": last,
-            "eps_mse": float((eps_hat - noise).square().mean()),
-            "x0_mse": float((x0_hat.clamp(-1, 1) - x0).square().mean()),
-        })
+    for i in range(num_buckets):
+        mine = buckets == i
+        if not bool(mine.any()):
+            continue
+        lv = levels.cpu()[mine]
+        row = {"bucket": i, "level_min": float(lv.min()), "level_max": float(lv.max()),
+               "loss": float(loss[mine].mean()), "x0_mse": float(x0_err[mine].mean())}
+        if obj.family == "ddpm":
+            row.update(t_first=bounds[i][0], t_last=bounds[i][1], eps_mse=float(eps_err[mine].mean()))
+        rows.append(row)
     return rows
 
 
 @torch.no_grad()
-def trajectory_grid(setup: Setup, timesteps: list[int], num_images: int = 4) -> np.ndarray:
-    """(H', W', C) uint8 grid: for each image a row of x_t at ``timesteps``, then a row of the
-    predicted x_0 at the same t (one-step denoising from the checkpoint)."""
-    cfg = setup.cfg
+def trajectory_grid(setup: Setup, levels: list, num_images: int = 4) -> np.ndarray:
+    """(H', W', C) uint8 grid: for each image a row of the network's input at ``levels`` (DDPM:
+    x_t at timesteps; EDM: c_in (x0 + sigma n); flow: x_t), then a row of the predicted x_0 at
+    the same levels (one-step denoising from the checkpoint)."""
+    cfg, obj = setup.cfg, setup.objective
     model = setup.model.eval()
     x0, labels = fetch_batch(setup, num_images, seed=derive_seed(cfg.train.seed, "diagnose"), augment=False)
     g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "trajectory"))
-    noise = torch.randn(x0.shape, generator=g).to(setup.device)  # the same noise at every t
+    noise = torch.randn(x0.shape, generator=g).to(setup.device)  # the same noise at every level
+    dtype = torch.long if obj.family == "ddpm" else torch.float32
     rows = []
     for k in range(num_images):
         xs, preds = [], []
-        for tv in timesteps:
-            t = torch.full((1,), tv, device=setup.device, dtype=torch.long)
-            x_t = q_sample(x0[k : k + 1], t, noise[k : k + 1], setup.objective.alpha_bar)
+        for lv in levels:
+            level = torch.full((1,), lv, device=setup.device, dtype=dtype)
+            b = obj.noised(x0[k : k + 1], level, noise[k : k + 1])
             lab = None if labels is None else labels[k : k + 1]
-            x0_hat, _ = to_x0_and_eps(cfg.diffusion.prediction, model(x_t, t, lab), x_t, setup.objective.alpha_bar[t])
-            xs.append(x_t.clamp(-1, 1))
+            x0_hat = obj.x0_hat(b, model(b.input, b.cond, lab).float(), level)
+            xs.append(b.input.clamp(-1, 1))
             preds.append(x0_hat.clamp(-1, 1))
         rows += [torch.cat([x0[k : k + 1]] + xs), torch.cat([x0[k : k + 1]] + preds)]
     images = to_uint8(torch.cat(rows).float().cpu())
-    return make_grid(images, ncols=len(timesteps) + 1)
+    return make_grid(images, ncols=len(levels) + 1)
+
+
+# Where the trajectory of a continuous objective is shown: these quantiles of its training levels.
+TRAJECTORY_QUANTILES = (0.001, 0.1, 0.25, 0.5, 0.75, 0.999)
 
 
 def diagnose(checkpoint: str | Path, out_dir: str | Path, timesteps: list[int] | None = None,
@@ -160,20 +208,26 @@ def diagnose(checkpoint: str | Path, out_dir: str | Path, timesteps: list[int] |
         cfg.train.device = device
     setup = build_setup(cfg)
     load_weights(setup.model, state["ema"]["model"], state["path"], "ema.model")
-    T = cfg.diffusion.num_timesteps
-    timesteps = timesteps or [0, T // 10, T // 4, T // 2, 3 * T // 4, T - 1]
-    bad = [t for t in timesteps if not 0 <= t < T]
-    if bad:
-        raise ValueError(f"--timesteps must lie in [0, {T}), got {bad}")
+    if setup.objective.family == "ddpm":
+        T = cfg.diffusion.num_timesteps
+        levels = timesteps or [0, T // 10, T // 4, T // 2, 3 * T // 4, T - 1]
+        bad = [t for t in levels if not 0 <= t < T]
+        if bad:
+            raise ValueError(f"--timesteps must lie in [0, {T}), got {bad}")
+    elif timesteps:
+        raise ValueError(f"--timesteps applies to ddpm models; this one is {setup.objective.family} "
+                         f"(its trajectory is shown at quantiles {list(TRAJECTORY_QUANTILES)} of its training levels)")
+    else:
+        levels = [round(float(v), 6) for v in setup.objective.quantile(torch.tensor(TRAJECTORY_QUANTILES))]
     checks = [check_data_range(setup), check_timesteps(setup), check_ema(state), check_optimizer_state(state)]
     errors = error_per_timestep(setup, num_images)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_png(trajectory_grid(setup, timesteps), out_dir / "trajectory.png")
-    record = {"checkpoint": state["path"], "step": state["step"],
+    save_png(trajectory_grid(setup, levels), out_dir / "trajectory.png")
+    record = {"checkpoint": state["path"], "step": state["step"], "objective": setup.objective.family,
               "checks": [dataclasses.asdict(c) for c in checks], "error_per_timestep": errors,
-              "trajectory": {"png": str(out_dir / "trajectory.png"), "timesteps": timesteps,
-                             "rows": "per image: x_t at each t (first column x_0), then predicted x_0"}}
+              "trajectory": {"png": str(out_dir / "trajectory.png"), "timesteps": levels,
+                             "rows": "per image: the network input at each level (first column x_0), then predicted x_0"}}
     (out_dir / "diagnose.json").write_text(json.dumps(record, indent=1))
     return record
 
@@ -182,8 +236,16 @@ def format_diagnosis(record: dict) -> str:
     lines = [f"checkpoint {record['checkpoint']} (step {record['step']})", "", "checks:"]
     for c in record["checks"]:
         lines.append(f"  [{c['status']:4s}] {c['name']:30s} {c['detail']}")
-    lines += ["", "noise-prediction error per timestep bucket:", "  bucket  t range      eps MSE    x0 MSE"]
-    for r in record["error_per_timestep"]:
-        lines.append(f"  {r['bucket']:6d}  {r['t_first']:4d}-{r['t_last']:<6d} {r['eps_mse']:9.4f} {r['x0_mse']:9.4f}")
-    lines += ["", f"trajectory grid: {record['trajectory']['png']} (t = {record['trajectory']['timesteps']})"]
+    errors = record["error_per_timestep"]
+    if errors and "eps_mse" in errors[0]:
+        lines += ["", "error per timestep bucket:", "  bucket  t range      eps MSE    x0 MSE      loss"]
+        for r in errors:
+            lines.append(f"  {r['bucket']:6d}  {r['t_first']:4d}-{r['t_last']:<6d} {r['eps_mse']:9.4f} "
+                         f"{r['x0_mse']:9.4f} {r['loss']:9.4f}")
+    else:
+        lines += ["", f"error per noise-level bucket ({record.get('objective')}):",
+                  "  bucket  levels drawn            x0 MSE      loss"]
+        for r in errors:
+            lines.append(f"  {r['bucket']:6d}  {r['level_min']:9.4g}-{r['level_max']:<11.4g} {r['x0_mse']:9.4f} {r['loss']:9.4f}")
+    lines += ["", f"trajectory grid: {record['trajectory']['png']} (levels {record['trajectory']['timesteps']})"]
     return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""ODE solvers on a continuous noise grid (EDM's sigma, flow matching's t), and the grids.
+
+Every solver is
+
+    solver(derivative, x_start, grid, generator=None) -> x_end
+
+with derivative(x (B, C, H, W) float32, level: float) -> dx/dlevel (B, C, H, W); x_start:
+(B, C, H, W) at grid[0]; grid: (N + 1,) float64, strictly descending, ending at 0. The state is
+kept in float32; step sizes are formed in float64. The derivative is never evaluated at level 0
+unless the solver is told it is defined there (EDM's dx/dsigma = (x - D(x, sigma)) / sigma is not):
+Heun's step whose end is 0 is then a plain Euler step, as in EDM (Karras et al. 2022, alg. 1,
+lines 8-11). All solvers are
+deterministic (``generator`` is unused; it keeps the samplers' shared signature). Call them under
+torch.no_grad() unless gradients are wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+# derivative(x (B, C, H, W), level) -> dx/dlevel (B, C, H, W).
+Derivative = Callable[[Tensor, float], Tensor]
+
+
+def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float = 7.0) -> Tensor:
+    """EDM's sigma grid (Karras et al. 2022, eq. 5), (steps + 1,) float64, descending, last 0:
+
+        sigma_i = (sigma_max^(1/rho) + i / (N - 1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho,  i < N
+        sigma_N = 0
+
+    ``steps`` = 1 gives [sigma_max, 0].
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"sampling steps must be an integer >= 1, got {steps!r}")
+    if not 0 < sigma_min < sigma_max:
+        raise ValueError(f"need 0 < sigma_min < sigma_max, got {sigma_min}, {sigma_max}")
+    if not rho > 0:
+        raise ValueError(f"rho must be > 0, got {rho}")
+    i = torch.arange(steps, dtype=torch.float64)
+    frac = i / max(steps - 1, 1)
+    lo, hi = sigma_min ** (1.0 / rho), sigma_max ** (1.0 / rho)
+    sigmas = (hi + frac * (lo - hi)) ** rho
+    return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)])
+
+
+def flow_times(steps: int, shift: float = 1.0) -> Tensor:
+    """A flow-matching time grid from t = 1 (noise) to t = 0 (data), (steps + 1,) float64:
+    uniform, then shifted by t' = shift t / (1 + (shift - 1) t) (SD3, Esser et al. 2024, eq. 23;
+    shift > 1 spends more of the steps at high noise)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"sampling steps must be an integer >= 1, got {steps!r}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def _levels(x: Tensor, grid: Tensor) -> tuple[Tensor, list[float]]:
+    """Validate the shared arguments; return float32 x and the grid as floats."""
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape (B, C, H, W), got {tuple(x.shape)}")
+    levels = [float(v) for v in grid.reshape(-1).tolist()] if grid.ndim == 1 else []
+    if len(levels) < 2:
+        raise ValueError(f"grid must have shape (N + 1,) with N >= 1, got {tuple(grid.shape)}")
+    if any(a <= b for a, b in zip(levels, levels[1:])) or levels[-1] < 0:
+        raise ValueError(f"grid must be strictly descending and >= 0, got {levels}")
+    return x.to(torch.float32), levels
+
+
+def _slope(derivative: Derivative, x: Tensor, level: float) -> Tensor:
+    d = derivative(x, level)
+    if d.shape != x.shape:
+        raise ValueError(f"derivative returned shape {tuple(d.shape)} for input {tuple(x.shape)}")
+    return d.to(torch.float32)
+
+
+def euler_solve(derivative: Derivative, x_start: Tensor, grid: Tensor, generator=None) -> Tensor:
+    """Euler's method: x_{i+1} = x_i + (l_{i+1} - l_i) f(x_i, l_i). N evaluations."""
+    x, levels = _levels(x_start, grid)
+    for cur, nxt in zip(levels, levels[1:]):
+        x = x + (nxt - cur) * _slope(derivative, x, cur)
+    return x
+
+
+def heun_solve(derivative: Derivative, x_start: Tensor, grid: Tensor, generator=None, *,
+               defined_at_zero: bool = False) -> Tensor:
+    """Heun's second-order method (EDM alg. 1, deterministic: S_churn = 0): an Euler step to
+    x'_{i+1}, then x_{i+1} = x_i + h (f(x_i, l_i) + f(x'_{i+1}, l_{i+1})) / 2, h = l_{i+1} - l_i.
+    Unless ``defined_at_zero``, the step to level 0 stays Euler: 2N - 1 evaluations (else 2N)."""
+    x, levels = _levels(x_start, grid)
+    for cur, nxt in zip(levels, levels[1:]):
+        d = _slope(derivative, x, cur)
+        x_euler = x + (nxt - cur) * d
+        if nxt == 0.0 and not defined_at_zero:
+            x = x_euler
+        else:
+            x = x + (0.5 * (nxt - cur)) * (d + _slope(derivative, x_euler, nxt))
+    return x
+
+
+def midpoint_solve(derivative: Derivative, x_start: Tensor, grid: Tensor, generator=None) -> Tensor:
+    """The explicit midpoint method: x_{i+1} = x_i + h f(x_i + h/2 f(x_i, l_i), l_i + h/2).
+    The midpoint level is > 0 even on the last step, so every step is second order: 2N evaluations."""
+    x, levels = _levels(x_start, grid)
+    for cur, nxt in zip(levels, levels[1:]):
+        h = nxt - cur
+        x_mid = x + (0.5 * h) * _slope(derivative, x, cur)
+        x = x + h * _slope(derivative, x_mid, cur + 0.5 * h)
+    return x
+
+
+# name -> solver with the shared signature.
+ODE_SOLVERS: dict[str, Callable[..., Tensor]] = {
+    "euler": euler_solve,
+    "heun": heun_solve,
+    "midpoint": midpoint_solve,
+}
