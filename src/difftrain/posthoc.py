@@ -66,14 +66,20 @@ def reconstruct(run_dir: str | Path, std: float, step: int | None = None,
     def wanted(s: float) -> bool:
         return from_stds is None or any(math.isclose(s, f, rel_tol=1e-9) for f in from_stds)
 
-    tracked = state["posthoc_ema"]
-    sources = [Source(s.std, s.gamma, s.step, str(s.path)) for s in list_snapshots(run_dir)
-               if s.step < step and wanted(s.std)]
-    at_step = {}  # the checkpoint's own averages stand for the snapshots of its step
-    for s, g, tensors in zip(tracked["stds"], tracked.get("gammas") or map(std_to_gamma, tracked["stds"]), tracked["models"]):
+    sources, tensors = [], []
+    for snap in list_snapshots(run_dir):
+        if snap.step < step and wanted(snap.std):
+            record = load_snapshot(snap.path)  # memory-mapped: the weights are read when combined
+            if int(record["step"]) != snap.step or not math.isclose(float(record["std"]), snap.std, rel_tol=1e-5):
+                raise ValueError(f"{snap.path} holds sigma_rel {record['std']} at step {record['step']}, not what "
+                                 "its name says: a renamed file?")
+            sources.append(Source(float(record["std"]), float(record["gamma"]), snap.step, str(snap.path)))
+            tensors.append(record["model"])
+    tracked = state["posthoc_ema"]  # the checkpoint's own averages stand for the snapshots of its step
+    for s, model in zip(tracked["stds"], tracked["models"]):
         if wanted(s):
-            sources.append(Source(s, g, step, f"{state['path']}[posthoc_ema]"))
-            at_step[len(sources) - 1] = tensors
+            sources.append(Source(s, std_to_gamma(s), step, f"{state['path']}[posthoc_ema]"))
+            tensors.append(model)
     if not sources:
         raise ValueError(
             f"no post-hoc EMA snapshots in {run_dir} up to step {step}"
@@ -83,20 +89,19 @@ def reconstruct(run_dir: str | Path, std: float, step: int | None = None,
     x, residual = solve_coefficients([s.step for s in sources], [s.gamma for s in sources], step, gamma)
     for src, c in zip(sources, x):
         src.coefficient = float(c)
-    weights = _combine(sources, at_step)
+    weights = _combine(sources, tensors)
     return Reconstruction(std, gamma, step, residual, sources, weights, state)
 
 
-def _combine(sources: list[Source], at_step: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _combine(sources: list[Source], tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """``sum_i x_i theta_i``, accumulated in float64 one source at a time (snapshot files are
     memory-mapped); tensors that are not floating point come from the last (newest) source."""
     total: dict[str, torch.Tensor] = {}
     last: dict[str, torch.Tensor] = {}
-    for i, src in enumerate(sources):
-        tensors = at_step[i] if i in at_step else load_snapshot(src.where)["model"]
-        if last and set(tensors) != set(last):
+    for src, weights in zip(sources, tensors):
+        if last and set(weights) != set(last):
             raise ValueError(f"{src.where} holds other weights than {sources[0].where}: not a snapshot of this run's model")
-        for name, t in tensors.items():
+        for name, t in weights.items():
             if t.is_floating_point():
                 if name not in total:
                     total[name] = torch.zeros(t.shape, dtype=torch.float64)

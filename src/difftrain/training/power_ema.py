@@ -176,8 +176,9 @@ class PowerEMA:
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    std: float  # sigma_rel
-    gamma: float
+    """A snapshot file as its name gives it (the file holds the exact std, gamma and step)."""
+
+    std: float  # sigma_rel, as the name writes it (6 significant digits)
     step: int  # optimizer steps averaged: the profile ends at t = step
     path: Path
 
@@ -204,16 +205,18 @@ def save_snapshots(power_ema: PowerEMA, run_dir: Path, step: int, config: dict, 
 
 
 def list_snapshots(run_dir: str | Path) -> list[Snapshot]:
-    """The snapshots in ``run_dir/ema_snapshots`` by (step, std), read from their files (mmap:
-    the weights are not read)."""
+    """The snapshot files of ``run_dir/ema_snapshots`` by (step, std), from their names alone."""
     folder = Path(run_dir) / SNAPSHOT_DIR
     if not folder.is_dir():
         return []
     found = []
-    for path in sorted(folder.iterdir()):
-        if _SNAPSHOT_NAME.match(path.name):
-            record = load_snapshot(path)
-            found.append(Snapshot(float(record["std"]), float(record["gamma"]), int(record["step"]), path))
+    for path in folder.iterdir():
+        m = _SNAPSHOT_NAME.match(path.name)
+        if m:
+            try:
+                found.append(Snapshot(float(m.group(1)), int(m.group(2)), path))
+            except ValueError:  # a name that only looks like one
+                continue
     return sorted(found, key=lambda s: (s.step, s.std))
 
 
