@@ -91,6 +91,12 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     for key in ("path", "step", "images_seen", "parameters", "model_sha256", "ema_sha256"):
         print(f"{key:12s} {info[key]:,}" if isinstance(info[key], int) else f"{key:12s} {info[key]}")
+    if info["posthoc_ema_stds"]:
+        print(f"{'posthoc_ema':12s} power EMAs of sigma_rel {info['posthoc_ema_stds']} tracked")
+    if info["ema_posthoc"]:
+        p = info["ema_posthoc"]
+        print(f"{'ema':12s} reconstructed post hoc: sigma_rel {p['std']:g} at step {p['step']} from "
+              f"{len(p['sources'])} snapshots, profile residual {p['residual']:.3g}")
     print("config:")
     print(info["config_toml"], end="")
     return 0
