@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("posthoc-ema", help="reconstruct the EMA of any length from a run's power-EMA snapshots (EDM2)")
-    p.add_argument("run_dir", help="run directory trained with ema.posthoc_std")
+    p.add_argument("run_dir", help="run directory trained with ema.posthoc_std (or one of its checkpoint files)")
     p.add_argument("--std", type=float, required=True, help="sigma_rel of the EMA to reconstruct, in (0, 0.3)")
     p.add_argument("--step", type=int, help="step to reconstruct at, one with a kept checkpoint (default: the newest)")
     p.add_argument("--out", required=True, help="checkpoint file to write, for sample, eval, inspect")

@@ -56,11 +56,18 @@ class Reconstruction:
 def reconstruct(run_dir: str | Path, std: float, step: int | None = None,
                 from_stds: Sequence[float] | None = None) -> Reconstruction:
     """The EMA of relative std ``std`` at ``step`` (default: the newest checkpoint's) of the run in
-    ``run_dir``, as the least-squares combination of its snapshots (of ``from_stds`` only, if given).
+    ``run_dir`` (or at a checkpoint file of it), as the least-squares combination of its snapshots
+    (of ``from_stds`` only, if given).
     """
     run_dir = Path(run_dir)
     gamma = std_to_gamma(std)
-    state = load_checkpoint(_checkpoint_of(run_dir, step))
+    if run_dir.is_file():  # a checkpoint file: its step, and the run above its checkpoints/ folder
+        state = load_checkpoint(run_dir)
+        if step is not None and step != state["step"]:
+            raise ValueError(f"--step {step} differs from the step of checkpoint {run_dir} ({state['step']})")
+        run_dir = run_dir.parent.parent if run_dir.parent.name == "checkpoints" else run_dir.parent
+    else:
+        state = load_checkpoint(_checkpoint_of(run_dir, step))
     step = state["step"]
 
     def wanted(s: float) -> bool:

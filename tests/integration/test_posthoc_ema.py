@@ -113,5 +113,7 @@ def test_reconstruction_needs_a_kept_checkpoint_of_the_step(tmp_path, tiny_overr
     written = ckpt.load_checkpoint(out)
     assert written["step"] == 4 and written["ema"]["posthoc"]["std"] == 0.08
     assert ckpt.state_dict_sha256(written["ema"]["model"]) == ckpt.state_dict_sha256(rec.weights)
+    by_file = reconstruct(tmp_path / "checkpoints" / "step_00000004.pt", 0.08)
+    assert ckpt.state_dict_sha256(by_file.weights) == ckpt.state_dict_sha256(rec.weights)
     with pytest.raises(ValueError, match="no post-hoc EMA snapshots"):
         reconstruct(tmp_path, 0.08, from_stds=[0.2])
