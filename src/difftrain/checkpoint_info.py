@@ -21,6 +21,8 @@ def describe_checkpoint(path: str | Path) -> dict:
         "model_sha256": state_dict_sha256(model),
         "ema_sha256": state_dict_sha256(state["ema"]["model"]),
         "skipped_steps": state["skipped_steps"],
+        "posthoc_ema_stds": state["posthoc_ema"]["stds"],  # sigma_rel of the tracked power EMAs
+        "ema_posthoc": state["ema"].get("posthoc"),  # how `posthoc-ema` made the EMA weights, or None
         "config": state["config"],
         "config_toml": config_to_toml(cfg),
     }

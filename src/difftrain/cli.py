@@ -98,8 +98,31 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     for key in ("path", "step", "images_seen", "parameters", "model_sha256", "ema_sha256"):
         print(f"{key:12s} {info[key]:,}" if isinstance(info[key], int) else f"{key:12s} {info[key]}")
+    if info["posthoc_ema_stds"]:
+        print(f"{'posthoc_ema':12s} power EMAs of sigma_rel {info['posthoc_ema_stds']} tracked")
+    if info["ema_posthoc"]:
+        p = info["ema_posthoc"]
+        print(f"{'ema':12s} reconstructed post hoc: sigma_rel {p['std']:g} at step {p['step']} from "
+              f"{len(p['sources'])} snapshots, profile residual {p['residual']:.3g}")
     print("config:")
     print(info["config_toml"], end="")
+    return 0
+
+
+def _posthoc_ema(args: argparse.Namespace) -> int:
+    from difftrain.posthoc import RESIDUAL_WARNING, reconstruct, write_checkpoint
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; name the checkpoint file to write (e.g. {out / 'posthoc.pt'})")
+    _make_folder(out.parent, "--out")
+    rec = reconstruct(args.run_dir, args.std, step=args.step, from_stds=args.from_std)
+    write_checkpoint(rec, out)
+    print(f"difftrain posthoc-ema: {rec.describe()}")
+    if rec.residual > RESIDUAL_WARNING:
+        print(f"difftrain posthoc-ema: warning: residual {rec.residual:.3g} > {RESIDUAL_WARNING}: the tracked "
+              "sigma_rel values or snapshots do not cover this length well", file=sys.stderr)
+    print(f"difftrain posthoc-ema: written to {out} (the checkpoint of step {rec.step} with these EMA weights)")
     return 0
 
 
@@ -342,6 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("posthoc-ema", help="reconstruct the EMA of any length from a run's power-EMA snapshots (EDM2)")
+    p.add_argument("run_dir", help="run directory trained with ema.posthoc_std (or one of its checkpoint files)")
+    p.add_argument("--std", type=float, required=True, help="sigma_rel of the EMA to reconstruct, in (0, 0.3)")
+    p.add_argument("--step", type=int, help="step to reconstruct at, one with a kept checkpoint (default: the newest)")
+    p.add_argument("--out", required=True, help="checkpoint file to write, for sample, eval, inspect")
+    p.add_argument("--from-std", type=float, action="append", metavar="STD",
+                   help="use only the snapshots of this tracked sigma_rel (repeatable; default all)")
+    p.set_defaults(func=_posthoc_ema)
 
     p = sub.add_parser("diagnose", help="pitfall checks, error per timestep and a denoising trajectory of a checkpoint")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")

@@ -127,6 +127,10 @@ class EMAConfig:
     warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t))
     warmup_power: float = 0.0  # > 0: decay_t = min(decay, 1 - (1 + t) ** -power) instead (diffusers: 0.75)
     update_every_steps: int = 1  # optimizer steps between EMA updates
+    # Post-hoc EMA (Karras et al. 2024, EDM2): power-function EMAs tracked every step, whose
+    # snapshots `difftrain posthoc-ema` combines into an EMA of any length after training.
+    posthoc_std: tuple[float, ...] = ()  # sigma_rel of each tracked EMA, in (0, 0.3) ([] = off; EDM2: [0.05, 0.10])
+    posthoc_every_steps: int = 0  # optimizer steps between snapshots in RUN/ema_snapshots (0 = checkpoint.every_steps)
 
 
 @dataclass
@@ -436,6 +440,11 @@ def validate(cfg: Config) -> None:
     _check(0 <= cfg.ema.decay <= 1, f"ema.decay must be in [0, 1], got {cfg.ema.decay}")
     _check(cfg.ema.warmup_power >= 0, f"ema.warmup_power must be >= 0 (0 = the DDPM ramp), got {cfg.ema.warmup_power}")
     _check(cfg.ema.update_every_steps >= 1, f"ema.update_every_steps must be >= 1, got {cfg.ema.update_every_steps}")
+    stds = cfg.ema.posthoc_std
+    _check(all(0 < s < 0.3 for s in stds), f"ema.posthoc_std values must be in (0, 0.3) (sigma_rel), got {list(stds)}")
+    _check(len({f"{s:g}" for s in stds}) == len(stds), f"ema.posthoc_std values must differ, got {list(stds)}")
+    _check(cfg.ema.posthoc_every_steps >= 0,
+           f"ema.posthoc_every_steps must be >= 0 (0 = checkpoint.every_steps), got {cfg.ema.posthoc_every_steps}")
     c = cfg.checkpoint
     _check(c.every_steps >= 1, f"checkpoint.every_steps must be >= 1, got {c.every_steps}")
     _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")

@@ -71,3 +71,23 @@ def test_version_defaults_in_help_and_config_once():
     assert "(default: 256)" in run("sample", "--help").stdout
     proc = run("train", "--config", TINY, "--config", TINY, check=False)
     assert proc.returncode == 2 and "--config given twice" in proc.stderr
+
+
+def test_posthoc_ema_writes_a_checkpoint_that_sample_and_inspect_read(tmp_path, tiny_overrides, capsys):
+    from difftrain.cli import main
+    from difftrain.config import load_config
+    from difftrain.training.loop import train
+
+    run_dir, out = tmp_path / "run", tmp_path / "ema_0.08.pt"
+    train(load_config(None, tiny_overrides + ["ema.posthoc_std=[0.05, 0.1]", "validation.every_steps=0"]), run_dir)
+    proc = run("posthoc-ema", str(run_dir), "--std", "0.08", "--out", str(out))
+    assert "sigma_rel 0.08" in proc.stdout and "at step 6" in proc.stdout and "profile residual" in proc.stdout
+    samples = tmp_path / "samples"
+    proc = run("sample", "--checkpoint", str(out), "--num", "2", "--steps", "2", "--out", str(samples))
+    assert "EMA weights" in proc.stdout and (samples / "grid.png").is_file()
+
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "reconstructed post hoc: sigma_rel 0.08 at step 6" in capsys.readouterr().out
+    assert main(["posthoc-ema", str(run_dir), "--std", "0.5", "--out", str(out)]) == 2
+    assert "sigma_rel must be in (0, 0.3)" in capsys.readouterr().err

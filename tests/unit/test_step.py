@@ -103,13 +103,13 @@ def test_a_v1_checkpoint_is_upgraded_on_load(tmp_path):
 
 @pytest.mark.gpu
 def test_the_captured_step_gives_the_eager_weights():
-    """Captured and uncaptured steps on CUDA (bf16, accumulation, labels, dropout) end with the
-    same weights to bf16 tolerance."""
+    """Captured and uncaptured steps on CUDA (bf16, accumulation, labels, dropout, post-hoc power
+    EMAs) end with the same weights to bf16 tolerance."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     device = torch.device("cuda")
     overrides = TINY_OVERRIDES + ["train.grad_accum_steps=2", "train.batch_size=4", "train.precision=bf16",
-                                  "model.dropout=0.1", "train.compile=off"]
+                                  "model.dropout=0.1", "train.compile=off", "ema.posthoc_std=[0.05, 0.1]"]
     cfg = load_config(None, overrides)
     g = torch.Generator().manual_seed(0)
     data = [(torch.rand(4, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 3, (4,), generator=g)) for _ in range(12)]
@@ -121,10 +121,12 @@ def test_the_captured_step_gives_the_eager_weights():
         for _ in range(6):
             fn(state, objective, batches, 1e-3, metrics)
         results.append((state.model.state_dict(), state.ema.model.state_dict(),
-                        metrics.read(DistContext(device=device))))
-    (eager, eager_ema, m_eager), (captured, captured_ema, m_captured) = results
+                        metrics.read(DistContext(device=device)), [m.state_dict() for m in state.posthoc.models]))
+    (eager, eager_ema, m_eager, eager_ph), (captured, captured_ema, m_captured, captured_ph) = results
     for k in eager:
         torch.testing.assert_close(captured[k].float(), eager[k].float(), rtol=2e-2, atol=2e-3)
         torch.testing.assert_close(captured_ema[k].float(), eager_ema[k].float(), rtol=2e-2, atol=2e-3)
+        for a, b in zip(captured_ph, eager_ph):
+            torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2e-2, atol=2e-3)
     assert m_captured["steps"] == m_eager["steps"] == 6
     assert m_captured["loss"] == pytest.approx(m_eager["loss"], rel=2e-2)

@@ -107,7 +107,8 @@ def estimate(
     grads = _tensor_bytes(model.parameters())
     optimizer = setup.state.optimizer
     opt_state = _tensor_bytes(v for s in optimizer.state.values() for v in s.values())
-    ema = _tensor_bytes(setup.state.ema.model.parameters())
+    # The EMA and the power EMAs of ema.posthoc_std: one copy of the weights each.
+    ema = _tensor_bytes(p for m in (setup.state.ema.model, *setup.state.posthoc.models) for p in m.parameters())
     # Activations at b and 2b: the slope per image and the part that does not grow with b.
     act_b, peak_b = activation_bytes(setup, b)
     act_2b, _ = activation_bytes(setup, 2 * b)

@@ -26,8 +26,8 @@ import torch
 
 from difftrain.runtime.files import atomic_write, atomic_write_bytes, unlink_quietly
 
-FORMAT = "difftrain-checkpoint-v2"
-_OLDER_FORMATS = ("difftrain-checkpoint-v1",)
+FORMAT = "difftrain-checkpoint-v3"  # v3: + posthoc_ema
+_OLDER_FORMATS = ("difftrain-checkpoint-v1", "difftrain-checkpoint-v2")
 LATEST = "latest"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 # Test hook for fault injection: seconds to pause between writing a checkpoint's temporary file
@@ -104,13 +104,9 @@ def save_checkpoint(
     Rotation keeps the newest ``keep_last`` files plus every file whose step is a multiple of
     ``keep_every_steps`` (when > 0), for later evaluation.
     """
-    try:
-        check_finite(state)
-    except NonFiniteWeights as e:
-        raise NonFiniteWeights(f"refusing to write a checkpoint: {e}") from None
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / checkpoint_name(step)
-    _save_atomic({"format": FORMAT, **state}, path)
+    save_checkpoint_file(state, path)
     atomic_write_bytes(ckpt_dir / LATEST, (path.name + "\n").encode())
     for stale in ckpt_dir.glob(".step_*.pt.tmp"):  # left by a process killed mid-write
         unlink_quietly(stale)
@@ -123,9 +119,22 @@ def save_checkpoint(
     return path
 
 
+def save_checkpoint_file(state: dict, path: Path) -> None:
+    """Write ``state`` (checked finite, with the format added) to the file ``path``, atomically:
+    no pointer, no rotation (``save_checkpoint`` adds those; ``posthoc-ema`` writes one file)."""
+    try:
+        check_finite(state)
+    except NonFiniteWeights as e:
+        raise NonFiniteWeights(f"refusing to write a checkpoint: {e}") from None
+    _save_atomic({"format": FORMAT, **state}, Path(path))
+
+
 def check_finite(state: dict) -> None:
     """Raise :class:`NonFiniteWeights` naming the first model or EMA tensor with NaN or inf."""
     groups = {"model": state.get("model", {}), "ema": state.get("ema", {}).get("model", {})}
+    posthoc = state.get("posthoc_ema", {})
+    for std, tensors in zip(posthoc.get("stds", []), posthoc.get("models", [])):
+        groups[f"posthoc_ema[{std}]"] = tensors
     for group, tensors in groups.items():
         for name, t in tensors.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -235,12 +244,17 @@ SCHEMA = {
                   and isinstance(v.get("param_groups"), list), "an optimizer state dict"),
     "scaler": (lambda v: isinstance(v, dict), "a dict (the loss scaler's state)"),
     "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor), "a dict with the 'torch' RNG state"),
+    "posthoc_ema": (lambda v: isinstance(v, dict) and isinstance(v.get("stds"), list)
+                    and all(isinstance(s, float) for s in v["stds"]) and isinstance(v.get("models"), list)
+                    and len(v["models"]) == len(v["stds"]) and all(_is_tensor_dict(m) for m in v["models"]),
+                    "a dict with 'stds' (floats) and as many 'models' (tensors)"),
 }
 
 
 def _upgrade(state: dict) -> dict:
-    """A v1 checkpoint in v2's keys: ``counters.skipped_steps`` -> ``skipped_steps``; the
-    unread ``images_seen``, ``lr_schedule`` and ``world_size`` dropped."""
+    """An older checkpoint in v3's keys. v1 -> v2: ``counters.skipped_steps`` -> ``skipped_steps``;
+    the unread ``images_seen``, ``lr_schedule`` and ``world_size`` dropped. v2 -> v3: no post-hoc
+    EMAs (``posthoc_ema`` empty)."""
     if state.get("format") == "difftrain-checkpoint-v1":
         state = dict(state)
         counters = state.pop("counters", {})
@@ -249,6 +263,10 @@ def _upgrade(state: dict) -> dict:
         state.setdefault("num_classes", 0)
         for key in ("images_seen", "lr_schedule", "world_size"):
             state.pop(key, None)
+        state["format"] = "difftrain-checkpoint-v2"
+    if state.get("format") == "difftrain-checkpoint-v2":
+        state = dict(state)
+        state.setdefault("posthoc_ema", {"stds": [], "gammas": [], "models": []})
         state["format"] = FORMAT
     return state
 

@@ -22,6 +22,7 @@ from difftrain.training import checkpoint as ckpt
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.heldout import build_heldout
 from difftrain.training.lr_schedule import lr_at
+from difftrain.training.power_ema import save_snapshots
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.records import record_start
 from difftrain.training.signals import StopRequest, signal_name
@@ -105,6 +106,7 @@ def train(
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
     start_step = last_saved = state.step
     stopped_by, first_step_s = None, None
+    posthoc_every = cfg.ema.posthoc_every_steps or cfg.checkpoint.every_steps
     paused: dict[str, float] = {}  # seconds of evaluation and saving in this log window
     state.model.train()
     # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
@@ -165,6 +167,16 @@ def train(
             if not stopped_by and fid.due(step):
                 with _Timed(paused, "fid_s"):
                     trackers.log(step, fid(step, state.ema.model))
+
+            # Snapshot the post-hoc EMAs, before the checkpoint of the same step: a checkpoint of step
+            # N implies every snapshot up to N is on disk. Only at their interval and the last step,
+            # so a stop and resume leaves the same files.
+            if state.posthoc.stds and (step % posthoc_every == 0 or step == tc.total_steps):
+                with _Timed(paused, "checkpoint_s"):
+                    distributed.run_on_main(
+                        lambda: save_snapshots(state.posthoc, run_dir, step, config_to_dict(cfg), data.num_classes),
+                        dctx,
+                    )
 
             # Save: rank 0 writes, every rank gets its outcome (the path, None when
             # on_write_error="continue" let a failure pass, or the error to raise).

@@ -22,6 +22,7 @@ from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
 from difftrain.training.checkpoint import load_weights
 from difftrain.training.ema import EMA
+from difftrain.training.power_ema import PowerEMA
 
 
 def build_model(cfg: Config, num_classes: int = 0) -> UNet:
@@ -66,7 +67,8 @@ def peak_lr(cfg: Config, world_size: int = 1) -> float:
 
 @dataclasses.dataclass
 class RunState:
-    """Model, EMA, optimizer, loss scale, step, data position and counters of one run.
+    """Model, EMA, optimizer, loss scale, step, data position and counters of one run; with
+    ``ema.posthoc_std``, the power-function EMAs of post-hoc EMA (none: a no-op).
 
     ``model`` is the unwrapped network: the one saved, averaged by the EMA and loaded into;
     ``net`` is the same weights as they run forward and backward (DDP-wrapped and compiled
@@ -78,6 +80,7 @@ class RunState:
     ema: EMA
     optimizer: torch.optim.Optimizer
     precision: Precision
+    posthoc: PowerEMA
     num_classes: int = 0
     step: int = 0  # optimizer steps taken
     position: int = 0  # images consumed by all ranks together: the global data position
@@ -91,8 +94,9 @@ class RunState:
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
+        posthoc = PowerEMA(model, cfg.ema.posthoc_std)
         optimizer = build_optimizer(cfg, model, device)
-        state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), num_classes)
+        state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes)
         state.net = model
         return state
 
@@ -109,6 +113,7 @@ class RunState:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.precision.state_dict(),
             "rng": rng_state(),
+            "posthoc_ema": self.posthoc.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -117,6 +122,7 @@ class RunState:
         load_weights(self.model, state["model"], path, "model")
         load_weights(self.ema.model, state["ema"]["model"], path, "ema.model")
         self.ema.load_state_dict(state["ema"])
+        self.posthoc.load_state_dict(state["posthoc_ema"], path)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:

@@ -3,13 +3,13 @@
 The training loop, the benchmarks, ``lr-find`` and ``estimate`` call it; nothing copies it. A
 step draws its random numbers from (seed, step, micro-batch), accumulates gradients over
 ``train.grad_accum_steps`` micro-batches, clips, takes the optimizer step (skipped on the device
-when the loss or a gradient is not finite), updates the EMA and adds its figures to
-:class:`StepMetrics`, all without waiting for the device.
+when the loss or a gradient is not finite), updates the EMA and the post-hoc power EMAs and
+adds its figures to :class:`StepMetrics`, all without waiting for the device.
 
 On CUDA, :class:`CapturedStep` runs the same step as one CUDA graph (``train.cuda_graphs``):
 the random numbers are drawn outside the graph, exactly as :func:`train_step` draws them, and
-copied into static input buffers; the learning rate and the EMA weight are device tensors that
-are filled before each replay.
+copied into static input buffers; the learning rate, the EMA weight and the post-hoc EMAs'
+weights (which depend on the step) are device tensors that are filled before each replay.
 """
 
 from __future__ import annotations
@@ -135,13 +135,23 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     return step_loss
 
 
-def _update(state: RunState, step_loss: torch.Tensor, metrics: StepMetrics, ema_weight: torch.Tensor | None) -> None:
-    """Clip, step (skipped on the device if not finite), update the EMA, count."""
+def _update(state: RunState, step_loss: torch.Tensor, metrics: StepMetrics,
+            captured: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Clip, step (skipped on the device if not finite), update the EMAs, count.
+
+    ``captured``: the (EMA weight, post-hoc weights (K,)) device tensors of a captured step.
+    The post-hoc EMAs update every step, a skipped one too (the weights did not move, so the
+    average takes in the same weights again): their profile needs one update per step.
+    """
     grad_norm, finite = state.precision.step(state.optimizer, state.model.parameters(), state.cfg.optim.grad_clip, step_loss)
-    if ema_weight is not None:  # captured: the EMA weight is a device tensor (0 between updates)
+    if captured is not None:  # the EMA weight is 0 between updates
+        ema_weight, posthoc_weights = captured
         state.ema.lerp_(state.model, finite.float() * ema_weight)
-    elif (state.step + 1) % state.cfg.ema.update_every_steps == 0:
-        state.ema.update(state.model, apply=finite.float())
+        state.posthoc.lerp_(state.model, posthoc_weights)
+    else:
+        if (state.step + 1) % state.cfg.ema.update_every_steps == 0:
+            state.ema.update(state.model, apply=finite.float())
+        state.posthoc.update(state.model, state.step + 1)
     metrics.add_step(step_loss, grad_norm, finite)
 
 
@@ -197,6 +207,7 @@ class CapturedStep:
         self.static: list[MicroBatch] | None = None
         # Tensors the graph reads, filled before each replay.
         self.ema_weight = torch.zeros((), device=device)
+        self.posthoc_weights = torch.zeros(len(state.posthoc.stds), device=device)
         for group in state.optimizer.param_groups:  # a tensor learning rate, read by the captured step
             group["lr"] = torch.tensor(float(group["lr"]), device=device)
             group["capturable"] = True
@@ -211,7 +222,8 @@ class CapturedStep:
                     d.copy_(s, non_blocking=True)
 
     def _body(self, state: RunState, metrics: StepMetrics) -> None:
-        _update(state, _accumulate(state, self.objective, self.static, metrics), metrics, self.ema_weight)
+        step_loss = _accumulate(state, self.objective, self.static, metrics)
+        _update(state, step_loss, metrics, (self.ema_weight, self.posthoc_weights))
 
     def __call__(self, state: RunState, objective: Objective, batches, lr: float, metrics: StepMetrics,
                  dctx: DistContext | None = None) -> StepMetrics:
@@ -224,6 +236,8 @@ class CapturedStep:
         self._copy_in(micro)
         update = (state.step + 1) % cfg.ema.update_every_steps == 0
         self.ema_weight.fill_(1.0 - state.ema.current_decay() if update else 0.0)
+        for k, w in enumerate(state.posthoc.weights(state.step + 1)):
+            self.posthoc_weights[k].fill_(w)
         if self.graph is None:
             self._capture(state, metrics, dropout_seed)
         else:
@@ -259,8 +273,9 @@ class CapturedStep:
 
 
 def _state_tensors(state: RunState) -> list[torch.Tensor]:
-    """Every tensor a step changes: weights, EMA, loss scale, then AdamW's state (if any yet)."""
+    """Every tensor a step changes: weights, EMAs, loss scale, then AdamW's state (if any yet)."""
     tensors = list(state.model.state_dict().values()) + list(state.ema.model.state_dict().values())
+    tensors += state.posthoc.tensors()
     tensors += state.precision.tensors()
     tensors += [v for s in state.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return [t for t in tensors if t is not None]
