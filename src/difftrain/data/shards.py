@@ -14,7 +14,9 @@ split, per-sample augmentation seeds and exact resume from ``state.position``, w
 to save in the checkpoint. What it costs: one pass over the tar headers per set of shards
 (cached, see :func:`shard_index`; it reads 512-byte headers and seeks past the data), and
 reads by ``pread`` at random offsets, which local disks and the page cache serve well but
-object storage or HTTP would not (shards must be local, uncompressed ``.tar`` files).
+object storage or HTTP would not (shards must be local, uncompressed ``.tar`` files). The
+numbering is that of the shards as they are: shards rewritten between a run's start and its
+resume are indexed again, and the resumed data order follows the new numbering.
 """
 
 from __future__ import annotations
