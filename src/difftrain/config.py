@@ -40,7 +40,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    path: str = "builtin:shapes"  # a folder of images, or builtin:NAME (needs no download)
+    path: str = "builtin:shapes"  # a folder of images, tar shards (a-{0000..0099}.tar), a HF dataset, or builtin:NAME
+    image_column: str = "image"  # Hugging Face datasets: the column holding the images
+    label_column: str = ""  # Hugging Face datasets: the column of class labels ("" = none; class_conditional needs one)
     resolution: int = 32  # pixels; short side resized (antialiased), then center-cropped
     channels: int = 3  # 3 = RGB, 1 = grayscale
     random_flip: bool = True  # random horizontal flip
@@ -396,6 +398,8 @@ def validate(cfg: Config) -> None:
     _check_values(cfg)
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
     _check(d.path.strip() != "", "data.path must name a folder of images or builtin:NAME, got an empty string")
+    _check(d.image_column.strip() != "", "data.image_column must name the column of images, got an empty string")
+    _check(d.label_column == d.label_column.strip(), f"data.label_column has spaces around it: {d.label_column!r}")
     _check(
         d.heldout_path is None or d.heldout_path.strip() != "",
         "data.heldout_path must name a folder of images, got an empty string (leave it out for none)",
@@ -486,6 +490,8 @@ def check_environment(cfg: Config) -> None:
         raise ConfigError("train.device is 'mps' but MPS is not available in this PyTorch build or machine")
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path and not path.startswith("builtin:"):
+            if path.rstrip().lower().endswith((".tar", ".parquet")):
+                continue  # tar shards or parquet files, maybe a pattern: the dataset names what is missing
             where = Path(path).expanduser()
             if not where.exists():
                 raise ConfigError(f"{key} {path} does not exist")

@@ -1,9 +1,12 @@
-"""The data pipeline: image folders, built-in datasets, transforms, a resumable sharded sampler."""
+"""The data pipeline: image folders, tar shards, Hugging Face datasets, built-in datasets,
+transforms, a resumable sharded sampler."""
 
 from .builtin import BUILTIN_DATASETS, SHAPE_CLASSES, ShapesDataset, draw_shape
 from .folder import IMAGE_EXTENSIONS, ImageFolderDataset, scan_images
+from .hf import HFImageDataset
 from .loader import build_dataset, build_loader, collate
 from .sampler import InfiniteSampler, epoch_order, mix_seed, sample_seed, split_key
+from .shards import TarShardDataset
 from .transforms import ALPHA_BACKGROUND, augment, load_image, resize_center_crop, to_tensor
 
 __all__ = [
@@ -11,9 +14,11 @@ __all__ = [
     "BUILTIN_DATASETS",
     "IMAGE_EXTENSIONS",
     "SHAPE_CLASSES",
+    "HFImageDataset",
     "ImageFolderDataset",
     "InfiniteSampler",
     "ShapesDataset",
+    "TarShardDataset",
     "augment",
     "build_dataset",
     "build_loader",

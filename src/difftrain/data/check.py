@@ -28,6 +28,7 @@ from PIL import Image
 from difftrain.runtime.files import cache_dir
 
 from .folder import ImageFolderDataset, scan_images
+from .records import EncodedImageDataset
 from .transforms import BadImage, load_image, open_image, printable
 
 CACHE_NAME = "data_check.json"
@@ -215,7 +216,9 @@ def _write_json(path: Path, data: dict) -> None:
 def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: int = 0, num_workers: int = 0):
     """Check an image-folder dataset at train start; leave out its bad files or fail.
 
-    Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
+    Tar shards and Hugging Face datasets (``EncodedImageDataset``) are not scanned: their bad
+    records are met as they are read, then skipped (logged, replaced by the next good one) or
+    fatal per ``on_bad_image``. Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
     bad file raises ValueError listing them; with "skip" they are dropped, counted on stderr
     and listed in ``run_dir/bad_images.log``, and a file that goes bad later (mid-run) is
     replaced by a deterministic other sample (see ``ImageFolderDataset.__getitem__``). Images
@@ -226,6 +229,9 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     (a run directory with a checkpoint and that list, for the same folder) reuses it without a
     rescan, so the data order does not depend on what changed in the folder meanwhile.
     """
+    if isinstance(dataset, EncodedImageDataset):  # shards, HF datasets: bad records found as read
+        dataset.on_bad_image, dataset.bad_log = on_bad_image, Path(run_dir) / BAD_LOG_NAME
+        return dataset
     if not isinstance(dataset, ImageFolderDataset):
         return dataset
     run_dir = Path(run_dir)

@@ -8,7 +8,9 @@ from torch.utils.data import DataLoader, Dataset
 from .builtin import BUILTIN_DATASETS, BUILTIN_PREFIX
 from .cache import CachedImageDataset
 from .folder import ImageFolderDataset
+from .hf import HFImageDataset, is_hf_path
 from .sampler import InfiniteSampler
+from .shards import TarShardDataset, is_shard_path
 
 
 def build_dataset(
@@ -21,8 +23,16 @@ def build_dataset(
     class_conditional: bool = False,
     cache: bool = False,
     cache_dir: str = "",
+    image_column: str = "image",
+    label_column: str = "",
 ) -> Dataset:
-    """``builtin:NAME`` gives a dataset of ``BUILTIN_DATASETS``; any other path a folder of images.
+    """The dataset ``path`` names, by its form:
+
+    - ``builtin:NAME``: a dataset of ``BUILTIN_DATASETS`` (generated);
+    - ``*.tar``, a brace pattern or glob of them: WebDataset-style tar shards (``shards.py``);
+    - ``*.parquet`` files, or a ``save_to_disk`` folder: a Hugging Face dataset (``hf.py``), its
+      images in ``image_column``, its labels (class-conditional runs) in ``label_column``;
+    - any other folder: the images under it (``folder.py``).
 
     Items are ``(image (C, H, W) float32 in [-1, 1], label int)``; the dataset has
     ``num_classes`` (0 when unconditional) and ``classes``. With ``cache`` a folder's images
@@ -44,6 +54,10 @@ def build_dataset(
                 f"data.path {path}: unknown built-in dataset {name!r}; choices: {choices}"
             )
         return BUILTIN_DATASETS[name](**options)
+    if is_shard_path(path):
+        return TarShardDataset(path, **options)
+    if is_hf_path(path):
+        return HFImageDataset(path, **options, image_column=image_column, label_column=label_column)
     dataset = ImageFolderDataset(path, **options)
     return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
 

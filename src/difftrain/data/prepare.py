@@ -30,6 +30,8 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True) -> Dat
         random_flip=d.random_flip and augment,
         color_jitter=d.color_jitter if augment else 0.0,
         class_conditional=d.class_conditional,
+        image_column=d.image_column,
+        label_column=d.label_column,
     )
 
 
