@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 TINY = str(Path(__file__).parents[2] / "configs" / "tiny.toml")
@@ -36,7 +36,8 @@ def test_train_resume_inspect_sample(tmp_path, tiny_overrides):
     assert info["model_sha256"] in text and "[train]" in text
 
     out_a, out_b, out_c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    run("sample", "--checkpoint", str(run_dir), "--num", "5", "--steps", "4", "--seed", "3", "--out", str(out_a))
+    shown = run("sample", "--checkpoint", str(run_dir), "--num", "5", "--steps", "4", "--seed", "3", "--out", str(out_a))
+    assert "sample: 5/5 (100%)" in shown.stderr and "images/s" in shown.stderr  # a progress line
     run("sample", "--checkpoint", str(run_dir), "--num", "5", "--steps", "4", "--seed", "3", "--out", str(out_b))
     run("sample", "--checkpoint", str(run_dir), "--num", "5", "--sampler", "ddpm", "--steps", "4", "--no-ema",
         "--seed", "4", "--out", str(out_c))
@@ -91,3 +92,34 @@ def test_posthoc_ema_writes_a_checkpoint_that_sample_and_inspect_read(tmp_path, 
     assert "reconstructed post hoc: sigma_rel 0.08 at step 6" in capsys.readouterr().out
     assert main(["posthoc-ema", str(run_dir), "--std", "0.5", "--out", str(out)]) == 2
     assert "sigma_rel must be in (0, 0.3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["wrong shape", "missing key", "not a dict", "all NaN"])
+def test_a_checkpoint_with_wrong_contents_is_one_line_in_every_command(tmp_path, tiny_overrides, damage):
+    """train --resume, sample and diagnose: exit 2 and one line naming the file and the key."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    sets = [a for o in tiny_overrides for a in ("--set", o)]
+    run("train", *sets, "--stop-at-step", "2", "--run-dir", str(run_dir))
+    state = torch.load(run_dir / "checkpoints" / "step_00000002.pt", weights_only=True)
+    conv = next(k for k, v in state["model"].items() if v.ndim == 4)
+    if damage == "wrong shape":
+        state["model"][conv] = torch.zeros(1, 1, 1, 1)
+        state["ema"]["model"][conv] = torch.zeros(1, 1, 1, 1)
+    elif damage == "missing key":
+        del state["optimizer"]
+    elif damage == "not a dict":
+        state["ema"] = [1, 2, 3]
+    else:
+        state["ema"]["model"] = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+                                 for k, v in state["ema"]["model"].items()}
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    for args in (["train", *sets, "--resume", str(bad), "--run-dir", str(tmp_path / "new")],
+                 ["sample", "--checkpoint", str(bad), "--num", "2", "--steps", "2", "--out", str(tmp_path / "s")],
+                 ["diagnose", "--checkpoint", str(bad), "--out", str(tmp_path / "d")]):
+        proc = run(*args, check=False)
+        lines = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, (args[0], proc.stderr)
+        assert "bad.pt" in lines[0] and ("key" in lines[0] or "not finite" in lines[0]), lines[0]
