@@ -9,7 +9,26 @@ from difftrain.training.checkpoint import load_checkpoint, state_dict_sha256
 
 
 def describe_checkpoint(path: str | Path) -> dict:
-    """A JSON-ready description of the checkpoint at ``path`` (file or run directory)."""
+    """A JSON-ready description of the checkpoint at ``path`` (file or run directory), or of a
+    weights file (``.safetensors``: one set of weights, so one digest; the other is None)."""
+    from difftrain.interop import is_weights_file, load_weights_file
+
+    if is_weights_file(path):
+        state = load_weights_file(path)
+        cfg = config_from_dict(state["config"], source=state["path"])
+        tensors, digest = state["tensors"], state_dict_sha256(state["tensors"])
+        return {
+            "path": state["path"],
+            "step": state["step"],
+            "images_seen": state["images_seen"],
+            "parameters": sum(t.numel() for t in tensors.values()),
+            "weights": state["weights"],
+            "model_sha256": digest if state["weights"] == "raw" else None,
+            "ema_sha256": digest if state["weights"] == "ema" else None,
+            "skipped_steps": None,
+            "config": state["config"],
+            "config_toml": config_to_toml(cfg),
+        }
     state = load_checkpoint(path)
     cfg = config_from_dict(state["config"], source=state["path"])
     model = state["model"]

@@ -223,6 +223,24 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from difftrain.api import export
+
+    out = Path(args.out)
+    if args.format == "diffusers":
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"OUT {out} exists and is not an empty folder; pick a new folder for the pipeline")
+    elif out.suffix != ".safetensors":
+        raise ConfigError(f"OUT must end in .safetensors for --format safetensors, got {out}")
+    written = export(args.run, out, format=args.format, ema=not args.no_ema)
+    weights = "raw" if args.no_ema else "EMA"
+    print(f"difftrain: {weights} weights of {args.run} exported as {args.format} to {written}")
+    if args.format == "diffusers" and (written / "README.md").is_file():
+        print(f"difftrain: note: class-conditional model: DDPMPipeline / DDIMPipeline pass no class labels; "
+              f"sample with the loop in {written / 'README.md'}")
+    return 0
+
+
 def _make_folder(path: Path, option: str) -> None:
     """Create an output folder, or raise one clear error: it is a file, or cannot be made."""
     if path.exists() and not path.is_dir():
@@ -310,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_data_check)
 
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")
-    p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    p.add_argument("--checkpoint", required=True, help="checkpoint file, run directory or .safetensors weights file")
     p.add_argument("--num", type=int, default=64, help="number of images")
     p.add_argument("--sampler", choices=_sampler_choices(),
                    help="sampler (default: the run's validation.sampler); the model's objective must have it")
@@ -362,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("inspect", help="step, config, parameter count and weight digests of a checkpoint")
-    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("checkpoint", help="checkpoint file, run directory or .safetensors weights file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_inspect)
 
@@ -410,6 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--screenshot", help="also save a PNG of the page as headless Chromium renders it")
     p.add_argument("--window-size", default="1300,1250", help="WIDTH,HEIGHT of the screenshot in pixels")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("export", help="a checkpoint as a diffusers pipeline folder or one .safetensors file")
+    p.add_argument("run", help="checkpoint file or run directory")
+    p.add_argument("out", help="folder for --format diffusers; FILE.safetensors for --format safetensors")
+    p.add_argument("--format", choices=["diffusers", "safetensors"], default="diffusers",
+                   help="diffusers: DDPMPipeline/DDIMPipeline folder; safetensors: the weights and config alone")
+    p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA")
+    p.set_defaults(func=_export)
     return parser
 
 

@@ -38,8 +38,75 @@ class ConfigError(ValueError):
     """A config key is unknown or its value is invalid; the message names the key."""
 
 
+class _Section:
+    """A config section that checks every assignment made in Python: ``cfg.train.precision =
+    "fp8"`` raises a :class:`ConfigError` naming ``train.precision``, as ``--set`` would, and a
+    value that breaks a rule of :func:`validate` is refused and the old value kept. Values are
+    converted to the field's type (a list becomes a tuple). Loading (``_apply``) sets fields
+    without the whole-config check and validates once at the end."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):  # _parent: the Config this section belongs to
+            object.__setattr__(self, name, value)
+            return
+        section = _SECTION_NAMES.get(type(self).__name__, type(self).__name__)
+        hints = _hints(type(self))
+        if name not in hints:
+            raise ConfigError(f"unknown config key {section}.{name}; {section} has: {', '.join(hints)}")
+        value = _coerce(f"{section}.{name}", value, hints[name])
+        parent = self.__dict__.get("_parent")
+        old = self.__dict__.get(name, _MISSING)
+        object.__setattr__(self, name, value)
+        if parent is not None and old is not _MISSING:
+            try:
+                validate(parent)
+            except ConfigError:
+                object.__setattr__(self, name, old)
+                raise
+
+
+class _Root:
+    """The whole config: sections are linked to it so that an assignment to one is validated
+    against the rest, and a Config built in Python is validated when built."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        hints = _hints(type(self))
+        if name not in hints:
+            raise ConfigError(f"unknown config section {name!r}; sections: {', '.join(hints)}")
+        if isinstance(value, dict):
+            section = hints[name]()
+            _apply_section(section, name, value, "Python")
+            value = section
+        if not isinstance(value, hints[name]):
+            raise ConfigError(f"config section {name} must be a {hints[name].__name__}, got {type(value).__name__}")
+        old = self.__dict__.get(name, _MISSING)
+        object.__setattr__(self, name, value)
+        if old is not _MISSING and all(n in self.__dict__ for n in hints):
+            try:
+                validate(self)
+            except ConfigError:
+                object.__setattr__(self, name, old)
+                raise
+        object.__setattr__(value, "_parent", self)
+
+    def __post_init__(self) -> None:
+        validate(self)  # type: ignore[arg-type]
+
+
+_MISSING = object()
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation of a config dataclass (cached)."""
+    if cls not in _HINTS:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _HINTS[cls]
+
+
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     path: str = "builtin:shapes"  # a folder of images, tar shards (a-{0000..0099}.tar), a HF dataset, or builtin:NAME
     image_column: str = "image"  # Hugging Face datasets: the column holding the images
     label_column: str = ""  # Hugging Face datasets: the column of class labels ("" = none; class_conditional needs one)
@@ -59,7 +126,7 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     preset: str = "tiny"  # a key of difftrain.models.MODEL_PRESETS
     base_channels: int | None = None  # None = the preset's value (as for the fields below)
     channel_mult: tuple[int, ...] | None = None  # channel multiplier per resolution level
@@ -68,10 +135,13 @@ class ModelConfig:
     dropout: float | None = None  # dropout inside residual blocks
     class_dropout: float = 0.1  # probability of dropping a label (classifier-free guidance)
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
+    # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory
+    init_from: str | None = None
 
 
 @dataclass
-class DiffusionConfig:
+class DiffusionConfig(_Section):
     objective: ObjectiveName = "ddpm"  # the training objective family (diffusion/objective.py)
     num_timesteps: int = 1000  # T; integer timesteps t in [0, T)
     schedule: Schedule = "cosine"  # noise schedule of alpha_bar(t)
@@ -92,7 +162,7 @@ class DiffusionConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(_Section):
     lr: float = 2e-4  # peak learning rate (AdamW)
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
@@ -106,7 +176,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     total_steps: int = 100_000  # optimizer steps
     batch_size: int = 128  # images per device and micro-batch
     # images per optimizer step = batch_size * grad_accum_steps * world size
@@ -124,7 +194,7 @@ class TrainConfig:
 
 
 @dataclass
-class EMAConfig:
+class EMAConfig(_Section):
     decay: float = 0.9999  # final EMA decay
     warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t))
     warmup_power: float = 0.0  # > 0: decay_t = min(decay, 1 - (1 + t) ** -power) instead (diffusers: 0.75)
@@ -136,7 +206,7 @@ class EMAConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     every_steps: int = 5000  # optimizer steps between checkpoints
     keep_last: int = 3  # rotation: newest checkpoints kept
     keep_every_steps: int = 0  # also keep every checkpoint at a multiple of this (0 = none)
@@ -144,7 +214,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class ValidationConfig:
+class ValidationConfig(_Section):
     every_steps: int = 5000  # optimizer steps between validation grids (0 = never)
     num_images: int = 64  # images in the grid
     sampler: Sampler = "ddim"  # sampler for the grid
@@ -157,7 +227,7 @@ class ValidationConfig:
 
 
 @dataclass
-class EvaluationConfig:
+class EvaluationConfig(_Section):
     fid_every_steps: int = 0  # optimizer steps between FIDs of the EMA model (0 = never)
     fid_num_samples: int = 5000  # samples per FID; logged with it (FID is biased up at small counts)
     fid_ref: str = ""  # reference statistics (.npz) or image folder; "" = the training data, cached
@@ -170,7 +240,7 @@ class EvaluationConfig:
 
 
 @dataclass
-class TrackingConfig:
+class TrackingConfig(_Section):
     tensorboard: bool = True  # TensorBoard event files in the run directory
     wandb: bool = False  # Weights & Biases (needs `pip install wandb`); files in run_dir/wandb
     wandb_project: str = "difftrain"  # W&B project name
@@ -181,7 +251,7 @@ class TrackingConfig:
 
 
 @dataclass
-class Config:
+class Config(_Root):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
@@ -192,6 +262,10 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+# Section class name -> its key in Config, for the names in errors.
+_SECTION_NAMES = {typing.get_type_hints(Config)[f.name].__name__: f.name for f in dataclasses.fields(Config)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,26 +321,30 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 
 def _fields(section: Any) -> dict[str, Any]:
-    hints = typing.get_type_hints(type(section))
-    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+    return _hints(type(section))
+
+
+def _apply_section(section: Any, name: str, values: dict[str, Any], source: str) -> None:
+    """Set every key of ``values`` on one section, checked against its field types only."""
+    fields = _fields(section)
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key {name}.{key} in {source}; {name} has: {', '.join(fields)}"
+            )
+        object.__setattr__(section, key, _coerce(f"{name}.{key}", value, fields[key]))
 
 
 def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
-    """Set every ``section.key`` of ``data`` (a nested dict) on ``cfg``."""
+    """Set every ``section.key`` of ``data`` (a nested dict) on ``cfg``; the caller validates
+    the result once (intermediate states may break a cross-key rule)."""
     sections = _fields(cfg)
     for name, values in data.items():
         if name not in sections:
             raise ConfigError(f"unknown config section {name!r} in {source}; sections: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"{name} in {source} must be a table of keys")
-        section = getattr(cfg, name)
-        fields = _fields(section)
-        for key, value in values.items():
-            if key not in fields:
-                raise ConfigError(
-                    f"unknown config key {name}.{key} in {source}; {name} has: {', '.join(fields)}"
-                )
-            setattr(section, key, _coerce(f"{name}.{key}", value, fields[key]))
+        _apply_section(getattr(cfg, name), name, values, source)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -420,6 +498,8 @@ def validate(cfg: Config) -> None:
         m.preset in MODEL_PRESETS,
         f"model.preset must be one of {', '.join(MODEL_PRESETS)}, got {m.preset!r}",
     )
+    _check(m.init_from is None or m.init_from.strip() != "",
+           "model.init_from must name a folder or file, got an empty string (leave it out for random weights)")
     _check(m.base_channels is None or m.base_channels > 0, f"model.base_channels must be > 0, got {m.base_channels}")
     _check(m.num_res_blocks is None or m.num_res_blocks >= 1, f"model.num_res_blocks must be >= 1, got {m.num_res_blocks}")
     _check(m.dropout is None or 0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")

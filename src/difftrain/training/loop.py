@@ -67,8 +67,8 @@ def train(
 
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)
-    state = RunState.build(cfg, data.num_classes, device)
     source, resumed_from = resume_source(run_dir, resume), None
+    state = RunState.build(cfg, data.num_classes, device, init_weights=source is None)
     if source is not None:
         saved = ckpt.load_checkpoint(source)
         resumed_from = Path(saved["path"])

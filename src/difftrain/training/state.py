@@ -88,11 +88,18 @@ class RunState:
     net: nn.Module | None = None
 
     @classmethod
-    def build(cls, cfg: Config, num_classes: int, device: torch.device) -> RunState:
-        """Fresh weights from the run's seed (the same on every rank), on ``device``."""
+    def build(cls, cfg: Config, num_classes: int, device: torch.device, init_weights: bool = True) -> RunState:
+        """Fresh weights from the run's seed (the same on every rank), on ``device``; with
+        ``model.init_from`` and ``init_weights``, the weights it names instead (a resume, which
+        loads its checkpoint over them, passes False)."""
         tc = cfg.train
         torch.manual_seed(derive_seed(tc.seed, "init"))
-        model = prepare_model(build_model(cfg, num_classes).to(device), device, tc.channels_last, tc.tf32)
+        model = build_model(cfg, num_classes)
+        if cfg.model.init_from and init_weights:  # existing weights (fine-tuning); the EMA starts from them too
+            from difftrain.interop import load_init_weights
+
+            load_init_weights(model, cfg.model.init_from)
+        model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
         optimizer = build_optimizer(cfg, model, device)

@@ -1,0 +1,115 @@
+"""The Python API, for notebooks and scripts: train, load, generate, export.
+
+    import difftrain
+    result = difftrain.train("configs/tiny.toml", "runs/tiny", train__total_steps=200)
+    model = difftrain.load("runs/tiny")
+    images = difftrain.generate(model, 16, sampler="ddim", steps=50, seed=0)   # (16, C, H, W) in [-1, 1]
+
+Each call does what the command of the same name does, with the same checks and results.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftrain.config import Config, ConfigError, _apply, check_environment, config_from_dict, load_config, validate
+
+
+def make_config(config_or_path: Config | str | Path | dict | None = None, **overrides: Any) -> Config:
+    """A validated config from a :class:`Config` (copied, not changed), a TOML path, a nested
+    dict or None (the defaults), with ``overrides`` applied: ``section__key=value`` (e.g.
+    ``train__total_steps=10``), ``**{"section.key": value}``, or ``section={"key": value}``."""
+    if isinstance(config_or_path, Config):
+        cfg = copy.deepcopy(config_or_path)
+    elif isinstance(config_or_path, dict):
+        cfg = config_from_dict(config_or_path, source="the config dict")
+    elif config_or_path is None or isinstance(config_or_path, (str, Path)):
+        cfg = load_config(config_or_path)
+    else:
+        raise ConfigError(f"expected a Config, a TOML path, a dict or None, got {type(config_or_path).__name__}")
+    nested: dict[str, dict[str, Any]] = {}
+    for name, value in overrides.items():
+        if isinstance(value, dict) and "." not in name and "__" not in name:
+            nested.setdefault(name, {}).update(value)
+            continue
+        section, sep, key = name.replace("__", ".").partition(".")
+        if not sep or not key:
+            raise ConfigError(f"override {name!r} must look like section__key=value (e.g. train__total_steps=10)")
+        nested.setdefault(section, {})[key] = value
+    _apply(cfg, nested, "the keyword overrides")
+    validate(cfg)
+    return cfg
+
+
+def train(
+    config_or_path: Config | str | Path | dict | None = None,
+    run_dir: str | Path = "runs/default",
+    *,
+    resume: str | Path | None = None,
+    stop_at_step: int | None = None,
+    **overrides: Any,
+):
+    """Train (or resume the run in ``run_dir``), as ``difftrain train``; returns a ``TrainResult``
+    (step, images_seen, checkpoint, skipped_steps, stopped_by). The config is validated and
+    checked against this machine before anything is written. See :func:`make_config` for
+    ``config_or_path`` and ``overrides``."""
+    from difftrain.training.loop import train as train_loop
+
+    cfg = make_config(config_or_path, **overrides)
+    check_environment(cfg)
+    return train_loop(cfg, run_dir, resume=resume, stop_at_step=stop_at_step)
+
+
+def load(run_or_checkpoint: str | Path, *, ema: bool = True, device: str = "auto"):
+    """A trained model (``LoadedModel``: model, cfg, objective, num_classes, step, path) from a
+    run directory, a checkpoint file or a ``.safetensors`` weights file, EMA weights unless
+    ``ema`` is False."""
+    from difftrain.inference import load_model
+
+    return load_model(run_or_checkpoint, use_ema=ema, device=device)
+
+
+def generate(
+    model,
+    n: int,
+    *,
+    sampler: str = "ddim",
+    steps: int = 50,
+    seed: int = 0,
+    class_label: int | Sequence[int] | None = None,
+    guidance_scale: float = 1.0,
+    batch_size: int = 256,
+    **sampler_options: Any,
+) -> torch.Tensor:
+    """``n`` images, (n, C, H, W) float32 in [-1, 1] on the CPU: the images ``difftrain sample``
+    writes for the same seed and settings. ``model``: what :func:`load` returns, or a path to
+    load. ``class_label``: one class for all, one per image, or None (one class per grid row for
+    a class-conditional model). ``sampler_options``: e.g. ``eta=0.5`` for DDIM."""
+    from difftrain.inference import LoadedModel, generate_images
+
+    if not isinstance(model, LoadedModel):
+        model = load(model)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    return generate_images(model, n, sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
+                           class_label=class_label, guidance_scale=guidance_scale, **sampler_options)
+
+
+def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "diffusers", ema: bool = True) -> Path:
+    """Write a checkpoint's EMA (or raw) weights as a diffusers pipeline folder
+    (``format="diffusers"``) or as one ``.safetensors`` file with its config
+    (``format="safetensors"``), as ``difftrain export``; returns what was written."""
+    from difftrain.interop import export_diffusers, save_weights_file
+    from difftrain.training.checkpoint import load_checkpoint
+
+    if format not in ("diffusers", "safetensors"):
+        raise ValueError(f"format must be 'diffusers' or 'safetensors', got {format!r}")
+    state = load_checkpoint(run_or_checkpoint)
+    if format == "safetensors":
+        return save_weights_file(state, out, use_ema=ema)
+    return export_diffusers(state, out, use_ema=ema)

@@ -1,0 +1,304 @@
+"""Weights in and out of difftrain: a small ``.safetensors`` file for sharing, a diffusers
+pipeline folder, and the weights a run starts from (``model.init_from``).
+
+    save_weights_file(state, "model.safetensors")   # EMA (or raw) weights + config in its metadata
+    load_weights_file("model.safetensors")           # -> the fields load_model needs
+    export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder
+    load_init_weights(model, "unet_folder/")         # a diffusers UNet2DModel folder, .safetensors or .pt
+
+diffusers is needed only to write a pipeline folder; reading a diffusers UNet folder needs only
+``safetensors`` (or torch for a ``.bin``).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.config import config_from_dict, config_to_toml
+from difftrain.diffusion.schedules import MAX_BETA, alpha_bar_schedule, betas_from_alpha_bar
+from difftrain.training.checkpoint import CheckpointError, load_checkpoint, load_weights
+
+WEIGHTS_FORMAT = "difftrain-weights-v1"
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# The .safetensors weights file: one set of weights, the config and the class count.
+
+
+def is_weights_file(path: str | Path) -> bool:
+    """True for a ``.safetensors`` file (what :func:`save_weights_file` writes)."""
+    return Path(path).suffix == WEIGHTS_SUFFIX and Path(path).is_file()
+
+
+def save_weights_file(state: dict, out: str | Path, use_ema: bool = True) -> Path:
+    """Write the EMA (or raw) weights of a checkpoint read by ``load_checkpoint`` to ``out``
+    (``.safetensors``); the config (TOML), class count, objective and step go in its metadata."""
+    from safetensors.torch import save
+
+    from difftrain.runtime.files import atomic_write_bytes
+
+    out = Path(out)
+    if out.suffix != WEIGHTS_SUFFIX:
+        raise ValueError(f"the weights file must end in {WEIGHTS_SUFFIX}, got {out}")
+    tensors = state["ema"]["model"] if use_ema else state["model"]
+    cfg = config_from_dict(state["config"], source=state["path"])
+    metadata = {
+        "format": WEIGHTS_FORMAT,
+        "config": config_to_toml(cfg),
+        "num_classes": str(state["num_classes"]),
+        "objective": cfg.diffusion.objective,
+        "step": str(state["step"]),
+        "images_seen": str(state["data_position"]),
+        "weights": "ema" if use_ema else "raw",
+        "source": str(state["path"]),
+    }
+    data = save({k: t.detach().cpu().contiguous().clone() for k, t in tensors.items()}, metadata=metadata)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, data)
+    return out
+
+
+def load_weights_file(path: str | Path) -> dict:
+    """Read a weights file: ``path``, ``config`` (a dict as in checkpoints), ``num_classes``,
+    ``step``, ``images_seen``, ``weights`` ("ema" or "raw") and ``tensors``; a file that is not
+    one raises :class:`CheckpointError` naming it."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise CheckpointError(f"cannot read weights file {path}: {e}") from e
+    if metadata.get("format") != WEIGHTS_FORMAT:
+        raise CheckpointError(f"{path} is not a difftrain weights file (metadata format {WEIGHTS_FORMAT!r} "
+                              "expected; a diffusers UNet folder goes in model.init_from)")
+    try:
+        config = tomllib.loads(metadata["config"])
+        info = {k: int(metadata[k]) for k in ("num_classes", "step", "images_seen")}
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"weights file {path}: bad metadata ({e})") from None
+    return {"path": str(path), "config": config, "weights": metadata.get("weights", "ema"), "tensors": tensors,
+            **info}
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusers pipeline folders.
+
+# difftrain prediction -> diffusers prediction_type.
+DIFFUSERS_PREDICTION = {"epsilon": "epsilon", "v": "v_prediction", "x0": "sample"}
+
+
+def _named_betas(name: str, num_timesteps: int) -> tuple[dict, Tensor] | None:
+    """diffusers' keyword arguments naming difftrain's schedule ``name``, and the float64 betas
+    diffusers builds from them; None when diffusers has no equal schedule."""
+    scale = 1000.0 / num_timesteps  # difftrain scales both ends by 1000 / T (improved DDPM)
+    if name == "linear":
+        kw = dict(beta_schedule="linear", beta_start=scale * 1e-4, beta_end=scale * 0.02)
+        return kw, torch.linspace(kw["beta_start"], kw["beta_end"], num_timesteps, dtype=torch.float64)
+    if name == "scaled_linear":
+        kw = dict(beta_schedule="scaled_linear", beta_start=scale * 0.00085, beta_end=scale * 0.012)
+        lin = torch.linspace(kw["beta_start"] ** 0.5, kw["beta_end"] ** 0.5, num_timesteps, dtype=torch.float64)
+        return kw, lin**2
+    if name == "cosine":  # improved DDPM eq. 17, betas capped at 0.999: the same construction
+        return dict(beta_schedule="squaredcos_cap_v2"), betas_from_alpha_bar(alpha_bar_schedule("cosine", num_timesteps))
+    return None  # sigmoid: diffusers' "sigmoid" is a different curve
+
+
+def scheduler_config(diffusion) -> dict:
+    """Keyword arguments of diffusers' ``DDPMScheduler`` (``DDIMScheduler`` accepts them too)
+    that reproduce difftrain's sampling for ``cfg.diffusion``: the same alpha_bar (a named
+    schedule when diffusers has an equal one, else ``trained_betas``), prediction, x0 clipped to
+    [-1, 1], the trailing timestep grid, and the posterior variance of ``ddpm_sample``.
+
+    DDIM matches difftrain's DDIM when the step count divides T (diffusers steps by T // steps)
+    and the pipeline is called with ``use_clipped_model_output=True`` (difftrain derives the
+    noise estimate from the clipped x0).
+    """
+    if diffusion.objective != "ddpm":
+        raise ValueError(f"export to diffusers supports ddpm-family models (diffusion.objective = 'ddpm'); "
+                         f"this model's objective is {diffusion.objective!r}")
+    T = diffusion.num_timesteps
+    ours = betas_from_alpha_bar(alpha_bar_schedule(diffusion.schedule, T))
+    named = _named_betas(diffusion.schedule, T)
+    if named is not None and torch.allclose(named[1].clamp(max=MAX_BETA), ours, rtol=1e-9, atol=1e-12) \
+            and bool((named[1] <= MAX_BETA).all()):
+        betas = named[0]
+    else:  # no equal named schedule (sigmoid), or betas clipped at 0.999 (linear at small T)
+        betas = dict(beta_schedule="linear", trained_betas=ours.tolist())
+    return dict(
+        num_train_timesteps=T,
+        **betas,
+        prediction_type=DIFFUSERS_PREDICTION[diffusion.prediction],
+        variance_type="fixed_small",  # beta-tilde, as ddpm_sample
+        clip_sample=True,
+        clip_sample_range=1.0,
+        thresholding=False,
+        timestep_spacing="trailing",  # difftrain's grid (Lin et al. 2024)
+        steps_offset=0,
+        rescale_betas_zero_snr=False,
+    )
+
+
+CONDITIONAL_SNIPPET = '''\
+import torch
+from diffusers import DDIMScheduler, UNet2DModel
+
+folder = "{folder}"
+unet = UNet2DModel.from_pretrained(folder, subfolder="unet").eval()
+scheduler = DDIMScheduler.from_pretrained(folder, subfolder="scheduler")
+scheduler.set_timesteps(50)  # a divisor of num_train_timesteps matches difftrain's DDIM
+labels = torch.tensor([0, 1, 2, 3])  # classes in [0, {num_classes}); {num_classes} = unconditional
+size = unet.config.sample_size
+x = torch.randn(len(labels), unet.config.in_channels, size, size, generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    for t in scheduler.timesteps:
+        out = unet(x, t, class_labels=labels).sample
+        x = scheduler.step(out, t, x, use_clipped_model_output=True).prev_sample
+images = (x / 2 + 0.5).clamp(0, 1)  # (N, C, H, W) in [0, 1]
+'''
+
+
+def export_diffusers(state: dict, out: str | Path, use_ema: bool = True) -> Path:
+    """Write a diffusers pipeline folder (``model_index.json``, ``unet/`` as safetensors,
+    ``scheduler/``) from a checkpoint read by ``load_checkpoint``; ``DDPMPipeline`` and
+    ``DDIMPipeline`` ``.from_pretrained`` load it. A class-conditional model gets a README.md
+    in the folder with a sampling loop that passes the labels (the stock pipelines pass none)."""
+    try:
+        from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+    except ImportError:
+        raise ValueError("export --format diffusers needs diffusers: pip install 'difftrain[bench]' "
+                         "(or pip install diffusers)") from None
+    from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
+    from difftrain.training.state import build_model
+
+    cfg = config_from_dict(state["config"], source=state["path"])
+    scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
+    model = build_model(cfg, state["num_classes"])
+    load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"],
+                 "ema.model" if use_ema else "model")
+    unet = UNet2DModel(**diffusers_config(model))
+    unet.load_state_dict(to_diffusers_state_dict(model), strict=True)
+    out = Path(out)
+    DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
+    if state["num_classes"]:
+        snippet = CONDITIONAL_SNIPPET.format(folder=out, num_classes=state["num_classes"])
+        (out / "README.md").write_text(
+            f"# A class-conditional difftrain model ({state['num_classes']} classes)\n\n"
+            "DDPMPipeline and DDIMPipeline pass no class labels, which this UNet requires "
+            "(\"class_labels should be provided\"). Sample with the scheduler and the UNet:\n\n"
+            f"```python\n{snippet}```\n")
+    return out
+
+
+def pipeline_generator(seed: int) -> torch.Generator:
+    """A CPU generator whose first draw is difftrain's initial noise for ``seed``: a DDIM
+    pipeline (eta = 0) called with it gives the images of ``difftrain sample --seed SEED``."""
+    from difftrain.runtime.seeding import derive_seed
+
+    return torch.Generator().manual_seed(derive_seed(seed, "initial-noise"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting a run from existing weights (model.init_from).
+
+# config.json keys of a UNet2DModel that change the function it computes (dropout does not).
+_FUNCTIONAL_KEYS = (
+    "in_channels", "out_channels", "block_out_channels", "layers_per_block", "down_block_types",
+    "up_block_types", "norm_num_groups", "norm_eps", "flip_sin_to_cos", "freq_shift", "time_embedding_type",
+    "center_input_sample", "act_fn", "downsample_padding", "mid_block_scale_factor", "resnet_time_scale_shift",
+    "attention_head_dim", "num_class_embeds", "class_embed_type", "add_attention", "downsample_type",
+    "upsample_type", "attn_norm_num_groups",
+)
+
+
+def _unet_folder(path: Path) -> Path:
+    """The UNet folder of ``path``: itself, or its ``unet/`` (a whole pipeline folder)."""
+    if (path / "config.json").is_file():
+        return path
+    if (path / "unet" / "config.json").is_file():
+        return path / "unet"
+    raise ValueError(f"model.init_from {path}: not a diffusers UNet2DModel folder (no config.json, "
+                     "nor unet/config.json)")
+
+
+# Attention names of folders saved by diffusers before 0.15 (google/ddpm-cifar10-32's .bin),
+# renamed on load as diffusers itself does.
+_DEPRECATED_ATTENTION = {".query.": ".to_q.", ".key.": ".to_k.", ".value.": ".to_v.", ".proj_attn.": ".to_out.0."}
+
+
+def _read_diffusers_weights(folder: Path) -> dict[str, Tensor]:
+    """The state dict of a diffusers model folder (safetensors preferred, else the .bin)."""
+    st, binary = folder / "diffusion_pytorch_model.safetensors", folder / "diffusion_pytorch_model.bin"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(st), device="cpu")
+    elif binary.is_file():
+        tensors = torch.load(binary, map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"model.init_from {folder}: no diffusion_pytorch_model.safetensors or .bin in it")
+    renamed = {}
+    for name, t in tensors.items():
+        for old, new in _DEPRECATED_ATTENTION.items():
+            name = name.replace(old, new)
+        renamed[name] = t
+    return renamed
+
+
+def _normal(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Tensor]:
+    """The weights of the diffusers UNet2DModel in ``folder`` under ``model``'s names, or one
+    ValueError naming the folder and the first key (config or weight) that does not match."""
+    from difftrain.models.diffusers_export import diffusers_config, diffusers_name
+
+    folder = _unet_folder(Path(folder))
+    theirs_cfg = json.loads((folder / "config.json").read_text())
+    ours_cfg = diffusers_config(model)
+    for key in _FUNCTIONAL_KEYS:
+        if key in theirs_cfg and _normal(theirs_cfg[key]) != _normal(ours_cfg[key]):
+            raise ValueError(f"model.init_from {folder}: the UNet does not match this model's architecture "
+                             f"(model.* / data.* settings): first mismatched key {key!r}: folder "
+                             f"{theirs_cfg[key]!r}, this model {_normal(ours_cfg[key])!r}")
+    tensors = _read_diffusers_weights(folder)
+    own = model.state_dict()
+    names = {diffusers_name(k): k for k in own}
+    for key in sorted(set(names) | set(tensors)):
+        if key not in tensors or key not in names:
+            where = "missing from the folder" if key not in tensors else "not in this model"
+            raise ValueError(f"model.init_from {folder}: the UNet does not match this model's architecture: "
+                             f"first mismatched key {key!r} ({where})")
+        if tensors[key].shape != own[names[key]].shape:
+            raise ValueError(f"model.init_from {folder}: the UNet does not match this model's architecture: "
+                             f"first mismatched key {key!r} (shape {tuple(tensors[key].shape)} in the folder, "
+                             f"{tuple(own[names[key]].shape)} in this model)")
+    return {names[k]: t for k, t in tensors.items()}
+
+
+def load_init_weights(model: nn.Module, source: str | Path) -> None:
+    """Load ``model.init_from`` into ``model``: a diffusers UNet2DModel folder (or pipeline
+    folder), a difftrain weights file (``.safetensors``) or a checkpoint / run directory (its EMA
+    weights). Weights only: no optimizer, step or data position."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"model.init_from {path} does not exist")
+    if path.is_dir() and ((path / "config.json").is_file() or (path / "unet" / "config.json").is_file()):
+        tensors, key = diffusers_to_difftrain(model, path), "init_from"
+    elif is_weights_file(path):
+        tensors, key = load_weights_file(path)["tensors"], "init_from"
+    else:
+        tensors, key = load_checkpoint(path)["ema"]["model"], "ema.model"
+    try:
+        load_weights(model, {k: v.to(torch.float32) for k, v in tensors.items()}, path, key)
+    except CheckpointError as e:
+        raise ValueError(f"model.init_from {path}: the weights do not match this model's architecture: {e}") from None

@@ -1,0 +1,141 @@
+"""Weights in and out: the .safetensors file, diffusers pipeline folders that sample what
+difftrain samples, and runs that start from a diffusers UNet folder (model.init_from)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_OVERRIDES
+from difftrain.config import load_config
+from difftrain.diffusion.objective import build_objective
+from difftrain.inference import load_model
+from difftrain.interop import load_weights_file, save_weights_file, scheduler_config
+from difftrain.sampling import guided_network
+from difftrain.training.checkpoint import load_checkpoint, load_weights, save_checkpoint, state_dict_sha256
+from difftrain.training.state import RunState
+
+# A very small UNet: the tests compare samplers, not image quality.
+SMALL = TINY_OVERRIDES + ["model.base_channels=8", "model.channel_mult=[1, 2]", "train.progress_bar=false"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_checkpoint(tmp_path, *overrides: str, num_classes: int = 0):
+    """A checkpoint of random (non-zero) weights, written where load_checkpoint reads it."""
+    cfg = load_config(None, SMALL + list(overrides))
+    state = RunState.build(cfg, num_classes, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in state.ema.model.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    path = save_checkpoint(state.state_dict(), tmp_path / "checkpoints", step=0)
+    return load_checkpoint(path)
+
+
+def test_weights_file_round_trip_and_loads_for_sampling(tmp_path):
+    state = make_checkpoint(tmp_path, "diffusion.prediction=v", num_classes=3)
+    out = save_weights_file(state, tmp_path / "model.safetensors")
+    read = load_weights_file(out)
+    assert read["num_classes"] == 3 and read["weights"] == "ema" and read["config"] == state["config"]
+    assert state_dict_sha256(read["tensors"]) == state_dict_sha256(state["ema"]["model"])
+    loaded = load_model(out)
+    assert loaded.num_classes == 3 and loaded.ema and loaded.cfg.diffusion.prediction == "v"
+    assert out.stat().st_size < (tmp_path / "checkpoints" / "step_00000000.pt").stat().st_size
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "scaled_linear", "sigmoid"])
+@pytest.mark.parametrize("num_timesteps", [10, 1000])
+def test_scheduler_config_reproduces_alpha_bar(schedule, num_timesteps):
+    diffusers = pytest.importorskip("diffusers")
+    cfg = load_config(None, [f"diffusion.schedule={schedule}", f"diffusion.num_timesteps={num_timesteps}",
+                             "validation.steps=5", "evaluation.fid_steps=5"])
+    scheduler = diffusers.DDPMScheduler(**scheduler_config(cfg.diffusion))
+    ours = build_objective(cfg.diffusion).alpha_bar.float()
+    torch.testing.assert_close(scheduler.alphas_cumprod, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_other_objectives_are_refused():
+    class Diffusion:
+        objective, num_timesteps, schedule, prediction = "edm", 1000, "cosine", "epsilon"
+
+    with pytest.raises(ValueError, match="ddpm-family"):
+        scheduler_config(Diffusion())
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v", "x0"])
+@pytest.mark.parametrize("sampler", ["ddim", "ddpm"])
+def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, prediction, sampler):
+    diffusers = pytest.importorskip("diffusers")
+    from difftrain.api import export, generate, load
+    from difftrain.interop import pipeline_generator
+
+    make_checkpoint(tmp_path, f"diffusion.prediction={prediction}", "diffusion.schedule=linear")
+    folder = export(tmp_path, tmp_path / "pipe")
+    loaded = load(tmp_path)
+    steps, seed, n = 5, 3, 2  # 5 divides T = 100: diffusers' DDIM steps by T // steps
+    if sampler == "ddim":  # deterministic: the same seed gives the images of `difftrain sample`
+        pipe = diffusers.DDIMPipeline.from_pretrained(folder)
+        theirs = pipe(batch_size=n, generator=pipeline_generator(seed), num_inference_steps=steps,
+                      use_clipped_model_output=True, output_type="np").images
+        ours = generate(loaded, n, sampler="ddim", steps=steps, seed=seed)
+    else:  # the pipeline draws x_T and then each step's noise from one generator
+        pipe = diffusers.DDPMPipeline.from_pretrained(folder)
+        theirs = pipe(batch_size=n, generator=torch.Generator().manual_seed(seed), num_inference_steps=steps,
+                      output_type="np").images
+        gen = torch.Generator().manual_seed(seed)
+        x_T = torch.randn((n, 3, 16, 16), generator=gen)
+        with torch.no_grad():
+            ours = loaded.objective.sample(guided_network(loaded.model), x_T, "ddpm", steps, gen)
+    ours = ((ours + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    assert abs(ours - theirs).max() < 1e-4
+
+
+def test_class_conditional_export_writes_a_working_snippet(tmp_path):
+    pytest.importorskip("diffusers")
+    from difftrain.api import export
+
+    make_checkpoint(tmp_path, "data.class_conditional=true", num_classes=3)
+    folder = export(tmp_path, tmp_path / "pipe")
+    snippet = (folder / "README.md").read_text().split("```python\n")[1].split("```")[0]
+    scope: dict = {}
+    exec(snippet.replace("scheduler.set_timesteps(50)", "scheduler.set_timesteps(4)"), scope)  # noqa: S102
+    assert scope["images"].shape == (4, 3, 16, 16)
+
+
+def test_init_from_a_diffusers_folder_starts_from_its_weights(tmp_path):
+    pytest.importorskip("diffusers")
+    from difftrain.api import export
+
+    state = make_checkpoint(tmp_path)
+    folder = export(tmp_path, tmp_path / "pipe")
+    cfg = load_config(None, SMALL + [f"model.init_from={folder / 'unet'}"])
+    built = RunState.build(cfg, 0, torch.device("cpu"))
+    assert state_dict_sha256(built.model.state_dict()) == state_dict_sha256(state["ema"]["model"])
+    assert state_dict_sha256(built.ema.model.state_dict()) == state_dict_sha256(state["ema"]["model"])
+    # the whole pipeline folder works too, and a resume ignores init_from
+    cfg.model.init_from = str(folder)
+    assert state_dict_sha256(RunState.build(cfg, 0, torch.device("cpu")).model.state_dict()) == \
+        state_dict_sha256(state["ema"]["model"])
+    fresh = RunState.build(cfg, 0, torch.device("cpu"), init_weights=False)
+    assert state_dict_sha256(fresh.model.state_dict()) != state_dict_sha256(state["ema"]["model"])
+
+
+def test_init_from_a_different_architecture_names_the_folder_and_key(tmp_path):
+    pytest.importorskip("diffusers")
+    from difftrain.api import export
+
+    make_checkpoint(tmp_path)
+    folder = export(tmp_path, tmp_path / "pipe")
+    cfg = load_config(None, SMALL + ["model.base_channels=16", f"model.init_from={folder}"])
+    with pytest.raises(ValueError, match=r"pipe/unet.*first mismatched key 'block_out_channels'"):
+        RunState.build(cfg, 0, torch.device("cpu"))
+    cfg = load_config(None, SMALL + ["model.num_res_blocks=2", f"model.init_from={tmp_path}"])
+    with pytest.raises(ValueError, match=r"model\.init_from .*lacks"):
+        RunState.build(cfg, 0, torch.device("cpu"))
