@@ -1,10 +1,11 @@
 """Time to FID: train each recipe for the same wall-clock budget, then FID/KID of its EMA samples.
 
-    # CPU mode: tiny UNet on CIFAR-10 at 16 px, the ablation recipes, under 15 minutes on 2 cores
+    # CPU mode: tiny UNet on CIFAR-10 at 16 px, six ablation recipes, about 13 minutes on 2 cores
     python bench/time_to_fid.py --cpu-mode --data /tmp/cifar10
-    # the issue's H100 comparison (difftrain's preset against diffusers' script), 318 s each
+    # the issue's H100 comparison (the short preset against diffusers' script), 318 s each;
+    # the full command is in docs/quality.md
     python bench/time_to_fid.py --data /tmp/cifar10 --budget 318 --num-samples 10000 \\
-        --recipe ddpm-cifar10=configs/ddpm-cifar10.toml:data.cache=true --peer diffusers
+        --recipe short=configs/ddpm-cifar10-short.toml --peer diffusers
 
 Each recipe (a name, a config file and ``--set`` overrides) is trained by the real CLI,
 ``python -m difftrain train``, in a subprocess. The budget counts from the moment the process
@@ -367,8 +368,8 @@ def tables(runs: list[Run], args, ref_count: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-mode", action="store_true",
-                   help="tiny UNet on CIFAR-10 at 16 px (configs/cifar10-16px-cpu.toml), budget 75 s, "
-                        "300 samples, 500 reference images, the CPU_DEFAULT recipes")
+                   help="tiny UNet on CIFAR-10 at 16 px (configs/cifar10-16px-cpu.toml), budget 60 s, "
+                        "200 samples, 500 reference images, the CPU_DEFAULT recipes")
     p.add_argument("--data", default=os.environ.get(DATA_ENV),
                    help=f"folder with train/ and test/ (default ${DATA_ENV}); data.path = DATA/train")
     p.add_argument("--recipes", nargs="*", help=f"built-in recipes on --config: {', '.join(ABLATION)}")
@@ -403,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind, stopping the child run
     cpu = args.cpu_mode
-    args.budget = args.budget or (75.0 if cpu else 318.0)
-    args.num_samples = args.num_samples or (300 if cpu else 10_000)
+    args.budget = args.budget or (60.0 if cpu else 318.0)
+    args.num_samples = args.num_samples or (200 if cpu else 10_000)
     args.ref_num = args.ref_num or (500 if cpu else None)
     args.curve_every = args.curve_every if args.curve_every is not None else (0.0 if cpu else args.budget / 4)
     args.checkpoint_every_steps = args.checkpoint_every_steps or (50 if cpu else 500)
