@@ -1,0 +1,494 @@
+"""Time to FID: train each recipe for the same wall-clock budget, then FID/KID of its EMA samples.
+
+    # CPU mode: tiny UNet on CIFAR-10 at 16 px, six ablation recipes, about 13 minutes on 2 cores
+    python bench/time_to_fid.py --cpu-mode --data /tmp/cifar10
+    # the issue's H100 comparison (the short preset against diffusers' script), 318 s each;
+    # the full command is in docs/quality.md
+    python bench/time_to_fid.py --data /tmp/cifar10 --budget 318 --num-samples 10000 \\
+        --recipe short=configs/ddpm-cifar10-short.toml --peer diffusers
+
+Each recipe (a name, a config file and ``--set`` overrides) is trained by the real CLI,
+``python -m difftrain train``, in a subprocess. The budget counts from the moment the process
+is started, start-up included (imports, data scan, model build, compile); at the budget the
+process gets SIGTERM, saves a checkpoint and exits 75. From outside, this script polls the run
+folder and records when each checkpoint file and each ``metrics.jsonl`` line appears. After
+all recipes have trained (so that evaluation never competes with training for the CPU), each
+kept checkpoint is sampled from its EMA weights (DDIM, ``--steps``, eta 0, fixed seed) and
+compared with reference statistics of ``DATA/test`` through the training preprocessing,
+computed once and cached (what ``difftrain fid-ref`` makes). One table per run: recipe,
+budget, steps, images seen, time to first step, FID and KID; then FID against minutes.
+
+Time to first step is measured from outside as the moment the training loop began: the
+appearance time of the first ``metrics.jsonl`` line minus the span that line's
+``images_per_s`` covers (``train.log_every_steps`` steps); so it includes everything before
+the loop (imports, data scan, decode cache, model build) and not the first step itself.
+
+``train.total_steps=@reached`` in a recipe's overrides is replaced by the steps that the
+first recipe reached in the budget, so that a decaying LR schedule ends when the budget does.
+
+The diffusers peer (``--peer diffusers``) runs ``train_unconditional.py`` from
+``--peer-dir`` (default ``../shared/peers``) through ``accelerate launch`` under ``timeout
+BUDGET``, as that folder's README shows; every per-epoch save of its EMA pipeline is copied
+as it appears, mapped onto difftrain's UNet (``models/diffusers_export.py``: the same network)
+and sampled and scored exactly as difftrain's checkpoints are. It needs torchvision, datasets,
+accelerate and diffusers; where one is missing the table says so and the peer is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_CONFIG = REPO / "configs" / "cifar10-16px-cpu.toml"
+DATA_ENV = "DIFFTRAIN_BENCH_DATA"  # a folder holding train/ and test/ image folders
+PEER_MODULES = ("torchvision", "datasets", "accelerate", "diffusers")
+
+# The ablation: today's preset recipe (constant LR after warm-up, Adam beta1 0.9, no weight
+# decay, the DDPM EMA ramp, random flips), then each difference from diffusers' script on its
+# own, then all of them together and all but the LR decay.
+_COSINE = ("optim.lr_schedule=cosine", "optim.min_lr_ratio=0.0", "train.total_steps=@reached")
+_BETA1 = ("optim.betas=[0.95,0.999]",)
+_WD = ("optim.weight_decay=1e-6",)
+_EMA = ("ema.warmup_power=0.75",)
+_NOFLIP = ("data.random_flip=false",)
+_CONSTANT = ("optim.lr_schedule=constant",)
+ABLATION = {
+    "constant-lr": _CONSTANT,
+    "lr-decay": _COSINE,
+    "beta1-0.95": _CONSTANT + _BETA1,
+    "wd-1e-6": _CONSTANT + _WD,
+    "ema-power": _CONSTANT + _EMA,
+    "no-flip": _CONSTANT + _NOFLIP,
+    "all-but-decay": _CONSTANT + _BETA1 + _WD + _EMA + _NOFLIP,
+    "diffusers-like": _COSINE + _BETA1 + _WD + _EMA + _NOFLIP,
+}
+CPU_DEFAULT = ("constant-lr", "lr-decay", "ema-power", "no-flip", "all-but-decay", "diffusers-like")
+
+
+@dataclass
+class Recipe:
+    name: str
+    config: str | None  # a TOML file; None for the peer
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    run_dir: Path
+    budget_s: float
+    exit_code: int | None = None
+    wall_s: float = 0.0
+    steps: int = 0
+    images_seen: int = 0
+    first_step_s: float | None = None
+    checkpoints: list[tuple[float, int, Path]] = field(default_factory=list)  # (seconds, step, path)
+    skipped: str | None = None  # why the recipe did not run
+    results: list[dict] = field(default_factory=list)
+
+
+def parse_recipe(text: str) -> Recipe:
+    """``NAME=CONFIG[:k=v,...]``; values holding commas (lists) go in brackets, kept whole."""
+    if "=" not in text:
+        raise SystemExit(f"--recipe expects NAME=CONFIG[:section.key=value,...], got {text!r}")
+    name, rest = text.split("=", 1)
+    config, _, sets = rest.partition(":")
+    overrides, depth, current = [], 0, ""
+    for ch in sets:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            overrides.append(current)
+            current = ""
+        else:
+            current += ch
+    if current:
+        overrides.append(current)
+    return Recipe(name, config, overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training a recipe for a wall-clock budget.
+
+
+def _first_step_seconds(metrics: Path, appeared_s: float, log_every: int, batch: int) -> float | None:
+    """When the loop began: the first metrics line's appearance less the span it measures."""
+    try:
+        line = json.loads(metrics.read_text().splitlines()[0])
+    except (FileNotFoundError, IndexError, json.JSONDecodeError):
+        return None
+    span = log_every * batch / line["images_per_s"] if line.get("images_per_s") else 0.0
+    return max(0.0, appeared_s - span)
+
+
+def _settings(config: str, overrides: list[str]) -> tuple[int, int]:
+    """(train.log_every_steps, images per step) of a recipe, read as the CLI reads it."""
+    from difftrain.config import load_config
+
+    cfg = load_config(config, overrides)
+    return cfg.train.log_every_steps, cfg.train.batch_size * cfg.train.grad_accum_steps
+
+
+def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path | None, grace_s: float = 300) -> Run:
+    """Train one recipe through the CLI until it ends or the budget passes (then SIGTERM)."""
+    run = Run(recipe, run_dir, budget_s)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    if warm_scan is not None and warm_scan.is_file():
+        shutil.copy(warm_scan, run_dir / warm_scan.name)  # the data scan, done once for all recipes
+    log_every, per_step = _settings(recipe.config, recipe.overrides)
+    cmd = [sys.executable, "-m", "difftrain", "train", "--config", recipe.config, "--run-dir", str(run_dir)]
+    for o in recipe.overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    seen: dict[str, float] = {}
+    metrics_at = None
+    log = open(run_dir / "train.log", "w")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    signalled = None
+    try:
+        while True:
+            now = time.monotonic() - start
+            if ckpt_dir.is_dir():
+                for f in ckpt_dir.glob("step_*.pt"):
+                    seen.setdefault(f.name, now)
+            if metrics_at is None and metrics.is_file() and metrics.stat().st_size > 0:
+                metrics_at = now
+            if proc.poll() is not None:
+                break
+            if signalled is None and now >= budget_s:
+                proc.send_signal(signal.SIGTERM)  # the run saves a checkpoint at the end of its step
+                signalled = now
+            if signalled is not None and now - signalled > grace_s:
+                proc.kill()
+            time.sleep(0.2)
+    finally:  # this script stopped (Ctrl-C, SIGTERM): stop the run too
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+    run.wall_s = time.monotonic() - start
+    run.exit_code = proc.returncode
+    log.close()
+    for f in sorted(ckpt_dir.glob("step_*.pt")) if ckpt_dir.is_dir() else []:
+        step = int(f.stem.split("_")[1])
+        run.checkpoints.append((min(seen.get(f.name, run.wall_s), budget_s), step, f))
+    if run.checkpoints:
+        run.steps = run.checkpoints[-1][1]
+        run.images_seen = run.steps * per_step
+    if metrics_at is not None:
+        run.first_step_s = _first_step_seconds(metrics, metrics_at, log_every, per_step)
+    if proc.returncode not in (0, 75):
+        run.skipped = f"train exited {proc.returncode}; see {run_dir / 'train.log'}"
+    return run
+
+
+def warm_up(recipe: Recipe, work: Path) -> Path | None:
+    """One step of the first recipe outside any budget: builds the decode cache and the data
+    scan that every recipe would otherwise redo; returns the scan to copy into each run."""
+    run_dir = work / "_warm"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "difftrain", "train", "--config", recipe.config, "--run-dir", str(run_dir),
+           "--stop-at-step", "1", *sum((["--set", o] for o in recipe.overrides if "@" not in o), [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(cmd, env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    scan = run_dir / "data_check.json"
+    return scan if scan.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The diffusers peer.
+
+
+def peer_missing() -> list[str]:
+    """The modules the peer needs that this Python lacks."""
+    return [m for m in PEER_MODULES if importlib.util.find_spec(m) is None]
+
+
+def train_peer(args, work: Path, budget_s: float) -> Run:
+    """diffusers' train_unconditional.py under ``timeout BUDGET``; each epoch's save is copied."""
+    run = Run(Recipe("diffusers (peer)", None), work / "diffusers", budget_s)
+    missing = peer_missing()
+    if missing:
+        run.skipped = f"skipped: needs {', '.join(missing)} (not installed here)"
+        return run
+    peers = Path(args.peer_dir)
+    out, snaps = run.run_dir / "out", run.run_dir / "snapshots"
+    shutil.rmtree(run.run_dir, ignore_errors=True)
+    snaps.mkdir(parents=True)
+    epochs = max(1, math.ceil(args.peer_epochs))
+    cmd = ["timeout", str(int(budget_s)), "accelerate", "launch", "--num_processes", "1",
+           "--mixed_precision", "bf16", str(peers / "train_unconditional.py"),
+           "--train_data_dir", str(Path(args.data) / "train"), "--cache_dir", str(run.run_dir / "hf"),
+           "--resolution", str(args.peer_resolution), "--output_dir", str(out),
+           "--model_config_name_or_path", str(peers / "ddpm-cifar10-unet"), "--train_batch_size", "128",
+           "--num_epochs", str(epochs), "--learning_rate", "2e-4", "--lr_warmup_steps", "500",
+           "--mixed_precision", "bf16", "--dataloader_num_workers", "8", "--use_ema",
+           "--save_model_epochs", "1", "--save_images_epochs", "1000", "--checkpointing_steps", "1000000"]
+    weights = out / "unet" / "diffusion_pytorch_model.safetensors"
+    log = open(run.run_dir / "train.log", "w")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=peers)
+    last_mtime, epoch = None, 0
+    while True:
+        done = proc.poll() is not None
+        if weights.is_file() and weights.stat().st_mtime_ns != last_mtime:
+            time.sleep(2.0)  # let save_pretrained finish the folder
+            last_mtime, epoch = weights.stat().st_mtime_ns, epoch + 1
+            dest = snaps / f"epoch_{epoch:03d}"
+            shutil.copytree(out / "unet", dest / "unet")
+            run.checkpoints.append((time.monotonic() - start, epoch, dest))
+        if done:
+            break
+        time.sleep(0.5)
+    run.wall_s, run.exit_code = time.monotonic() - start, proc.returncode
+    log.close()
+    steps_per_epoch = math.ceil(args.peer_train_images / 128)
+    run.checkpoints = [(s, e * steps_per_epoch, p) for s, e, p in run.checkpoints]
+    if run.checkpoints:
+        run.steps = run.checkpoints[-1][1]
+        run.images_seen = run.steps * 128
+    else:
+        run.skipped = f"no epoch finished in the budget (exit {proc.returncode}); see {run.run_dir / 'train.log'}"
+    return run
+
+
+def load_peer_unet(folder: Path, resolution: int):
+    """The peer's saved UNet2DModel weights on difftrain's ``ddpm-cifar10`` UNet (same network)."""
+    from safetensors.torch import load_file
+
+    from difftrain.models import build_unet
+    from difftrain.models.diffusers_export import diffusers_name
+
+    model = build_unet("ddpm-cifar10", resolution=resolution, in_channels=3)
+    theirs = load_file(str(folder / "unet" / "diffusion_pytorch_model.safetensors"))
+    model.load_state_dict({name: theirs[diffusers_name(name)] for name in model.state_dict()})
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+def curve_points(checkpoints: list[tuple[float, int, Path]], every_s: float) -> list[tuple[float, int, Path]]:
+    """The last checkpoint, plus, every ``every_s`` seconds, the newest one that existed by then."""
+    if not checkpoints:
+        return []
+    chosen = {checkpoints[-1][2]: checkpoints[-1]}
+    if every_s > 0:
+        mark = every_s
+        while mark < checkpoints[-1][0]:
+            before = [c for c in checkpoints if c[0] <= mark]
+            if before:
+                chosen.setdefault(before[-1][2], before[-1])
+            mark += every_s
+    return sorted(chosen.values(), key=lambda c: c[0])
+
+
+def evaluate(runs: list[Run], args, reference, inception) -> None:
+    """FID/KID of the EMA samples of every chosen checkpoint of every run."""
+    from difftrain.diffusion.schedules import alpha_bar_schedule
+    from difftrain.evaluation.evaluate import fid_result, sample_statistics
+    from difftrain.inference import load_model
+
+    for run in runs:
+        for seconds, step, path in curve_points(run.checkpoints, args.curve_every):
+            t0 = time.perf_counter()
+            if run.recipe.config is None:
+                model, prediction = load_peer_unet(path, args.peer_resolution), "epsilon"
+                alpha_bar, shape = alpha_bar_schedule("linear", 1000), (3, args.peer_resolution, args.peer_resolution)
+            else:
+                loaded = load_model(path, use_ema=True, device=args.device)
+                model, prediction, alpha_bar = loaded.model, loaded.cfg.diffusion.prediction, loaded.alpha_bar
+                d = loaded.cfg.data
+                shape = (d.channels, d.resolution, d.resolution)
+            device = next(inception.parameters()).device
+            stats = sample_statistics(model.to(device), inception, alpha_bar=alpha_bar.to(device), prediction=prediction,
+                                      shape=shape, num=args.num_samples, sampler="ddim", steps=args.steps,
+                                      seed=args.seed, batch_size=args.batch_size, eta=0.0)
+            result = fid_result(stats, reference, kid=True, step=step, seconds=round(seconds, 1))
+            result["eval_s"] = round(time.perf_counter() - t0, 1)
+            run.results.append(result)
+            print(f"  {run.recipe.name}: step {step} at {seconds:.0f} s: FID {result['fid']:.2f}, "
+                  f"KID {result['kid_mean']:.4f} ({result['eval_s']:.0f} s)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables.
+
+
+def _fmt(x, spec: str, missing: str = "n/a") -> str:
+    return missing if x is None else format(x, spec)
+
+
+def tables(runs: list[Run], args, ref_count: int) -> str:
+    n = args.num_samples
+    lines = [f"FID/KID: {n:,} EMA samples (DDIM {args.steps} steps, eta 0, seed {args.seed}) against "
+             f"{ref_count:,} reference images; budget counted from process start.", "",
+             "| recipe | budget s | steps | images seen | time to first step s | FID | KID |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r.skipped and not r.results:
+            lines.append(f"| {r.recipe.name} | {r.budget_s:.0f} | - | - | - | {r.skipped} | - |")
+            continue
+        last = r.results[-1] if r.results else {}
+        kid = f"{last['kid_mean']:.4f} ± {last['kid_std']:.4f}" if "kid_mean" in last else "n/a"
+        lines.append(f"| {r.recipe.name} | {r.budget_s:.0f} | {r.steps:,} | {r.images_seen:,} | "
+                     f"{_fmt(r.first_step_s, '.1f')} | {_fmt(last.get('fid'), '.2f')} | {kid} |")
+    lines += ["", "FID against minutes (the newest checkpoint at each point of the budget):", "",
+              "| recipe | minute | step | FID | KID |", "|---|---|---|---|---|"]
+    for r in runs:
+        for res in r.results:
+            lines.append(f"| {r.recipe.name} | {res['seconds'] / 60:.2f} | {res['step']:,} | "
+                         f"{res['fid']:.2f} | {res.get('kid_mean', float('nan')):.4f} |")
+    lines += ["", "Overrides:", ""]
+    for r in runs:
+        if r.recipe.config:
+            rel = os.path.relpath(r.recipe.config, REPO)
+            lines.append(f"- `{r.recipe.name}`: `{rel}` " + " ".join(f"`{o}`" for o in r.recipe.overrides))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu-mode", action="store_true",
+                   help="tiny UNet on CIFAR-10 at 16 px (configs/cifar10-16px-cpu.toml), budget 60 s, "
+                        "200 samples, 500 reference images, the CPU_DEFAULT recipes")
+    p.add_argument("--data", default=os.environ.get(DATA_ENV),
+                   help=f"folder with train/ and test/ (default ${DATA_ENV}); data.path = DATA/train")
+    p.add_argument("--recipes", nargs="*", help=f"built-in recipes on --config: {', '.join(ABLATION)}")
+    p.add_argument("--recipe", action="append", default=[], metavar="NAME=CONFIG[:k=v,...]", help="a recipe")
+    p.add_argument("--config", help="the config the built-in recipes override (CPU mode: configs/cifar10-16px-cpu.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="an override for every difftrain recipe")
+    p.add_argument("--peer", choices=["diffusers"], help="also run diffusers' script from --peer-dir")
+    p.add_argument("--peer-dir", default=os.environ.get("DIFFTRAIN_PEERS", str(REPO.parent / "shared" / "peers")))
+    p.add_argument("--peer-epochs", type=float, default=7, help="epochs the peer plans its cosine LR over")
+    p.add_argument("--peer-resolution", type=int, default=32)
+    p.add_argument("--peer-train-images", type=int, default=50_000, help="for its steps per epoch")
+    p.add_argument("--budget", type=float, help="wall-clock seconds per recipe, start-up included")
+    p.add_argument("--num-samples", type=int, help="samples per FID")
+    p.add_argument("--steps", type=int, default=50, help="DDIM steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=100, help="sampling and Inception batch")
+    p.add_argument("--ref", help="reference .npz or image folder (default: DATA/test via the training preprocessing)")
+    p.add_argument("--ref-num", type=int, help="reference images (default all; CPU mode 500)")
+    p.add_argument("--curve-every", type=float, default=None,
+                   help="seconds between points of the FID curve (0 = the final checkpoint only; default "
+                        "budget / 4, CPU mode 0)")
+    p.add_argument("--checkpoint-every-steps", type=int, default=None,
+                   help="checkpoint interval while training, for the curve (default 500, CPU mode 50)")
+    p.add_argument("--no-warm", action="store_true", help="skip the untimed one-step run that builds the "
+                   "decode cache and the data scan once for all recipes")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--work", default="/tmp/time_to_fid", help="run folders (deleted and remade per recipe)")
+    p.add_argument("--out", help="write the tables (markdown) and results (JSON next to it) here")
+    p.add_argument("--inception", help="FID Inception TorchScript (default: as difftrain finds it)")
+    args = p.parse_args(argv)
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind, stopping the child run
+    cpu = args.cpu_mode
+    args.budget = args.budget or (60.0 if cpu else 318.0)
+    args.num_samples = args.num_samples or (200 if cpu else 10_000)
+    args.ref_num = args.ref_num or (500 if cpu else None)
+    args.curve_every = args.curve_every if args.curve_every is not None else (0.0 if cpu else args.budget / 4)
+    args.checkpoint_every_steps = args.checkpoint_every_steps or (50 if cpu else 500)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    base_config = args.config or (str(CPU_CONFIG) if cpu else None)
+
+    recipes = [parse_recipe(r) for r in args.recipe]
+    names = args.recipes if args.recipes is not None else (list(CPU_DEFAULT) if cpu and not recipes else [])
+    for name in names:
+        if name not in ABLATION:
+            raise SystemExit(f"unknown recipe {name!r}; built in: {', '.join(ABLATION)}")
+        if base_config is None:
+            raise SystemExit("built-in recipes need --config (or --cpu-mode)")
+        recipes.append(Recipe(name, base_config, list(ABLATION[name])))
+    if not recipes and not args.peer:
+        raise SystemExit("nothing to run: name --recipes, --recipe NAME=CONFIG or --peer")
+    data_sets = [f"data.path={Path(args.data) / 'train'}"] if args.data else []
+    every = args.checkpoint_every_steps
+    common = [*data_sets, f"checkpoint.every_steps={every}", f"checkpoint.keep_every_steps={every}",
+              "checkpoint.keep_last=1", "train.progress_bar=false"]
+    for r in recipes:
+        r.config = str(Path(r.config).resolve())
+        r.overrides = common + list(args.set) + r.overrides
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"time_to_fid: {len(recipes)} recipe(s), {args.budget:.0f} s each, {args.num_samples} samples, "
+          f"device {args.device}, torch {torch.__version__}, {os.cpu_count()} CPU(s)", flush=True)
+
+    # Train every recipe first, one at a time (evaluation would compete for the device).
+    scan = None if args.no_warm or not recipes else warm_up(recipes[0], work)
+    runs: list[Run] = []
+    reached = None
+    for r in recipes:
+        if any("@reached" in o for o in r.overrides):
+            if reached is None:
+                raise SystemExit(f"recipe {r.name} uses @reached but no earlier recipe reached a step")
+            r.overrides = [o.replace("@reached", str(reached)) for o in r.overrides]
+        print(f"training {r.name} for {args.budget:.0f} s", flush=True)
+        run = train_recipe(r, work / r.name, args.budget, scan)
+        print(f"  {run.steps} steps, exit {run.exit_code}, first step at {_fmt(run.first_step_s, '.1f')} s"
+              + (f" ({run.skipped})" if run.skipped else ""), flush=True)
+        reached = reached or (run.steps or None)
+        runs.append(run)
+    if args.peer:
+        print(f"training the diffusers peer for {args.budget:.0f} s", flush=True)
+        runs.append(train_peer(args, work, args.budget))
+
+    # Reference statistics (cached), then every run's samples.
+    from difftrain.config import load_config
+    from difftrain.evaluation.inception import InceptionFeatures
+    from difftrain.evaluation.reference import reference_statistics
+    from difftrain.evaluation.stats import FeatureStats
+
+    inception = InceptionFeatures(args.inception).to(args.device)
+    if args.ref and Path(args.ref).is_file():
+        reference = FeatureStats.load(args.ref)
+    else:
+        source = args.ref or (str(Path(args.data) / "test") if args.data else None)
+        if source is None:
+            raise SystemExit("no reference: give --ref, or --data with a test/ folder")
+        cfg = load_config(recipes[0].config, [o for o in recipes[0].overrides if "@" not in o]) if recipes else None
+        res = cfg.data.resolution if cfg else args.peer_resolution
+        ch = cfg.data.channels if cfg else 3
+        t0 = time.perf_counter()
+        reference, _, cached = reference_statistics(source, inception, resolution=res, channels=ch,
+                                                    num=args.ref_num, batch_size=args.batch_size)
+        print(f"reference: {reference.count} images of {source} at {res} px"
+              f"{' (cached)' if cached else ''} in {time.perf_counter() - t0:.0f} s", flush=True)
+    evaluate([r for r in runs if not r.skipped or r.checkpoints], args, reference, inception)
+
+    text = tables(runs, args, reference.count)
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        record = [{"recipe": r.recipe.name, "config": r.recipe.config, "overrides": r.recipe.overrides,
+                   "budget_s": r.budget_s, "wall_s": round(r.wall_s, 1), "exit_code": r.exit_code,
+                   "steps": r.steps, "images_seen": r.images_seen, "first_step_s": r.first_step_s,
+                   "skipped": r.skipped, "results": r.results} for r in runs]
+        Path(args.out).with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""bench/time_to_fid.py end to end on tiny settings: the real CLI, SIGTERM at the budget, the
+real FID Inception network, a handful of samples; plus its recipe parsing and curve points."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("time_to_fid", REPO / "bench" / "time_to_fid.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_recipe_keeps_bracketed_lists_whole():
+    recipe = _bench().parse_recipe("short=configs/tiny.toml:optim.betas=[0.95,0.999],optim.lr=2e-4")
+    assert recipe.name == "short" and recipe.config == "configs/tiny.toml"
+    assert recipe.overrides == ["optim.betas=[0.95,0.999]", "optim.lr=2e-4"]
+    assert _bench().parse_recipe("plain=configs/tiny.toml").overrides == []
+
+
+def test_curve_points_take_the_newest_checkpoint_at_each_mark_and_the_last():
+    ckpts = [(10.0, 5, Path("a")), (25.0, 10, Path("b")), (38.0, 15, Path("c")), (50.0, 20, Path("d"))]
+    assert [c[1] for c in _bench().curve_points(ckpts, 20.0)] == [5, 15, 20]
+    assert [c[1] for c in _bench().curve_points(ckpts, 0.0)] == [20]
+
+
+def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
+    from difftrain.evaluation.inception import find_inception_weights
+
+    try:
+        find_inception_weights()
+    except FileNotFoundError as e:
+        pytest.skip(f"FID Inception weights not available: {e}")
+    bench = _bench()
+    sets = [o for o in tiny_overrides if not o.startswith(("train.total_steps", "checkpoint.", "validation."))]
+    sets.append("validation.every_steps=0")
+    args = ["--config", str(REPO / "configs" / "tiny.toml"), "--recipes", "constant-lr", "lr-decay",
+            "--set", "data.path=builtin:shapes", "--set", "train.total_steps=100000",
+            "--budget", "7", "--num-samples", "4", "--steps", "2", "--batch-size", "4",
+            "--ref", "builtin:shapes", "--ref-num", "4", "--checkpoint-every-steps", "2",
+            "--curve-every", "3", "--no-warm", "--work", str(tmp_path / "runs"), "--out", str(tmp_path / "t.md")]
+    for o in sets:
+        args += ["--set", o]
+    peer_skipped = bool(bench.peer_missing())
+    if peer_skipped:  # where the peer can run it takes minutes: not in the default suite
+        args += ["--peer", "diffusers"]
+    assert bench.main(args) == 0
+
+    table = (tmp_path / "t.md").read_text()
+    assert "| constant-lr | 7 |" in table and "| lr-decay | 7 |" in table
+    assert "FID against minutes" in table
+    if peer_skipped:
+        assert "| diffusers (peer) | 7 | - | - | - | skipped: needs" in table
+    runs = {r["recipe"]: r for r in json.loads((tmp_path / "t.json").read_text())}
+    first, second = runs["constant-lr"], runs["lr-decay"]
+    assert first["exit_code"] == 75  # stopped by SIGTERM at the budget, checkpoint saved
+    assert first["steps"] > 0 and first["images_seen"] == first["steps"] * 8
+    assert first["first_step_s"] is not None and 0 < first["first_step_s"] < 7
+    # @reached: the decaying recipe plans its schedule over the steps the first one reached.
+    assert f"train.total_steps={first['steps']}" in second["overrides"]
+    for run in (first, second):
+        final = run["results"][-1]
+        assert final["step"] == run["steps"] and final["num_samples"] == 4 and final["num_reference"] == 4
+        assert math.isfinite(final["fid"]) and math.isfinite(final["kid_mean"])
