@@ -26,6 +26,8 @@ def describe_checkpoint(path: str | Path) -> dict:
             "model_sha256": digest if state["weights"] == "raw" else None,
             "ema_sha256": digest if state["weights"] == "ema" else None,
             "skipped_steps": None,
+            "posthoc_ema_stds": [],  # a weights file holds one set of weights, no tracked EMAs
+            "ema_posthoc": None,
             "config": state["config"],
             "config_toml": config_to_toml(cfg),
         }
