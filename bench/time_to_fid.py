@@ -74,8 +74,12 @@ ABLATION = {
     "no-flip": _CONSTANT + _NOFLIP,
     "all-but-decay": _CONSTANT + _BETA1 + _WD + _EMA + _NOFLIP,
     "diffusers-like": _COSINE + _BETA1 + _WD + _EMA + _NOFLIP,
+    # The objectives (diffusion/objective.py), each with the decaying LR and its own ODE sampler.
+    "v-minsnr": _COSINE + ("diffusion.prediction=v", "diffusion.loss_weighting=min_snr"),
+    "edm": _COSINE + ("diffusion.objective=edm", "validation.sampler=heun", "evaluation.fid_sampler=heun"),
+    "flow": _COSINE + ("diffusion.objective=flow", "validation.sampler=heun", "evaluation.fid_sampler=heun"),
 }
-CPU_DEFAULT = ("constant-lr", "lr-decay", "ema-power", "no-flip", "all-but-decay", "diffusers-like")
+CPU_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
 
 
 @dataclass
@@ -300,7 +304,7 @@ def curve_points(checkpoints: list[tuple[float, int, Path]], every_s: float) -> 
 
 def evaluate(runs: list[Run], args, reference, inception) -> None:
     """FID/KID of the EMA samples of every chosen checkpoint of every run."""
-    from difftrain.diffusion.schedules import alpha_bar_schedule
+    from difftrain.diffusion.objective import DDPMObjective
     from difftrain.evaluation.evaluate import fid_result, sample_statistics
     from difftrain.inference import load_model
 
@@ -308,18 +312,25 @@ def evaluate(runs: list[Run], args, reference, inception) -> None:
         for seconds, step, path in curve_points(run.checkpoints, args.curve_every):
             t0 = time.perf_counter()
             if run.recipe.config is None:
-                model, prediction = load_peer_unet(path, args.peer_resolution), "epsilon"
-                alpha_bar, shape = alpha_bar_schedule("linear", 1000), (3, args.peer_resolution, args.peer_resolution)
+                model = load_peer_unet(path, args.peer_resolution)
+                objective = DDPMObjective("linear", 1000, "epsilon", "uniform")
+                shape, sampler = (3, args.peer_resolution, args.peer_resolution), "ddim"
             else:
                 loaded = load_model(path, use_ema=True, device=args.device)
-                model, prediction, alpha_bar = loaded.model, loaded.cfg.diffusion.prediction, loaded.alpha_bar
+                model, objective = loaded.model, loaded.objective
                 d = loaded.cfg.data
                 shape = (d.channels, d.resolution, d.resolution)
+                # DDPM-family runs: DDIM, eta 0; EDM and flow runs: their own evaluation.fid_sampler.
+                sampler = "ddim" if "ddim" in objective.samplers else loaded.cfg.evaluation.fid_sampler
             device = next(inception.parameters()).device
-            stats = sample_statistics(model.to(device), inception, alpha_bar=alpha_bar.to(device), prediction=prediction,
-                                      shape=shape, num=args.num_samples, sampler="ddim", steps=args.steps,
-                                      seed=args.seed, batch_size=args.batch_size, eta=0.0)
-            result = fid_result(stats, reference, kid=True, step=step, seconds=round(seconds, 1))
+            options = {"eta": 0.0} if sampler == "ddim" else {}
+            # About the same network evaluations for every sampler: Heun makes two per step.
+            steps = args.steps if objective.sampler_nfe[sampler](args.steps) <= args.steps + 1 else args.steps // 2 + 1
+            stats = sample_statistics(model.to(device), inception, objective=objective.to(device), shape=shape,
+                                      num=args.num_samples, sampler=sampler, steps=steps, seed=args.seed,
+                                      batch_size=args.batch_size, **options)
+            result = fid_result(stats, reference, kid=True, step=step, seconds=round(seconds, 1), sampler=sampler,
+                                sampler_steps=steps, nfe=objective.sampler_nfe[sampler](steps))
             result["eval_s"] = round(time.perf_counter() - t0, 1)
             run.results.append(result)
             print(f"  {run.recipe.name}: step {step} at {seconds:.0f} s: FID {result['fid']:.2f}, "
