@@ -45,7 +45,7 @@ def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
     bench = _bench()
     sets = [o for o in tiny_overrides if not o.startswith(("train.total_steps", "checkpoint.", "validation."))]
     sets.append("validation.every_steps=0")
-    args = ["--config", str(REPO / "configs" / "tiny.toml"), "--recipes", "constant-lr", "lr-decay",
+    args = ["--config", str(REPO / "configs" / "tiny.toml"), "--recipes", "constant-lr", "lr-decay", "flow",
             "--set", "data.path=builtin:shapes", "--set", "train.total_steps=100000",
             "--budget", "7", "--num-samples", "4", "--steps", "2", "--batch-size", "4",
             "--ref", "builtin:shapes", "--ref-num", "4", "--checkpoint-every-steps", "2",
@@ -58,7 +58,7 @@ def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
     assert bench.main(args) == 0
 
     table = (tmp_path / "t.md").read_text()
-    assert "| constant-lr | 7 |" in table and "| lr-decay | 7 |" in table
+    assert "| constant-lr | 7 |" in table and "| lr-decay | 7 |" in table and "| flow | 7 |" in table
     assert "FID against minutes" in table
     if peer_skipped:
         assert "| diffusers (peer) | 7 | - | - | - | skipped: needs" in table
@@ -69,7 +69,8 @@ def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
     assert first["first_step_s"] is not None and 0 < first["first_step_s"] < 7
     # @reached: the decaying recipe plans its schedule over the steps the first one reached.
     assert f"train.total_steps={first['steps']}" in second["overrides"]
-    for run in (first, second):
+    assert runs["flow"]["results"][-1]["sampler"] == "heun"  # an objective's own sampler
+    for run in (first, second, runs["flow"]):
         final = run["results"][-1]
         assert final["step"] == run["steps"] and final["num_samples"] == 4 and final["num_reference"] == 4
         assert math.isfinite(final["fid"]) and math.isfinite(final["kid_mean"])
