@@ -75,6 +75,31 @@ class DataGone(OSError):
     """Every image of a folder dataset became unreadable during a run."""
 
 
+def first_good(index: int, count: int, decode, name, on_bad_image: str, bad_log: Path | None, gone: str):
+    """``(decode(i), i)`` for the first ``i`` from ``index`` on (wrapping) that decodes.
+
+    With ``on_bad_image`` "skip" a bad item gives way to the next one, so the substitute
+    depends only on ``index`` (a resumed run sees the same samples) and each skip is appended
+    to ``bad_log`` as ``mid-run<TAB>name(i)<TAB>reason``; otherwise its error is raised. Raises
+    :class:`DataGone` with ``gone`` when none decodes.
+    """
+    for k in range(count):
+        i = (index + k) % count
+        try:
+            return decode(i), i
+        except OSError as e:
+            if on_bad_image != "skip":
+                raise
+            if bad_log is not None:
+                reason = getattr(e, "reason", None) or printable(str(e))
+                try:
+                    with open(bad_log, "a") as f:
+                        f.write(f"mid-run\t{printable(name(i))}\t{reason}\n")
+                except OSError:
+                    pass  # a full disk: the skip itself must not stop the run
+    raise DataGone(gone)
+
+
 class ImageFolderDataset(Dataset):
     """Images under ``root``, resized (short side) and center-cropped to ``resolution``.
 
@@ -188,22 +213,10 @@ class ImageFolderDataset(Dataset):
         The substitute depends only on ``index`` (the next index that decodes), so a resumed
         run sees the same samples. Each skip is appended to ``bad_log`` with its path.
         """
-        for k in range(len(self)):
-            i = (index + k) % len(self)
-            path = self.root / os.fsdecode(self._files[i])
-            try:
-                return load_image(path, self.channels, min_size=2 * self.resolution), i
-            except OSError as e:
-                if self.on_bad_image != "skip":
-                    raise
-                if self.bad_log is not None:
-                    reason = getattr(e, "reason", None) or printable(str(e))
-                    try:
-                        with open(self.bad_log, "a") as f:
-                            f.write(f"mid-run\t{printable(os.fsdecode(self._files[i]))}\t{reason}\n")
-                    except OSError:
-                        pass  # a full disk: the skip itself must not stop the run
-        raise DataGone(
+        return first_good(
+            index, len(self),
+            lambda i: load_image(self.root / os.fsdecode(self._files[i]), self.channels, min_size=2 * self.resolution),
+            lambda i: os.fsdecode(self._files[i]), self.on_bad_image, self.bad_log,
             f"data.path {printable(str(self.root))}: none of its {len(self)} images can be read any more "
-            "(moved, deleted or unmounted?)"
+            "(moved, deleted or unmounted?)",
         )

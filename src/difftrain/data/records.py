@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .folder import DataGone
+from .folder import first_good
 from .sampler import split_key
 from .transforms import (
     BadImage, _reason, _to_8bit, augment, check_image_options, load_image, printable, resize_center_crop, to_tensor,
@@ -125,19 +125,6 @@ class EncodedImageDataset(Dataset):
         The substitute depends only on ``index``, so a resumed run sees the same samples; each
         skip is appended to ``bad_log``.
         """
-        for k in range(len(self)):
-            i = (index + k) % len(self)
-            try:
-                return self.decode(i), i
-            except OSError as e:
-                if self.on_bad_image != "skip":
-                    raise
-                if self.bad_log is not None:
-                    reason = getattr(e, "reason", None) or printable(str(e))
-                    try:
-                        with open(self.bad_log, "a") as f:
-                            f.write(f"mid-run\t{printable(self._name(i))}\t{reason}\n")
-                    except OSError:
-                        pass  # a full disk: the skip itself must not stop the run
-        raise DataGone(f"data.path {printable(self.source)}: none of its {len(self)} images can be read")
+        return first_good(index, len(self), self.decode, self._name, self.on_bad_image, self.bad_log,
+                          f"data.path {printable(self.source)}: none of its {len(self)} images can be read")
 
