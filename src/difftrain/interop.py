@@ -177,7 +177,7 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True) -> Path
         raise ValueError("export --format diffusers needs diffusers: pip install 'difftrain[bench]' "
                          "(or pip install diffusers)") from None
     from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
-    from difftrain.training.state import build_model
+    from difftrain.models import build_model
 
     cfg = config_from_dict(state["config"], source=state["path"])
     scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))

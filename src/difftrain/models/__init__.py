@@ -52,4 +52,23 @@ def build_unet(preset: str, *, resolution: int, in_channels: int, num_classes: i
     return UNet(resolution=resolution, in_channels=in_channels, num_classes=num_classes, **kwargs)
 
 
-__all__ = ["MODEL_PRESETS", "UNet", "build_unet"]
+def build_model(cfg, num_classes: int = 0) -> UNet:
+    """The UNet of a config's ``model.preset`` (a ``difftrain.config.Config``) with its non-None
+    ``model.*`` overrides, at ``data.resolution`` and ``data.channels``."""
+    m = cfg.model
+    overrides = {
+        key: getattr(m, key)
+        for key in ("base_channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout")
+        if getattr(m, key) is not None
+    }
+    return build_unet(
+        m.preset,
+        resolution=cfg.data.resolution,
+        in_channels=cfg.data.channels,
+        num_classes=num_classes,
+        gradient_checkpointing=m.gradient_checkpointing,
+        **overrides,
+    )
+
+
+__all__ = ["MODEL_PRESETS", "UNet", "build_model", "build_unet"]

@@ -15,32 +15,13 @@ import torch
 from torch import nn
 
 from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys
-from difftrain.models import build_unet
-from difftrain.models.unet import UNet
+from difftrain.models import build_model  # noqa: F401 - also imported from here
 from difftrain.runtime.device import prepare_model
 from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
 from difftrain.training.checkpoint import load_weights
 from difftrain.training.ema import EMA
 from difftrain.training.power_ema import PowerEMA
-
-
-def build_model(cfg: Config, num_classes: int = 0) -> UNet:
-    """The UNet of ``cfg.model.preset`` with the config's non-None overrides."""
-    m = cfg.model
-    overrides = {
-        key: getattr(m, key)
-        for key in ("base_channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout")
-        if getattr(m, key) is not None
-    }
-    return build_unet(
-        m.preset,
-        resolution=cfg.data.resolution,
-        in_channels=cfg.data.channels,
-        num_classes=num_classes,
-        gradient_checkpointing=m.gradient_checkpointing,
-        **overrides,
-    )
 
 
 def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.AdamW:
