@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import inspect
 import os
 import pickle
@@ -36,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 T = TypeVar("T")
+TEARDOWN_WAIT_S = 10  # how long a leaving rank waits for the others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +85,20 @@ def setup(device: torch.device) -> DistContext:
 
 
 def teardown(ctx: DistContext) -> None:
-    """Leave the process groups that :func:`setup` created."""
+    """Leave the process groups that :func:`setup` created.
+
+    The ranks first wait for each other on the control group (at most ``TEARDOWN_WAIT_S``, so a
+    rank that died cannot hang the others): a rank that destroyed its groups and exited while
+    another was still using its connections made that one abort ("terminate called without an
+    active exception") on the way out of an error.
+    """
     if not dist.is_initialized():
         return
+    if ctx.control is not None:
+        try:
+            dist.monitored_barrier(group=ctx.control, timeout=datetime.timedelta(seconds=TEARDOWN_WAIT_S))
+        except RuntimeError:  # another rank is gone already: leave anyway
+            pass
     if ctx.owns_group:
         dist.destroy_process_group()
     elif ctx.control is not None:
