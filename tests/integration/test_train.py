@@ -30,16 +30,20 @@ def test_run_directory_layout(tmp_path, tiny_cfg):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_resume_is_bit_exact(tmp_path, tiny_overrides, accum):
-    overrides = tiny_overrides + [f"train.grad_accum_steps={accum}", "data.num_workers=1", "model.dropout=0.1"]
-    straight = load_config(None, overrides)
-    train(straight, tmp_path / "straight")
-
-    train(straight, tmp_path / "resumed", stop_at_step=3)
-    result = train(straight, tmp_path / "resumed")  # the same command again continues the run
+def assert_resume_is_exact(tmp_path, overrides: list[str]) -> None:
+    """A run stopped at step 3 and resumed by the same call ends with the straight run's weights."""
+    cfg = load_config(None, overrides)
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=3)
+    result = train(cfg, tmp_path / "resumed")  # the same command again continues the run
     assert result.step == 6
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_is_bit_exact(tmp_path, tiny_overrides, accum):
+    assert_resume_is_exact(tmp_path, tiny_overrides + [f"train.grad_accum_steps={accum}", "data.num_workers=1",
+                                                       "model.dropout=0.1"])
 
 
 def test_resume_from_an_explicit_checkpoint(tmp_path, tiny_cfg):

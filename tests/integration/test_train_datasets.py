@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-from difftrain.config import load_config
-from difftrain.training.loop import train
-from tests.integration.test_train import _digests
+from tests.integration.test_train import assert_resume_is_exact
 from tests.unit.test_datasets import hf_dataset, needs_hf, write_folder, write_shards
-
-
-def _straight_and_resumed(tmp_path, overrides) -> None:
-    cfg = load_config(None, overrides)
-    train(cfg, tmp_path / "straight")
-    train(cfg, tmp_path / "resumed", stop_at_step=3)
-    result = train(cfg, tmp_path / "resumed")  # the same command again continues the run
-    assert result.step == 6
-    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
 
 
 def test_resume_on_tar_shards_is_exact(tmp_path, tiny_overrides):
     names = write_folder(tmp_path / "folder", n=20)
     (tmp_path / "folder" / names[4]).write_bytes(b"broken")  # skipped mid-run, the same way both times
     pattern = write_shards(tmp_path / "folder", tmp_path / "shards", names, per_shard=6)
-    _straight_and_resumed(tmp_path, tiny_overrides + [
+    assert_resume_is_exact(tmp_path, tiny_overrides + [
         f"data.path={pattern}", "data.num_workers=1", "data.class_conditional=true", "data.on_bad_image=skip"])
     assert "mid-run" in (tmp_path / "resumed" / "bad_images.log").read_text()
 
@@ -30,6 +19,6 @@ def test_resume_on_tar_shards_is_exact(tmp_path, tiny_overrides):
 def test_resume_on_a_parquet_dataset_is_exact(tmp_path, tiny_overrides):
     names = write_folder(tmp_path / "folder", n=20)
     hf_dataset(tmp_path / "folder", names).to_parquet(str(tmp_path / "train.parquet"))
-    _straight_and_resumed(tmp_path, tiny_overrides + [
+    assert_resume_is_exact(tmp_path, tiny_overrides + [
         f"data.path={tmp_path / 'train.parquet'}", "data.class_conditional=true", "data.label_column=label",
         "data.heldout_fraction=0.2"])

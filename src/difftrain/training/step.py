@@ -85,9 +85,8 @@ class StepMetrics:
         """One optimizer step's loss and gradient norm (left out when the step was skipped)."""
         self.last_loss = loss  # the step's loss as computed, even when skipped
         ok = finite.float()
-        zero = torch.zeros_like(loss)
-        self.loss_sum += torch.where(finite, loss, zero)
-        self.grad_norm_sum += torch.where(finite, grad_norm, zero)
+        self.loss_sum += torch.where(finite, loss, 0.0)
+        self.grad_norm_sum += torch.where(finite, grad_norm, 0.0)
         self.skipped += 1 - ok
         self.streak.copy_((self.streak + 1) * (1 - ok))
         torch.maximum(self.max_streak, self.streak, out=self.max_streak)
