@@ -82,6 +82,7 @@ def generate(
     steps: int = 50,
     seed: int = 0,
     class_label: int | Sequence[int] | None = None,
+    prompt: str | Sequence[str] | None = None,
     guidance_scale: float = 1.0,
     batch_size: int = 256,
     **sampler_options: Any,
@@ -89,7 +90,8 @@ def generate(
     """``n`` images, (n, C, H, W) float32 in [-1, 1] on the CPU: the images ``difftrain sample``
     writes for the same seed and settings. ``model``: what :func:`load` returns, or a path to
     load. ``class_label``: one class for all, one per image, or None (one class per grid row for
-    a class-conditional model). ``sampler_options``: e.g. ``eta=0.5`` for DDIM."""
+    a class-conditional model). ``prompt``: a text model's prompt, one for all or one per image.
+    ``sampler_options``: e.g. ``eta=0.5`` for DDIM."""
     from difftrain.inference import LoadedModel, generate_images
 
     if not isinstance(model, LoadedModel):
@@ -97,7 +99,7 @@ def generate(
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
     return generate_images(model, n, sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
-                           class_label=class_label, guidance_scale=guidance_scale, **sampler_options)
+                           class_label=class_label, prompt=prompt, guidance_scale=guidance_scale, **sampler_options)
 
 
 def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "diffusers", ema: bool = True) -> Path:

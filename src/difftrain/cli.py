@@ -75,6 +75,7 @@ def _sample(args: argparse.Namespace) -> int:
             seed=args.seed,
             batch_size=args.batch_size,
             class_label=args.class_label,
+            prompt=args.prompt,
             guidance_scale=args.guidance_scale,
             progress=True,
             **options,
@@ -339,7 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--batch-size", type=int, default=256, help="images per sampling batch")
     p.add_argument("--class-label", type=int, help="class to sample (class-conditional models)")
-    p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale")
+    p.add_argument("--prompt", action="append",
+                   help="text-conditioned models: the prompt of every image (given once), or of each image (given --num times)")
+    p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale (labels or prompts)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.set_defaults(func=_sample)
 

@@ -497,6 +497,9 @@ def _check_text(cfg: Config) -> None:
            f"validation.prompts holds {len(v.prompts)} prompts, more than validation.num_images={v.num_images}")
     _check(v.guidance_scale >= 0, f"validation.guidance_scale must be >= 0, got {v.guidance_scale}")
     _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
+    _check(not (cfg.evaluation.fid_every_steps and (d.captions or m.vae)),
+           "evaluation.fid_every_steps is for pixel-space models without text; text and latent runs are scored by "
+           "the CLIP score and Inception Score of their validation images (evaluation.clip_model, is_inception_path)")
 
 
 def _check_steps(key: str, steps: int, cfg: Config) -> None:

@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.conditioning import Conditioning
 from difftrain.config import Config, config_from_dict
 from difftrain.diffusion.objective import Objective, build_objective
 from difftrain.runtime.device import resolve_device
 from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
 from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.runtime.progress import CountProgress
-from difftrain.training.state import build_model
+from difftrain.training.state import build_network
 
 
 @dataclasses.dataclass
@@ -27,6 +28,7 @@ class LoadedModel:
     step: int
     path: str
     ema: bool
+    conditioning: Conditioning  # labels or text, and the frozen text encoder and VAE
 
 
 def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto") -> LoadedModel:
@@ -44,10 +46,14 @@ def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto
         tensors = state["ema"]["model"] if use_ema else state["model"]
     cfg = config_from_dict(state["config"], source=state["path"])
     num_classes = state["num_classes"]
-    model = build_model(cfg, num_classes)
+    device = resolve_device(device)
+    conditioning = Conditioning.from_config(cfg, num_classes, device)
+    conditioning.check_references(state.get("frozen", {}), state["path"])
+    model = build_network(cfg, conditioning, state.get("network"), init_weights=False)
     load_weights(model, tensors, state["path"], key)
-    model = model.to(resolve_device(device)).eval()
-    return LoadedModel(model, cfg, build_objective(cfg.diffusion), num_classes, state["step"], state["path"], use_ema)
+    model = model.to(device).eval()
+    return LoadedModel(model, cfg, build_objective(cfg.diffusion), num_classes, state["step"], state["path"], use_ema,
+                       conditioning)
 
 
 def class_labels_for(num: int, num_classes: int, class_label: int | Sequence[int] | None) -> torch.Tensor | None:
@@ -67,6 +73,18 @@ def class_labels_for(num: int, num_classes: int, class_label: int | Sequence[int
     return labels
 
 
+def prompts_for(num: int, prompt: str | Sequence[str] | None) -> list[str]:
+    """(num,) prompts: one prompt for every image, or one per image."""
+    if prompt is None:
+        raise ValueError("this model is text-conditioned: give a prompt (--prompt \"a red disc on a dark background\")")
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if len(prompts) == 1:
+        prompts = prompts * num
+    if len(prompts) != num:
+        raise ValueError(f"--prompt must be one prompt or {num} prompts, got {len(prompts)}")
+    return prompts
+
+
 def generate_images(
     loaded: LoadedModel,
     num: int,
@@ -76,15 +94,23 @@ def generate_images(
     seed: int = 0,
     batch_size: int = 256,
     class_label: int | Sequence[int] | None = None,
+    prompt: str | Sequence[str] | None = None,
     guidance_scale: float = 1.0,
     **sampler_options,
 ) -> torch.Tensor:
     """(num, C, H, W) float32 images in [-1, 1] on the CPU, from the initial noise of ``seed``:
     what ``difftrain sample`` writes. Class-conditional models: ``class_label``, else one class
-    per grid row."""
-    d = loaded.cfg.data
-    noise = initial_noise(num, (d.channels, d.resolution, d.resolution), seed)
-    labels = class_labels_for(num, loaded.num_classes, class_label)
+    per grid row; text models: ``prompt`` (one, or one per image)."""
+    c = loaded.conditioning
+    channels, resolution = c.network_shape()
+    noise = initial_noise(num, (channels, resolution, resolution), seed)
+    device = next(loaded.model.parameters()).device
+    if c.kind == "text":
+        condition = c.prompts(prompts_for(num, prompt), device).cpu()
+    else:
+        if prompt is not None:
+            raise ValueError("--prompt given, but the model is not text-conditioned")
+        condition = class_labels_for(num, loaded.num_classes, class_label)
     return generate(
         loaded.model,
         objective=loaded.objective,
@@ -92,10 +118,12 @@ def generate_images(
         sampler=sampler,
         steps=steps,
         seed=seed,
-        class_labels=labels,
-        null_label=loaded.num_classes,
+        condition=condition,
+        null_condition=c.null(1, device) if condition is not None else None,
         guidance_scale=guidance_scale,
         batch_size=batch_size,
+        decode=c.decode if c.codec is not None else None,
+        clip=c.codec is None,  # latents are not bounded to [-1, 1]
         **sampler_options,
     )
 
@@ -110,6 +138,7 @@ def sample_to_folder(
     seed: int = 0,
     batch_size: int = 256,
     class_label: int | None = None,
+    prompt: str | Sequence[str] | None = None,
     guidance_scale: float = 1.0,
     progress: bool = False,
     **sampler_options,
@@ -119,7 +148,7 @@ def sample_to_folder(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     images = generate_images(loaded, num, sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
-                             class_label=class_label, guidance_scale=guidance_scale, progress=CountProgress("sample", num, enabled=progress),
+                             class_label=class_label, prompt=prompt, guidance_scale=guidance_scale, progress=CountProgress("sample", num, enabled=progress),
                              **sampler_options)
     pixels = to_uint8(images)
     for i, image in enumerate(pixels):

@@ -21,22 +21,24 @@ from difftrain.runtime.seeding import derive_seed
 
 def guided_network(
     model: nn.Module,
-    class_labels: torch.Tensor | None = None,
-    null_label: int | None = None,
+    condition: torch.Tensor | None = None,
+    null_condition: torch.Tensor | None = None,
     guidance_scale: float = 1.0,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Bind labels and guidance into ``network(x (B,C,H,W), cond (B,)) -> output (B,C,H,W)`` float32.
+    """Bind a condition and guidance into ``network(x (B,C,H,W), cond (B,)) -> output (B,C,H,W)`` float32.
 
-    With class labels and ``guidance_scale != 1`` the output is classifier-free guided (Ho &
-    Salimans 2022): ``out_uncond + s * (out_cond - out_uncond)``; every parameterization is
-    linear in the output, so guiding it guides the x0 prediction alike.
+    condition: class labels (B,) or text embeddings (B, L, D), or None (unconditional).
+    null_condition: the null label or the empty caption's embedding, broadcastable to ``condition``.
+    With ``guidance_scale != 1`` the output is classifier-free guided (Ho & Salimans 2022):
+    ``out_uncond + s * (out_cond - out_uncond)``; every parameterization is linear in the output,
+    so guiding it guides the x0 prediction alike.
     """
 
     def network(x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        labels = None if class_labels is None else class_labels[: x.shape[0]]
-        out = model(x, cond, labels).float()
-        if labels is not None and guidance_scale != 1.0:
-            uncond = model(x, cond, torch.full_like(labels, null_label)).float()
+        c = None if condition is None else condition[: x.shape[0]]
+        out = model(x, cond, c).float()
+        if c is not None and guidance_scale != 1.0:
+            uncond = model(x, cond, null_condition.expand_as(c)).float()
             out = uncond + guidance_scale * (out - uncond)
         return out
 
@@ -58,12 +60,13 @@ def generate(
     sampler: str = "ddim",
     steps: int = 50,
     seed: int = 0,
-    class_labels: torch.Tensor | None = None,
-    null_label: int | None = None,
+    condition: torch.Tensor | None = None,
+    null_condition: torch.Tensor | None = None,
     guidance_scale: float = 1.0,
     batch_size: int = 256,
     sample_ids: Sequence[int] | None = None,
     progress=None,
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
     **sampler_options,
 ) -> torch.Tensor:
     """Sample images from fixed initial noise.
@@ -72,14 +75,16 @@ def generate(
         model: the network, in float32; put in eval mode for the call.
         objective: what the network was trained with; it holds the samplers.
         noise: (N, C, H, W) x_T on the CPU (see :func:`initial_noise`).
-        class_labels: (N,) long, or None for an unconditional model.
+        condition: (N,) long labels or (N, L, D) text embeddings, or None (unconditional).
+        null_condition: the null label () or empty caption (1, L, D), for ``guidance_scale != 1``.
         sample_ids: (N,) ints naming the samples. Given, row k's sampler noise (DDPM, DDIM with
             eta > 0) comes from its own generator seeded by (seed, sample_ids[k]), so a sample
             is the same whichever batch or process draws it. Without them each batch of
             ``batch_size`` draws from one generator seeded by (seed, batch number).
         progress: an object with ``advance(n)`` told of each finished batch (a progress line).
+        decode: maps each batch of samples to images (a latent model's VAE decoder).
     Returns:
-        (N, C, H, W) float32 images in [-1, 1], on the CPU.
+        (N, C, H, W) float32 images in [-1, 1] (after ``decode``), on the CPU.
     """
     if sample_ids is not None and len(sample_ids) != noise.shape[0]:
         raise ValueError(f"got {len(sample_ids)} sample_ids for {noise.shape[0]} noise rows")
@@ -93,19 +98,23 @@ def generate(
     try:
         for i, start in enumerate(range(0, noise.shape[0], batch_size)):
             x_T = noise[start : start + batch_size].to(device)
-            labels = None if class_labels is None else class_labels[start : start + batch_size].to(device)
-            network = guided_network(model, labels, null_label, guidance_scale)
+            c = None if condition is None else condition[start : start + batch_size].to(device)
+            null = None if null_condition is None else null_condition.to(device)
+            network = guided_network(model, c, null, guidance_scale)
             if sample_ids is None:
                 gen = torch.Generator(device=device).manual_seed(derive_seed(seed, "sampler", i))
             else:
                 ids = sample_ids[start : start + batch_size]
                 gen = [torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", int(k))) for k in ids]
-            out.append(objective.sample(network, x_T, sampler, steps, gen, **sampler_options).cpu())
+            x0 = objective.sample(network, x_T, sampler, steps, gen, **sampler_options)
+            out.append((x0 if decode is None else decode(x0)).cpu())
             if progress is not None:
                 progress.advance(x_T.shape[0])
     finally:
         model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(noise.shape)  # no rows: a rank with no share
+    if not out:  # no rows: a rank with no share
+        return torch.zeros(noise.shape) if decode is None else torch.zeros((0, *decode(noise[:1].to(device)).shape[1:]))
+    return torch.cat(out)
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -115,10 +115,12 @@ class DDPMObjective:
 
         return denoise
 
-    def sample(self, network: Network, x_T: Tensor, sampler: str, steps: int, generator, **options) -> Tensor:
+    def sample(self, network: Network, x_T: Tensor, sampler: str, steps: int, generator, clip: bool = True,
+               **options) -> Tensor:
         """x_0 (B, C, H, W) float32 from x_T by ``sampler`` over ``steps`` timesteps: trailing ones
         (Lin et al. 2024), except for "heun", which walks the timesteps nearest EDM's sigma grid
-        capped at sigma_max (the trailing grid starts at sigma ~ 2e4 on the cosine schedule)."""
+        capped at sigma_max (the trailing grid starts at sigma ~ 2e4 on the cosine schedule).
+        ``clip``: clamp each x0 estimate to [-1, 1] (pixels; latents are not bounded so)."""
         if sampler not in self.samplers:
             raise ValueError(f"sampler must be one of {', '.join(self.samplers)} for ddpm models, got {sampler!r}")
         if sampler == "heun":
@@ -127,7 +129,7 @@ class DDPMObjective:
             timesteps = sampling_timesteps(self.num_timesteps, steps)
         timesteps = timesteps.to(x_T.device)
         alpha_bar = self.alpha_bar.to(x_T.device)
-        return self.samplers[sampler](self.denoiser(network, alpha_bar), x_T, timesteps, alpha_bar, generator, **options)
+        return self.samplers[sampler](self.denoiser(network, alpha_bar, clip), x_T, timesteps, alpha_bar, generator, **options)
 
 
 def build_objective(diffusion) -> Objective:
@@ -158,17 +160,18 @@ def per_sample_loss(
     objective: Objective,
     net: Callable[..., Tensor],
     x0: Tensor,
-    labels: Tensor | None,
+    condition: Tensor | None,
     levels: Tensor,
     noise: Tensor,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> Tensor:
-    """The training loss of each sample, (B,) float32: ``net(input, cond, labels)`` (under
+    """The training loss of each sample, (B,) float32: ``net(input, cond, condition)`` (under
     ``autocast``, when given) regressed onto the objective's target with its weight.
 
-    x0, noise: (B, C, H, W); labels: (B,) long or None; levels: (B,) from ``draw_levels``.
+    x0, noise: (B, C, H, W); condition: class labels (B,) long, text embeddings (B, L, D) or None;
+    levels: (B,) from ``draw_levels``.
     """
     b = objective.noised(x0, levels, noise)
     with autocast or contextlib.nullcontext():
-        out = net(b.input, b.cond, labels)
+        out = net(b.input, b.cond, condition)
     return diffusion_loss(out, b.target, b.weight)

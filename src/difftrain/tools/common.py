@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from difftrain.conditioning import Conditioning
 from difftrain.config import Config
 from difftrain.data.loader import collate
 from difftrain.data.prepare import dataset_from_config
@@ -50,9 +51,10 @@ class RandomImages(Dataset):
         return torch.rand(self.shape, generator=g) * 2 - 1, 0
 
 
-def build_setup(cfg: Config, need_data: bool = True) -> Setup:
+def build_setup(cfg: Config, need_data: bool = True, network: dict | None = None) -> Setup:
     """The training split, a fresh run state and the objective, as ``train`` builds them.
-    Without ``need_data``, a missing ``data.path`` falls back to :class:`RandomImages`."""
+    Without ``need_data``, a missing ``data.path`` falls back to :class:`RandomImages`;
+    ``network``: a checkpoint's network record (a fine-tuned diffusers UNet is rebuilt from it)."""
     device = resolve_device(cfg.train.device)
     try:
         dataset = dataset_from_config(cfg.data)
@@ -62,15 +64,32 @@ def build_setup(cfg: Config, need_data: bool = True) -> Setup:
         dataset = RandomImages(cfg)
     dataset, _ = split_heldout(dataset, cfg, lambda p: None)
     num_classes = getattr(dataset, "num_classes", 0) if cfg.data.class_conditional else 0
-    state = RunState.build(cfg, num_classes, device)
+    conditioning = Conditioning.from_config(cfg, num_classes, device)
+    if conditioning.codec is not None:  # the tools see latents, as training does
+        from difftrain.data.latents import with_latent_cache
+
+        dataset = with_latent_cache(dataset, flip=cfg.data.random_flip, codec=conditioning.codec,
+                                    cache_dir=cfg.data.cache_dir or None, batch_size=64, device=device)
+    state = RunState.build(cfg, num_classes, device, conditioning=conditioning, network=network,
+                           init_weights=network is None)
     state.model.train()
     return Setup(cfg, device, dataset, num_classes, state, build_objective(cfg.diffusion).to(device))
 
 
-def fetch_batch(setup: Setup, batch_size: int, seed: int, augment: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A batch of ``batch_size`` training images chosen by ``seed``: (x0 (B, C, H, W), labels (B,) or None)."""
+def fetch_batch(setup: Setup, batch_size: int, seed: int, augment: bool = True):
+    """A batch of ``batch_size`` training images chosen by ``seed``: (x0 (B, C, H, W) (latent
+    runs: cached moments (B, 2c, h, w)), labels (B,) on the device / captions (B strings) / None)."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, len(setup.dataset), (batch_size,), generator=g).tolist()
     keys = [(i, derive_seed(seed, "aug", i)) if augment else i for i in idx]
-    x0, labels = collate([setup.dataset[k] for k in keys])
-    return x0.to(setup.device), (labels.to(setup.device) if setup.num_classes else None)
+    x0, second = collate([setup.dataset[k] for k in keys])
+    if isinstance(second, torch.Tensor):
+        second = second.to(setup.device) if setup.num_classes else None
+    return x0.to(setup.device), second
+
+
+def network_condition(setup: Setup, second, repeat: int = 1) -> torch.Tensor | None:
+    """The network's condition of a fetched batch (labels, or the captions' embeddings), each row
+    repeated ``repeat`` times in turn (as ``Tensor.repeat``)."""
+    c = setup.state.conditioning.condition(second, None, setup.device)
+    return None if c is None else c.repeat(repeat, *([1] * (c.dim() - 1)))

@@ -19,7 +19,7 @@ from difftrain.diffusion.losses import diffusion_loss
 from difftrain.diffusion.process import to_x0_and_eps
 from difftrain.diffusion.samplers import sampling_timesteps
 from difftrain.sampling import make_grid, save_png, to_uint8
-from difftrain.tools.common import Setup, build_setup, fetch_batch
+from difftrain.tools.common import Setup, build_setup, fetch_batch, network_condition
 from difftrain.training.checkpoint import load_checkpoint, load_weights, state_dict_sha256
 from difftrain.training.heldout import bucket_bounds
 from difftrain.runtime.seeding import derive_seed, step_generator
@@ -137,7 +137,7 @@ def error_per_timestep(setup: Setup, num_images: int = 32, num_buckets: int = 10
     error and each bucket's timestep range)."""
     cfg, obj = setup.cfg, setup.objective
     model = setup.model.eval()
-    x0, labels = fetch_batch(setup, num_images, seed=derive_seed(cfg.train.seed, "diagnose"), augment=False)
+    x0, second = fetch_batch(setup, num_images, seed=derive_seed(cfg.train.seed, "diagnose"), augment=False)
     n = x0.shape[0]
     g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "diagnose-noise"))
     levels = obj.stratified_levels(n * num_buckets, g)  # (k n,) ascending: slice i ~ bucket i
@@ -145,7 +145,7 @@ def error_per_timestep(setup: Setup, num_images: int = 32, num_buckets: int = 10
     buckets = obj.bucket(levels, num_buckets)
     levels = levels.to(setup.device)
     x0 = x0.repeat(num_buckets, 1, 1, 1)
-    labels = None if labels is None else labels.repeat(num_buckets)
+    labels = network_condition(setup, second, num_buckets)
     b = obj.noised(x0, levels, noise)
     out = model(b.input, b.cond, labels).float()
     loss = diffusion_loss(out, b.target, b.weight).cpu()
@@ -175,7 +175,8 @@ def trajectory_grid(setup: Setup, levels: list, num_images: int = 4) -> np.ndarr
     the same levels (one-step denoising from the checkpoint)."""
     cfg, obj = setup.cfg, setup.objective
     model = setup.model.eval()
-    x0, labels = fetch_batch(setup, num_images, seed=derive_seed(cfg.train.seed, "diagnose"), augment=False)
+    x0, second = fetch_batch(setup, num_images, seed=derive_seed(cfg.train.seed, "diagnose"), augment=False)
+    labels = network_condition(setup, second)
     g = torch.Generator().manual_seed(derive_seed(cfg.train.seed, "trajectory"))
     noise = torch.randn(x0.shape, generator=g).to(setup.device)  # the same noise at every level
     dtype = torch.long if obj.family == "ddpm" else torch.float32
@@ -206,7 +207,9 @@ def diagnose(checkpoint: str | Path, out_dir: str | Path, timesteps: list[int] |
     cfg = config_from_dict(state["config"], source=state["path"])
     if device:
         cfg.train.device = device
-    setup = build_setup(cfg)
+    if cfg.model.vae:
+        raise ValueError(f"diagnose looks at images in pixel space; {state['path']} is a latent model (model.vae)")
+    setup = build_setup(cfg, network=state["network"])
     load_weights(setup.model, state["ema"]["model"], state["path"], "ema.model")
     if setup.objective.family == "ddpm":
         T = cfg.diffusion.num_timesteps

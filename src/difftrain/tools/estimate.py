@@ -55,7 +55,7 @@ def activation_bytes(setup: Setup, batch_size: int) -> tuple[int, int]:
         base = torch.cuda.memory_allocated(setup.device)
     b = draw_micro_batch(setup.state, setup.objective, x0, labels, 0, DistContext(device=setup.device))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = per_sample_loss(setup.objective, setup.model, b.x0, b.labels, b.levels, b.noise,
+        loss = per_sample_loss(setup.objective, setup.model, b.x0, b.condition, b.levels, b.noise,
                                setup.state.precision.autocast()).mean()
     loss.backward()
     peak = torch.cuda.max_memory_allocated(setup.device) - base if cuda else 0

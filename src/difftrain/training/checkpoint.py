@@ -26,8 +26,8 @@ import torch
 
 from difftrain.runtime.files import atomic_write, atomic_write_bytes, unlink_quietly
 
-FORMAT = "difftrain-checkpoint-v3"  # v3: + posthoc_ema
-_OLDER_FORMATS = ("difftrain-checkpoint-v1", "difftrain-checkpoint-v2")
+FORMAT = "difftrain-checkpoint-v4"  # v3: + posthoc_ema; v4: + network, frozen
+_OLDER_FORMATS = ("difftrain-checkpoint-v1", "difftrain-checkpoint-v2", "difftrain-checkpoint-v3")
 LATEST = "latest"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 # Test hook for fault injection: seconds to pause between writing a checkpoint's temporary file
@@ -248,13 +248,20 @@ SCHEMA = {
                     and all(isinstance(s, float) for s in v["stds"]) and isinstance(v.get("models"), list)
                     and len(v["models"]) == len(v["stds"]) and all(_is_tensor_dict(m) for m in v["models"]),
                     "a dict with 'stds' (floats) and as many 'models' (tensors)"),
+    "network": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str)
+                and (v["kind"] == "unet" or isinstance(v.get("config"), dict)),
+                "a dict with 'kind' ('unet', or a diffusers UNet with its 'config')"),
+    "frozen": (lambda v: isinstance(v, dict) and all(
+                   isinstance(r, dict) and isinstance(r.get("source"), str) and isinstance(r.get("digest"), str)
+                   for r in v.values()),
+               "a dict naming each frozen part's 'source' and 'digest'"),
 }
 
 
 def _upgrade(state: dict) -> dict:
-    """An older checkpoint in v3's keys. v1 -> v2: ``counters.skipped_steps`` -> ``skipped_steps``;
+    """An older checkpoint in v4's keys. v1 -> v2: ``counters.skipped_steps`` -> ``skipped_steps``;
     the unread ``images_seen``, ``lr_schedule`` and ``world_size`` dropped. v2 -> v3: no post-hoc
-    EMAs (``posthoc_ema`` empty)."""
+    EMAs (``posthoc_ema`` empty). v3 -> v4: difftrain's UNet, no frozen parts."""
     if state.get("format") == "difftrain-checkpoint-v1":
         state = dict(state)
         counters = state.pop("counters", {})
@@ -267,6 +274,11 @@ def _upgrade(state: dict) -> dict:
     if state.get("format") == "difftrain-checkpoint-v2":
         state = dict(state)
         state.setdefault("posthoc_ema", {"stds": [], "gammas": [], "models": []})
+        state["format"] = "difftrain-checkpoint-v3"
+    if state.get("format") == "difftrain-checkpoint-v3":
+        state = dict(state)
+        state.setdefault("network", {"kind": "unet"})
+        state.setdefault("frozen", {})
         state["format"] = FORMAT
     return state
 

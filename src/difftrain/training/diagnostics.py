@@ -38,7 +38,7 @@ def divergence_report(model: torch.nn.Module, objective, batch, max_layers: int 
     lines.append(f"  noise levels: {t.tolist()}")
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        per_sample = diffusion_loss(model(x_t, b.cond, batch.labels).float(), target, b.weight)
+        per_sample = diffusion_loss(model(x_t, b.cond, batch.condition).float(), target, b.weight)
         lines.append(f"  per-sample loss: {[round(v, 4) for v in per_sample.detach().tolist()]}")
         per_sample.mean().backward()
     norms = {

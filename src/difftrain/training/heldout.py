@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from difftrain.conditioning import Conditioning
 from difftrain.config import Config
 from difftrain.diffusion.objective import Objective, per_sample_loss
 from difftrain.runtime import distributed
@@ -37,22 +38,34 @@ class HeldOutLoss:
         num_buckets: timestep buckets for the per-bucket losses.
         ctx: the process's place in a distributed run; it keeps and evaluates only its shard
             ``distributed.shard(N, ctx)`` of the N held-out images.
+        conditioning: the run's labels or text and frozen parts (default: labels when the data has
+            classes); a latent run's held-out items are cached latent moments, evaluated at their mean.
     """
 
     def __init__(self, dataset: Dataset, cfg: Config, objective: Objective, device: torch.device,
-                 num_buckets: int = 10, ctx: DistContext | None = None):
+                 num_buckets: int = 10, ctx: DistContext | None = None, conditioning: Conditioning | None = None):
         v, d = cfg.validation, cfg.data
         self.ctx = ctx or DistContext()
+        if conditioning is None:
+            num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
+            conditioning = Conditioning(num_classes, channels=d.channels, resolution=d.resolution)
+        channels, resolution = conditioning.network_shape()
         n = min(len(dataset), v.heldout_max_images)
         mine = distributed.shard(n, self.ctx)
         # Drawn for all N images, whatever this rank keeps: image i's t and noise depend on i alone.
         g = torch.Generator().manual_seed(derive_seed(v.seed, "heldout-noise"))
         t = objective.stratified_levels(n, g)  # (N,) equal counts in every bucket
-        noise = torch.randn((n, d.channels, d.resolution, d.resolution), generator=g)  # (N, C, H, W)
+        noise = torch.randn((n, channels, resolution, resolution), generator=g)  # (N, C, H, W)
         items = [dataset[i] for i in range(n)[mine]]
         self.x0 = torch.stack([x for x, _ in items]).to(device) if items else torch.zeros_like(noise[mine]).to(device)
-        num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
-        self.labels = torch.tensor([y for _, y in items], dtype=torch.long, device=device) if num_classes else None
+        if conditioning.codec is not None and items:  # the mean latent of each image
+            from difftrain.data.latents import sample_latents
+
+            self.x0 = sample_latents(self.x0, torch.zeros_like(noise[mine]).to(device), conditioning.codec)
+        seconds = [y for _, y in items]
+        if conditioning.kind == "class":
+            seconds = torch.tensor(seconds, dtype=torch.long)
+        self.condition = conditioning.condition(seconds, None, device) if items else None
         self.t = t[mine].to(device)  # (N_r,) this rank's rows
         self.noise = noise[mine].to(device)  # (N_r, C, H, W)
         self.objective = objective
@@ -71,8 +84,8 @@ class HeldOutLoss:
         try:
             for s in range(0, self.x0.shape[0], self.batch_size):
                 x0, t, noise = (a[s : s + self.batch_size] for a in (self.x0, self.t, self.noise))
-                labels = None if self.labels is None else self.labels[s : s + self.batch_size]
-                out.append(per_sample_loss(self.objective, model, x0, labels, t, noise))
+                c = None if self.condition is None else self.condition[s : s + self.batch_size]
+                out.append(per_sample_loss(self.objective, model, x0, c, t, noise))
         finally:
             model.train(was_training)
         return torch.cat(out) if out else torch.zeros(0, device=self.x0.device)
@@ -109,11 +122,11 @@ class NoHeldOut:
 
 
 def build_heldout(dataset: Dataset | None, cfg: Config, objective: Objective, device: torch.device,
-                  ctx: DistContext | None = None):
+                  ctx: DistContext | None = None, conditioning: Conditioning | None = None):
     """A :class:`HeldOutLoss` on ``dataset`` (this rank's shard of it), or a no-op when there is none."""
     if dataset is None:
         return NoHeldOut()
-    return HeldOutLoss(dataset, cfg, objective, device, ctx=ctx)
+    return HeldOutLoss(dataset, cfg, objective, device, ctx=ctx, conditioning=conditioning)
 
 
 def bucket_bounds(num_timesteps: int, num_buckets: int = 10) -> Iterator[tuple[int, int]]:

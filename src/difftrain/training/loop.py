@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from difftrain.conditioning import Conditioning
 from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
@@ -17,7 +18,6 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
-from difftrain.sampling import grid_class_labels, initial_noise
 from difftrain.training import checkpoint as ckpt
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.heldout import build_heldout
@@ -29,7 +29,7 @@ from difftrain.training.signals import StopRequest, signal_name
 from difftrain.training.state import RunState, effective_batch, peak_lr, resume_source
 from difftrain.training.step import CapturedStep, StepMetrics, train_step
 from difftrain.training.trackers import Trackers, build_trackers
-from difftrain.training.validation import save_grids, validation_grids
+from difftrain.training.validation import ValidationScores, save_grids, validation_grids, validation_plan
 
 
 class TrainingDiverged(RuntimeError):
@@ -62,15 +62,19 @@ def train(
     dctx = distributed.setup(resolve_device(tc.device))  # a no-op without torchrun
     device, is_main = dctx.device, dctx.is_main
 
-    # Data: scanned for bad images, cached, the held-out share split off.
+    # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
+    # and VAE (text and latent runs), whose latents of the images are cached once.
     data = prepare_training_data(cfg, run_dir)
+    conditioning = Conditioning.from_config(cfg, data.num_classes, device)
+    data = with_latents(data, conditioning, cfg, device)
 
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)
     source, resumed_from = resume_source(run_dir, resume), None
-    state = RunState.build(cfg, data.num_classes, device, init_weights=source is None)
-    if source is not None:
-        saved = ckpt.load_checkpoint(source)
+    saved = ckpt.load_checkpoint(source) if source is not None else None
+    state = RunState.build(cfg, data.num_classes, device, init_weights=source is None, conditioning=conditioning,
+                           network=saved["network"] if saved else None)
+    if saved is not None:
         resumed_from = Path(saved["path"])
         for line in state.check_resumable(saved, dctx.world_size):
             print(f"difftrain: {line}")
@@ -96,10 +100,10 @@ def train(
         device=device, rank=dctx.rank, world_size=dctx.world_size, prefetch_factor=d.prefetch_factor,
     )
     trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if is_main else Trackers([])
-    heldout = build_heldout(data.heldout, cfg, objective, device, dctx)  # each rank holds its shard
+    heldout = build_heldout(data.heldout, cfg, objective, device, dctx, conditioning)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
-    val_noise = initial_noise(cfg.validation.num_images, (d.channels, d.resolution, d.resolution), cfg.validation.seed)
-    val_labels = grid_class_labels(cfg.validation.num_images, data.num_classes)
+    plan = validation_plan(cfg, conditioning, data.train) if cfg.validation.every_steps else None
+    scores = ValidationScores(cfg, device)  # CLIP score, Inception Score: no-ops unless configured
     fid = TrainingFID(cfg, objective, device, dctx)  # a no-op unless evaluation.fid_every_steps > 0
     metrics = StepMetrics(device)  # running sums on the device, read at log steps only
     lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
@@ -156,12 +160,11 @@ def train(
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
                 with _Timed(paused, "validation_s"):
-                    grids = validation_grids(state.model, state.ema.model, cfg, val_noise, val_labels,
-                                             data.num_classes, objective, dctx)
+                    grids, images = validation_grids(state.model, state.ema.model, cfg, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(state.model, state.ema.model)
                     if is_main:
                         save_grids(grids, run_dir, step, trackers)
-                        trackers.log(step, heldout_metrics)
+                        trackers.log(step, {**heldout_metrics, **(scores(images, plan) if scores.enabled else {})})
 
             # Measure FID of the EMA weights.
             if not stopped_by and fid.due(step):
@@ -206,6 +209,22 @@ def train(
         final = ckpt.find_checkpoint(run_dir) if last_saved == state.step else None
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
+
+
+def with_latents(data, conditioning: Conditioning, cfg: Config, device: torch.device):
+    """``data`` with its images replaced by their cached VAE latents (a latent run; else unchanged)."""
+    if conditioning.codec is None:
+        return data
+    from difftrain.data.latents import with_latent_cache
+
+    d = cfg.data
+
+    def cached(dataset, flip):
+        return with_latent_cache(dataset, flip=flip, codec=conditioning.codec, cache_dir=d.cache_dir or None,
+                                 batch_size=cfg.validation.heldout_batch_size, device=device)
+
+    return dataclasses.replace(data, train=cached(data.train, d.random_flip),
+                               heldout=None if data.heldout is None else cached(data.heldout, False))
 
 
 def _step_function(state: RunState, objective, dctx: distributed.DistContext):
@@ -264,7 +283,17 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     return (f"{where}, {cfg.model.preset} UNet {params / 1e6:.2f}M parameters, {len(data.train):,} images{held}, "
             f"batch {tc.batch_size} x {tc.grad_accum_steps} accumulation x {w} processes = {per_step} per step, "
             f"steps {state.step:,} -> {tc.total_steps:,} ({tc.total_steps * per_step:,} images), {tc.precision}, "
-            f"{cfg.diffusion.objective} objective")
+            f"{cfg.diffusion.objective} objective{_condition_text(cfg, state)}")
+
+
+def _condition_text(cfg: Config, state: RunState) -> str:
+    c, parts = state.conditioning, []
+    if c.text is not None:
+        parts.append(f"text-conditioned ({cfg.model.text_encoder}, {c.text.dim}-d)")
+    if c.codec is not None:
+        channels, resolution = c.network_shape()
+        parts.append(f"latent {channels}x{resolution}x{resolution} ({cfg.model.vae})")
+    return "".join(f", {p}" for p in parts)
 
 
 def _warnings(cfg: Config) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.conditioning import Conditioning
 from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys
 from difftrain.models import build_model  # noqa: F401 - also imported from here
 from difftrain.runtime.device import prepare_model
@@ -63,28 +64,30 @@ class RunState:
     precision: Precision
     posthoc: PowerEMA
     num_classes: int = 0
+    conditioning: Conditioning | None = None  # labels or text, and the frozen text encoder and VAE
     step: int = 0  # optimizer steps taken
     position: int = 0  # images consumed by all ranks together: the global data position
     skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient, as of the last log
     net: nn.Module | None = None
 
     @classmethod
-    def build(cls, cfg: Config, num_classes: int, device: torch.device, init_weights: bool = True) -> RunState:
+    def build(cls, cfg: Config, num_classes: int, device: torch.device, init_weights: bool = True,
+              conditioning: Conditioning | None = None, network: dict | None = None) -> RunState:
         """Fresh weights from the run's seed (the same on every rank), on ``device``; with
         ``model.init_from`` and ``init_weights``, the weights it names instead (a resume, which
-        loads its checkpoint over them, passes False)."""
-        tc = cfg.train
-        torch.manual_seed(derive_seed(tc.seed, "init"))
-        model = build_model(cfg, num_classes)
-        if cfg.model.init_from and init_weights:  # existing weights (fine-tuning); the EMA starts from them too
-            from difftrain.interop import load_init_weights
+        loads its checkpoint over them, passes False and the checkpoint's ``network``).
 
-            load_init_weights(model, cfg.model.init_from)
+        conditioning: the run's labels or text and frozen parts (default: ``num_classes`` labels).
+        """
+        tc = cfg.train
+        conditioning = conditioning or Conditioning(num_classes, channels=cfg.data.channels, resolution=cfg.data.resolution)
+        torch.manual_seed(derive_seed(tc.seed, "init"))
+        model = build_network(cfg, conditioning, network, init_weights)
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
         optimizer = build_optimizer(cfg, model, device)
-        state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes)
+        state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes, conditioning)
         state.net = model
         return state
 
@@ -102,6 +105,8 @@ class RunState:
             "scaler": self.precision.state_dict(),
             "rng": rng_state(),
             "posthoc_ema": self.posthoc.state_dict(),
+            "network": network_record(self.model),
+            "frozen": self.conditioning.references(),  # named with digests, never saved
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -133,6 +138,7 @@ class RunState:
         if state["num_classes"] != self.num_classes:
             raise ValueError(f"cannot resume from {path}: it has {state['num_classes']} classes, the data "
                              f"{self.num_classes}")
+        self.conditioning.check_references(state["frozen"], f"checkpoint {path}")
         if state["data_position"] % world_size:
             raise ValueError(
                 f"cannot resume {path} on {world_size} processes: its data position "
@@ -140,6 +146,44 @@ class RunState:
             )
         return [f"resuming with a changed {k}: checkpoint {old!r}, now {now!r}"
                 for k, (old, now) in allowed_changes(state["config"], new).items()]
+
+
+def build_network(cfg: Config, conditioning: Conditioning, network: dict | None = None,
+                  init_weights: bool = True) -> nn.Module:
+    """The network of a run, on the CPU: difftrain's UNet at the conditioning's shape (latent
+    channels and resolution in a latent run, cross-attention in a text run), or a diffusers
+    UNet2DConditionModel when ``model.init_from`` names one (or a checkpoint's ``network`` record
+    says so: rebuilt from its config, without the original folder).
+
+    With ``model.init_from`` and ``init_weights``, the weights it names are loaded.
+    """
+    from difftrain.models.diffusers_unet import ConditionUNet, is_condition_unet_folder
+
+    init_from = cfg.model.init_from
+    if network is not None and network.get("kind") == ConditionUNet.KIND:
+        return ConditionUNet.from_config(network["config"])
+    if network is None and init_from and is_condition_unet_folder(init_from):
+        if not init_weights:
+            raise ValueError(f"model.init_from {init_from}: a resumed fine-tune needs its checkpoint's network record")
+        return ConditionUNet.from_folder(init_from)
+    channels, resolution = conditioning.network_shape()
+    model = build_model(cfg, conditioning.num_classes, context_dim=conditioning.context_dim,
+                        in_channels=channels, resolution=resolution)
+    if init_from and init_weights:  # existing weights (fine-tuning); the EMA starts from them too
+        from difftrain.interop import load_init_weights
+
+        load_init_weights(model, init_from)
+    return model
+
+
+def network_record(model: nn.Module) -> dict:
+    """What rebuilds ``model`` besides the config: {"kind": "unet"} for difftrain's UNet, the
+    diffusers config of a UNet2DConditionModel."""
+    from difftrain.models.diffusers_unet import ConditionUNet
+
+    if isinstance(model, ConditionUNet):
+        return {"kind": ConditionUNet.KIND, "config": model.unet_config}
+    return {"kind": "unet"}
 
 
 def resume_source(run_dir: Path, resume: str | Path | None) -> Path | None:

@@ -33,32 +33,42 @@ NUM_LOSS_BUCKETS = 10  # the loss is also reported per tenth of the noise levels
 class MicroBatch:
     """One micro-batch as the step uses it, all on the device: this rank's rows."""
 
-    x0: torch.Tensor  # (B, C, H, W)
-    labels: torch.Tensor | None  # (B,) long, the null label where dropped; None when unconditional
+    x0: torch.Tensor  # (B, C, H, W): images, or latents in a latent run
+    condition: torch.Tensor | None  # labels (B,) / text embeddings (B, L, D), dropped rows null; None when unconditional
     levels: torch.Tensor  # (B,) noise levels (DDPM: timesteps)
     noise: torch.Tensor  # (B, C, H, W)
 
 
 def draw_micro_batch(
-    state: RunState, objective: Objective, x0: torch.Tensor, labels: torch.Tensor | None, micro: int,
-    dctx: DistContext,
+    state: RunState, objective: Objective, x0: torch.Tensor, second, micro: int, dctx: DistContext,
 ) -> MicroBatch:
-    """Move a loaded micro-batch to the device and draw its noise levels, noise and label dropout.
+    """Move a loaded micro-batch to the device and draw its noise levels, noise, condition dropout
+    and (latent runs) the latents from their cached distribution.
 
-    They are drawn for the GLOBAL micro-batch from a generator seeded by (seed, step, micro) and
-    this rank keeps its rows, so any world size sees the same numbers (see runtime/distributed.py).
+    x0: (B, C, H, W) images in [-1, 1], or (B, 2c, h, w) latent means and stds (``data/latents.py``);
+    second: labels (B,) long or captions (B strings), turned into the network's condition by
+    ``state.conditioning``.
+
+    The numbers are drawn for the GLOBAL micro-batch from a generator seeded by (seed, step, micro)
+    and this rank keeps its rows, so any world size sees the same numbers (see runtime/distributed.py).
     """
-    cfg, device = state.cfg, dctx.device
+    cfg, device, c = state.cfg, dctx.device, state.conditioning
     x0 = x0.to(device, non_blocking=True)
-    labels = labels.to(device, non_blocking=True) if state.num_classes else None
     gen = step_generator(cfg.train.seed, 0, state.step * cfg.train.grad_accum_steps + micro, device, "diffusion")
     n = x0.shape[0] * dctx.world_size
+    shape = (c.codec.latent_channels, *x0.shape[2:]) if c.codec is not None else tuple(x0.shape[1:])
     levels = distributed.rank_rows(objective.draw_levels(n, gen, device), dctx)
-    noise = distributed.rank_rows(torch.randn((n, *x0.shape[1:]), device=device, generator=gen), dctx)
-    if labels is not None:  # label dropout for classifier-free guidance
-        drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx)
-        labels = torch.where(drop < cfg.model.class_dropout, torch.full_like(labels, state.num_classes), labels)
-    return MicroBatch(x0, labels, levels, noise)
+    noise = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
+    drop = None
+    if c.kind != "none":  # label or caption dropout for classifier-free guidance
+        drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
+    condition = c.condition(second, drop, device)
+    if c.codec is not None:  # a latent drawn from the image's cached distribution
+        from difftrain.data.latents import sample_latents
+
+        eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
+        x0 = sample_latents(x0, eps, c.codec)
+    return MicroBatch(x0, condition, levels, noise)
 
 
 class StepMetrics:
@@ -126,7 +136,7 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     step_loss = torch.zeros((), device=batches[0].x0.device)
     for micro, b in enumerate(batches):
         with distributed.sync_gradients(net, sync=micro == accum - 1):
-            per_sample = per_sample_loss(objective, net, b.x0, b.labels, b.levels, b.noise, state.precision.autocast())
+            per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast())
             loss = per_sample.mean() / accum
             state.precision.backward(loss)
         step_loss += loss.detach()
@@ -164,7 +174,8 @@ def train_step(
 ) -> StepMetrics:
     """One optimizer step on ``train.grad_accum_steps`` micro-batches taken from ``batches``.
 
-    batches: yields (x0 (B, C, H, W) in [-1, 1], labels (B,) long), this rank's share.
+    batches: yields (x0 (B, C, H, W) in [-1, 1] or latent moments, labels (B,) long or captions),
+        this rank's share.
     Advances ``state.step`` and ``state.position``; returns ``metrics`` with the step added.
     """
     dctx = dctx or DistContext(device=next(state.model.parameters()).device)

@@ -1,72 +1,165 @@
-"""Validation grids: the EMA (and raw) weights sampled from fixed noise, spread across ranks."""
+"""Validation grids: the EMA (and raw) weights sampled from fixed noise and fixed conditions (one
+class or one prompt per row), spread across ranks; with a text model, the CLIP score and the
+Inception Score of the grid's images."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from difftrain.conditioning import Conditioning
 from difftrain.config import Config
-from difftrain.sampling import generate, make_grid, save_png, to_uint8
 from difftrain.runtime import distributed
+from difftrain.sampling import generate, grid_class_labels, grid_columns, initial_noise, make_grid, save_png, to_uint8
+
+DATA_PROMPTS = 8  # rows of a text model's grid when validation.prompts is empty: captions of the training data
 
 
-def sample_grid(
-    model: nn.Module,
-    cfg: Config,
-    noise: torch.Tensor,
-    labels: torch.Tensor | None,
-    num_classes: int,
-    objective,
+@dataclasses.dataclass
+class ValidationPlan:
+    """What every validation samples: the same noise and conditions each time."""
+
+    noise: torch.Tensor  # (N, C, H, W) x_T, in the network's space (latents in a latent run)
+    condition: torch.Tensor | None  # (N,) labels or (N, L, D) text embeddings, on the CPU; None unconditional
+    null: torch.Tensor | None  # the null condition (1,) or (1, L, D), for guidance
+    ncols: int  # images per grid row
+    prompts: list[str] | None  # a text model's prompt of each row
+
+
+def validation_plan(cfg: Config, conditioning: Conditioning, dataset=None) -> ValidationPlan:
+    """The plan of ``cfg.validation``: ``num_images`` from fixed noise; class runs one class per
+    row; text runs one prompt per row (``validation.prompts``, else the first distinct captions of
+    ``dataset``), each row from the same ``num_images // rows`` noises, so rows differ by prompt only."""
+    v = cfg.validation
+    shape = conditioning.network_shape()
+    shape = (shape[0], shape[1], shape[1])
+    if conditioning.kind == "text":
+        prompts = list(v.prompts) or data_prompts(dataset, min(DATA_PROMPTS, v.num_images))
+        ncols = max(1, v.num_images // len(prompts))
+        noise = initial_noise(ncols, shape, v.seed).repeat(len(prompts), 1, 1, 1)
+        device = next(conditioning.text.parameters()).device
+        condition = conditioning.prompts([p for p in prompts for _ in range(ncols)], device).cpu()
+        return ValidationPlan(noise, condition, conditioning.null(1, device).cpu(), ncols, prompts)
+    noise = initial_noise(v.num_images, shape, v.seed)
+    labels = grid_class_labels(v.num_images, conditioning.num_classes)
+    null = conditioning.null(1) if labels is not None else None
+    return ValidationPlan(noise, labels, null, grid_columns(v.num_images), None)
+
+
+def data_prompts(dataset, count: int) -> list[str]:
+    """Up to ``count`` distinct captions of a captioned dataset, in index order (stable across runs)."""
+    prompts: list[str] = []
+    for i in range(min(len(dataset), 50 * count)):
+        caption = dataset[i][1]
+        if caption.strip() and caption not in prompts:
+            prompts.append(caption)
+            if len(prompts) == count:
+                break
+    if not prompts:
+        raise ValueError("set validation.prompts: the training data has no non-empty captions to validate with")
+    return prompts
+
+
+def sample_images(
+    model: nn.Module, cfg: Config, plan: ValidationPlan, conditioning: Conditioning, objective,
     ctx: distributed.DistContext,
 ) -> np.ndarray | None:
-    """The grid of ``model``'s samples from the fixed noise ``(N, C, H, W)``: an (H', W', C)
-    uint8 image on rank 0, None on the others.
+    """(N, H, W, C) uint8 samples of ``model`` from the plan on rank 0, None on the others.
 
     Rank r samples the rows ``shard(N, ctx)``, and the sampler noise of row i is seeded by
-    (validation.seed, i), so the grid is the same on any number of processes.
+    (validation.seed, i), so the images are the same on any number of processes.
     """
     v = cfg.validation
-    mine = distributed.shard(noise.shape[0], ctx)
+    mine = distributed.shard(plan.noise.shape[0], ctx)
     images = generate(
         model,
         objective=objective,
-        noise=noise[mine],
+        noise=plan.noise[mine],
         sampler=v.sampler,
         steps=v.steps,
         seed=v.seed,
-        class_labels=None if labels is None else labels[mine],
-        null_label=num_classes,
-        sample_ids=range(noise.shape[0])[mine],
+        condition=None if plan.condition is None else plan.condition[mine],
+        null_condition=plan.null,
+        guidance_scale=v.guidance_scale,
+        sample_ids=range(plan.noise.shape[0])[mine],
+        decode=conditioning.decode if conditioning.codec is not None else None,
+        clip=conditioning.codec is None,  # latents are not bounded to [-1, 1]
     )
     images = distributed.gather_cat(images, ctx)  # (N, C, H, W) on rank 0, None elsewhere
-    return None if images is None else make_grid(to_uint8(images))
+    return None if images is None else to_uint8(images)
+
+
+def grid(images: np.ndarray, plan: ValidationPlan) -> np.ndarray:
+    """The grid of a plan's images: a text model's with each row's prompt under it."""
+    if plan.prompts is None:
+        return make_grid(images, plan.ncols)
+    from difftrain.report.captioned_grid import captioned_grid
+
+    return captioned_grid(images, plan.prompts, plan.ncols)
 
 
 def validation_grids(
-    model: nn.Module,
-    ema_model: nn.Module,
-    cfg: Config,
-    noise: torch.Tensor,
-    labels: torch.Tensor | None,
-    num_classes: int,
-    objective,
-    ctx: distributed.DistContext,
-) -> dict[str, np.ndarray]:
-    """``{"samples/ema": grid}``, plus ``"samples/raw"`` (the raw weights from the same noise)
-    with ``validation.raw_grid``, on rank 0; ``{}`` on the others. Every rank must call it."""
-    grids = {"samples/ema": sample_grid(ema_model, cfg, noise, labels, num_classes, objective, ctx)}
+    model: nn.Module, ema_model: nn.Module, cfg: Config, plan: ValidationPlan, conditioning: Conditioning,
+    objective, ctx: distributed.DistContext,
+) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """(``{"samples/ema": grid}`` plus ``"samples/raw"`` with ``validation.raw_grid``, the EMA
+    images (N, H, W, C) uint8) on rank 0; ``({}, None)`` on the others. Every rank must call it."""
+    ema_images = sample_images(ema_model, cfg, plan, conditioning, objective, ctx)
+    grids = {}
+    if ema_images is not None:
+        grids["samples/ema"] = grid(ema_images, plan)
     if cfg.validation.raw_grid:
-        grids["samples/raw"] = sample_grid(model, cfg, noise, labels, num_classes, objective, ctx)
-    return {name: grid for name, grid in grids.items() if grid is not None}
+        raw = sample_images(model, cfg, plan, conditioning, objective, ctx)
+        if raw is not None:
+            grids["samples/raw"] = grid(raw, plan)
+    return grids, ema_images
+
+
+class ValidationScores:
+    """The CLIP score (``evaluation.clip_model``) and the Inception Score
+    (``evaluation.is_inception_path``) of the validation images, each logged with its image count.
+    Networks load on first use, on rank 0 only; no-ops when neither is set."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self._clip = self._inception = None
+
+    @property
+    def enabled(self) -> bool:
+        e = self.cfg.evaluation
+        return bool(e.clip_model or e.is_inception_path)
+
+    def __call__(self, images: np.ndarray, plan: ValidationPlan) -> dict[str, float]:
+        """images: (N, H, W, C) uint8 of the plan (EMA weights)."""
+        e, out = self.cfg.evaluation, {}
+        if images.shape[-1] == 1:
+            images = np.repeat(images, 3, axis=-1)
+        if e.clip_model and plan.prompts is not None:
+            from difftrain.evaluation.clip_score import CLIPScorer
+
+            if self._clip is None:
+                self._clip = CLIPScorer.from_path(e.clip_model).to(self.device)
+            prompts = [p for p in plan.prompts for _ in range(plan.ncols)]
+            scores = self._clip.score(images, prompts)
+            out.update({"clip_score": float(scores.mean()), "clip_score_images": len(prompts)})
+        if e.is_inception_path:
+            from difftrain.evaluation.inception_score import InceptionClassifier, images_inception_score
+
+            if self._inception is None:
+                self._inception = InceptionClassifier.from_path(e.is_inception_path).to(self.device)
+            mean, std, n = images_inception_score(images, self._inception, batch_size=64, device=self.device)
+            out.update({"inception_score": mean, "inception_score_std": std, "inception_score_images": n})
+        return out
 
 
 def save_grids(grids: dict[str, np.ndarray], run_dir: Path, step: int, trackers) -> None:
     """Write ``samples/step_N.png`` (EMA) and ``samples/raw/step_N.png``; log each by name."""
     folders = {"samples/ema": run_dir / "samples", "samples/raw": run_dir / "samples" / "raw"}
-    for name, grid in grids.items():
+    for name, image in grids.items():
         folders[name].mkdir(parents=True, exist_ok=True)
-        save_png(grid, folders[name] / f"step_{step:08d}.png")
-        trackers.log_image(step, name, grid)
+        save_png(image, folders[name] / f"step_{step:08d}.png")
+        trackers.log_image(step, name, image)

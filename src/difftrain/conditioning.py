@@ -1,0 +1,149 @@
+"""What a network sees besides the noisy input and its noise level, and the frozen parts around it.
+
+A run is unconditional, class-conditional (a label per image) or text-conditional (a caption per
+image, encoded by a frozen text encoder); pixel-space, or latent when a frozen VAE maps images to
+latents and back. :class:`Conditioning` holds that choice and the frozen parts, so that the step,
+validation, sampling and checkpoints ask it instead of branching on the config:
+
+    c = Conditioning.from_config(cfg, num_classes)   # loads model.text_encoder and model.vae
+    c.network_shape()                               # (channels, resolution) the network works at
+    c.condition(batch_second, drop)                 # labels (B,) / text embeddings (B, L, D) / None
+    c.null(n)                                       # the null condition of guidance (n rows)
+    c.decode(x)                                     # network space -> images in [-1, 1]
+    c.references()                                  # {"text_encoder": {source, digest}, ...}
+
+The frozen parts are never saved in checkpoints: a checkpoint names them and their digests, and a
+run or a sampler that loads it checks that the parts it finds are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class Conditioning:
+    """The condition of a run's network and its frozen text encoder and VAE (either may be None).
+
+    Args:
+        num_classes: classes of a class-conditional run (label ``num_classes`` is the null label).
+        text: a ``difftrain.models.text.TextEncoder`` for a text-conditional run, else None.
+        codec: a ``difftrain.models.vae.LatentCodec`` for a latent run, else None.
+        channels, resolution: the images' (``data.channels``, ``data.resolution``).
+    """
+
+    def __init__(self, num_classes: int = 0, text=None, codec=None, *, channels: int = 3, resolution: int = 32):
+        if num_classes and text is not None:
+            raise ValueError("a run is class-conditional or text-conditional, not both")
+        self.num_classes, self.text, self.codec = num_classes, text, codec
+        self.channels, self.resolution = channels, resolution
+        self._null_text: Tensor | None = None  # the empty caption's encoding (1, L, D), once
+        if codec is not None and resolution % codec.factor:
+            raise ValueError(f"data.resolution={resolution} must be a multiple of the VAE's downsampling factor "
+                             f"{codec.factor} (model.vae {codec.source})")
+
+    @classmethod
+    def from_config(cls, cfg, num_classes: int = 0, device: torch.device | str = "cpu") -> Conditioning:
+        """The conditioning of ``cfg``: loads ``model.text_encoder`` and ``model.vae`` (local folders,
+        frozen) onto ``device``."""
+        text = codec = None
+        if cfg.model.text_encoder:
+            from difftrain.models.text import TextEncoder
+
+            text = TextEncoder.from_path(cfg.model.text_encoder).to(device)
+        if cfg.model.vae:
+            from difftrain.models.vae import LatentCodec
+
+            codec = LatentCodec.from_path(cfg.model.vae).to(device)
+        return cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution)
+
+    # -- what the network is -------------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        """"text", "class" or "none"."""
+        return "text" if self.text is not None else "class" if self.num_classes else "none"
+
+    @property
+    def context_dim(self) -> int:
+        """D of the text embeddings the network cross-attends to; 0 without text."""
+        return self.text.dim if self.text is not None else 0
+
+    def network_shape(self) -> tuple[int, int]:
+        """(channels, resolution) of what the network denoises: the VAE's latents or the images."""
+        if self.codec is None:
+            return self.channels, self.resolution
+        return self.codec.latent_channels, self.resolution // self.codec.factor
+
+    # -- conditions ----------------------------------------------------------------------------
+
+    def condition(self, second: Tensor | Sequence[str] | None, drop: Tensor | None, device: torch.device) -> Tensor | None:
+        """The network's condition for one loaded batch.
+
+        second: the loader's second entry: labels (B,) long, or captions (a list of B strings).
+        drop: (B,) bool, the rows whose label or caption is dropped (classifier-free guidance), or None.
+        Returns labels (B,) long (the null label where dropped), text embeddings (B, L, D) float32
+        (of "" where dropped), or None for an unconditional run.
+        """
+        if self.text is not None:
+            captions = list(second)
+            if drop is not None:
+                captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+            return self.text.encode_ids(self.text.tokenize(captions).to(device))
+        if self.num_classes:
+            labels = second.to(device, non_blocking=True)
+            return labels if drop is None else torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+        return None
+
+    def prompts(self, prompts: Sequence[str], device: torch.device | str = "cpu") -> Tensor:
+        """(N, L, D) text embeddings of ``prompts`` (a text run only)."""
+        if self.text is None:
+            raise ValueError("prompts need a text-conditioned model (model.text_encoder)")
+        return self.text.encode_ids(self.text.tokenize(list(prompts)).to(device))
+
+    def null(self, n: int, device: torch.device | str = "cpu") -> Tensor | None:
+        """The null condition for ``n`` rows: the null label (n,), the empty caption's embedding
+        (n, L, D), or None for an unconditional run."""
+        if self.text is not None:
+            if self._null_text is None or self._null_text.device != torch.device(device):
+                self._null_text = self.text.encode_ids(self.text.tokenize([""]).to(device))
+            return self._null_text.expand(n, *self._null_text.shape[1:])
+        if self.num_classes:
+            return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
+        return None
+
+    # -- latents -------------------------------------------------------------------------------
+
+    def decode(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) images in [-1, 1] from what the network denoises (identity in pixel space)."""
+        if self.codec is None:
+            return x
+        with torch.no_grad():
+            return self.codec.decode(x.to(next(self.codec.parameters()).device)).float().cpu()
+
+    # -- references ----------------------------------------------------------------------------
+
+    def references(self) -> dict:
+        """{"text_encoder": {"source", "digest"}, "vae": {...}} of the frozen parts present."""
+        refs = {}
+        for name, part in (("text_encoder", self.text), ("vae", self.codec)):
+            if part is not None:
+                refs[name] = {"source": part.source, "digest": part.digest}
+        return refs
+
+    def check_references(self, saved: dict, where: str) -> None:
+        """Raise ValueError if the frozen parts differ from those a checkpoint was trained with."""
+        mine = self.references()
+        for name in sorted(set(saved) | set(mine)):
+            old, new = saved.get(name), mine.get(name)
+            if old is None or new is None:
+                raise ValueError(f"{where} was trained {'with' if old else 'without'} a {name.replace('_', ' ')}, "
+                                 f"this run is {'with' if new else 'without'} one")
+            if old["digest"] != new["digest"]:
+                raise ValueError(
+                    f"{where} was trained with the {name.replace('_', ' ')} {old['source']} (digest {old['digest'][:12]}), "
+                    f"but {new['source']} holds different weights (digest {new['digest'][:12]}); "
+                    f"set model.{'vae' if name == 'vae' else name} to the folder it was trained with"
+                )

@@ -1,0 +1,115 @@
+"""Text-to-image and latent training end to end, offline: tiny random text encoders, VAEs and
+UNet2DConditionModels written to folders by the tests (tests/text_components.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+from difftrain.config import load_config  # noqa: E402
+from difftrain.inference import generate_images, load_model  # noqa: E402
+from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.training.loop import train  # noqa: E402
+from tests.text_components import write_tiny_sd_folder, write_tiny_text_encoder, write_tiny_vae  # noqa: E402
+
+TEXT = ["data.captions=true", "model.text_encoder=builtin:tiny-clip"]
+
+
+def _digests(run_dir) -> tuple[str, str]:
+    state = ckpt.load_checkpoint(run_dir)
+    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
+
+
+def _resume_is_exact(tmp_path, overrides):
+    cfg = load_config(None, overrides)
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=3)
+    assert train(cfg, tmp_path / "resumed").step == 6
+    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+
+
+def _captioned_folder(root, n=24, size=16):
+    """n small RGB images with a caption .txt beside each."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    colours = {"red": (220, 30, 30), "blue": (30, 30, 220)}
+    for i in range(n):
+        name = list(colours)[i % 2]
+        a = np.full((size, size, 3), 30, np.uint8)
+        a[4:12, 4:12] = colours[name]
+        a = np.clip(a.astype(int) + rng.integers(-5, 6, a.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(a).save(root / f"img{i:03d}.png")
+        (root / f"img{i:03d}.txt").write_text(f"a {name} square on a dark background\n")
+    return root
+
+
+def test_text_run_from_scratch_trains_validates_and_references_its_encoder(tmp_path, tiny_overrides):
+    prompts = ["a red disc on a dark background", "a blue square on a light background"]
+    cfg = load_config(None, tiny_overrides + TEXT + [f"validation.prompts={json.dumps(prompts)}",
+                                                     "validation.guidance_scale=2.0"])
+    result = train(cfg, tmp_path)
+    assert result.step == 6
+    state = ckpt.load_checkpoint(tmp_path)
+    frozen = state["frozen"]
+    assert set(frozen) == {"text_encoder"} and frozen["text_encoder"]["source"] == "builtin:tiny-clip"
+    assert len(frozen["text_encoder"]["digest"]) == 64
+    assert not any("text" in k or "token" in k for k in state["model"])  # the encoder is never saved
+    grid = np.asarray(Image.open(tmp_path / "samples" / "step_00000006.png"))
+    assert grid.shape[0] > 2 * 16 and grid.shape[1] >= 2 * 16  # two rows of prompts (plus caption bands)
+    loaded = load_model(tmp_path, device="cpu")
+    images = generate_images(loaded, 2, steps=3, prompt=prompts[0], guidance_scale=3.0)
+    assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()
+    other = generate_images(loaded, 2, steps=3, prompt=prompts[1], guidance_scale=3.0)
+    assert not torch.equal(images, other)  # the prompt reaches the network
+    with pytest.raises(ValueError, match="prompt"):
+        generate_images(loaded, 2, steps=3)
+
+
+def test_text_run_resumes_exactly(tmp_path, tiny_overrides):
+    _resume_is_exact(tmp_path, tiny_overrides + TEXT + ["model.class_dropout=0.3"])
+
+
+def test_latent_text_run_caches_latents_once_and_resumes_exactly(tmp_path, tiny_overrides):
+    vae, text = write_tiny_vae(tmp_path / "vae"), write_tiny_text_encoder(tmp_path / "text")
+    data = _captioned_folder(tmp_path / "data")
+    overrides = tiny_overrides + [f"data.path={data}", "data.captions=true", f"model.text_encoder={text}",
+                                  f"model.vae={vae}", "model.attention_resolutions=[4]", "diffusion.prediction=v",
+                                  "diffusion.loss_weighting=min_snr", "validation.prompts=['a red square on a dark background']"]
+    _resume_is_exact(tmp_path, overrides)
+    state = ckpt.load_checkpoint(tmp_path / "straight")
+    assert set(state["frozen"]) == {"text_encoder", "vae"}
+    first_conv = next(v for k, v in state["model"].items() if v.dim() == 4)
+    assert first_conv.shape[1] == 4  # the UNet sees the VAE's 4 latent channels
+    grid = np.asarray(Image.open(tmp_path / "straight" / "samples" / "step_00000006.png"))
+    assert grid.shape[1] >= 16  # decoded to pixels: images at data.resolution
+
+
+def test_changed_text_encoder_refuses_to_resume(tmp_path, tiny_overrides):
+    text = write_tiny_text_encoder(tmp_path / "text")
+    cfg = load_config(None, tiny_overrides + ["data.captions=true", f"model.text_encoder={text}"])
+    train(cfg, tmp_path / "run", stop_at_step=2)
+    shutil.rmtree(text)
+    write_tiny_text_encoder(text, seed=1)  # other weights in the same folder
+    with pytest.raises(ValueError, match="text encoder"):
+        train(cfg, tmp_path / "run")
+
+
+def test_fine_tune_of_a_stable_diffusion_unet(tmp_path, tiny_overrides):
+    sd = write_tiny_sd_folder(tmp_path / "sd")
+    data = _captioned_folder(tmp_path / "data")
+    overrides = tiny_overrides + [f"data.path={data}", "data.captions=true", f"model.text_encoder={sd}",
+                                  f"model.vae={sd}", f"model.init_from={sd}", "validation.every_steps=0"]
+    _resume_is_exact(tmp_path, overrides)
+    state = ckpt.load_checkpoint(tmp_path / "straight")
+    assert state["network"]["kind"] != "unet" and "cross_attention_dim" in state["network"]["config"]
+    loaded = load_model(tmp_path / "straight", device="cpu")
+    images = generate_images(loaded, 2, steps=2, prompt="a red square on a dark background", guidance_scale=2.0)
+    assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()
