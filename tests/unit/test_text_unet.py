@@ -234,8 +234,9 @@ def test_condition_unet_folder_detection(sd_folder, tmp_path):
 
     from difftrain.models.diffusers_unet import ConditionUNet, is_condition_unet_folder
 
-    UNet2DModel(sample_size=8, block_out_channels=(8, 8), norm_num_groups=4,
-                down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2).save_pretrained(tmp_path / "u2d")
+    plain = UNet2DModel(sample_size=8, block_out_channels=(8, 8), norm_num_groups=4,
+                        down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2)
+    plain.save_pretrained(tmp_path / "u2d")
     assert is_condition_unet_folder(sd_folder) and is_condition_unet_folder(sd_folder / "unet")
     for other in (sd_folder / "vae", tmp_path / "u2d", tmp_path / "missing", sd_folder / "model_index.json"):
         assert not is_condition_unet_folder(other), other
