@@ -4,7 +4,10 @@ pipeline folder, and the weights a run starts from (``model.init_from``).
     save_weights_file(state, "model.safetensors")   # EMA (or raw) weights + config in its metadata
     load_weights_file("model.safetensors")           # -> the fields load_model needs
     export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder
+    export_stable_diffusion(net, objective_cfg=..., text_encoder_source=..., vae_source=..., out_dir=...)
+                                                     # a fine-tuned UNet2DConditionModel -> StableDiffusionPipeline
     load_init_weights(model, "unet_folder/")         # a diffusers UNet2DModel folder, .safetensors or .pt
+    load_init_network("sd_folder/")                  # a UNet2DConditionModel (or SD) folder -> ConditionUNet
 
 diffusers is needed only to write a pipeline folder; reading a diffusers UNet folder needs only
 ``safetensors`` (or torch for a ``.bin``).
@@ -13,8 +16,10 @@ diffusers is needed only to write a pipeline folder; reading a diffusers UNet fo
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +27,9 @@ from torch import Tensor, nn
 from difftrain.config import config_from_dict, config_to_toml
 from difftrain.diffusion.schedules import MAX_BETA, alpha_bar_schedule, betas_from_alpha_bar
 from difftrain.training.checkpoint import CheckpointError, load_checkpoint, load_weights
+
+if TYPE_CHECKING:
+    from difftrain.models.diffusers_unet import ConditionUNet
 
 WEIGHTS_FORMAT = "difftrain-weights-v1"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -206,6 +214,92 @@ def pipeline_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, "initial-noise"))
 
 
+def _text_folders(source: Path) -> tuple[Path, Path]:
+    """(text model folder, tokenizer folder) of a Stable Diffusion folder or of a plain folder
+    holding both, or a ValueError naming ``source``."""
+    if (source / "text_encoder" / "config.json").is_file() and (source / "tokenizer").is_dir():
+        return source / "text_encoder", source / "tokenizer"
+    if (source / "config.json").is_file():
+        return source, source
+    raise ValueError(f"text encoder {source}: neither a Stable Diffusion folder (text_encoder/config.json and "
+                     "tokenizer/) nor a folder with a text model's config.json and tokenizer files")
+
+
+def _vae_folder(source: Path) -> Path:
+    """The AutoencoderKL folder of ``source`` (itself or its ``vae/``), or a ValueError naming it."""
+    for folder in (source / "vae", source):
+        if (folder / "config.json").is_file():
+            return folder
+    raise ValueError(f"VAE {source}: no config.json, nor vae/config.json (an AutoencoderKL folder or a Stable "
+                     "Diffusion folder)")
+
+
+def export_stable_diffusion(
+    unet: ConditionUNet,
+    *,
+    objective_cfg,
+    text_encoder_source: str,
+    vae_source: str | None,
+    out_dir: str | Path,
+) -> Path:
+    """Write a ``StableDiffusionPipeline`` folder: ``unet/`` (the weights of ``unet``, a
+    :class:`~difftrain.models.diffusers_unet.ConditionUNet`), ``text_encoder/`` and
+    ``tokenizer/`` (from ``text_encoder_source``: a Stable Diffusion folder or one folder with
+    both), ``vae/`` (from ``vae_source``: an AutoencoderKL or Stable Diffusion folder),
+    ``scheduler/`` (:func:`scheduler_config` of ``objective_cfg``, the ``cfg.diffusion``
+    section, with x0 not clipped: StableDiffusionPipeline turns ``clip_sample`` off, as latents
+    are not confined to [-1, 1]) and ``model_index.json``; no safety checker. Returns ``out_dir``.
+    A text model of difftrain's own UNet, or a model without a VAE, raises a ValueError saying why.
+    """
+    from difftrain.models.diffusers_unet import ConditionUNet
+
+    if not isinstance(unet, ConditionUNet):
+        raise ValueError("export to a Stable Diffusion pipeline needs a UNet2DConditionModel (a run with "
+                         "model.init_from naming one); difftrain's own text UNet has a different architecture, "
+                         "which StableDiffusionPipeline cannot load")
+    if vae_source is None:
+        raise ValueError("export to a Stable Diffusion pipeline needs a VAE (model.vae): StableDiffusionPipeline "
+                         "denoises latents, and this model has none")
+    try:
+        from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
+        from transformers import CLIPTextModel, CLIPTokenizer
+    except ImportError:
+        raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
+                         "pip install 'difftrain[text]'") from None
+    # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
+    # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
+    scheduler = DDPMScheduler(**{**scheduler_config(objective_cfg), "clip_sample": False, "steps_offset": 1})
+    text_folder, tokenizer_folder = _text_folders(Path(text_encoder_source).expanduser())
+    vae_folder = _vae_folder(Path(vae_source).expanduser())
+    try:
+        text_encoder = CLIPTextModel.from_pretrained(str(text_folder))
+        tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"text encoder {text_encoder_source}: cannot load a CLIP text model and tokenizer "
+                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    try:
+        vae = AutoencoderKL.from_pretrained(str(vae_folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"VAE {vae_folder}: cannot load an AutoencoderKL "
+                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    if text_encoder.config.hidden_size != unet.context_dim:
+        raise ValueError(f"text encoder {text_encoder_source} has width {text_encoder.config.hidden_size}, the "
+                         f"UNet cross-attends to width {unet.context_dim}")
+    if vae.config.latent_channels != unet.in_channels:
+        raise ValueError(f"VAE {vae_folder} has {vae.config.latent_channels} latent channels, the UNet "
+                         f"takes {unet.in_channels}")
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet.unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    out = Path(out_dir)
+    pipe.save_pretrained(out, safe_serialization=True)
+    for name in ("vocab.json", "merges.txt"):  # what CLIPTokenizers of older transformers read
+        if (tokenizer_folder / name).is_file() and not (out / "tokenizer" / name).exists():
+            shutil.copyfile(tokenizer_folder / name, out / "tokenizer" / name)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Starting a run from existing weights (model.init_from).
 
@@ -285,13 +379,49 @@ def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Te
     return {names[k]: t for k, t in tensors.items()}
 
 
+def load_init_network(source: str | Path) -> ConditionUNet:
+    """The :class:`~difftrain.models.diffusers_unet.ConditionUNet` (weights included) of a
+    ``model.init_from`` naming a UNet2DConditionModel folder or a Stable Diffusion folder; a
+    ValueError naming the folder otherwise. ``is_condition_unet_folder`` tells which it is."""
+    from difftrain.models.diffusers_unet import ConditionUNet
+
+    try:
+        return ConditionUNet.from_folder(source)
+    except ValueError as e:
+        raise ValueError(f"model.init_from: {e}") from None
+
+
+def _load_condition_unet_weights(model: nn.Module, path: Path) -> None:
+    """Load the UNet2DConditionModel folder ``path`` into the ConditionUNet ``model``, or a
+    ValueError naming the folder and the first config key that differs."""
+    loaded = load_init_network(path)
+    ours, theirs = model.unet_config, loaded.unet_config
+    for key in sorted(set(ours) | set(theirs)):
+        if not key.startswith("_") and ours.get(key) != theirs.get(key):
+            raise ValueError(f"model.init_from {path}: the UNet does not match this model's architecture: first "
+                             f"mismatched key {key!r}: folder {theirs.get(key)!r}, this model {ours.get(key)!r}")
+    model.load_state_dict(loaded.state_dict())
+
+
 def load_init_weights(model: nn.Module, source: str | Path) -> None:
     """Load ``model.init_from`` into ``model``: a diffusers UNet2DModel folder (or pipeline
     folder), a difftrain weights file (``.safetensors``) or a checkpoint / run directory (its EMA
-    weights). Weights only: no optimizer, step or data position."""
+    weights); into a ``ConditionUNet``, a UNet2DConditionModel or Stable Diffusion folder.
+    Weights only: no optimizer, step or data position."""
+    from difftrain.models.diffusers_unet import ConditionUNet, is_condition_unet_folder
+
     path = Path(source).expanduser()
     if not path.exists():
         raise ValueError(f"model.init_from {path} does not exist")
+    if isinstance(model, ConditionUNet):
+        if not is_condition_unet_folder(path):
+            raise ValueError(f"model.init_from {path}: not a UNet2DConditionModel folder nor a Stable Diffusion "
+                             "folder, which this network (a UNet2DConditionModel) needs")
+        _load_condition_unet_weights(model, path)
+        return
+    if is_condition_unet_folder(path):
+        raise ValueError(f"model.init_from {path} is a UNet2DConditionModel (Stable Diffusion) UNet, not a "
+                         "difftrain UNet or UNet2DModel: build the network with load_init_network")
     if path.is_dir() and ((path / "config.json").is_file() or (path / "unet" / "config.json").is_file()):
         tensors, key = diffusers_to_difftrain(model, path), "init_from"
     elif is_weights_file(path):

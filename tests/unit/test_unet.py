@@ -140,7 +140,7 @@ def test_class_conditioning():
 def test_unconditional_model_rejects_labels():
     model = UNet(**SMALL)
     x, t = inputs(2, 3, 16)
-    with pytest.raises(ValueError, match="class_labels"):
+    with pytest.raises(ValueError, match="cond was given"):
         model(x, t, torch.tensor([0, 1]))
 
 

@@ -1,4 +1,5 @@
-"""The denoising networks: the DDPM UNet and a registry of its presets."""
+"""The denoising networks: the DDPM UNet (unconditional, class- or text-conditional) and a registry
+of its presets; a wrapped diffusers UNet2DConditionModel lives in `diffusers_unet`."""
 
 import inspect
 
@@ -37,24 +38,36 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
-def build_unet(preset: str, *, resolution: int, in_channels: int, num_classes: int = 0, **overrides) -> UNet:
+def build_unet(
+    preset: str, *, resolution: int, in_channels: int, num_classes: int = 0, context_dim: int = 0, **overrides
+) -> UNet:
     """Build the UNet of a preset in MODEL_PRESETS, with keyword `overrides` of its arguments.
 
-    Example: build_unet("tiny", resolution=32, in_channels=3, dropout=0.1).
+    Example: build_unet("tiny", resolution=32, in_channels=3, dropout=0.1); a text model
+    cross-attending to (B, L, 512) embeddings: build_unet("tiny", ..., context_dim=512).
     """
     if preset not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choices: {', '.join(MODEL_PRESETS)}")
-    allowed = set(inspect.signature(UNet).parameters) - {"resolution", "in_channels", "num_classes"}
+    allowed = set(inspect.signature(UNet).parameters) - {"resolution", "in_channels", "num_classes", "context_dim"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise ValueError(f"unknown UNet override(s) {unknown}; choices: {', '.join(sorted(allowed))}")
     kwargs = {**MODEL_PRESETS[preset], **overrides}
-    return UNet(resolution=resolution, in_channels=in_channels, num_classes=num_classes, **kwargs)
+    return UNet(resolution=resolution, in_channels=in_channels, num_classes=num_classes, context_dim=context_dim,
+                **kwargs)
 
 
-def build_model(cfg, num_classes: int = 0) -> UNet:
+def build_model(
+    cfg, num_classes: int = 0, *, context_dim: int = 0, in_channels: int | None = None, resolution: int | None = None
+) -> UNet:
     """The UNet of a config's ``model.preset`` (a ``difftrain.config.Config``) with its non-None
-    ``model.*`` overrides, at ``data.resolution`` and ``data.channels``."""
+    ``model.*`` overrides.
+
+    ``in_channels`` and ``resolution`` default to ``data.channels`` and ``data.resolution``; a
+    latent model passes its codec's latent channels and resolution / factor. ``context_dim`` > 0
+    builds a text model cross-attending to (B, L, context_dim) embeddings. A ``model.init_from``
+    naming a UNet2DConditionModel folder is not built here: see ``difftrain.models.diffusers_unet``.
+    """
     m = cfg.model
     overrides = {
         key: getattr(m, key)
@@ -63,9 +76,10 @@ def build_model(cfg, num_classes: int = 0) -> UNet:
     }
     return build_unet(
         m.preset,
-        resolution=cfg.data.resolution,
-        in_channels=cfg.data.channels,
+        resolution=cfg.data.resolution if resolution is None else resolution,
+        in_channels=cfg.data.channels if in_channels is None else in_channels,
         num_classes=num_classes,
+        context_dim=context_dim,
         gradient_checkpointing=m.gradient_checkpointing,
         **overrides,
     )

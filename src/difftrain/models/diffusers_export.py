@@ -62,8 +62,18 @@ def diffusers_name(name: str) -> str:
     return name
 
 
+def _check_exportable(model: UNet) -> None:
+    """A ValueError for a text model: its cross-attention has no place in a UNet2DModel."""
+    if model.config.get("context_dim", 0) > 0:
+        raise ValueError("a text-conditioned difftrain UNet (context_dim > 0) has no diffusers equivalent: "
+                         "UNet2DModel has no cross-attention, and UNet2DConditionModel's transformer blocks "
+                         "are a different architecture; fine-tune a UNet2DConditionModel (model.init_from) "
+                         "to export a Stable Diffusion pipeline")
+
+
 def diffusers_config(model: UNet) -> dict:
     """Keyword arguments of `diffusers.UNet2DModel` for the architecture of `model`."""
+    _check_exportable(model)
     cfg = model.config
     resolution, channel_mult = cfg["resolution"], cfg["channel_mult"]
     has_attn = [resolution // 2**level in cfg["attention_resolutions"] for level in range(len(channel_mult))]
@@ -103,4 +113,5 @@ def diffusers_config(model: UNet) -> dict:
 
 def to_diffusers_state_dict(model: UNet) -> dict[str, Tensor]:
     """`model`'s parameters under diffusers `UNet2DModel` names (tensors share storage with model)."""
+    _check_exportable(model)
     return {diffusers_name(name): tensor for name, tensor in model.state_dict().items()}

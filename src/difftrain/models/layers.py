@@ -1,4 +1,5 @@
-"""Building blocks of the DDPM UNet: timestep embedding, residual block, attention, resampling.
+"""Building blocks of the DDPM UNet: timestep embedding, residual block, attention (self and
+cross), resampling.
 
 Ho, Jain & Abbeel, "Denoising Diffusion Probabilistic Models", NeurIPS 2020 (arXiv:2006.11239),
 Appendix B, and its reference implementation (diffusion_tf/models/unet.py). Module and parameter
@@ -90,28 +91,78 @@ class ResBlock(nn.Module):
         return self.skip(x) + h
 
 
+class CrossAttention(nn.Module):
+    """Pre-norm single-head cross-attention from image positions to text tokens, with a residual.
+
+    GroupNorm of x, queries from its H*W positions, keys and values from the context tokens
+    (Rombach et al. 2022, "High-Resolution Image Synthesis with Latent Diffusion Models", Sec. 3.3).
+    """
+
+    def __init__(self, channels: int, context_dim: int, norm_groups: int) -> None:
+        super().__init__()
+        self.norm = group_norm(channels, norm_groups)
+        self.q = nn.Linear(channels, channels)
+        self.k = nn.Linear(context_dim, channels)
+        self.v = nn.Linear(context_dim, channels)
+        self.proj_out = nn.Linear(channels, channels)
+
+    def forward(self, x: Tensor, context: Tensor) -> Tensor:
+        """x: (B, C, H, W), context: (B, L, context_dim) -> (B, C, H, W)."""
+        B, C, H, W = x.shape
+        h = self.norm(x).flatten(2).transpose(1, 2)  # (B, H*W, C)
+        q = self.q(h).unsqueeze(1)  # (B, 1, H*W, C)
+        context = context.to(q.dtype)
+        k, v = self.k(context).unsqueeze(1), self.v(context).unsqueeze(1)  # (B, 1, L, C)
+        h = F.scaled_dot_product_attention(q, k, v).squeeze(1)  # (B, H*W, C)
+        h = self.proj_out(h).transpose(1, 2).reshape(B, C, H, W)
+        return x + h
+
+
 class AttentionBlock(nn.Module):
-    """Single-head self-attention over the H*W positions, with a residual connection (DDPM).
+    """Single-head self-attention over the H*W positions, with a residual connection (DDPM);
+    with `context_dim > 0`, followed by a `CrossAttention` (`cross`) to text tokens.
 
     Uses `F.scaled_dot_product_attention`, so fused kernels are picked where the device has them.
     """
 
-    def __init__(self, channels: int, norm_groups: int) -> None:
+    def __init__(self, channels: int, norm_groups: int, context_dim: int = 0) -> None:
         super().__init__()
         self.norm = group_norm(channels, norm_groups)
         self.q = nn.Linear(channels, channels)
         self.k = nn.Linear(channels, channels)
         self.v = nn.Linear(channels, channels)
         self.proj_out = nn.Linear(channels, channels)
+        # Created after the self-attention, and only for a text model: models without context
+        # keep their parameter names and initialisation order.
+        self.cross = CrossAttention(channels, context_dim, norm_groups) if context_dim > 0 else None
+        # Recompute activations in backward instead of storing them (set by UNet, text models only).
+        self.gradient_checkpointing = False
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: (B, C, H, W) -> (B, C, H, W)."""
+    def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        """x: (B, C, H, W), context: (B, L, context_dim) or None -> (B, C, H, W)."""
+        if self.cross is None:
+            return self._self_attention(x)
+        if self.gradient_checkpointing and self.training:
+            return checkpoint(self._forward_with_context, x, context, use_reentrant=False)
+        return self._forward_with_context(x, context)
+
+    def _forward_with_context(self, x: Tensor, context: Tensor) -> Tensor:
+        return self.cross(self._self_attention(x), context)
+
+    def _self_attention(self, x: Tensor) -> Tensor:
         B, C, H, W = x.shape
         h = self.norm(x).flatten(2).transpose(1, 2)  # (B, H*W, C); a view under channels_last
         q, k, v = (proj(h).unsqueeze(1) for proj in (self.q, self.k, self.v))  # (B, 1, H*W, C)
         h = F.scaled_dot_product_attention(q, k, v).squeeze(1)  # softmax(q k^T / sqrt(C)) v
         h = self.proj_out(h).transpose(1, 2).reshape(B, C, H, W)
         return x + h
+
+
+class NoAttention(nn.Identity):
+    """The identity in the place of an attention block, taking (and ignoring) the context."""
+
+    def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        return x
 
 
 class Downsample(nn.Module):

@@ -1,9 +1,12 @@
-"""The UNet of DDPM (Ho, Jain & Abbeel 2020, arXiv:2006.11239, Appendix B), optionally class-conditional.
+"""The UNet of DDPM (Ho, Jain & Abbeel 2020, arXiv:2006.11239, Appendix B), optionally class- or
+text-conditional.
 
 A PixelCNN++-style UNet: per resolution level a stack of residual blocks with additive timestep
 embeddings, single-head self-attention at chosen resolutions, a middle block (ResBlock, attention,
 ResBlock), and an up path that concatenates the down path's activations. Its modules map one to
-one onto diffusers' `UNet2DModel` (see `difftrain.models.diffusers_export`).
+one onto diffusers' `UNet2DModel` (see `difftrain.models.diffusers_export`). A text model
+(`context_dim > 0`) adds cross-attention to the text tokens in every attention block, as the
+latent diffusion UNet does (Rombach et al. 2022); it has no UNet2DModel equivalent.
 """
 
 from collections.abc import Sequence
@@ -15,6 +18,7 @@ from torch import Tensor, nn
 from difftrain.models.layers import (
     AttentionBlock,
     Downsample,
+    NoAttention,
     ResBlock,
     TimestepEmbedding,
     Upsample,
@@ -31,10 +35,11 @@ class DownLevel(nn.Module):
         self.attn = nn.ModuleList(attn)
         self.downsample = downsample
 
-    def forward(self, h: Tensor, emb: Tensor, skips: list[Tensor]) -> Tensor:
-        """h: (B, C_in, H, W), emb: (B, D) -> (B, C, H/2, W/2); appends each output to `skips`."""
+    def forward(self, h: Tensor, emb: Tensor, skips: list[Tensor], context: Tensor | None = None) -> Tensor:
+        """h: (B, C_in, H, W), emb: (B, D), context: (B, L, D_ctx) or None -> (B, C, H/2, W/2);
+        appends each output to `skips`."""
         for res, attn in zip(self.res, self.attn):
-            h = attn(res(h, emb))
+            h = attn(res(h, emb), context)
             skips.append(h)
         if self.downsample is not None:
             h = self.downsample(h)
@@ -45,15 +50,15 @@ class DownLevel(nn.Module):
 class MidBlock(nn.Module):
     """Middle of the UNet at the lowest resolution: ResBlock, attention, ResBlock."""
 
-    def __init__(self, channels: int, emb_dim: int, dropout: float, norm_groups: int) -> None:
+    def __init__(self, channels: int, emb_dim: int, dropout: float, norm_groups: int, context_dim: int = 0) -> None:
         super().__init__()
         self.res_1 = ResBlock(channels, channels, emb_dim, dropout, norm_groups)
-        self.attn = AttentionBlock(channels, norm_groups)
+        self.attn = AttentionBlock(channels, norm_groups, context_dim)
         self.res_2 = ResBlock(channels, channels, emb_dim, dropout, norm_groups)
 
-    def forward(self, h: Tensor, emb: Tensor) -> Tensor:
-        """h: (B, C, H, W), emb: (B, D) -> (B, C, H, W)."""
-        return self.res_2(self.attn(self.res_1(h, emb)), emb)
+    def forward(self, h: Tensor, emb: Tensor, context: Tensor | None = None) -> Tensor:
+        """h: (B, C, H, W), emb: (B, D), context: (B, L, D_ctx) or None -> (B, C, H, W)."""
+        return self.res_2(self.attn(self.res_1(h, emb), context), emb)
 
 
 class UpLevel(nn.Module):
@@ -65,17 +70,19 @@ class UpLevel(nn.Module):
         self.attn = nn.ModuleList(attn)
         self.upsample = upsample
 
-    def forward(self, h: Tensor, emb: Tensor, skips: list[Tensor]) -> Tensor:
-        """h: (B, C_in, H, W), emb: (B, D) -> (B, C, 2H, 2W); pops one skip per ResBlock."""
+    def forward(self, h: Tensor, emb: Tensor, skips: list[Tensor], context: Tensor | None = None) -> Tensor:
+        """h: (B, C_in, H, W), emb: (B, D), context: (B, L, D_ctx) or None -> (B, C, 2H, 2W);
+        pops one skip per ResBlock."""
         for res, attn in zip(self.res, self.attn):
-            h = attn(res(torch.cat([h, skips.pop()], dim=1), emb))
+            h = attn(res(torch.cat([h, skips.pop()], dim=1), emb), context)
         if self.upsample is not None:
             h = self.upsample(h)
         return h
 
 
 class UNet(nn.Module):
-    """DDPM UNet predicting a (B, out_channels, H, W) tensor (eps, v or x0) from x_t and t.
+    """DDPM UNet predicting a (B, out_channels, H, W) tensor (eps, v or x0) from x_t, t and an
+    optional condition (class labels or text embeddings).
 
     Module layout (the names `diffusers_export` maps):
         time_embed          sinusoidal(t) -> linear_1 -> SiLU -> linear_2, width 4 * base_channels
@@ -84,6 +91,7 @@ class UNet(nn.Module):
         conv_in
         down[l]             DownLevel for level l = 0 .. L-1 (resolution / 2**l)
         mid                 MidBlock
+        *.attn*.cross       CrossAttention to the text tokens, only if context_dim > 0
         up[i]               UpLevel for level L-1-i, in execution order (deepest first)
         norm_out, conv_out
 
@@ -98,7 +106,11 @@ class UNet(nn.Module):
         dropout: dropout probability inside ResBlocks.
         num_classes: number of classes for class conditioning; 0 for an unconditional model.
         norm_groups: GroupNorm groups; must divide every level's channel count.
-        gradient_checkpointing: recompute ResBlock activations in backward while training.
+        gradient_checkpointing: recompute ResBlock (and, in a text model, attention block)
+            activations in backward while training.
+        context_dim: width D_ctx of the text embeddings (B, L, D_ctx) cross-attended in every
+            attention block (those of attention_resolutions and the middle block); 0 for none.
+            Exclusive with num_classes.
     """
 
     def __init__(
@@ -115,6 +127,7 @@ class UNet(nn.Module):
         num_classes: int = 0,
         norm_groups: int = 32,
         gradient_checkpointing: bool = False,
+        context_dim: int = 0,
     ) -> None:
         super().__init__()
         channel_mult = tuple(channel_mult)
@@ -131,6 +144,7 @@ class UNet(nn.Module):
             dropout=dropout,
             num_classes=num_classes,
             norm_groups=norm_groups,
+            context_dim=context_dim,
         )
         # The resolved constructor arguments: UNet(**model.config) rebuilds the architecture.
         self.config = dict(
@@ -145,8 +159,10 @@ class UNet(nn.Module):
             num_classes=num_classes,
             norm_groups=norm_groups,
             gradient_checkpointing=gradient_checkpointing,
+            context_dim=context_dim,
         )
         self.num_classes = num_classes
+        self.context_dim = context_dim
         emb_dim = 4 * base_channels
         channels = [base_channels * m for m in channel_mult]
         num_levels = len(channels)
@@ -156,7 +172,7 @@ class UNet(nn.Module):
 
         def attn_or_identity(c: int, level: int) -> nn.Module:
             use_attn = resolution // 2**level in attention_resolutions
-            return AttentionBlock(c, norm_groups) if use_attn else nn.Identity()
+            return AttentionBlock(c, norm_groups, context_dim) if use_attn else NoAttention()
 
         # Embeddings of t and of the class label, summed.
         self.time_embed = TimestepEmbedding(base_channels, emb_dim)
@@ -180,7 +196,7 @@ class UNet(nn.Module):
                 skip_channels.append(c)
             self.down.append(DownLevel(res, attn, downsample))
 
-        self.mid = MidBlock(c_in, emb_dim, dropout, norm_groups)
+        self.mid = MidBlock(c_in, emb_dim, dropout, norm_groups, context_dim)
 
         # Up path, deepest level first; each ResBlock consumes one skip connection.
         self.up = nn.ModuleList()
@@ -202,8 +218,8 @@ class UNet(nn.Module):
 
     def _init_weights(self) -> None:
         """DDPM initialisation: Xavier-uniform weights, zero biases, and zeros for the last layer
-        of every residual branch (ResBlock.conv2, AttentionBlock.proj_out) and for conv_out, so
-        the network starts as an identity-like map with zero output."""
+        of every residual branch (ResBlock.conv2, AttentionBlock.proj_out, CrossAttention.proj_out)
+        and for conv_out, so the network starts as an identity-like map with zero output."""
         for module in self.modules():
             if isinstance(module, (nn.Conv2d, nn.Linear)):
                 nn.init.xavier_uniform_(module.weight)
@@ -213,43 +229,64 @@ class UNet(nn.Module):
                 nn.init.zeros_(module.conv2.weight)
             elif isinstance(module, AttentionBlock):
                 nn.init.zeros_(module.proj_out.weight)
+                if module.cross is not None:
+                    nn.init.zeros_(module.cross.proj_out.weight)
         nn.init.zeros_(self.conv_out.weight)
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
-        """Turn activation checkpointing of every ResBlock on or off (it acts only in training)."""
+        """Turn activation checkpointing of every ResBlock, and of every attention block with
+        cross-attention, on or off (it acts only in training)."""
         self.config["gradient_checkpointing"] = bool(enabled)
         for module in self.modules():
-            if isinstance(module, ResBlock):
+            if isinstance(module, (ResBlock, AttentionBlock)):
                 module.gradient_checkpointing = bool(enabled)
 
-    def forward(self, x: Tensor, t: Tensor, class_labels: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
         """Predict the network target for noisy images.
 
         Args:
             x: (B, in_channels, H, W) float noisy images; H and W divisible by 2**(L-1).
             t: (B,) integer or float timesteps in [0, T) (a 0-d tensor is broadcast).
-            class_labels: (B,) long labels in [0, num_classes]; `num_classes` is the null label.
-                None means the null label for a conditional model; must be None if num_classes == 0.
+            cond: the condition, by the kind of model:
+                num_classes > 0: (B,) long labels in [0, num_classes], `num_classes` being the
+                    null label; None means the null label.
+                context_dim > 0: (B, L, context_dim) float text embeddings; required.
+                otherwise: None.
 
         Returns:
             (B, out_channels, H, W).
         """
         emb = self.time_embed(t.expand(x.shape[0]))  # (B, 4 * base_channels)
+        context = None
         if self.class_embed is not None:
-            if class_labels is None:
-                class_labels = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
-            emb = emb + self.class_embed(class_labels)
-        elif class_labels is not None:
-            raise ValueError("class_labels were given but the model was built with num_classes=0")
+            if cond is None:
+                cond = torch.full((x.shape[0],), self.num_classes, dtype=torch.long, device=x.device)
+            emb = emb + self.class_embed(cond)
+        elif self.context_dim > 0:
+            context = _check_context(cond, x.shape[0], self.context_dim)
+        elif cond is not None:
+            raise ValueError("cond was given but the model was built with num_classes=0 and context_dim=0 "
+                             "(an unconditional model)")
 
         h = self.conv_in(x)
         skips = [h]
         for level in self.down:
-            h = level(h, emb, skips)
-        h = self.mid(h, emb)
+            h = level(h, emb, skips, context)
+        h = self.mid(h, emb, context)
         for level in self.up:
-            h = level(h, emb, skips)
+            h = level(h, emb, skips, context)
         return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def _check_context(cond: Tensor | None, batch: int, context_dim: int) -> Tensor:
+    """`cond` if it is a (batch, L, context_dim) floating tensor, else a ValueError saying why."""
+    if cond is None:
+        raise ValueError(f"this text model (context_dim={context_dim}) needs cond: text embeddings "
+                         f"(B, L, {context_dim}); got None")
+    if cond.ndim != 3 or cond.shape[0] != batch or cond.shape[2] != context_dim or not cond.is_floating_point():
+        raise ValueError(f"cond of this text model must be float text embeddings ({batch}, L, {context_dim}); "
+                         f"got {cond.dtype} of shape {tuple(cond.shape)}")
+    return cond
 
 
 def _check_args(
@@ -264,6 +301,7 @@ def _check_args(
     dropout: float,
     num_classes: int,
     norm_groups: int,
+    context_dim: int = 0,
 ) -> None:
     """Raise a ValueError naming the first invalid constructor argument."""
     for name, value in [
@@ -303,3 +341,8 @@ def _check_args(
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     if not isinstance(num_classes, int) or num_classes < 0:
         raise ValueError(f"num_classes must be an integer >= 0, got {num_classes!r}")
+    if not isinstance(context_dim, int) or context_dim < 0:
+        raise ValueError(f"context_dim must be an integer >= 0, got {context_dim!r}")
+    if context_dim > 0 and num_classes > 0:
+        raise ValueError(f"a UNet is conditioned on classes or on text, not both: num_classes={num_classes}, "
+                         f"context_dim={context_dim}")
