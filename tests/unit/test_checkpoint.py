@@ -17,7 +17,7 @@ def _state(step: int) -> dict:
     return {"step": step, "data_position": 8 * step, "skipped_steps": 0, "num_classes": 0,
             "config": {"train": {"seed": 0}}, "model": w, "ema": {"model": dict(w), "num_updates": step},
             "optimizer": {"state": {}, "param_groups": []}, "scaler": {}, "rng": {"torch": torch.get_rng_state()},
-            "posthoc_ema": {"stds": [], "gammas": [], "models": []}}
+            "posthoc_ema": {"stds": [], "gammas": [], "models": []}, "network": {"kind": "unet"}, "frozen": {}}
 
 
 def test_save_points_latest_at_the_newest(tmp_path):

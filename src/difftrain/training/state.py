@@ -148,6 +148,9 @@ class RunState:
                 for k, (old, now) in allowed_changes(state["config"], new).items()]
 
 
+CONDITION_UNET = "diffusers.UNet2DConditionModel"  # the network record of a fine-tuned diffusers UNet
+
+
 def build_network(cfg: Config, conditioning: Conditioning, network: dict | None = None,
                   init_weights: bool = True) -> nn.Module:
     """The network of a run, on the CPU: difftrain's UNet at the conditioning's shape (latent
@@ -160,12 +163,12 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     from difftrain.models.diffusers_unet import ConditionUNet, is_condition_unet_folder
 
     init_from = cfg.model.init_from
-    if network is not None and network.get("kind") == ConditionUNet.KIND:
+    if network is not None and network.get("kind") == CONDITION_UNET:
         return ConditionUNet.from_config(network["config"])
     if network is None and init_from and is_condition_unet_folder(init_from):
-        if not init_weights:
-            raise ValueError(f"model.init_from {init_from}: a resumed fine-tune needs its checkpoint's network record")
-        return ConditionUNet.from_folder(init_from)
+        from difftrain.interop import load_init_network
+
+        return load_init_network(init_from)
     channels, resolution = conditioning.network_shape()
     model = build_model(cfg, conditioning.num_classes, context_dim=conditioning.context_dim,
                         in_channels=channels, resolution=resolution)
@@ -182,7 +185,7 @@ def network_record(model: nn.Module) -> dict:
     from difftrain.models.diffusers_unet import ConditionUNet
 
     if isinstance(model, ConditionUNet):
-        return {"kind": ConditionUNet.KIND, "config": model.unet_config}
+        return {"kind": CONDITION_UNET, "config": model.unet_config}
     return {"kind": "unet"}
 
 
