@@ -184,6 +184,14 @@ def test_wrong_files_give_one_line_naming_them(tmp_path):
                                          r"\(e.g. fc.weight\)") as err:
         InceptionClassifier.from_path(wrong)
     assert "\n" not in str(err.value)
+    try:
+        torchscript = find_inception_weights()
+    except FileNotFoundError:
+        torchscript = None
+    if torchscript is not None:
+        with pytest.raises(ValueError, match="is a TorchScript file") as err:
+            InceptionClassifier.from_path(torchscript)
+        assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="is_inception_path.*missing.pth"):
         InceptionClassifier.from_path(tmp_path / "missing.pth")
 

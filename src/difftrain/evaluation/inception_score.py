@@ -22,6 +22,7 @@ default; `use_fc_bias=True` adds it. Scores are only comparable when made the sa
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -231,10 +232,18 @@ class InceptionClassifier(nn.Module):
         if not file.is_file():
             raise ValueError(f"evaluation.is_inception_path: {file} is not a file")
         try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # the TorchScript case is reported below
+                warnings.filterwarnings("ignore", message=".*TorchScript", category=UserWarning)
+                state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several types for files that are not pickles
+            if "TorchScript" in str(e):
+                raise ValueError(
+                    f"{file} is a TorchScript file (such as the FID feature network, which has "
+                    "no classifier head); the Inception Score needs the state dict "
+                    "pt_inception-2015-12-05-6726825d.pth") from e
+            first = str(e).split(". ")[0].splitlines()[0] if str(e) else ""
             raise ValueError(f"{file} is not a PyTorch state dict file ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})") from e
+                             f"{first})") from e
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
                                                   for v in state.values()):
             raise ValueError(f"{file} does not hold a state dict of tensors "
