@@ -179,3 +179,32 @@ def test_errors_name_the_folder_and_what_is_missing(tmp_path):
     (sd / "tokenizer").rmdir()
     _one_line_error(str(sd), "tokenizer/")
     _one_line_error("builtin:huge-clip", "tiny-clip")
+
+
+def test_whole_clip_model_folder_gives_its_text_half(tmp_path):
+    from transformers import CLIPConfig, CLIPModel
+
+    folder = write_tiny_tokenizer(tmp_path / "clip")
+    vocab = json.loads((folder / "vocab.json").read_text())
+    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=TEXT_LENGTH, bos_token_id=vocab[BOS], eos_token_id=vocab[EOS])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    clip.save_pretrained(folder)
+    te = TextEncoder.from_path(str(folder))
+    ids = te.tokenize(CAPTIONS)
+    torch.testing.assert_close(te.encode_ids(ids), clip.text_model(input_ids=ids).last_hidden_state)
+
+
+def test_weights_that_do_not_fit_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_text_encoder(tmp_path / "clip")
+    tensors = load_file(folder / "model.safetensors")
+    dropped = sorted(tensors)[0]
+    kept = {k: v for k, v in tensors.items() if k != dropped}
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    _one_line_error(str(folder), "do not fit", "1 tensors missing")

@@ -122,3 +122,15 @@ def test_errors_name_the_folder(tmp_path):
     corrupt = write_tiny_vae(tmp_path / "corrupt")
     (corrupt / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
     _one_line_error(str(corrupt), "cannot load")
+
+
+def test_weights_that_do_not_fit_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_vae(tmp_path / "vae")
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v for k, v in tensors.items() if k != sorted(tensors)[0]}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"vae .*(do not fit|cannot load)") as info:
+        LatentCodec.from_path(str(folder))
+    assert "\n" not in str(info.value) and str(folder) in str(info.value)

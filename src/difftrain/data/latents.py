@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from difftrain.runtime.files import atomic_write_bytes, cache_dir as default_cache_dir, files_fingerprint, unlink_quietly
+from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
+from difftrain.runtime.files import cache_dir as default_cache_dir
 
 from .builtin import BUILTIN_DATASETS
 from .cache import CachedImageDataset, cache_key, remove_stale_temporaries
@@ -121,7 +122,8 @@ def _record_files(dataset: Dataset) -> list[Path]:
     if folder.is_dir():
         return sorted(p.resolve() for p in folder.rglob("*") if p.is_file())
     items = expand_braces(os.path.expanduser(source))
-    return sorted(Path(f).resolve() for i in items for f in (glob.glob(i) if glob.has_magic(i) else [i]) if os.path.isfile(f))
+    files = [f for item in items for f in (glob.glob(item) if glob.has_magic(item) else [item])]
+    return sorted(Path(f).resolve() for f in files if os.path.isfile(f))
 
 
 def _content_digest(dataset: Dataset) -> str:
@@ -264,7 +266,8 @@ def with_latent_cache(dataset: Dataset, *, codec, random_flip: bool, cache_dir: 
     The cache is built on first use (printing one line) and reused afterwards.
     """
     if getattr(dataset, "color_jitter", 0) > 0:
-        raise ValueError("data.color_jitter must be 0 with a latent cache (model.vae): the encoder sees each image once")
+        raise ValueError("data.color_jitter must be 0 with a latent cache (model.vae): "
+                         "the encoder sees each image once")
     if batch_size < 1:
         raise ValueError(f"latent cache batch_size must be >= 1, got {batch_size}")
     path = latent_cache_path(dataset, codec=codec, random_flip=random_flip, cache_dir=cache_dir)

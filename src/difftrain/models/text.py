@@ -24,7 +24,8 @@ BUILTIN_PREFIX = "builtin:"
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"  # CLIP's special tokens; EOS also pads
 END_OF_WORD = "</w>"  # CLIP's BPE marks the last symbol of a word with this suffix
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json")
 TEXT_MODEL_TYPES = ("clip_text_model", "clip")  # a CLIP text model, or a whole CLIP model (its text half)
 
 # builtin:tiny-clip. The words of the built-in datasets' captions; any other word is spelled
@@ -96,16 +97,36 @@ def weights_digest(module: nn.Module, extra: bytes = b"", strip: str = "") -> st
 
 
 @contextlib.contextmanager
-def quiet_progress(logging_module):
-    """Hide a library's per-load progress bars (transformers' or diffusers' ``utils.logging``)
-    for the duration; restored after."""
-    enabled = logging_module.is_progress_bar_enabled()
+def quiet_loading(logging_module):
+    """Hide a library's per-load progress bars and load reports (transformers' or diffusers'
+    ``utils.logging``) for the duration; restored after. Missing weights are checked by the
+    caller instead (:func:`check_loading_info`)."""
+    enabled, verbosity = logging_module.is_progress_bar_enabled(), logging_module.get_verbosity()
     logging_module.disable_progress_bar()
+    logging_module.set_verbosity_error()
     try:
         yield
     finally:
+        logging_module.set_verbosity(verbosity)
         if enabled:
             logging_module.enable_progress_bar()
+
+
+def check_loading_info(info: dict, what: str, folder: Path) -> None:
+    """Raise ValueError when ``from_pretrained`` left tensors of the model uninitialised
+    (weights of another architecture, or a truncated file)."""
+    missing = list(info.get("missing_keys") or [])
+    mismatched = list(info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        names = [str(k) for k in missing + mismatched]
+        raise ValueError(f"{what}: the weights in {folder} do not fit the model: {len(missing)} tensors missing, "
+                         f"{len(mismatched)} of another shape (first: {names[0]})")
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message as one line (its type when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _vocab_bytes(tokenizer) -> bytes:
@@ -146,11 +167,13 @@ class TextEncoder(nn.Module):
         from transformers.utils import logging
 
         try:
-            with quiet_progress(logging):
+            with quiet_loading(logging):
                 tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_dir))
-                model = CLIPTextModel.from_pretrained(str(model_dir), dtype=torch.float32)
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-            raise ValueError(f"text encoder {path}: cannot load: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+                model, info = CLIPTextModel.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                            output_loading_info=True)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"text encoder {path}: cannot load {model_dir}: {first_line(e)}") from e
+        check_loading_info(info, f"text encoder {path}", model_dir)
         return cls(model, tokenizer, path)
 
     def train(self, mode: bool = True) -> TextEncoder:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .text import quiet_progress, weights_digest
+from .text import check_loading_info, first_line, quiet_loading, weights_digest
 
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin",
                 "diffusion_pytorch_model.safetensors.index.json")
@@ -75,10 +75,12 @@ class LatentCodec(nn.Module):
         from diffusers.utils import logging
 
         try:
-            with quiet_progress(logging):
-                vae = AutoencoderKL.from_pretrained(str(folder), torch_dtype=torch.float32, low_cpu_mem_usage=False)
+            with quiet_loading(logging):
+                vae, info = AutoencoderKL.from_pretrained(str(folder), torch_dtype=torch.float32,
+                                                          low_cpu_mem_usage=False, output_loading_info=True)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise ValueError(f"vae {path}: cannot load {folder}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            raise ValueError(f"vae {path}: cannot load {folder}: {first_line(e)}") from e
+        check_loading_info(info, f"vae {path}", folder)
         return cls(vae, path)
 
     def train(self, mode: bool = True) -> LatentCodec:
@@ -94,9 +96,11 @@ class LatentCodec(nn.Module):
         """(mean, std) of the encoder's Gaussian, each (B, c, H/f, W/f) float32, unscaled, of
         images (B, 3, H, W) in [-1, 1] (H and W multiples of ``factor``)."""
         if images.ndim != 4 or images.shape[1] != self.in_channels:
-            raise ValueError(f"vae {self.source}: encodes (B, {self.in_channels}, H, W) images, got {tuple(images.shape)}")
+            raise ValueError(
+                f"vae {self.source}: encodes (B, {self.in_channels}, H, W) images, got {tuple(images.shape)}")
         if images.shape[2] % self.factor or images.shape[3] % self.factor:
-            raise ValueError(f"vae {self.source}: image sides must be multiples of {self.factor}, got {tuple(images.shape[2:])}")
+            raise ValueError(
+                f"vae {self.source}: image sides must be multiples of {self.factor}, got {tuple(images.shape[2:])}")
         dist = self.vae.encode(images.to(self.device, torch.float32)).latent_dist
         return dist.mean.float(), dist.std.float()
 
