@@ -68,7 +68,7 @@ def build_setup(cfg: Config, need_data: bool = True, network: dict | None = None
     if conditioning.codec is not None:  # the tools see latents, as training does
         from difftrain.data.latents import with_latent_cache
 
-        dataset = with_latent_cache(dataset, flip=cfg.data.random_flip, codec=conditioning.codec,
+        dataset = with_latent_cache(dataset, random_flip=cfg.data.random_flip, codec=conditioning.codec,
                                     cache_dir=cfg.data.cache_dir or None, batch_size=64, device=device)
     state = RunState.build(cfg, num_classes, device, conditioning=conditioning, network=network,
                            init_weights=network is None)

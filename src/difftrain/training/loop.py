@@ -66,7 +66,7 @@ def train(
     # and VAE (text and latent runs), whose latents of the images are cached once.
     data = prepare_training_data(cfg, run_dir)
     conditioning = Conditioning.from_config(cfg, data.num_classes, device)
-    data = with_latents(data, conditioning, cfg, device)
+    data = with_latents(data, conditioning, cfg, dctx)
 
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)
@@ -211,20 +211,26 @@ def train(
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
 
 
-def with_latents(data, conditioning: Conditioning, cfg: Config, device: torch.device):
-    """``data`` with its images replaced by their cached VAE latents (a latent run; else unchanged)."""
+def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distributed.DistContext):
+    """``data`` with its images replaced by their cached VAE latents (a latent run; else unchanged).
+    Rank 0 encodes the images once while the other ranks wait, then they read its cache."""
     if conditioning.codec is None:
         return data
     from difftrain.data.latents import with_latent_cache
 
     d = cfg.data
 
-    def cached(dataset, flip):
-        return with_latent_cache(dataset, flip=flip, codec=conditioning.codec, cache_dir=d.cache_dir or None,
-                                 batch_size=cfg.validation.heldout_batch_size, device=device)
+    def build() -> dict:
+        def cached(dataset, flip):
+            return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip, cache_dir=d.cache_dir or None,
+                                     batch_size=cfg.validation.heldout_batch_size, device=dctx.device)
 
-    return dataclasses.replace(data, train=cached(data.train, d.random_flip),
-                               heldout=None if data.heldout is None else cached(data.heldout, False))
+        return {"train": cached(data.train, d.random_flip),
+                "heldout": None if data.heldout is None else cached(data.heldout, False)}
+
+    built: dict = {}
+    distributed.run_on_main(lambda: built.update(build()), dctx)
+    return dataclasses.replace(data, **(built or build()))
 
 
 def _step_function(state: RunState, objective, dctx: distributed.DistContext):
