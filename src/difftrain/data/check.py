@@ -357,6 +357,7 @@ def _report_bad_captions(dataset, bad: dict[str, str], on_bad_image: str, when: 
     if len(bad) == len(dataset):
         raise ValueError(f"data.path {where}: none of its {len(dataset)} samples has a usable caption "
                          f"(e.g. {printable(next(iter(bad)))}: {printable(next(iter(bad.values())))})")
+    dataset.bad_log.parent.mkdir(parents=True, exist_ok=True)
     _append_log(dataset.bad_log, [f"{when}\t{printable(p)}\tcaption: {printable(r)}" for p, r in sorted(bad.items())])
     print(f"difftrain: {len(bad)} samples have a bad caption and are skipped (listed in {dataset.bad_log})",
           file=sys.stderr)
