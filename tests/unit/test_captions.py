@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 
 import numpy as np
@@ -123,6 +124,15 @@ def test_a_missing_or_non_utf8_caption_is_skipped_at_start_and_logged(tmp_path):
     assert all(isinstance(prepared[i][1], str) for i in range(len(prepared)))
     log = (tmp_path / "run" / BAD_LOG_NAME).read_text()
     assert f"start\t{missing}\tcaption: no caption file" in log and f"start\t{latin}\tcaption:" in log
+
+
+def test_a_named_pipe_in_a_captions_place_does_not_hang(tmp_path):
+    root = tmp_path / "d"
+    names = write_images(root, n=2)
+    write_txt(root, names[1:])
+    os.mkfifo((root / names[0]).with_suffix(".txt"))
+    ds = ImageFolderDataset(root, 8, captions=True)
+    assert ds.bad_captions == {names[0]: "caption 00.txt is not a regular file"}
 
 
 def test_a_bad_caption_in_fail_mode_stops_before_training(tmp_path):

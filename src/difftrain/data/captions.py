@@ -15,14 +15,16 @@ unreadable image is (``data.on_bad_image``). A malformed ``metadata.jsonl`` line
 naming the file and the line.
 
 Captions are read at every start rather than cached under the scan's key: reading 50,000 small
-``.txt`` files takes under a second where the page cache holds them (about what the stat of each
-file for a cache key costs), and a caption edited between runs is then never stale.
+``.txt`` files takes about a second where the page cache holds them (less than listing the
+folder; a cache key would need a stat of each of them anyway), and a caption edited between
+runs is then never stale.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
@@ -58,12 +60,23 @@ def read_caption_file(path: Path) -> str:
     """The caption in the text file ``path``; raises :class:`BadCaption` naming it when it is
     missing, unreadable, too large or not UTF-8."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CAPTION_BYTES + 1)
+        # Non-blocking: a named pipe in the caption's place must not hang the start.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError as e:
         raise BadCaption(str(path), f"no caption file {printable(path.name)} beside the image") from e
     except OSError as e:
         raise BadCaption(str(path), f"caption file unreadable: {printable(e.strerror or str(e))}") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadCaption(str(path), f"caption {printable(path.name)} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CAPTION_BYTES + 1)
+    except OSError as e:
+        if isinstance(e, BadCaption):
+            raise
+        raise BadCaption(str(path), f"caption file unreadable: {printable(e.strerror or str(e))}") from e
+    finally:
+        os.close(fd)
     return decode_caption(data, str(path))
 
 

@@ -222,7 +222,9 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
 
     Tar shards and Hugging Face datasets (``EncodedImageDataset``) are not scanned: their bad
     records are met as they are read, then skipped (logged, replaced by the next good one) or
-    fatal per ``on_bad_image``. Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
+    fatal per ``on_bad_image``; their captions, read when the dataset was built, are checked
+    here (fail: ValueError listing the records without one; skip: logged, replaced as read).
+    A captioned folder's images without a usable caption count as bad files. Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
     bad file raises ValueError listing them; with "skip" they are dropped, counted on stderr
     and listed in ``run_dir/bad_images.log``, and a file that goes bad later (mid-run) is
     replaced by a deterministic other sample (see ``ImageFolderDataset.__getitem__``). Images

@@ -195,6 +195,8 @@ class ImageFolderDataset(Dataset):
         if missing:
             metadata = find_metadata(self.root, self._metadata_files, self.caption_column)
             fresh = folder_captions(self.root, missing, metadata)
+            if len(missing) == len(files):  # the first list: all read now, in order
+                return fresh
         where = {name: k for k, name in enumerate(missing)}
         return CaptionTable([
             self._captions.entry(known[f]) if f in known else fresh.entry(where[f]) for f in files
