@@ -23,8 +23,8 @@ SHAPE_CLASSES = ("disc", "square", "triangle")  # label k is SHAPE_CLASSES[k]
 # called green, magenta pink, violet purple). Captions and the prompt-following judge
 # (difftrain.evaluation.prompt_following) both name colours with colour_name.
 _HUE_NAMES = (
-    ("red", 15), ("orange", 45), ("yellow", 70), ("green", 165), ("cyan", 195),
-    ("blue", 260), ("purple", 290), ("pink", 345), ("red", 360),
+    ("red", 15), ("orange", 45), ("yellow", 70), ("green", 165), ("cyan", 190),
+    ("blue", 260), ("purple", 300), ("pink", 345), ("red", 360),
 )
 COLOUR_NAMES = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "pink")
 GRAY = "gray"  # the colour of every shape of a grayscale (channels = 1) image
