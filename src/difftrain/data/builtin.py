@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import colorsys
+import dataclasses
 import random
 
 import numpy as np
@@ -16,6 +17,46 @@ from .transforms import augment, check_image_options, to_tensor
 _SHAPES_TAG = 0x7368_6170  # "shap": keeps these draws apart from other seeded streams
 _SUPERSAMPLE = 4  # shapes are drawn at 4x and box-reduced, for antialiased edges
 SHAPE_CLASSES = ("disc", "square", "triangle")  # label k is SHAPE_CLASSES[k]
+
+# Colour names by hue, (name, upper bound in degrees) in order round the circle; red wraps past
+# 345. The bounds are where a person's word for a saturated colour changes (yellow-green is
+# called green, magenta pink, violet purple). Captions and the prompt-following judge
+# (difftrain.evaluation.prompt_following) both name colours with colour_name.
+_HUE_NAMES = (
+    ("red", 15), ("orange", 45), ("yellow", 70), ("green", 165), ("cyan", 190),
+    ("blue", 260), ("purple", 300), ("pink", 345), ("red", 360),
+)
+COLOUR_NAMES = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "pink")
+GRAY = "gray"  # the colour of every shape of a grayscale (channels = 1) image
+BACKGROUNDS = ("dark", "light")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeDescription:
+    """What image ``index`` of the shapes dataset shows, in words."""
+
+    shape: str  # one of SHAPE_CLASSES
+    colour: str  # one of COLOUR_NAMES, or GRAY for grayscale images
+    background: str  # one of BACKGROUNDS
+
+
+def colour_name(rgb: tuple[int, int, int] | np.ndarray) -> str:
+    """The name (one of ``COLOUR_NAMES``) of an 8-bit RGB colour, from its hue alone."""
+    r, g, b = (float(c) / 255.0 for c in rgb)
+    hue = colorsys.rgb_to_hsv(r, g, b)[0] * 360.0
+    return next(name for name, upper in _HUE_NAMES if hue < upper)
+
+
+def shape_caption(desc: ShapeDescription) -> str:
+    """The caption of a description: "a red disc on a dark background", "an orange square ..."."""
+    article = "an" if desc.colour[0] in "aeiou" else "a"
+    return f"{article} {desc.colour} {desc.shape} on a {desc.background} background"
+
+
+# Every word a shapes caption can hold (a text encoder's vocabulary must cover them).
+CAPTION_WORDS = tuple(sorted(
+    {"a", "an", "on", "background", GRAY} | set(COLOUR_NAMES) | set(SHAPE_CLASSES) | set(BACKGROUNDS)
+))
 
 
 def _contrast_ok(fg: tuple[int, ...], bg: int, channels: int) -> bool:
@@ -38,15 +79,7 @@ def draw_shape(index: int, resolution: int, channels: int = 3) -> tuple[np.ndarr
     rng = random.Random(mix_seed(_SHAPES_TAG, index))
     label = index % len(SHAPE_CLASSES)
     size = resolution * _SUPERSAMPLE
-
-    dark = rng.random() < 0.5
-    bg = round(rng.uniform(10, 50) if dark else rng.uniform(200, 245))
-    while True:  # a saturated colour that stands out from the background
-        hue, sat = rng.random(), rng.uniform(0.75, 1.0)
-        val = rng.uniform(0.8, 1.0) if dark else rng.uniform(0.55, 0.9)
-        fg = tuple(round(255 * c) for c in colorsys.hsv_to_rgb(hue, sat, val))
-        if _contrast_ok(fg, bg, channels):
-            break
+    _, bg, fg = _draw_colours(rng, channels)
 
     width = rng.uniform(0.45, 0.8) * size  # bounding-box width of the shape
     height = width * (3**0.5 / 2 if label == 2 else 1.0)
@@ -70,6 +103,27 @@ def draw_shape(index: int, resolution: int, channels: int = 3) -> tuple[np.ndarr
     return (a[:, :, None] if a.ndim == 2 else a), label
 
 
+def _draw_colours(rng: random.Random, channels: int) -> tuple[bool, int, tuple[int, int, int]]:
+    """(dark background?, background gray level, shape RGB): the first draws of an image."""
+    dark = rng.random() < 0.5
+    bg = round(rng.uniform(10, 50) if dark else rng.uniform(200, 245))
+    while True:  # a saturated colour that stands out from the background
+        hue, sat = rng.random(), rng.uniform(0.75, 1.0)
+        val = rng.uniform(0.8, 1.0) if dark else rng.uniform(0.55, 0.9)
+        fg = tuple(round(255 * c) for c in colorsys.hsv_to_rgb(hue, sat, val))
+        if _contrast_ok(fg, bg, channels):
+            return dark, bg, fg
+
+
+def describe_shape(index: int, resolution: int, channels: int = 3) -> ShapeDescription:
+    """What ``draw_shape(index, resolution, channels)`` draws: the shape, the colour named from
+    the drawn 8-bit RGB (``colour_name``; GRAY when ``channels == 1``) and the background."""
+    del resolution  # the colours do not depend on it; kept so the call mirrors draw_shape
+    dark, _, fg = _draw_colours(random.Random(mix_seed(_SHAPES_TAG, index)), channels)
+    colour = GRAY if channels == 1 else colour_name(fg)
+    return ShapeDescription(SHAPE_CLASSES[index % len(SHAPE_CLASSES)], colour, BACKGROUNDS[0 if dark else 1])
+
+
 class ShapesDataset(Dataset):
     """Procedurally drawn shapes (disc, square, triangle), deterministic from the index.
 
@@ -80,7 +134,8 @@ class ShapesDataset(Dataset):
 
     Same contract as ``ImageFolderDataset``: ``dataset[i]`` or ``dataset[(i, sample_seed)]``
     returns ``(image (C, H, W) float32 in [-1, 1], label int)``; labels are 0..2 when
-    ``class_conditional``, else 0.
+    ``class_conditional``, else 0. With ``captions`` the second entry is the image's caption,
+    ``shape_caption(describe_shape(...))`` (a flipped image keeps it: the words name no side).
     """
 
     def __init__(
@@ -91,10 +146,14 @@ class ShapesDataset(Dataset):
         random_flip: bool = False,
         color_jitter: float = 0.0,
         class_conditional: bool = False,
+        captions: bool = False,
     ) -> None:
         check_image_options(resolution, channels, color_jitter, min_resolution=4)
         if num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {num_items}")
+        if captions and class_conditional:
+            raise ValueError("set data.captions or data.class_conditional, not both")
+        self.captions = captions
         self.resolution = resolution
         self.channels = channels
         self.num_items = num_items
@@ -110,7 +169,11 @@ class ShapesDataset(Dataset):
     def __len__(self) -> int:
         return self.num_items
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def caption(self, index: int) -> str:
+        """The caption of image ``index`` (whether or not the dataset returns captions)."""
+        return shape_caption(describe_shape(index % self.num_items, self.resolution, self.channels))
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
         index, seed = split_key(key)
         if not -self.num_items <= index < self.num_items:
             raise IndexError(f"index {index} out of range for {self.num_items} images")
@@ -119,6 +182,8 @@ class ShapesDataset(Dataset):
         x = to_tensor(a)  # (C, H, W)
         if seed is not None:
             x = augment(x, torch.Generator().manual_seed(seed), self.random_flip, self.color_jitter)
+        if self.captions:
+            return x, self.caption(index)
         return x, (label if self.classes else 0)
 
 

@@ -123,12 +123,17 @@ class CachedImageDataset(Dataset):
     """The items of an :class:`ImageFolderDataset`, read from its decode cache.
 
     ``dataset[(index, sample_seed)]`` -> ``(image (C, H, W) float32 in [-1, 1], label int)``,
-    equal to ``folder_dataset[(index, sample_seed)]``. The cache file is built on first use
+    or ``(image, caption str)`` for a captioned folder, equal to
+    ``folder_dataset[(index, sample_seed)]``. Captions are kept in memory as the folder read
+    them (the cache holds pixels only, so its key ignores them). The cache file is built on first use
     and opened read-only (memory-mapped, shared by DataLoader workers through the page cache).
     """
 
     def __init__(self, dataset: ImageFolderDataset, cache_dir: str | Path | None = None, num_workers: int = 0):
         self.classes = dataset.classes
+        self.captions = dataset.captions
+        self._captions = dataset._captions  # a CaptionTable, or None without captions
+        self._names = dataset._files  # for the message of a caption that is missing
         self.random_flip, self.color_jitter = dataset.random_flip, dataset.color_jitter
         self._labels = np.asarray(dataset.labels, dtype=np.int64)
         folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -145,13 +150,15 @@ class CachedImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self._labels)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
         index, seed = split_key(key)
         if self._images is None:
             self._images = np.load(self.path, mmap_mode="r")
         x = to_tensor(self._images[index])  # (C, H, W)
         if seed is not None:
             x = augment(x, torch.Generator().manual_seed(seed), self.random_flip, self.color_jitter)
+        if self.captions:
+            return x, self._captions.caption(index, os.fsdecode(self._names[index]))
         return x, int(self._labels[index])
 
 

@@ -9,6 +9,10 @@ to ``bad_images.log``; with "fail" the run stops before any model is built.
 The run's first start also saves the list of files it trains on (``data_files.json``); a
 resume uses that list instead of a rescan, so a file deleted or broken in between is replaced
 by the same substitute an uninterrupted run would have used, and resume stays exact.
+
+Captions (``data.captions``) are read by the dataset at every start, not cached here (see
+``data/captions.py`` for why that is cheap); an image whose caption is missing or unreadable
+joins the bad images: left out and logged, or the reason the run stops.
 """
 
 from __future__ import annotations
@@ -218,7 +222,9 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
 
     Tar shards and Hugging Face datasets (``EncodedImageDataset``) are not scanned: their bad
     records are met as they are read, then skipped (logged, replaced by the next good one) or
-    fatal per ``on_bad_image``. Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
+    fatal per ``on_bad_image``; their captions, read when the dataset was built, are checked
+    here (fail: ValueError listing the records without one; skip: logged, replaced as read).
+    A captioned folder's images without a usable caption count as bad files. Any other dataset (built-in data) is returned unchanged. With ``on_bad_image`` "fail", a
     bad file raises ValueError listing them; with "skip" they are dropped, counted on stderr
     and listed in ``run_dir/bad_images.log``, and a file that goes bad later (mid-run) is
     replaced by a deterministic other sample (see ``ImageFolderDataset.__getitem__``). Images
@@ -231,6 +237,7 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     """
     if isinstance(dataset, EncodedImageDataset):  # shards, HF datasets: bad records found as read
         dataset.on_bad_image, dataset.bad_log = on_bad_image, Path(run_dir) / BAD_LOG_NAME
+        _report_bad_captions(dataset, dataset.bad_captions, on_bad_image, "start")
         return dataset
     if not isinstance(dataset, ImageFolderDataset):
         return dataset
@@ -248,19 +255,22 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         f"{' (cached scan)' if cached else ''}",
         file=sys.stderr,
     )
-    problems = {**report.bad, **report.unreadable_folders}
+    captions = {p: f"caption: {r}" for p, r in dataset.bad_captions.items() if p not in report.bad}
+    problems = {**report.bad, **captions, **report.unreadable_folders}
     if problems and on_bad_image == "fail":
         listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(problems.items())[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise ValueError(
             f"data.path {printable(report.root)} holds {len(report.bad)} bad image files"
+            f"{f' and {len(captions)} images with a bad caption' if captions else ''}"
             f"{f' and {len(report.unreadable_folders)} unreadable folders' if report.unreadable_folders else ''} "
             f"(data.on_bad_image='fail'; set it to 'skip' to leave them out):\n{listed}{more}"
         )
     if problems:
-        dataset.drop(set(report.bad))
+        dataset.drop(set(report.bad) | set(captions))
         _append_log(dataset.bad_log, [f"start\t{printable(p)}\t{printable(r)}" for p, r in sorted(problems.items())])
         folders = f" and {len(report.unreadable_folders)} unreadable folders" if report.unreadable_folders else ""
+        folders = (f", {len(captions)} images with a bad caption" if captions else "") + folders
         print(
             f"difftrain: skipped {len(report.bad)} bad image files{folders} (listed in {dataset.bad_log}); "
             f"{len(dataset)} remain",
@@ -314,6 +324,7 @@ def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: st
     """Put the saved file list on ``dataset``; report (or, in fail mode, refuse) files now gone."""
     dataset.set_files(saved["files"], saved["classes"])
     dataset.file_stats = saved["stats"]
+    _report_bad_captions(dataset, dataset.bad_captions, on_bad_image, "resume")
     now = file_stats(dataset.paths)
     changed = [f for f, a, b in zip(dataset.files, saved["stats"], now) if tuple(a) != tuple(b)]
     gone = [f for f, b in zip(dataset.files, now) if b[0] < 0]
@@ -330,6 +341,28 @@ def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: st
     if changed:
         _append_log(dataset.bad_log, [f"resume\t{printable(f)}\tgone or changed since the run started" for f in changed])
     return dataset
+
+
+def _report_bad_captions(dataset, bad: dict[str, str], on_bad_image: str, when: str) -> None:
+    """Samples without a usable caption, found before training: in fail mode a ValueError listing
+    them; in skip mode logged (the samples are replaced as read, as bad records are)."""
+    if not bad:
+        return
+    where = printable(str(getattr(dataset, "source", "") or getattr(dataset, "root", "")))
+    if on_bad_image == "fail":
+        listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(bad.items())[:20])
+        more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise ValueError(
+            f"data.path {where}: {len(bad)} samples have a bad caption "
+            f"(data.on_bad_image='fail'; set it to 'skip' to leave them out):\n{listed}{more}"
+        )
+    if len(bad) == len(dataset):
+        raise ValueError(f"data.path {where}: none of its {len(dataset)} samples has a usable caption "
+                         f"(e.g. {printable(next(iter(bad)))}: {printable(next(iter(bad.values())))})")
+    dataset.bad_log.parent.mkdir(parents=True, exist_ok=True)
+    _append_log(dataset.bad_log, [f"{when}\t{printable(p)}\tcaption: {printable(r)}" for p, r in sorted(bad.items())])
+    print(f"difftrain: {len(bad)} samples have a bad caption and are skipped (listed in {dataset.bad_log})",
+          file=sys.stderr)
 
 
 def _append_log(path: Path, lines: list[str]) -> None:

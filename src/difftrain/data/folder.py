@@ -9,13 +9,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions
 from .sampler import split_key
 from .transforms import augment, check_image_options, load_image, printable, resize_center_crop, to_tensor
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
-def scan_images(root: str | Path, unreadable: dict[str, str] | None = None, option: str = "data.path") -> list[Path]:
+def scan_images(
+    root: str | Path, unreadable: dict[str, str] | None = None, option: str = "data.path",
+    metadata: list[Path] | None = None,
+) -> list[Path]:
     """Every image file under ``root``, recursively, sorted by path relative to ``root``.
 
     Rules: an image is a file whose extension (any case) is in ``IMAGE_EXTENSIONS``; names
@@ -25,7 +29,8 @@ def scan_images(root: str | Path, unreadable: dict[str, str] | None = None, opti
     ``unreadable`` (relative path + "/" -> reason) when given, else raises ValueError naming
     it: never skipped without a word. Raises ValueError naming ``option`` and ``root`` when
     it is missing or holds no image. File names need not be UTF-8 (they are kept as
-    ``os.fsdecode`` gives them).
+    ``os.fsdecode`` gives them). When ``metadata`` is given, the ``metadata.jsonl`` files met
+    on the way are appended to it (the caption files of ``data/captions.py``).
     """
     root = Path(root).expanduser()
     if not str(root).strip():
@@ -52,6 +57,8 @@ def scan_images(root: str | Path, unreadable: dict[str, str] | None = None, opti
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # stable visit order
         for name in filenames:
             path = Path(dirpath) / name
+            if metadata is not None and name == METADATA_NAME and path.is_file():
+                metadata.append(path)
             if (
                 not name.startswith(".")
                 and path.suffix.lower() in IMAGE_EXTENSIONS
@@ -110,6 +117,12 @@ class ImageFolderDataset(Dataset):
     ``dataset[i]`` returns image i unaugmented; ``dataset[(i, sample_seed)]`` (the keys an
     ``InfiniteSampler`` yields) augments it with a generator seeded by ``sample_seed``. Either
     way the result is ``(image (C, H, W) float32 in [-1, 1], label int)``.
+
+    With ``captions`` the result is ``(image, caption str)`` instead, the captions read when the
+    file list is set (``data/captions.py``: ``metadata.jsonl`` files, their captions under
+    ``caption_column``, or a ``.txt`` beside each image); ``num_classes`` is 0. An image without
+    a usable caption is a bad sample (``bad_captions``; ``data.check.prepare_dataset`` leaves
+    it out or stops the run, and one met on reading is handled as a bad image is).
     """
 
     def __init__(
@@ -120,8 +133,12 @@ class ImageFolderDataset(Dataset):
         random_flip: bool = False,
         color_jitter: float = 0.0,
         class_conditional: bool = False,
+        captions: bool = False,
+        caption_column: str = "text",
     ) -> None:
         check_image_options(resolution, channels, color_jitter)
+        if captions and class_conditional:
+            raise ValueError("set data.captions or data.class_conditional, not both")
         self.root = Path(root).expanduser()
         self.resolution = resolution
         self.channels = channels
@@ -130,7 +147,11 @@ class ImageFolderDataset(Dataset):
         self.class_conditional = class_conditional
         # Subfolders that could not be listed (relative path + "/" -> reason), for the scan's report.
         self.unreadable_folders: dict[str, str] = {}
-        files = [p.relative_to(self.root).as_posix() for p in scan_images(self.root, self.unreadable_folders)]
+        self.captions, self.caption_column = captions, caption_column
+        self._metadata_files: list[Path] = []  # the metadata.jsonl files under root (captions)
+        self._captions: CaptionTable | None = None
+        found = scan_images(self.root, self.unreadable_folders, metadata=self._metadata_files if captions else None)
+        files = [p.relative_to(self.root).as_posix() for p in found]
         classes = []
         if class_conditional:
             loose = [f for f in files if "/" not in f]
@@ -157,12 +178,37 @@ class ImageFolderDataset(Dataset):
         order, do not depend on a rescan of a folder that changed in between.
         """
         self.classes = list(classes)
+        if self.captions:
+            self._captions = self._caption_table(files)
         index = {name: k for k, name in enumerate(self.classes)}
         labels = [index.get(f.split("/", 1)[0], 0) if self.classes else 0 for f in files]
         # NumPy arrays rather than lists of Python objects: forked DataLoader workers would
         # touch every object's refcount and so copy a list's pages, once per worker.
         self._files = np.array([os.fsencode(f) for f in files], dtype=np.bytes_)
         self._labels = np.array(labels, dtype=np.int64)
+
+    def _caption_table(self, files: list[str]) -> CaptionTable:
+        """The captions of ``files``: those already read kept, the others read now."""
+        known = {name: k for k, name in enumerate(self.files)} if self._captions is not None else {}
+        missing = [f for f in files if f not in known]
+        fresh = CaptionTable([])
+        if missing:
+            metadata = find_metadata(self.root, self._metadata_files, self.caption_column)
+            fresh = folder_captions(self.root, missing, metadata)
+            if len(missing) == len(files):  # the first list: all read now, in order
+                return fresh
+        where = {name: k for k, name in enumerate(missing)}
+        return CaptionTable([
+            self._captions.entry(known[f]) if f in known else fresh.entry(where[f]) for f in files
+        ])
+
+    @property
+    def bad_captions(self) -> dict[str, str]:
+        """Relative path -> reason of each image without a usable caption (empty without captions)."""
+        if self._captions is None:
+            return {}
+        names = self._files.tolist()
+        return {os.fsdecode(names[i]): reason for i, reason in self._captions.problems().items()}
 
     @property
     def files(self) -> list[str]:
@@ -173,6 +219,8 @@ class ImageFolderDataset(Dataset):
         """Leave out the files whose paths (relative to the root, "/"-separated) are given."""
         keep = np.array([os.fsdecode(f) not in relative_paths for f in self._files.tolist()], dtype=bool)
         self._files, self._labels = self._files[keep], self._labels[keep]
+        if self._captions is not None:
+            self._captions = self._captions.select(keep)
         self.file_stats = None
 
     @property
@@ -193,7 +241,11 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self._files)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def caption(self, index: int) -> str:
+        """The caption of image ``index``; raises ``BadCaption`` naming it when it has none."""
+        return self._captions.caption(index, os.fsdecode(self._files[index]))
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
         index, seed = split_key(key)
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} images")
@@ -205,7 +257,7 @@ class ImageFolderDataset(Dataset):
         if seed is not None:
             g = torch.Generator().manual_seed(seed)
             x = augment(x, g, self.random_flip, self.color_jitter)
-        return x, int(self._labels[index])
+        return x, (self.caption(index) if self.captions else int(self._labels[index]))
 
     def _load(self, index: int):
         """Decode image ``index``; in skip mode a bad file gives way to the next good one.
@@ -214,9 +266,14 @@ class ImageFolderDataset(Dataset):
         run sees the same samples. Each skip is appended to ``bad_log`` with its path.
         """
         return first_good(
-            index, len(self),
-            lambda i: load_image(self.root / os.fsdecode(self._files[i]), self.channels, min_size=2 * self.resolution),
+            index, len(self), self._decode,
             lambda i: os.fsdecode(self._files[i]), self.on_bad_image, self.bad_log,
             f"data.path {printable(str(self.root))}: none of its {len(self)} images can be read any more "
             "(moved, deleted or unmounted?)",
         )
+
+    def _decode(self, index: int):
+        """Image ``index`` decoded; raises ``BadCaption`` first when captioned and it has none."""
+        if self._captions is not None:
+            self.caption(index)
+        return load_image(self.root / os.fsdecode(self._files[index]), self.channels, min_size=2 * self.resolution)

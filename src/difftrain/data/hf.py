@@ -7,6 +7,8 @@
 ``data.image_column`` holds the images: the ``Image`` feature's ``{"bytes", "path"}`` values,
 raw bytes, paths, or PIL images; ``data.label_column`` (optional) the classes of a class-
 conditional run: a ``ClassLabel`` (its names are the classes), integers, or class names.
+With ``data.captions``, ``data.caption_column`` holds each row's caption (a string, stripped;
+a row whose caption is missing (None) or not a string is a bad record).
 
 The stored bytes are decoded by the folder's ``load_image``, so the same image file gives the
 same tensor from a folder and from a dataset. Rows are read at random by index, so the
@@ -24,6 +26,7 @@ from PIL import Image
 
 from difftrain.runtime.files import cache_dir
 
+from .captions import BadCaption, CaptionTable
 from .records import EncodedImageDataset, labels_from_values
 from .shards import expand_braces
 from .transforms import printable
@@ -75,13 +78,14 @@ def load_hf_dataset(path: str):
 class HFImageDataset(EncodedImageDataset):
     """The rows of a Hugging Face dataset on disk, as images (and labels): see the module docstring.
 
-    Items as for ``ImageFolderDataset``: ``(image (C, H, W) float32 in [-1, 1], label int)``.
+    Items as for ``ImageFolderDataset``: ``(image (C, H, W) float32 in [-1, 1], label int)``, or
+    ``(image, caption str)`` with ``captions`` (from ``caption_column``).
     """
 
     def __init__(self, path: str, resolution: int, channels: int = 3, random_flip: bool = False,
                  color_jitter: float = 0.0, class_conditional: bool = False, image_column: str = "image",
-                 label_column: str = "") -> None:
-        super().__init__(resolution, channels, random_flip, color_jitter, class_conditional)
+                 label_column: str = "", captions: bool = False, caption_column: str = "text") -> None:
+        super().__init__(resolution, channels, random_flip, color_jitter, class_conditional, captions)
         datasets = _require_datasets()
         self.source = path
         ds = load_hf_dataset(path)
@@ -90,6 +94,10 @@ class HFImageDataset(EncodedImageDataset):
             raise ValueError(f"data.image_column {image_column!r} is not a column of {printable(path)} (columns: {columns})")
         if label_column and label_column not in ds.column_names:
             raise ValueError(f"data.label_column {label_column!r} is not a column of {printable(path)} (columns: {columns})")
+        if captions and caption_column not in ds.column_names:
+            raise ValueError(
+                f"data.caption_column {caption_column!r} is not a column of {printable(path)} (columns: {columns})"
+            )
         if class_conditional and not label_column:
             raise ValueError(
                 f"data.class_conditional with the dataset {printable(path)} needs data.label_column, "
@@ -113,6 +121,8 @@ class HFImageDataset(EncodedImageDataset):
                     raise ValueError(f"data.label_column {label_column!r}: row {int(np.argmax(self._labels < 0))} has no label")
             else:
                 self._labels, self.classes = labels_from_values(values, f"data.label_column {label_column!r}")
+        if captions:
+            self._captions = CaptionTable([_caption_entry(v, caption_column) for v in ds[caption_column]])
 
     def __len__(self) -> int:
         return len(self._labels)
@@ -130,3 +140,11 @@ class HFImageDataset(EncodedImageDataset):
             path = Path(value).expanduser()
             return (path if path.is_absolute() or path.exists() else self._root / path).read_bytes()
         raise ValueError(f"data.image_column {self._column!r} holds {type(value).__name__}, not an image")
+
+
+def _caption_entry(value, column: str) -> str | BadCaption:
+    """A row's caption stripped, or why it has none."""
+    if isinstance(value, str):
+        return value.strip()
+    what = "no caption (None)" if value is None else f"a {type(value).__name__}, not a string"
+    return BadCaption("", f"data.caption_column {column!r} holds {what}")

@@ -25,6 +25,8 @@ def build_dataset(
     cache_dir: str = "",
     image_column: str = "image",
     label_column: str = "",
+    captions: bool = False,
+    caption_column: str = "text",
 ) -> Dataset:
     """The dataset ``path`` names, by its form:
 
@@ -35,9 +37,11 @@ def build_dataset(
     - any other folder: the images under it (``folder.py``).
 
     Items are ``(image (C, H, W) float32 in [-1, 1], label int)``; the dataset has
-    ``num_classes`` (0 when unconditional) and ``classes``. With ``cache`` a folder's images
-    are read from their decode cache (``data/cache.py``; built-in datasets are generated and
-    need none).
+    ``num_classes`` (0 when unconditional) and ``classes``. With ``captions`` they are
+    ``(image, caption str)`` (``data/captions.py``; HF datasets: ``caption_column``, which also
+    names the caption key of a folder's ``metadata.jsonl``), ``num_classes`` is 0 and the
+    dataset's ``captions`` is True. With ``cache`` a folder's images are read from their decode
+    cache (``data/cache.py``; built-in datasets are generated and need none).
     """
     options = dict(
         resolution=resolution,
@@ -45,6 +49,7 @@ def build_dataset(
         random_flip=random_flip,
         color_jitter=color_jitter,
         class_conditional=class_conditional,
+        captions=captions,
     )
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
@@ -57,14 +62,18 @@ def build_dataset(
     if is_shard_path(path):
         return TarShardDataset(path, **options)
     if is_hf_path(path):
-        return HFImageDataset(path, **options, image_column=image_column, label_column=label_column)
-    dataset = ImageFolderDataset(path, **options)
+        return HFImageDataset(path, **options, image_column=image_column, label_column=label_column,
+                              caption_column=caption_column)
+    dataset = ImageFolderDataset(path, **options, caption_column=caption_column)
     return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
 
 
-def collate(batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack items into (images (B, C, H, W) float32, labels (B,) long)."""
+def collate(batch: list[tuple[torch.Tensor, int | str]]) -> tuple[torch.Tensor, torch.Tensor | list[str]]:
+    """Stack items into (images (B, C, H, W) float32, labels (B,) long), or, when the items hold
+    captions, (images, captions list[str] of B)."""
     images, labels = zip(*batch)
+    if isinstance(labels[0], str):
+        return torch.stack(images), list(labels)
     return torch.stack(images), torch.tensor(labels, dtype=torch.long)
 
 
@@ -79,7 +88,8 @@ def build_loader(
     world_size: int = 1,
     prefetch_factor: int = 2,
 ) -> DataLoader:
-    """An endless loader of this rank's batches: (images (B, C, H, W) float32, labels (B,) long).
+    """An endless loader of this rank's batches: (images (B, C, H, W) float32, labels (B,) long),
+    or (images, captions list[str]) for a captioned dataset (see :func:`collate`).
 
     Args:
         dataset: items ``dataset[(index, sample_seed)]`` as ``build_dataset`` makes them.

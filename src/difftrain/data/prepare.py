@@ -15,7 +15,7 @@ from .split import split_heldout
 
 @dataclasses.dataclass
 class TrainingData:
-    train: Dataset  # items ((C, H, W) in [-1, 1], label), keyed by (index, sample_seed)
+    train: Dataset  # items ((C, H, W) in [-1, 1], label or caption), keyed by (index, sample_seed)
     heldout: Dataset | None  # the held-out images, unaugmented; None without a held-out split
     num_classes: int  # 0 when unconditional
 
@@ -32,6 +32,8 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True) -> Dat
         class_conditional=d.class_conditional,
         image_column=d.image_column,
         label_column=d.label_column,
+        captions=d.captions,
+        caption_column=d.caption_column,
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .captions import CaptionTable
 from .folder import first_good
 from .sampler import split_key
 from .transforms import (
@@ -52,18 +53,24 @@ class EncodedImageDataset(Dataset):
 
     Same contract as ``ImageFolderDataset``: ``dataset[i]`` is record i unaugmented,
     ``dataset[(i, sample_seed)]`` augmented by a generator seeded with ``sample_seed``; both give
-    ``(image (C, H, W) float32 in [-1, 1], label int)``. Subclasses set ``source`` (for messages),
-    ``classes`` and ``_labels`` (all 0 and no classes when unconditional), and define
-    ``__len__``, ``_read`` and ``_name``.
+    ``(image (C, H, W) float32 in [-1, 1], label int)``, or ``(image, caption str)`` with
+    ``captions``. Subclasses set ``source`` (for messages), ``classes`` and ``_labels`` (all 0
+    and no classes when unconditional), ``_captions`` (a ``CaptionTable``) with ``captions``,
+    and define ``__len__``, ``_read`` and ``_name``. A record without a usable caption is a bad
+    record, as one whose image does not decode is.
     """
 
     source: str = ""
     classes: list[str]
     _labels: np.ndarray
+    _captions: CaptionTable | None = None
 
     def __init__(self, resolution: int, channels: int = 3, random_flip: bool = False, color_jitter: float = 0.0,
-                 class_conditional: bool = False) -> None:
+                 class_conditional: bool = False, captions: bool = False) -> None:
         check_image_options(resolution, channels, color_jitter)
+        if captions and class_conditional:
+            raise ValueError("set data.captions or data.class_conditional, not both")
+        self.captions = captions
         self.resolution = resolution
         self.channels = channels
         self.random_flip = random_flip
@@ -88,11 +95,22 @@ class EncodedImageDataset(Dataset):
         return len(self.classes)
 
     @property
+    def bad_captions(self) -> dict[str, str]:
+        """Record name -> reason of each record without a usable caption (empty without captions)."""
+        if self._captions is None:
+            return {}
+        return {self._name(i): reason for i, reason in self._captions.problems().items()}
+
+    def caption(self, index: int) -> str:
+        """Record ``index``'s caption; raises ``BadCaption`` naming it when it has none."""
+        return self._captions.caption(index, self._name(index))
+
+    @property
     def labels(self) -> list[int]:
         """The label of each record, in index order (all 0 when unconditional)."""
         return self._labels.tolist()
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
         index, seed = split_key(key)
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} images")
@@ -100,7 +118,7 @@ class EncodedImageDataset(Dataset):
         x = to_tensor(resize_center_crop(img, self.resolution))  # (C, H, W)
         if seed is not None:
             x = augment(x, torch.Generator().manual_seed(seed), self.random_flip, self.color_jitter)
-        return x, int(self._labels[index])
+        return x, (self.caption(index) if self.captions else int(self._labels[index]))
 
     def decode(self, index: int) -> Image.Image:
         """Record ``index`` as an 8-bit RGB or L image, decoded as a folder's file would be
@@ -125,6 +143,12 @@ class EncodedImageDataset(Dataset):
         The substitute depends only on ``index``, so a resumed run sees the same samples; each
         skip is appended to ``bad_log``.
         """
-        return first_good(index, len(self), self.decode, self._name, self.on_bad_image, self.bad_log,
+        return first_good(index, len(self), self._decode_checked, self._name, self.on_bad_image, self.bad_log,
                           f"data.path {printable(self.source)}: none of its {len(self)} images can be read")
 
+
+    def _decode_checked(self, index: int) -> Image.Image:
+        """:meth:`decode`, raising ``BadCaption`` first when captioned and the record has none."""
+        if self._captions is not None:
+            self.caption(index)
+        return self.decode(index)

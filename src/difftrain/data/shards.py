@@ -4,8 +4,9 @@
 ranges keep their zero padding; ``{a,b}`` lists too) and, after it, shell globs (``*.tar``).
 A sample is the group of members sharing a key, the member name up to the first "." of its
 base name (the WebDataset convention): ``key.png`` / ``key.jpg`` / ... is its image, an optional
-``key.cls`` its class (an integer, or a class name), and anything else (``key.txt``,
-``key.json``) is ignored. Samples are numbered in shard order, then member order.
+``key.cls`` its class (an integer, or a class name), ``key.txt`` its caption (UTF-8, read when
+``data.captions``; a sample without one is a bad sample), and anything else (``key.json``) is
+ignored. Samples are numbered in shard order, then member order.
 
 Why an index rather than streaming each shard from start to end: with an index the shards are
 a map-style dataset keyed by the global sample number, so the ``InfiniteSampler`` gives them
@@ -33,11 +34,12 @@ import numpy as np
 
 from difftrain.runtime.files import atomic_write, cache_dir
 
+from .captions import MAX_CAPTION_BYTES, BadCaption, CaptionTable, decode_caption
 from .folder import IMAGE_EXTENSIONS
 from .records import EncodedImageDataset, labels_from_values
 from .transforms import printable
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: the .txt members' offsets and sizes
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 _IMAGE_SUFFIXES = {e.lstrip(".") for e in IMAGE_EXTENSIONS}
@@ -97,14 +99,16 @@ def sample_key(name: str) -> tuple[str, str]:
 
 
 def index_shard(path: Path) -> dict[str, list]:
-    """The samples of one shard: key, image member offset and size, ``.cls`` text ("" if none).
+    """The samples of one shard: key, image member offset and size, ``.cls`` text ("" if none),
+    ``.txt`` member offset and size (-1 if none).
 
-    Reads the tar headers only (tarfile seeks past member data). Raises ValueError naming a
-    shard that is compressed or not a tar file.
+    Reads the tar headers (tarfile seeks past member data) and the ``.cls`` members. Raises
+    ValueError naming a shard that is compressed or not a tar file.
     """
     keys: dict[str, int] = {}
-    out: dict[str, list] = {"key": [], "offset": [], "size": [], "cls": []}
+    out: dict[str, list] = {"key": [], "offset": [], "size": [], "cls": [], "txt_offset": [], "txt_size": []}
     pending_cls: dict[str, str] = {}
+    pending_txt: dict[str, tuple[int, int]] = {}
     try:
         with tarfile.open(path, mode="r:") as tar:
             for m in tar:
@@ -117,6 +121,14 @@ def index_shard(path: Path) -> dict[str, list]:
                     out["offset"].append(m.offset_data)
                     out["size"].append(m.size)
                     out["cls"].append(pending_cls.pop(key, ""))
+                    txt = pending_txt.pop(key, (-1, -1))
+                    out["txt_offset"].append(txt[0])
+                    out["txt_size"].append(txt[1])
+                elif suffix == "txt":
+                    if key in keys:
+                        out["txt_offset"][keys[key]], out["txt_size"][keys[key]] = m.offset_data, m.size
+                    else:
+                        pending_txt[key] = (m.offset_data, m.size)  # the caption before the image
                 elif suffix == "cls":
                     text = tar.extractfile(m).read().decode("utf-8", "replace").strip()
                     if key in keys:
@@ -146,7 +158,7 @@ def shard_index(paths: list[Path]) -> dict[str, np.ndarray]:
     except (OSError, ValueError, KeyError):  # missing, partial or another layout: rebuild
         pass
     print(f"difftrain: indexing {len(paths)} tar shards (once; kept in {cached.parent})", file=sys.stderr)
-    shard, offset, size, key, cls = [], [], [], [], []
+    shard, offset, size, key, cls, txt_offset, txt_size = [], [], [], [], [], [], []
     for k, p in enumerate(paths):
         part = index_shard(p)
         shard += [k] * len(part["key"])
@@ -154,6 +166,8 @@ def shard_index(paths: list[Path]) -> dict[str, np.ndarray]:
         size += part["size"]
         key += part["key"]
         cls += part["cls"]
+        txt_offset += part["txt_offset"]
+        txt_size += part["txt_size"]
     index = {
         "shard": np.array(shard, dtype=np.int32),
         "offset": np.array(offset, dtype=np.int64),
@@ -162,6 +176,8 @@ def shard_index(paths: list[Path]) -> dict[str, np.ndarray]:
         # touch every object's refcount and so copy the list's pages once per worker.
         "key": np.array([os.fsencode(s) for s in key], dtype=np.bytes_),
         "cls": np.array([s.encode() for s in cls], dtype=np.bytes_),
+        "txt_offset": np.array(txt_offset, dtype=np.int64),
+        "txt_size": np.array(txt_size, dtype=np.int64),
     }
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -177,12 +193,13 @@ class TarShardDataset(EncodedImageDataset):
 
     With ``class_conditional`` every sample needs a ``.cls`` member: integers are the labels,
     other text class names (sorted, numbered from 0). Otherwise labels are 0 and ``classes``
-    empty. Items as for ``ImageFolderDataset``.
+    empty. With ``captions`` each sample's ``.txt`` member is its caption, all read here (one
+    ``pread`` each). Items as for ``ImageFolderDataset``.
     """
 
     def __init__(self, pattern: str, resolution: int, channels: int = 3, random_flip: bool = False,
-                 color_jitter: float = 0.0, class_conditional: bool = False) -> None:
-        super().__init__(resolution, channels, random_flip, color_jitter, class_conditional)
+                 color_jitter: float = 0.0, class_conditional: bool = False, captions: bool = False) -> None:
+        super().__init__(resolution, channels, random_flip, color_jitter, class_conditional, captions)
         self.source = pattern
         self.shards = shard_paths(pattern)
         index = shard_index(self.shards)
@@ -206,6 +223,30 @@ class TarShardDataset(EncodedImageDataset):
             self._labels, self.classes = labels_from_values(cls, f"data.path {printable(pattern)} (.cls)")
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
+        if captions:
+            self._captions = self._read_captions(index["txt_offset"], index["txt_size"])
+
+    def _read_captions(self, offsets: np.ndarray, sizes: np.ndarray) -> CaptionTable:
+        """Every sample's ``.txt`` member decoded (a missing or bad one as its reason)."""
+        entries: list[str | BadCaption] = []
+        try:
+            for i, (offset, size) in enumerate(zip(offsets.tolist(), sizes.tolist())):
+                if size < 0:
+                    entries.append(BadCaption("", "no .txt member (the caption)"))
+                    continue
+                if size > MAX_CAPTION_BYTES:
+                    entries.append(BadCaption("", f"caption of {size} bytes, over {MAX_CAPTION_BYTES}"))
+                    continue
+                try:
+                    data = self._pread(int(self._shard[i]), size, offset)
+                    entries.append(decode_caption(data, ""))
+                except BadCaption as e:
+                    entries.append(e)
+                except OSError as e:
+                    entries.append(BadCaption("", f"caption unreadable: {printable(e.strerror or str(e))}"))
+        finally:
+            self._close()
+        return CaptionTable(entries)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -216,15 +257,26 @@ class TarShardDataset(EncodedImageDataset):
     def _read(self, index: int) -> bytes:
         if self._pid != os.getpid():  # a forked DataLoader worker opens its own files
             self._fds, self._pid = {}, os.getpid()
-        s = int(self._shard[index])
+        return self._pread(int(self._shard[index]), int(self._size[index]), int(self._offset[index]))
+
+    def _pread(self, s: int, size: int, offset: int) -> bytes:
+        """``size`` bytes at ``offset`` of shard ``s``."""
         fd = self._fds.get(s)
         if fd is None:
             fd = self._fds[s] = os.open(self.shards[s], os.O_RDONLY)
-        size = int(self._size[index])
-        data = os.pread(fd, size, int(self._offset[index]))  # no shared file position: safe in workers
+        data = os.pread(fd, size, offset)  # no shared file position: safe in workers
         if len(data) != size:
             raise OSError(f"truncated shard: read {len(data)} of {size} bytes")
         return data
+
+    def _close(self) -> None:
+        """Close this process's shard files (they reopen on the next read)."""
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = {}
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -233,8 +285,4 @@ class TarShardDataset(EncodedImageDataset):
 
     def __del__(self) -> None:
         if getattr(self, "_pid", None) == os.getpid():
-            for fd in self._fds.values():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self._close()

@@ -18,6 +18,7 @@ class IndexSubset(Dataset):
         self.indices = list(indices)
         self.num_classes = getattr(dataset, "num_classes", 0)
         self.classes = getattr(dataset, "classes", [])
+        self.captions = getattr(dataset, "captions", False)
 
     def __len__(self) -> int:
         return len(self.indices)
