@@ -116,3 +116,21 @@ def write_tiny_sd_folder(path: str | Path, seed: int = 0) -> Path:
         f.unlink()
     write_tiny_tokenizer(path / "tokenizer")
     return path
+
+
+def write_tiny_clip_model(path: str | Path, seed: int = 0, image_size: int = 32) -> Path:
+    """Write a random CLIPModel (text and vision towers, 32 wide, 2 layers) with the tokenizer of
+    :func:`write_tiny_tokenizer` into ``path``: what ``evaluation.clip_model`` names."""
+    from transformers import CLIPConfig, CLIPModel
+
+    path = write_tiny_tokenizer(path)
+    vocab = json.loads((path / "vocab.json").read_text())
+    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=TEXT_LENGTH, bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],
+                pad_token_id=vocab[EOS])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=image_size, patch_size=8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(path)
+    return path

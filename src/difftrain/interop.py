@@ -65,6 +65,8 @@ def save_weights_file(state: dict, out: str | Path, use_ema: bool = True) -> Pat
         "images_seen": str(state["data_position"]),
         "weights": "ema" if use_ema else "raw",
         "source": str(state["path"]),
+        "network": json.dumps(state["network"]),  # what rebuilds a fine-tuned diffusers UNet
+        "frozen": json.dumps(state["frozen"]),  # the text encoder and VAE it needs, with digests
     }
     data = save({k: t.detach().cpu().contiguous().clone() for k, t in tensors.items()}, metadata=metadata)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,9 @@ def load_weights_file(path: str | Path) -> dict:
     try:
         config = tomllib.loads(metadata["config"])
         info = {k: int(metadata[k]) for k in ("num_classes", "step", "images_seen")}
+        # files written before text models lack these: difftrain's UNet, no frozen parts
+        info["network"] = json.loads(metadata.get("network", '{"kind": "unet"}'))
+        info["frozen"] = json.loads(metadata.get("frozen", "{}"))
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"weights file {path}: bad metadata ({e})") from None
     return {"path": str(path), "config": config, "weights": metadata.get("weights", "ema"), "tensors": tensors,
@@ -186,8 +191,23 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True) -> Path
                          "(or pip install diffusers)") from None
     from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
     from difftrain.models import build_model
+    from difftrain.training.state import CONDITION_UNET
 
     cfg = config_from_dict(state["config"], source=state["path"])
+    if state["network"]["kind"] == CONDITION_UNET:  # a fine-tuned Stable Diffusion UNet
+        from difftrain.models.diffusers_unet import ConditionUNet
+
+        unet = ConditionUNet.from_config(state["network"]["config"])
+        load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],
+                     "ema.model" if use_ema else "model")
+        return export_stable_diffusion(unet, objective_cfg=cfg.diffusion, text_encoder_source=cfg.model.text_encoder,
+                                       vae_source=cfg.model.vae or None, out_dir=out)
+    if cfg.model.text_encoder:
+        raise ValueError(f"{state['path']}: difftrain's own text UNet has no diffusers pipeline (a Stable Diffusion "
+                         "pipeline needs a UNet2DConditionModel, from model.init_from); export --format safetensors")
+    if cfg.model.vae:
+        raise ValueError(f"{state['path']}: a latent model (model.vae) has no diffusers pixel pipeline; "
+                         "export --format safetensors")
     scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
     model = build_model(cfg, state["num_classes"])
     load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"],

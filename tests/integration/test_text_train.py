@@ -113,3 +113,81 @@ def test_fine_tune_of_a_stable_diffusion_unet(tmp_path, tiny_overrides):
     loaded = load_model(tmp_path / "straight", device="cpu")
     images = generate_images(loaded, 2, steps=2, prompt="a red square on a dark background", guidance_scale=2.0)
     assert images.shape == (2, 3, 16, 16) and torch.isfinite(images).all()
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A finished 6-step text run from scratch, shared by the sampling and export tests."""
+    from tests.conftest import TINY_OVERRIDES
+
+    run = tmp_path_factory.mktemp("text-run")
+    train(load_config(None, TINY_OVERRIDES + TEXT + ["validation.every_steps=0"]), run)
+    return run
+
+
+def test_sample_command_takes_prompts(text_run, tmp_path, capsys):
+    from difftrain.cli import main
+
+    out = tmp_path / "samples"
+    assert main(["sample", "--checkpoint", str(text_run), "--num", "2", "--steps", "3", "--out", str(out),
+                 "--prompt", "a red disc on a dark background", "--guidance-scale", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["000000.png", "000001.png", "grid.png"]
+    assert main(["sample", "--checkpoint", str(text_run), "--num", "2", "--steps", "3", "--out", str(out)]) == 2
+    assert "give a prompt" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(text_run), "--num", "3", "--steps", "3", "--out", str(out),
+                 "--prompt", "a", "--prompt", "b"]) == 2  # one prompt, or one per image
+
+
+def test_text_model_of_difftrains_unet_exports_as_safetensors_not_as_a_pipeline(text_run, tmp_path):
+    from difftrain import api
+
+    weights = api.export(text_run, tmp_path / "w.safetensors", format="safetensors")
+    loaded = load_model(weights, device="cpu")
+    assert loaded.conditioning.kind == "text"
+    a = generate_images(loaded, 1, steps=2, prompt="a red disc on a dark background")
+    b = generate_images(load_model(text_run, device="cpu"), 1, steps=2, prompt="a red disc on a dark background")
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="safetensors"):
+        api.export(text_run, tmp_path / "pipe", format="diffusers")
+
+
+def test_fine_tuned_stable_diffusion_unet_exports_as_a_pipeline(tmp_path, tiny_overrides):
+    from diffusers import StableDiffusionPipeline
+
+    from difftrain import api
+
+    sd = write_tiny_sd_folder(tmp_path / "sd")
+    data = _captioned_folder(tmp_path / "data")
+    cfg = load_config(None, tiny_overrides + [f"data.path={data}", "data.captions=true", f"model.text_encoder={sd}",
+                                              f"model.vae={sd}", f"model.init_from={sd}", "validation.every_steps=0",
+                                              "train.total_steps=2"])
+    train(cfg, tmp_path / "run")
+    out = api.export(tmp_path / "run", tmp_path / "pipe", format="diffusers")
+    pipe = StableDiffusionPipeline.from_pretrained(out, safety_checker=None)
+    state = ckpt.load_checkpoint(tmp_path / "run")
+    theirs = pipe.unet.state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in state["ema"]["model"].items())
+    image = pipe("a red square on a dark background", num_inference_steps=2, height=16, width=16,
+                 output_type="np", generator=torch.Generator().manual_seed(0)).images
+    assert image.shape == (1, 16, 16, 3) and np.isfinite(image).all()
+
+
+def test_clip_score_and_inception_score_are_logged_with_their_image_counts(tmp_path, tiny_overrides):
+    from difftrain.evaluation.inception_score import InceptionClassifier
+    from tests.text_components import write_tiny_clip_model
+
+    clip = write_tiny_clip_model(tmp_path / "clip")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch.save(InceptionClassifier().state_dict(), tmp_path / "pt_inception.pth")
+    prompts = ["a red disc on a dark background", "a blue square on a light background"]
+    cfg = load_config(None, tiny_overrides + TEXT + [f"validation.prompts={json.dumps(prompts)}",
+                                                     f"evaluation.clip_model={clip}",
+                                                     f"evaluation.is_inception_path={tmp_path / 'pt_inception.pth'}"])
+    train(cfg, tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in rows if "clip_score" in r]
+    assert [r["step"] for r in scored] == [3, 6]
+    for r in scored:
+        assert 0.0 <= r["clip_score"] <= 100.0 and r["clip_score_images"] == 4  # 2 prompts x 2 columns
+        assert r["inception_score"] >= 1.0 and r["inception_score_images"] == 4

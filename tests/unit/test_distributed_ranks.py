@@ -12,14 +12,14 @@ from multiproc import run_ranks
 from difftrain.config import load_config
 from difftrain.data import build_dataset
 from difftrain.evaluation.during_training import sharded_sample_features
-from difftrain.sampling import initial_noise
 from difftrain.training import checkpoint as ckpt
 from difftrain.runtime import distributed
 from difftrain.training.state import build_model
 from difftrain.data.split import split_heldout
 from difftrain.diffusion.objective import build_objective
 from difftrain.training.heldout import HeldOutLoss
-from difftrain.training.validation import sample_grid
+from difftrain.conditioning import Conditioning
+from difftrain.training.validation import grid, sample_images, validation_plan
 
 # ---- Control messages --------------------------------------------------------------------------
 
@@ -90,15 +90,16 @@ def _spread_work(ctx: distributed.DistContext) -> dict:
     cfg = load_config(None, OVERRIDES)
     objective = build_objective(cfg.diffusion)
     model, ema_model = _perturbed_model(cfg, 0), _perturbed_model(cfg, 1)
-    d, v = cfg.data, cfg.validation
+    d = cfg.data
     shape = (d.channels, d.resolution, d.resolution)
     _, held = split_heldout(build_dataset(d.path, resolution=d.resolution, channels=d.channels, random_flip=False, color_jitter=0.0, class_conditional=False), cfg, None)
     heldout = HeldOutLoss(held, cfg, objective, torch.device("cpu"), ctx=ctx).evaluate(model, ema_model)
-    noise = initial_noise(v.num_images, shape, v.seed)
-    grid = sample_grid(ema_model, cfg, noise, None, 0, objective, ctx)
+    conditioning = Conditioning(channels=d.channels, resolution=d.resolution)
+    plan = validation_plan(cfg, conditioning)
+    images = sample_images(ema_model, cfg, plan, conditioning, objective, ctx)
     features = sharded_sample_features(ema_model, _Features(d.resolution**2 * d.channels), objective=objective,
                                        shape=shape, ctx=ctx, **FID)
-    return {"heldout": heldout, "grid": grid, "features": features}
+    return {"heldout": heldout, "grid": None if images is None else grid(images, plan), "features": features}
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,9 @@ class ValidationScores:
 
             if self._inception is None:
                 self._inception = InceptionClassifier.from_path(e.is_inception_path).to(self.device)
-            mean, std, n = images_inception_score(images, self._inception, batch_size=64, device=self.device)
+            splits = max(1, min(10, len(images) // 100))  # the usual 10 splits need hundreds of images each
+            mean, std, n = images_inception_score(images, self._inception, batch_size=64, device=self.device,
+                                                  splits=splits)
             out.update({"inception_score": mean, "inception_score_std": std, "inception_score_images": n})
         return out
 
