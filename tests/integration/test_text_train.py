@@ -191,3 +191,13 @@ def test_clip_score_and_inception_score_are_logged_with_their_image_counts(tmp_p
     for r in scored:
         assert 0.0 <= r["clip_score"] <= 100.0 and r["clip_score_images"] == 4  # 2 prompts x 2 columns
         assert r["inception_score"] >= 1.0 and r["inception_score_images"] == 4
+
+
+def test_text_run_in_bf16_with_accumulation_and_a_heldout_split(tmp_path, tiny_overrides):
+    cfg = load_config(None, tiny_overrides + TEXT + ["train.precision=bf16", "train.grad_accum_steps=2",
+                                                     "data.heldout_fraction=0.01", "validation.heldout_max_images=8"])
+    assert train(cfg, tmp_path).skipped_steps == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+    heldout = [r["heldout/loss"] for r in rows if "heldout/loss" in r]
+    assert len(heldout) == 2 and all(0 < h < 10 for h in heldout)

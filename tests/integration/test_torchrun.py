@@ -107,6 +107,37 @@ def test_two_processes_equal_one_at_the_same_global_batch(tmp_path):
         assert abs(a - b).max() <= 1 and (a != b).mean() < 0.01, grid  # the ddpm grid, to rounding
 
 
+@pytest.mark.slow  # about 40 s: three processes start and load transformers
+def test_a_latent_text_run_on_two_processes_equals_one(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.text_components import write_tiny_text_encoder, write_tiny_vae
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(16):
+        colour = (200, 40, 40) if i % 2 else (40, 40, 200)
+        a = np.full((16, 16, 3), 30, np.uint8)
+        a[4 : 8 + i % 6, 4:12] = colour
+        Image.fromarray(a).save(folder / f"{i:02d}.png")
+        (folder / f"{i:02d}.txt").write_text(f"a {'red' if i % 2 else 'blue'} square")
+    sets = [f"data.path={folder}", "data.captions=true", f"model.text_encoder={write_tiny_text_encoder(tmp_path / 't')}",
+            f"model.vae={write_tiny_vae(tmp_path / 'v')}", "model.attention_resolutions=[4]",
+            "validation.prompts=['a red square', 'a blue square']", "validation.num_images=4",
+            "data.heldout_fraction=0.25", "validation.heldout_max_images=4"]
+    extra = [a for kv in sets for a in ("--set", kv)]
+    env = {"DIFFTRAIN_CACHE": str(tmp_path / "cache")}
+    _run(tmp_path / "one", 1, 8, *extra, env_extra=env)
+    _run(tmp_path / "two", 2, 4, *extra, env_extra=env)
+    one, two = ckpt.load_checkpoint(tmp_path / "one"), ckpt.load_checkpoint(tmp_path / "two")
+    _assert_close(one["model"], two["model"])
+    assert one["frozen"] == two["frozen"] and set(one["frozen"]) == {"text_encoder", "vae"}
+    logged = {name: {k: v for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                     for k, v in json.loads(line).items()} for name in ("one", "two")}
+    assert logged["two"]["heldout/loss"] == pytest.approx(logged["one"]["heldout/loss"], rel=1e-3)
+    a, b = (np.asarray(Image.open(tmp_path / name / "samples" / "step_00000004.png"), dtype=int) for name in ("one", "two"))
+    assert a.shape == b.shape and abs(a - b).max() <= 2
+
+
 @pytest.mark.slow
 def test_resume_on_another_world_size(tmp_path):
     _run(tmp_path / "straight", 1, 8)
