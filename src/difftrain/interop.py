@@ -234,26 +234,6 @@ def pipeline_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, "initial-noise"))
 
 
-def _text_folders(source: Path) -> tuple[Path, Path]:
-    """(text model folder, tokenizer folder) of a Stable Diffusion folder or of a plain folder
-    holding both, or a ValueError naming ``source``."""
-    if (source / "text_encoder" / "config.json").is_file() and (source / "tokenizer").is_dir():
-        return source / "text_encoder", source / "tokenizer"
-    if (source / "config.json").is_file():
-        return source, source
-    raise ValueError(f"text encoder {source}: neither a Stable Diffusion folder (text_encoder/config.json and "
-                     "tokenizer/) nor a folder with a text model's config.json and tokenizer files")
-
-
-def _vae_folder(source: Path) -> Path:
-    """The AutoencoderKL folder of ``source`` (itself or its ``vae/``), or a ValueError naming it."""
-    for folder in (source / "vae", source):
-        if (folder / "config.json").is_file():
-            return folder
-    raise ValueError(f"VAE {source}: no config.json, nor vae/config.json (an AutoencoderKL folder or a Stable "
-                     "Diffusion folder)")
-
-
 def export_stable_diffusion(
     unet: ConditionUNet,
     *,
@@ -289,8 +269,11 @@ def export_stable_diffusion(
     # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
     # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
     scheduler = DDPMScheduler(**{**scheduler_config(objective_cfg), "clip_sample": False, "steps_offset": 1})
-    text_folder, tokenizer_folder = _text_folders(Path(text_encoder_source).expanduser())
-    vae_folder = _vae_folder(Path(vae_source).expanduser())
+    from difftrain.models.text import text_model_folders
+    from difftrain.models.vae import vae_folder as find_vae_folder
+
+    text_folder, tokenizer_folder = text_model_folders(text_encoder_source)
+    vae_folder = find_vae_folder(vae_source)
     try:
         text_encoder = CLIPTextModel.from_pretrained(str(text_folder))
         tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_folder))

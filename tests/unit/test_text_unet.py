@@ -5,7 +5,6 @@ pipeline folder, on tiny random components built here."""
 from __future__ import annotations
 
 import json
-import string
 
 import pytest
 import torch
@@ -173,60 +172,16 @@ def test_text_model_compiles_without_graph_breaks():
 
 # Tiny Stable Diffusion components (random weights, built offline).
 
-WIDTH = 16  # the text encoder's hidden size = the UNet's cross_attention_dim
-
-
-def write_clip_tokenizer_files(folder) -> None:
-    """vocab.json and merges.txt of a CLIP BPE tokenizer over single letters (no merges)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for suffix in ("", "</w>"):
-        for c in string.ascii_lowercase:
-            vocab[c + suffix] = len(vocab)
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-
-
-def tiny_components(tmp_path):
-    """(vae, text_encoder, tokenizer, unet, scheduler) of a tiny Stable Diffusion model: 16x16
-    images, 4 x 8 x 8 latents, 16-wide text embeddings of 8 tokens."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    torch.manual_seed(0)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=4, sample_size=16,
-    )
-    write_clip_tokenizer_files(tmp_path / "tok")
-    tokenizer = CLIPTokenizer.from_pretrained(str(tmp_path / "tok"), model_max_length=8)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    ))
-    unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=WIDTH, attention_head_dim=4, norm_num_groups=8,
-    )
-    scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
-                              steps_offset=1)
-    return vae, text_encoder, tokenizer, unet, scheduler
+from tests.text_components import TEXT_HIDDEN as WIDTH  # noqa: E402 - the text width = cross_attention_dim
 
 
 @pytest.fixture(scope="module")
 def sd_folder(tmp_path_factory):
     """A tiny Stable Diffusion pipeline folder (model_index.json, unet/, vae/, text_encoder/, ...)."""
-    diffusers = pytest.importorskip("diffusers")
-    tmp_path = tmp_path_factory.mktemp("sd")
-    vae, text_encoder, tokenizer, unet, scheduler = tiny_components(tmp_path)
-    pipe = diffusers.StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )
-    pipe.save_pretrained(tmp_path / "sd", safe_serialization=True)
-    return tmp_path / "sd"
+    pytest.importorskip("diffusers")
+    from tests.text_components import write_tiny_sd_folder
+
+    return write_tiny_sd_folder(tmp_path_factory.mktemp("sd") / "sd")
 
 
 def test_condition_unet_folder_detection(sd_folder, tmp_path):
@@ -268,7 +223,7 @@ def test_condition_unet_is_the_diffusers_unet(sd_folder):
     with torch.no_grad():
         torch.testing.assert_close(net(x, t, context), raw(x, t, encoder_hidden_states=context).sample)
         assert net(x, torch.tensor(7), context).shape == (2, 4, 8, 8)
-    with pytest.raises(ValueError, match=r"\(2, L, 16\); got None"):
+    with pytest.raises(ValueError, match=rf"\(2, L, {WIDTH}\); got None"):
         net(x, t)
 
     # the config rebuilds it without the folder; its state dict (and an EMA's deep copy) loads back
@@ -369,7 +324,7 @@ def test_export_stable_diffusion_refuses_what_cannot_be_a_pipeline(sd_folder, tm
     net = load_init_network(sd_folder)
     with pytest.raises(ValueError, match=r"needs a VAE \(model.vae\)"):
         export_stable_diffusion(net, vae_source=None, **kwargs)
-    with pytest.raises(ValueError, match=r"text encoder .*missing: neither a Stable Diffusion folder"):
+    with pytest.raises(ValueError, match=r"text encoder .*missing: no such folder"):
         export_stable_diffusion(net, vae_source=str(sd_folder),
                                 **{**kwargs, "text_encoder_source": str(tmp_path / "missing")})
     assert not (tmp_path / "x").exists()
