@@ -54,6 +54,13 @@ def _data_check(args: argparse.Namespace) -> int:
     from difftrain.data.check import check_folder
 
     report = check_folder(args.path, args.resolution, num_workers=args.workers)
+    if args.captions:  # each image's caption too: NAME.txt or metadata.jsonl (data.captions)
+        from difftrain.data.folder import ImageFolderDataset
+
+        folder = ImageFolderDataset(args.path, resolution=args.resolution, captions=True,
+                                    caption_column=args.caption_column)
+        for path, reason in folder.bad_captions.items():
+            report.bad.setdefault(path, f"caption: {reason}")
     print(json.dumps(report.__dict__, indent=2) if args.json else report.summary())
     return EXIT_PROBLEMS_FOUND if report.bad or report.unreadable_folders else 0
 
@@ -326,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=32, help="images with a shorter side are reported too small")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decoding processes (0 = this process)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--captions", action="store_true",
+                   help="also check each image's caption (NAME.txt beside it, or metadata.jsonl), as data.captions does")
+    p.add_argument("--caption-column", default="text", help="the caption key of metadata.jsonl")
     p.set_defaults(func=_data_check)
 
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")

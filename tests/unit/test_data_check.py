@@ -66,6 +66,22 @@ def test_cli_data_check_lists_bad_files_and_exits_1(tmp_path, capsys):
     assert main(["data", "check", str(root), "--resolution", "16"]) == 0
 
 
+def test_cli_data_check_with_captions_names_images_without_a_usable_caption(tmp_path, capsys):
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(3):
+        _rgb(seed=i).save(root / f"img{i}.png")
+    (root / "img0.txt").write_text("a red disc\n")
+    (root / "img1.txt").write_bytes(b"\xff\xfe not utf-8")
+    assert main(["data", "check", str(root), "--resolution", "16"]) == 0  # images alone are fine
+    assert main(["data", "check", str(root), "--resolution", "16", "--captions", "--json"]) == 1
+    bad = json.loads(capsys.readouterr().out)["bad"]
+    assert set(bad) == {"img1.png", "img2.png"} and all(reason.startswith("caption: ") for reason in bad.values())
+    (root / "img1.txt").write_text("a blue square")
+    (root / "img2.txt").write_text("")  # an empty caption is a caption
+    assert main(["data", "check", str(root), "--resolution", "16", "--captions"]) == 0
+
+
 def test_scan_is_cached_until_a_file_changes(tmp_path):
     root = make_messy_folder(tmp_path / "d")
     cache = tmp_path / "run" / "data_check.json"
