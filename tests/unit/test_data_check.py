@@ -74,6 +74,7 @@ def test_cli_data_check_with_captions_names_images_without_a_usable_caption(tmp_
     (root / "img0.txt").write_text("a red disc\n")
     (root / "img1.txt").write_bytes(b"\xff\xfe not utf-8")
     assert main(["data", "check", str(root), "--resolution", "16"]) == 0  # images alone are fine
+    capsys.readouterr()
     assert main(["data", "check", str(root), "--resolution", "16", "--captions", "--json"]) == 1
     bad = json.loads(capsys.readouterr().out)["bad"]
     assert set(bad) == {"img1.png", "img2.png"} and all(reason.startswith("caption: ") for reason in bad.values())
