@@ -191,10 +191,10 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True) -> Path
                          "(or pip install diffusers)") from None
     from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
     from difftrain.models import build_model
-    from difftrain.training.state import CONDITION_UNET
+    from difftrain.models.diffusers_unet import NETWORK_KIND
 
     cfg = config_from_dict(state["config"], source=state["path"])
-    if state["network"]["kind"] == CONDITION_UNET:  # a fine-tuned Stable Diffusion UNet
+    if state["network"]["kind"] == NETWORK_KIND:  # a fine-tuned Stable Diffusion UNet
         from difftrain.models.diffusers_unet import ConditionUNet
 
         unet = ConditionUNet.from_config(state["network"]["config"])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from difftrain.report.captioned_grid import (
+from difftrain.captioned_grid import (
     ELLIPSIS,
     PAD,
     _font,

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
+# The "kind" of the network record checkpoints keep of a ConditionUNet (with its diffusers config).
+NETWORK_KIND = "diffusers.UNet2DConditionModel"
 # The prefix of the wrapped UNet's parameters inside this module, hidden from state dicts.
 _PREFIX = "unet."
 

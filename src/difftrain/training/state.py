@@ -148,9 +148,6 @@ class RunState:
                 for k, (old, now) in allowed_changes(state["config"], new).items()]
 
 
-CONDITION_UNET = "diffusers.UNet2DConditionModel"  # the network record of a fine-tuned diffusers UNet
-
-
 def build_network(cfg: Config, conditioning: Conditioning, network: dict | None = None,
                   init_weights: bool = True) -> nn.Module:
     """The network of a run, on the CPU: difftrain's UNet at the conditioning's shape (latent
@@ -160,10 +157,10 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
 
     With ``model.init_from`` and ``init_weights``, the weights it names are loaded.
     """
-    from difftrain.models.diffusers_unet import ConditionUNet, is_condition_unet_folder
+    from difftrain.models.diffusers_unet import NETWORK_KIND, ConditionUNet, is_condition_unet_folder
 
     init_from = cfg.model.init_from
-    if network is not None and network.get("kind") == CONDITION_UNET:
+    if network is not None and network.get("kind") == NETWORK_KIND:
         return ConditionUNet.from_config(network["config"])
     if network is None and init_from and is_condition_unet_folder(init_from):
         from difftrain.interop import load_init_network
@@ -182,10 +179,10 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
 def network_record(model: nn.Module) -> dict:
     """What rebuilds ``model`` besides the config: {"kind": "unet"} for difftrain's UNet, the
     diffusers config of a UNet2DConditionModel."""
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.models.diffusers_unet import NETWORK_KIND, ConditionUNet
 
     if isinstance(model, ConditionUNet):
-        return {"kind": CONDITION_UNET, "config": model.unet_config}
+        return {"kind": NETWORK_KIND, "config": model.unet_config}
     return {"kind": "unet"}
 
 

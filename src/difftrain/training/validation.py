@@ -97,7 +97,7 @@ def grid(images: np.ndarray, plan: ValidationPlan) -> np.ndarray:
     """The grid of a plan's images: a text model's with each row's prompt under it."""
     if plan.prompts is None:
         return make_grid(images, plan.ncols)
-    from difftrain.report.captioned_grid import captioned_grid
+    from difftrain.captioned_grid import captioned_grid
 
     return captioned_grid(images, plan.prompts, plan.ncols)
 
