@@ -28,6 +28,8 @@ def describe_checkpoint(path: str | Path) -> dict:
             "skipped_steps": None,
             "posthoc_ema_stds": [],  # a weights file holds one set of weights, no tracked EMAs
             "ema_posthoc": None,
+            "network": state["network"]["kind"],
+            "frozen": state["frozen"],
             "config": state["config"],
             "config_toml": config_to_toml(cfg),
         }
@@ -44,6 +46,8 @@ def describe_checkpoint(path: str | Path) -> dict:
         "skipped_steps": state["skipped_steps"],
         "posthoc_ema_stds": state["posthoc_ema"]["stds"],  # sigma_rel of the tracked power EMAs
         "ema_posthoc": state["ema"].get("posthoc"),  # how `posthoc-ema` made the EMA weights, or None
+        "network": state["network"]["kind"],  # "unet" (difftrain's) or a diffusers UNet2DConditionModel
+        "frozen": state["frozen"],  # the text encoder and VAE it needs: {"source", "digest"} each, never their weights
         "config": state["config"],
         "config_toml": config_to_toml(cfg),
     }

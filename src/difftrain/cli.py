@@ -106,6 +106,10 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     for key in ("path", "step", "images_seen", "parameters", "model_sha256", "ema_sha256"):
         print(f"{key:12s} {info[key]:,}" if isinstance(info[key], int) else f"{key:12s} {info[key]}")
+    if info["network"] != "unet":
+        print(f"{'network':12s} {info['network']}")
+    for name, ref in info["frozen"].items():  # frozen parts: named with their digests, not saved
+        print(f"{name:12s} {ref['source']} (sha256 {ref['digest'][:16]}..., not in the checkpoint)")
     if info["posthoc_ema_stds"]:
         print(f"{'posthoc_ema':12s} power EMAs of sigma_rel {info['posthoc_ema_stds']} tracked")
     if info["ema_posthoc"]:

@@ -138,6 +138,14 @@ def test_sample_command_takes_prompts(text_run, tmp_path, capsys):
                  "--prompt", "a", "--prompt", "b"]) == 2  # one prompt, or one per image
 
 
+def test_inspect_names_the_frozen_parts(text_run, capsys):
+    from difftrain.cli import main
+
+    assert main(["inspect", str(text_run)]) == 0
+    out = capsys.readouterr().out
+    assert "text_encoder builtin:tiny-clip (sha256 " in out and "not in the checkpoint" in out
+
+
 def test_text_model_of_difftrains_unet_exports_as_safetensors_not_as_a_pipeline(text_run, tmp_path):
     from difftrain import api
 
