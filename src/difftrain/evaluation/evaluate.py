@@ -286,5 +286,5 @@ def checkpoint_conditions(loaded, guidance_scale: float = 1.0, captions: str | P
     from difftrain.data.prepare import dataset_from_config
 
     dataset = dataset_from_config(loaded.cfg.data, augment=False)
-    return FIDConditions(c, captions=DatasetCaptions(dataset), captions_from=loaded.cfg.data.path,
+    return FIDConditions(c, captions=DatasetCaptions(dataset), captions_from=f"data.path {loaded.cfg.data.path}",
                          guidance_scale=guidance_scale)
