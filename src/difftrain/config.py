@@ -232,7 +232,7 @@ class ValidationConfig(_Section):
     steps: int = 50  # sampling steps for the grid
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
-    guidance_scale: float = 1.0  # classifier-free guidance of the grids and of FID's samples (labels or prompts); 1 = none
+    guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
     raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
     heldout_weights: Literal["ema", "raw", "both"] = "both"  # weights the held-out loss is measured on
     heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
