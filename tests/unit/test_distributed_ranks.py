@@ -1,5 +1,6 @@
 """training/distributed.py on two real gloo processes: control messages, and work spread across
-ranks (held-out loss, validation grid, FID features) that must equal one process's."""
+ranks (held-out loss, validation grid, FID features, of a class-conditional model too) that must
+equal one process's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from multiproc import run_ranks
 from difftrain.config import load_config
 from difftrain.data import build_dataset
 from difftrain.evaluation.during_training import sharded_sample_features
+from difftrain.evaluation.evaluate import FIDConditions
 from difftrain.training import checkpoint as ckpt
 from difftrain.runtime import distributed
 from difftrain.training.state import build_model
@@ -75,10 +77,10 @@ class _Features:
         return images.float().flatten(1) @ self.weight / 255
 
 
-def _perturbed_model(cfg, seed: int) -> torch.nn.Module:
+def _perturbed_model(cfg, seed: int, num_classes: int = 0) -> torch.nn.Module:
     """The tiny UNet with every weight moved randomly, so that no output is trivially zero."""
     torch.manual_seed(seed)
-    model = build_model(cfg)
+    model = build_model(cfg, num_classes)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -97,9 +99,14 @@ def _spread_work(ctx: distributed.DistContext) -> dict:
     conditioning = Conditioning(channels=d.channels, resolution=d.resolution)
     plan = validation_plan(cfg, conditioning)
     images = sample_images(ema_model, cfg, plan, conditioning, objective, ctx)
-    features = sharded_sample_features(ema_model, _Features(d.resolution**2 * d.channels), objective=objective,
-                                       shape=shape, ctx=ctx, **FID)
-    return {"heldout": heldout, "grid": None if images is None else grid(images, plan), "features": features}
+    inception = _Features(d.resolution**2 * d.channels)
+    features = sharded_sample_features(ema_model, inception, objective=objective, shape=shape, ctx=ctx, **FID)
+    # A class-conditional model: batch k's labels are drawn from (seed, k) on whichever rank draws it.
+    classes = FIDConditions(Conditioning(3, channels=d.channels, resolution=d.resolution), guidance_scale=2.0)
+    class_features = sharded_sample_features(_perturbed_model(cfg, 2, num_classes=3), inception, objective=objective,
+                                             shape=shape, ctx=ctx, conditions=classes, **FID)
+    return {"heldout": heldout, "grid": None if images is None else grid(images, plan), "features": features,
+            "class_features": class_features}
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +137,10 @@ def test_fid_features_on_two_ranks_equal_one_process(one_and_two):
     assert rank1["features"] is None
     assert one["features"].shape == (FID["num"], 8)
     torch.testing.assert_close(rank0["features"], one["features"], rtol=1e-5, atol=1e-5)
+
+
+def test_class_conditional_fid_features_on_two_ranks_equal_one_process(one_and_two):
+    one, (rank0, rank1) = one_and_two
+    assert rank1["class_features"] is None
+    assert one["class_features"].shape == (FID["num"], 8)
+    torch.testing.assert_close(rank0["class_features"], one["class_features"], rtol=1e-5, atol=1e-5)

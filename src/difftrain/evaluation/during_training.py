@@ -1,9 +1,13 @@
 """FID during training: every ``evaluation.fid_every_steps`` steps, on the EMA model, logged
 together with the sample count it was measured on (FID is biased upwards at small counts).
 
+A class-conditional model's samples take labels drawn uniformly, a text model's the captions of
+training images drawn uniformly, both guided by ``validation.guidance_scale``; a latent model's
+are decoded by the VAE before Inception (see :class:`~.evaluate.FIDConditions`).
+
 Under torchrun the sampling and the Inception features are spread across ranks by whole
-batches; batch k's noise depends on (seed, batch size, k) alone and rank 0 folds the gathered
-features in batch order, so the FID is the one a single process measures.
+batches; batch k's noise, labels and captions depend on (seed, batch size, k) alone and rank 0
+folds the gathered features in batch order, so the FID is the one a single process measures.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from difftrain.config import Config
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 
-from .evaluate import fid_result, num_batches, sample_features, statistics_from_features
+from .evaluate import DatasetCaptions, FIDConditions, fid_result, num_batches, sample_features, statistics_from_features
 from .inception import InceptionFeatures
 
 
@@ -26,7 +30,8 @@ def sharded_sample_features(
 ) -> torch.Tensor | None:
     """(num, D) float32 Inception features of all ``num`` samples on rank 0's CPU, None on the
     others. Rank r draws the batches ``shard(num_batches, ctx)`` of :func:`sample_features`
-    (which ``options`` are passed to), so the features are those of one process, in order."""
+    (which ``options`` are passed to, ``conditions`` among them), so the features are those of
+    one process, in order."""
     total = num_batches(num, batch_size)
     mine = range(total)[distributed.shard(total, ctx)]
     features = sample_features(model, inception, num=num, batch_size=batch_size, batches=mine, **options)
@@ -43,12 +48,21 @@ class TrainingFID:
     The Inception network is loaded at the first evaluation, by every rank, and the reference
     statistics by rank 0: ``evaluation.fid_ref`` (an .npz or a folder), or else the training data
     through the training preprocessing (cached by content, see evaluation.reference).
+
+    ``conditioning``: the run's (None: unconditional pixels); ``dataset``: the training set, whose
+    captions a text model's samples are drawn from (read when drawn, each once).
     """
 
-    def __init__(self, cfg: Config, objective, device: torch.device, ctx: DistContext | None = None):
+    def __init__(self, cfg: Config, objective, device: torch.device, ctx: DistContext | None = None,
+                 conditioning=None, dataset=None):
+        from difftrain.conditioning import Conditioning
+
         self.cfg, self.objective, self.device = cfg, objective, device
         self.ctx = ctx or DistContext()
         self.every = cfg.evaluation.fid_every_steps
+        self.conditioning = conditioning or Conditioning(channels=cfg.data.channels, resolution=cfg.data.resolution)
+        self.dataset = dataset
+        self._conditions: FIDConditions | None = None
         self._inception = None
         self._reference = None
 
@@ -56,6 +70,11 @@ class TrainingFID:
         from .reference import load_or_compute, reference_statistics
 
         e, d = self.cfg.evaluation, self.cfg.data
+        c = self.conditioning
+        self._conditions = FIDConditions(
+            c, captions=DatasetCaptions(self.dataset) if c.kind == "text" else None,
+            captions_from=f"data.path {d.path}",
+            guidance_scale=self.cfg.validation.guidance_scale if c.kind != "none" else 1.0)
         self._inception = InceptionFeatures(e.inception_path or None).to(self.device)
         if not self.ctx.is_main:
             return
@@ -76,17 +95,20 @@ class TrainingFID:
         start = time.perf_counter()
         if self._inception is None:
             self._setup()
-        e, d = self.cfg.evaluation, self.cfg.data
+        e = self.cfg.evaluation
+        channels, size = self.conditioning.network_shape()
         features = sharded_sample_features(
-            ema_model, self._inception, objective=self.objective,
-            shape=(d.channels, d.resolution, d.resolution), num=e.fid_num_samples, sampler=e.fid_sampler,
-            steps=e.fid_steps, seed=e.fid_seed, batch_size=e.fid_batch_size, ctx=self.ctx)
+            ema_model, self._inception, objective=self.objective, shape=(channels, size, size),
+            num=e.fid_num_samples, sampler=e.fid_sampler, steps=e.fid_steps, seed=e.fid_seed,
+            batch_size=e.fid_batch_size, conditions=self._conditions, ctx=self.ctx)
         if features is None:  # not rank 0
             return {}
         samples = statistics_from_features(
             features.split(e.fid_batch_size), self._inception,
             {"num_images": e.fid_num_samples, "sampler": e.fid_sampler, "steps": e.fid_steps})
         result = fid_result(samples, self._reference, kid=False)
+        record = self._conditions.record()
         return {"fid": result["fid"], "fid_num_samples": result["num_samples"],
                 "fid_num_reference": result["num_reference"], "fid_steps": e.fid_steps,
+                "fid_conditioned_on": record["conditioned_on"], "fid_guidance_scale": record["guidance_scale"],
                 "fid_seconds": time.perf_counter() - start}

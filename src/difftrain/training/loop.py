@@ -104,7 +104,8 @@ def train(
     progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
     plan = validation_plan(cfg, conditioning, data.train) if cfg.validation.every_steps else None
     scores = ValidationScores(cfg, device)  # CLIP score, Inception Score: no-ops unless configured
-    fid = TrainingFID(cfg, objective, device, dctx)  # a no-op unless evaluation.fid_every_steps > 0
+    # A no-op unless evaluation.fid_every_steps > 0; a text run's samples take captions of data.train.
+    fid = TrainingFID(cfg, objective, device, dctx, conditioning, data.train)
     metrics = StepMetrics(device)  # running sums on the device, read at log steps only
     lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)

@@ -78,16 +78,21 @@ class TensorBoardTracker:
 
 
 class Trackers:
-    """Fans every call out to the enabled trackers."""
+    """Fans every call out to the enabled trackers. Text values (what an FID's samples were
+    conditioned on) go to metrics.jsonl only; the others get the numbers."""
 
     def __init__(self, trackers: list[Tracker]):
         self.trackers = trackers
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | str]) -> None:
         if not metrics:
             return
+        numbers = {k: v for k, v in metrics.items() if not isinstance(v, str)}
         for t in self.trackers:
-            t.log(step, metrics)
+            if isinstance(t, JSONLTracker):
+                t.log(step, metrics)
+            elif numbers:
+                t.log(step, numbers)
 
     def log_image(self, step: int, name: str, image: np.ndarray) -> None:
         for t in self.trackers:
