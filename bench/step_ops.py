@@ -10,7 +10,9 @@ on a fixed batch, then profiles ONE step with ``torch.profiler`` (``record_shape
 Counted per step:
 
 - ops: ATen calls made from Python or by the autograd engine (the top level; an op's own
-  sub-calls are not counted again), and all ATen calls with the nested ones;
+  sub-calls are not counted again); of those, the ones that run a kernel (not a view, a
+  metadata read, or a cast or reshape that returned its input); and all ATen calls with the
+  nested ones;
 - copies: ``aten::copy_`` calls, nested ones included (each one a copy kernel: on a GPU, a
   launch), and the top-level casts and layout changes (``aten::to``, ``_to_copy``,
   ``contiguous``, ``clone``) that issue them;
@@ -47,6 +49,12 @@ from difftrain.training.state import RunState  # noqa: E402
 from difftrain.training.step import StepMetrics, train_step  # noqa: E402
 
 COPY_OPS = ("aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone")
+# Ops that only make a view or read metadata (no kernel), and ops that copy only when they must.
+VIEW_OPS = {"aten::" + n for n in ("detach", "view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "expand",
+                                  "as_strided", "narrow", "flatten", "permute", "select", "slice", "alias", "unbind",
+                                  "split", "resolve_conj", "resolve_neg", "empty", "empty_like", "empty_strided",
+                                  "promote_types", "result_type", "is_nonzero", "size", "stride", "numel")}
+MAYBE_COPY_OPS = {"aten::to", "aten::contiguous", "aten::reshape", "aten::type_as", "aten::expand_as"}
 DTYPE_SHORT = {"float": "f32", "double": "f64", "c10::BFloat16": "bf16", "c10::Half": "f16", "long int": "i64",
                "bool": "bool", "int": "i32"}
 # Python frames of torch that name a phase of the step (the nearest one wins over a deeper torch frame).
@@ -86,6 +94,22 @@ def _ancestors(e):
 
 def _is_aten(e) -> bool:
     return e.name.startswith("aten::")
+
+
+def _does_work(e) -> bool:
+    """A top-level op that runs a kernel: not a view or metadata op, nor a cast or reshape that
+    returned its input (no copy_ below it)."""
+    if e.name in VIEW_OPS:
+        return False
+    if e.name in MAYBE_COPY_OPS:
+        stack = list(e.cpu_children)
+        while stack:
+            c = stack.pop()
+            if c.name == "aten::copy_":
+                return True
+            stack.extend(c.cpu_children)
+        return False
+    return True
 
 
 def _dtypes(e) -> str:
@@ -135,6 +159,7 @@ def profile_step(step, model, trace_op: str | None = None) -> dict:
                 print(trace_op, e.input_shapes, e.input_dtypes, "<", [a.name[:90] for a in _ancestors(e)][:8])
     return dict(
         ops_top=len(top),
+        ops_work=sum(_does_work(e) for e in top),
         ops_all=len(events),
         copies=len(copies),
         casts_top={name: sum(e.name == name for e in top) for name in COPY_OPS},
@@ -192,13 +217,13 @@ def main() -> None:
             for name, n in r["top_by_name"].most_common(args.top):
                 print(f"| {n} | {name} |")
 
-    print("\n| preset | precision | channels_last | parameters | top-level ops | all ATen ops | copy_ "
-          "| to | _to_copy | contiguous | clone | step s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| preset | precision | channels_last | parameters | top-level ops | of which run a kernel | all ATen ops "
+          "| copy_ | to | _to_copy | contiguous | clone | step s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         c = r["casts_top"]
         step_s = f"{r['step_s']:.3f}" if r["step_s"] else "-"
-        print(f"| {r['preset']} | {r['precision']} | {r['channels_last']} | {r['params']} | {r['ops_top']} | {r['ops_all']} "
+        print(f"| {r['preset']} | {r['precision']} | {r['channels_last']} | {r['params']} | {r['ops_top']} | {r['ops_work']} | {r['ops_all']} "
               f"| {r['copies']} | {c['aten::to']} | {c['aten::_to_copy']} | {c['aten::contiguous']} | {c['aten::clone']} "
               f"| {step_s} |")
 
