@@ -320,3 +320,25 @@ def test_network_evaluations_match_sampler_nfe_and_edm_starts_at_sigma_max(famil
         seen = []
         obj.sample(lambda x, c: seen.append(x.std().item()) or torch.zeros_like(x), x_T(), "euler", 2, None)
         assert seen[0] == pytest.approx(80 / math.sqrt(80**2 + 0.25), rel=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("prediction", ["epsilon", "v", "x0"])
+@pytest.mark.parametrize("weighting", ["uniform", "inv_one_minus_alpha_bar", "min_snr"])
+def test_ddpm_noised_from_its_table_is_the_per_batch_formula_bit_for_bit(dtype, prediction, weighting):
+    """The per-timestep table gathered each step gives exactly what forming the coefficients
+    and the weight from the float64 alpha_bar per batch gives (the pinned weights rely on it)."""
+    from difftrain.diffusion.losses import loss_weight
+    from difftrain.diffusion.process import prediction_target, q_sample
+
+    obj = DDPMObjective("cosine", 1000, prediction, weighting, min_snr_gamma=5.0)
+    g = torch.Generator().manual_seed(0)
+    levels = torch.cat([torch.tensor([0, 1, 999]), torch.randint(0, 1000, (61,), generator=g)])
+    x0 = torch.randn(64, 3, 4, 4, generator=g, dtype=dtype)
+    noise = torch.randn(64, 3, 4, 4, generator=g, dtype=dtype)
+    b = obj.noised(x0, levels, noise)
+    ab_t = obj.alpha_bar[levels]
+    assert torch.equal(b.input, q_sample(x0, levels, noise, obj.alpha_bar)) and b.input.dtype == dtype
+    assert torch.equal(b.target, prediction_target(prediction, x0, noise, ab_t))
+    weight = loss_weight(weighting, ab_t, prediction, 5.0)
+    assert torch.equal(b.weight, weight) and b.weight.dtype == torch.float32

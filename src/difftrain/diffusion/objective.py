@@ -36,7 +36,7 @@ from difftrain.diffusion.edm import EDMObjective
 from difftrain.diffusion.flow import FlowObjective
 from difftrain.diffusion.interface import Network, Noised, Objective
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
-from difftrain.diffusion.process import check_prediction, prediction_target, q_sample, to_x0_and_eps
+from difftrain.diffusion.process import check_prediction, coefficient_table, mix, target_from, to_x0_and_eps
 from difftrain.diffusion.samplers import SAMPLER_NFE, SAMPLERS, karras_timesteps, sampling_timesteps
 from difftrain.diffusion.schedules import alpha_bar_schedule
 
@@ -69,11 +69,25 @@ class DDPMObjective:
         self.loss_weighting = loss_weighting
         self.min_snr_gamma = min_snr_gamma
         self.sigma_min, self.sigma_max, self.rho = sigma_min, sigma_max, rho
+        # Per-timestep rows (sqrt(alpha_bar), sqrt(1 - alpha_bar), loss weight) by x0's dtype and
+        # device, made on first use from the float64 alpha_bar: a step gathers its rows instead
+        # of forming them in float64 and casting (the same bits; see ``coefficient_table``).
+        self._tables: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     def to(self, device: torch.device) -> DDPMObjective:
         """Keep alpha_bar on ``device`` (once, not a copy per step); returns self."""
         self.alpha_bar = self.alpha_bar.to(device)
         return self
+
+    def _table(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """(3, T) in ``dtype`` on ``device``: sqrt(alpha_bar), sqrt(1 - alpha_bar) and the loss
+        weight (float32 from ``loss_weight``, exactly representable in any wider dtype)."""
+        key = (dtype, device)
+        if key not in self._tables:
+            alpha_bar = self.alpha_bar.to(device)
+            weight = loss_weight(self.loss_weighting, alpha_bar, self.prediction, self.min_snr_gamma)
+            self._tables[key] = torch.cat([coefficient_table(alpha_bar, dtype), weight.to(dtype)[None]])
+        return self._tables[key]
 
     def draw_levels(self, n: int, generator: torch.Generator, device: torch.device) -> Tensor:
         """(n,) long timesteps uniform in [0, T)."""
@@ -94,12 +108,16 @@ class DDPMObjective:
         return (levels * num_buckets) // self.num_timesteps
 
     def noised(self, x0: Tensor, levels: Tensor, noise: Tensor) -> Noised:
-        """x_t (DDPM eq. 4), the prediction target and the weighting at timesteps ``levels``."""
-        ab_t = self.alpha_bar[levels]
-        x_t = q_sample(x0, levels, noise, self.alpha_bar)
-        target = prediction_target(self.prediction, x0, noise, ab_t)
-        weight = loss_weight(self.loss_weighting, ab_t, self.prediction, self.min_snr_gamma)
-        return Noised(x_t, levels, target, weight)
+        """x_t (DDPM eq. 4), the prediction target and the weighting at timesteps ``levels``:
+        ``q_sample``, ``prediction_target`` and ``loss_weight`` bit for bit, from one gather of
+        the per-timestep table."""
+        if noise.shape != x0.shape:
+            raise ValueError(f"noise shape {tuple(noise.shape)} differs from x0 shape {tuple(x0.shape)}")
+        rows = self._table(x0.dtype, levels.device).index_select(1, levels)  # (3, B)
+        signal, sigma = rows[:2].reshape(2, -1, *([1] * (x0.ndim - 1)))  # (B, 1, ..., 1) each
+        x_t = mix(x0, noise, signal, sigma)
+        target = target_from(self.prediction, x0, noise, signal, sigma)
+        return Noised(x_t, levels, target, rows[2].float())
 
     def x0_hat(self, b: Noised, out: Tensor, levels: Tensor) -> Tensor:
         """x0 from the network output on ``b.input`` = x_t (``to_x0_and_eps``), unclipped, float32."""

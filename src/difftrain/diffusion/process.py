@@ -53,7 +53,32 @@ def q_sample(x0: Tensor, t: Tensor, noise: Tensor, alpha_bar: Tensor) -> Tensor:
     if noise.shape != x0.shape:
         raise ValueError(f"noise shape {tuple(noise.shape)} differs from x0 shape {tuple(x0.shape)}")
     signal, sigma = _sqrt_coefficients(gather(alpha_bar, t, 1), x0)
+    return mix(x0, noise, signal, sigma)
+
+
+def coefficient_table(alpha_bar: Tensor, dtype: torch.dtype) -> Tensor:
+    """(2, T): sqrt(alpha_bar) and sqrt(1 - alpha_bar) for every timestep, formed as
+    ``_sqrt_coefficients`` forms them (in alpha_bar's precision, then cast to ``dtype``), so that
+    indexing the table at t gives the same bits as forming them per batch: one gather per step
+    instead of float64 arithmetic and two casts."""
+    alpha_bar = alpha_bar.to(torch.promote_types(alpha_bar.dtype, torch.float32))
+    return torch.stack([alpha_bar.sqrt(), (1.0 - alpha_bar).sqrt()]).to(dtype)
+
+
+def mix(x0: Tensor, noise: Tensor, signal: Tensor, sigma: Tensor) -> Tensor:
+    """x_t = signal * x0 + sigma * noise (DDPM eq. 4) with coefficients (B, 1, ..., 1) in x0's dtype."""
     return signal * x0 + sigma * noise.to(x0.dtype)
+
+
+def target_from(prediction: str, x0: Tensor, noise: Tensor, signal: Tensor | None, sigma: Tensor | None) -> Tensor:
+    """The regression target of ``prediction`` from the coefficients sqrt(alpha_bar_t) and
+    sqrt(1 - alpha_bar_t), (B, 1, ..., 1) in x0's dtype (read only for "v"); see
+    :func:`prediction_target`."""
+    if prediction == "epsilon":
+        return noise.to(x0.dtype)
+    if prediction == "x0":
+        return x0
+    return signal * noise.to(x0.dtype) - sigma * x0
 
 
 def prediction_target(prediction: str, x0: Tensor, noise: Tensor, alpha_bar_t: Tensor) -> Tensor:
@@ -64,12 +89,8 @@ def prediction_target(prediction: str, x0: Tensor, noise: Tensor, alpha_bar_t: T
     x0, noise: (B, C, H, W); alpha_bar_t: (B,). Returns (B, C, H, W) in x0's dtype.
     """
     check_prediction(prediction)
-    if prediction == "epsilon":
-        return noise.to(x0.dtype)
-    if prediction == "x0":
-        return x0
-    signal, sigma = _sqrt_coefficients(alpha_bar_t, x0)
-    return signal * noise.to(x0.dtype) - sigma * x0
+    signal, sigma = _sqrt_coefficients(alpha_bar_t, x0) if prediction == "v" else (None, None)
+    return target_from(prediction, x0, noise, signal, sigma)
 
 
 def to_x0_and_eps(

@@ -35,11 +35,27 @@ def sinusoidal_embedding(t: Tensor, dim: int) -> Tensor:
     Returns:
         (B, dim) float32 embedding.
     """
-    half = dim // 2
-    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device)
-    freqs = torch.exp(exponent / (half - 1))
-    angles = t[:, None].float() * freqs[None, :]
+    angles = t[:, None].float() * _frequencies(dim // 2, t.device)[None, :]
     return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+
+
+_FREQUENCIES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _frequencies(half: int, device: torch.device) -> Tensor:
+    """(half,) float32 10000 ** (-i / (half - 1)), made once per width and device in eager mode
+    rather than by four kernels per step (a compiled graph computes them in itself)."""
+    if torch.compiler.is_compiling():
+        return _make_frequencies(half, device)
+    if (half, device) not in _FREQUENCIES:
+        with torch.inference_mode(False):  # a normal tensor, usable in training after sampling
+            _FREQUENCIES[half, device] = _make_frequencies(half, device)
+    return _FREQUENCIES[half, device]
+
+
+def _make_frequencies(half: int, device: torch.device) -> Tensor:
+    exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=device)
+    return torch.exp(exponent / (half - 1))
 
 
 class TimestepEmbedding(nn.Module):

@@ -67,7 +67,7 @@ class EMA:
     def lerp_(self, model: nn.Module, weight: float | torch.Tensor) -> None:
         """``ema += weight * (params - ema)`` and copy the buffers; ``weight`` may be a 0-dim
         device tensor (a captured step fills it before each replay). Counts no update."""
-        params = [p.detach() for p in model.parameters()]
+        params = list(model.parameters())  # under no_grad: no detach (a view op per tensor) needed
         if params:
             torch._foreach_lerp_(self._ema_params, params, weight)
         for ema_buf, buf in zip(self._ema_buffers, model.buffers()):

@@ -141,7 +141,7 @@ class PowerEMA:
     @torch.no_grad()
     def lerp_(self, model: nn.Module, weights: Sequence[float] | torch.Tensor) -> None:
         """``avg_k += weights[k] * (params - avg_k)`` for each k; copy the buffers."""
-        params = [p.detach() for p in model.parameters()]
+        params = list(model.parameters())  # under no_grad: no detach (a view op per tensor) needed
         for k, avg in enumerate(self.models):
             if params:
                 torch._foreach_lerp_(list(avg.parameters()), params, weights[k])

@@ -84,21 +84,24 @@ class StepMetrics:
         self.steps = 0
         self.last: MicroBatch | None = None  # the last micro-batch, for a divergence report
         self.last_loss: torch.Tensor | None = None
+        self._ones: torch.Tensor | None = None  # (B,) ones counted per bucket, made once
 
     def add_micro(self, objective: Objective, batch: MicroBatch, per_sample: torch.Tensor) -> None:
         """Per-sample losses (B,) of one micro-batch, by noise-level bucket."""
         buckets = objective.bucket(batch.levels, self.num_buckets)
+        if self._ones is None or self._ones.shape != per_sample.shape:
+            self._ones = torch.ones_like(per_sample)
         self.bucket_loss.index_add_(0, buckets, per_sample.detach())
-        self.bucket_count.index_add_(0, buckets, torch.ones_like(per_sample))
+        self.bucket_count.index_add_(0, buckets, self._ones)
 
     def add_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
         """One optimizer step's loss and gradient norm (left out when the step was skipped)."""
         self.last_loss = loss  # the step's loss as computed, even when skipped
-        ok = finite.float()
+        skipped = 1 - finite.float()
         self.loss_sum += torch.where(finite, loss, 0.0)
         self.grad_norm_sum += torch.where(finite, grad_norm, 0.0)
-        self.skipped += 1 - ok
-        self.streak.copy_((self.streak + 1) * (1 - ok))
+        self.skipped += skipped
+        self.streak.add_(1).mul_(skipped)  # steps skipped in a row, 0 after a good one
         torch.maximum(self.max_streak, self.streak, out=self.max_streak)
 
     def read(self, dctx: DistContext) -> dict:
