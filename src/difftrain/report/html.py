@@ -118,6 +118,7 @@ def _plots(rows: dict[int, dict[str, float]]) -> str:
         svg_line_plot("training loss by noise-level bucket",
                       {f"bucket {k.rsplit('/', 1)[1]}": _series(rows, k) for k in train_buckets}, log_y=True,
                       colors=RAMP),
+        *_score_plots(rows, keys),
         svg_line_plot("gradient norm (before clipping)", {"grad_norm": _series(rows, "grad_norm")}, log_y=True),
         svg_line_plot("learning rate", {"lr": _series(rows, "lr")}),
         svg_line_plot("throughput (images/s)", {"images/s": _series(rows, "images_per_s")}),
@@ -126,6 +127,31 @@ def _plots(rows: dict[int, dict[str, float]]) -> str:
                                        "GPU max allocated": _series(rows, "gpu_max_allocated_mib")}),
     ]
     return '<div class="plots">' + "".join(f for f in figs if f) + "</div>"
+
+
+# Sample-quality scores: (metric, its sample count's key, title); a panel only when the run logged it.
+SCORES = (
+    ("fid", "fid_num_samples", "FID of the EMA weights (lower is better)"),
+    ("clip_score", "clip_score_images", "CLIP score of the validation images (higher is better)"),
+    ("inception_score", "inception_score_images", "Inception Score of the validation images (higher is better)"),
+)
+
+
+def _score_plots(rows: dict[int, dict[str, float]], keys: set[str]) -> list[str]:
+    """One panel per score the run logged, its title naming the sample count (a score means
+    little without it) and, for FID, what the samples were conditioned on."""
+    figs = []
+    for key, count_key, title in SCORES:
+        if key not in keys:
+            continue
+        counts = sorted({int(r[count_key]) for r in rows.values() if isinstance(r.get(count_key), (int, float))})
+        if counts:
+            title += f", {'/'.join(f'{c:,}' for c in counts)} images"
+        conditioned = {r["fid_conditioned_on"] for r in rows.values() if key == "fid" and "fid_conditioned_on" in r}
+        if conditioned:
+            title += f"; conditioned on {', '.join(sorted(conditioned))}"
+        figs.append(svg_line_plot(title, {key: _series(rows, key)}))
+    return figs
 
 
 def _checkpoints(run_dir: Path) -> str:
