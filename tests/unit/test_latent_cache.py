@@ -168,6 +168,26 @@ def test_changed_images_give_a_new_key(codec, tmp_path):
     torch.testing.assert_close(after[2][0], _direct(codec, changed[2][0]), rtol=2e-3, atol=2e-3)
 
 
+def test_an_edited_caption_is_read_without_encoding_again(codec, tmp_path):
+    from difftrain.data.cache import CachedImageDataset
+    from difftrain.data.split import IndexSubset
+
+    images = tmp_path / "images"
+    _write_images(images, 4)
+    for i in range(4):
+        (images / f"{i}.txt").write_text(f"caption {i}")
+    counting = CountingCodec(codec)
+    first = with_latent_cache(ImageFolderDataset(images, resolution=16, captions=True), codec=counting,
+                              random_flip=False, cache_dir=tmp_path / "cache")
+    assert first[1][1] == "caption 1" and counting.calls == 1
+    (images / "1.txt").write_text("an edited caption")
+    folder = ImageFolderDataset(images, resolution=16, captions=True)
+    for dataset in (folder, CachedImageDataset(folder, tmp_path / "decoded"), IndexSubset(folder, [0, 1, 2, 3])):
+        again = with_latent_cache(dataset, codec=counting, random_flip=False, cache_dir=tmp_path / "cache")
+        assert again[1][1] == "an edited caption" and again[2][1] == "caption 2", type(dataset).__name__
+    assert counting.calls == 1 + 2  # the decode-cached folder and the subset have keys of their own
+
+
 def test_keys_follow_dataset_resolution_and_codec(codec, tmp_path):
     def key(ds, c=codec):
         return latent_cache_path(ds, codec=c, random_flip=False, cache_dir=tmp_path).name

@@ -150,6 +150,12 @@ class CachedImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self._labels)
 
+    def targets(self) -> list[str] | list[int]:
+        """Each item's caption (``captions``) or label, in index order, without reading an image."""
+        if not self.captions:
+            return self._labels.tolist()
+        return [self._captions.caption(i, os.fsdecode(name)) for i, name in enumerate(self._names.tolist())]
+
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
         index, seed = split_key(key)
         if self._images is None:

@@ -238,6 +238,13 @@ class ImageFolderDataset(Dataset):
         """The label of each image, in index order (all 0 when unconditional)."""
         return self._labels.tolist()
 
+    def targets(self) -> list[str] | list[int]:
+        """Each item's second entry, in index order, without reading an image: its caption with
+        ``captions`` (a sample without one raises :class:`BadCaption` naming it), else its label."""
+        if not self.captions:
+            return self.labels
+        return [self._captions.caption(i, os.fsdecode(name)) for i, name in enumerate(self._files.tolist())]
+
     def __len__(self) -> int:
         return len(self._files)
 

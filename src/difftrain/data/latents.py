@@ -219,6 +219,11 @@ class LatentDataset(Dataset):
         self.random_flip = random_flip
         self.path = path
         self.targets = json.loads(targets_path(path).read_text())
+        # The cache is keyed by the images alone: captions (and labels) are taken from the dataset
+        # itself where it can give them without decoding, so an edited caption is never stale.
+        fresh = base.targets() if callable(getattr(base, "targets", None)) else None
+        if fresh is not None and len(fresh) == len(self.targets):
+            self.targets = fresh
         moments = np.load(path, mmap_mode="r")
         self.latent_channels, self.latent_resolution = moments.shape[2] // 2, moments.shape[3]
         if len(self.targets) != moments.shape[0]:

@@ -28,6 +28,14 @@ class IndexSubset(Dataset):
         inner = self.indices[index]
         return self.dataset[inner if seed is None else (inner, seed)]
 
+    def targets(self) -> list[str] | list[int] | None:
+        """The parent's ``targets()`` of these items (captions or labels), or None when it has none."""
+        parent = getattr(self.dataset, "targets", None)
+        if not callable(parent):
+            return None
+        every = parent()
+        return [every[i] for i in self.indices]
+
 
 def heldout_indices(num_items: int, fraction: float, seed: int) -> list[int]:
     """The sorted indices of the held-out share of ``num_items`` (at least one when > 0).
