@@ -102,10 +102,12 @@ def generate(
                            class_label=class_label, prompt=prompt, guidance_scale=guidance_scale, **sampler_options)
 
 
-def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "diffusers", ema: bool = True) -> Path:
+def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "diffusers", ema: bool = True,
+           text_encoder: str | None = None, vae: str | None = None) -> Path:
     """Write a checkpoint's EMA (or raw) weights as a diffusers pipeline folder
     (``format="diffusers"``) or as one ``.safetensors`` file with its config
-    (``format="safetensors"``), as ``difftrain export``; returns what was written."""
+    (``format="safetensors"``), as ``difftrain export``; returns what was written.
+    ``text_encoder`` / ``vae``: where a Stable Diffusion fine-tune's frozen parts are now."""
     from difftrain.interop import export_diffusers, save_weights_file
     from difftrain.training.checkpoint import load_checkpoint
 
@@ -114,4 +116,4 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "dif
     state = load_checkpoint(run_or_checkpoint)
     if format == "safetensors":
         return save_weights_file(state, out, use_ema=ema)
-    return export_diffusers(state, out, use_ema=ema)
+    return export_diffusers(state, out, use_ema=ema, text_encoder=text_encoder, vae=vae)

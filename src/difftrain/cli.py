@@ -69,7 +69,8 @@ def _sample(args: argparse.Namespace) -> int:
     from difftrain.inference import load_model, sample_to_folder
 
     _make_folder(Path(args.out), "--out")
-    loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device)
+    loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device,
+                        text_encoder=args.text_encoder, vae=args.vae)
     args.sampler = args.sampler or loaded.cfg.validation.sampler  # default: the run's own
     options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
     try:
@@ -228,7 +229,8 @@ def _eval(args: argparse.Namespace) -> int:
         args.checkpoint, num=args.num, sampler=args.sampler, steps=args.steps, seed=args.seed,
         use_ema=not args.no_ema, ref=args.ref, ref_num=args.ref_num, batch_size=args.batch_size,
         device=args.device, inception_path=args.inception, kid=not args.no_kid, progress=True,
-        guidance_scale=args.guidance_scale, captions=args.captions, **options)
+        guidance_scale=args.guidance_scale, captions=args.captions, text_encoder=args.text_encoder, vae=args.vae,
+        **options)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -245,7 +247,8 @@ def _export(args: argparse.Namespace) -> int:
             raise ConfigError(f"OUT {out} exists and is not an empty folder; pick a new folder for the pipeline")
     elif out.suffix != ".safetensors":
         raise ConfigError(f"OUT must end in .safetensors for --format safetensors, got {out}")
-    written = export(args.run, out, format=args.format, ema=not args.no_ema)
+    written = export(args.run, out, format=args.format, ema=not args.no_ema, text_encoder=args.text_encoder,
+                     vae=args.vae)
     weights = "raw" if args.no_ema else "EMA"
     print(f"difftrain: {weights} weights of {args.run} exported as {args.format} to {written}")
     if args.format == "diffusers" and (written / "README.md").is_file():
@@ -359,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text-conditioned models: the prompt of every image (given once), or of each image (given --num times)")
     p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale (labels or prompts)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    _frozen_part_options(p)
     p.set_defaults(func=_sample)
 
     p = sub.add_parser("fid", help="FID and KID between two image folders or statistics files (.npz)")
@@ -383,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="FID and KID of a checkpoint's samples; writes a JSON with how they were made")
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    _frozen_part_options(p)
     p.add_argument("--num", type=int, default=10_000, help="number of samples")
     p.add_argument("--sampler", choices=_sampler_choices(),
                    help="sampler (default: the run's evaluation.fid_sampler); the model's objective must have it")
@@ -457,8 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["diffusers", "safetensors"], default="diffusers",
                    help="diffusers: DDPMPipeline/DDIMPipeline folder; safetensors: the weights and config alone")
     p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA")
+    _frozen_part_options(p)
     p.set_defaults(func=_export)
     return parser
+
+
+def _frozen_part_options(p: argparse.ArgumentParser) -> None:
+    """--text-encoder / --vae: where a text or latent model's frozen parts are now, when their
+    folders moved since training (their digests must match the checkpoint's)."""
+    p.add_argument("--text-encoder", help="the text encoder's folder now (default: the run's model.text_encoder)")
+    p.add_argument("--vae", help="the VAE's folder now (default: the run's model.vae)")
 
 
 def _sampler_choices() -> list[str]:

@@ -147,3 +147,15 @@ class Conditioning:
                     f"but {new['source']} holds different weights (digest {new['digest'][:12]}); "
                     f"set model.{'vae' if name == 'vae' else name} to the folder it was trained with"
                 )
+
+
+def moved_parts(cfg, text_encoder: str | None, vae: str | None):
+    """``cfg`` with ``model.text_encoder`` / ``model.vae`` pointing where the frozen parts are now
+    (each None: unchanged); refused for a model without that part."""
+    for key, value in (("text_encoder", text_encoder), ("vae", vae)):
+        if value is not None:
+            if not getattr(cfg.model, key):
+                raise ValueError(f"--{key.replace('_', '-')} given, but the model was trained without a "
+                                 f"{key.replace('_', ' ')}")
+            setattr(cfg.model, key, value)
+    return cfg

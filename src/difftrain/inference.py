@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.conditioning import Conditioning
+from difftrain.conditioning import Conditioning, moved_parts
 from difftrain.config import Config, config_from_dict
 from difftrain.diffusion.objective import Objective, build_objective
 from difftrain.runtime.device import resolve_device
@@ -31,10 +31,15 @@ class LoadedModel:
     conditioning: Conditioning  # labels or text, and the frozen text encoder and VAE
 
 
-def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto") -> LoadedModel:
+def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto", *,
+               text_encoder: str | None = None, vae: str | None = None) -> LoadedModel:
     """The network of a checkpoint (file, checkpoints/ folder or run directory), EMA weights
     unless ``use_ema`` is False, on ``device``. A weights file (``.safetensors``, from ``difftrain
-    export --format safetensors``) holds one set of weights, used whatever ``use_ema`` says."""
+    export --format safetensors``) holds one set of weights, used whatever ``use_ema`` says.
+
+    ``text_encoder``, ``vae``: where the frozen parts are now, when their folders moved since
+    training (default: the config's ``model.text_encoder`` / ``model.vae``); their digests must
+    match the checkpoint's."""
     from difftrain.interop import is_weights_file, load_weights_file
 
     if is_weights_file(checkpoint):
@@ -44,7 +49,7 @@ def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto
         state = load_checkpoint(checkpoint)
         key = "ema.model" if use_ema else "model"
         tensors = state["ema"]["model"] if use_ema else state["model"]
-    cfg = config_from_dict(state["config"], source=state["path"])
+    cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
     num_classes = state["num_classes"]
     device = resolve_device(device)
     conditioning = Conditioning.from_config(cfg, num_classes, device)

@@ -179,11 +179,16 @@ images = (x / 2 + 0.5).clamp(0, 1)  # (N, C, H, W) in [0, 1]
 '''
 
 
-def export_diffusers(state: dict, out: str | Path, use_ema: bool = True) -> Path:
+def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text_encoder: str | None = None,
+                     vae: str | None = None) -> Path:
     """Write a diffusers pipeline folder (``model_index.json``, ``unet/`` as safetensors,
     ``scheduler/``) from a checkpoint read by ``load_checkpoint``; ``DDPMPipeline`` and
     ``DDIMPipeline`` ``.from_pretrained`` load it. A class-conditional model gets a README.md
-    in the folder with a sampling loop that passes the labels (the stock pipelines pass none)."""
+    in the folder with a sampling loop that passes the labels (the stock pipelines pass none).
+
+    A fine-tuned UNet2DConditionModel becomes a ``StableDiffusionPipeline`` folder with the text
+    encoder and VAE it was trained with (``text_encoder`` / ``vae``: where they are now, if their
+    folders moved), checked against the checkpoint's digests first."""
     try:
         from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
     except ImportError:
@@ -193,9 +198,18 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True) -> Path
     from difftrain.models import build_model
     from difftrain.models.diffusers_unet import NETWORK_KIND
 
-    cfg = config_from_dict(state["config"], source=state["path"])
+    from difftrain.conditioning import moved_parts
+
+    cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
     if state["network"]["kind"] == NETWORK_KIND:  # a fine-tuned Stable Diffusion UNet
+        from difftrain.conditioning import Conditioning
         from difftrain.models.diffusers_unet import ConditionUNet
+
+        frozen = Conditioning.from_config(cfg)
+        frozen.check_references(state["frozen"], f"checkpoint {state['path']}")
+        if frozen.codec is not None and frozen.codec.shift_factor:
+            raise ValueError(f"the VAE {cfg.model.vae} has a shift_factor ({frozen.codec.shift_factor}), which "
+                             "StableDiffusionPipeline does not apply when it decodes; export --format safetensors")
 
         unet = ConditionUNet.from_config(state["network"]["config"])
         load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],

@@ -178,6 +178,12 @@ def test_fine_tuned_stable_diffusion_unet_exports_as_a_pipeline(tmp_path, tiny_o
     image = pipe("a red square on a dark background", num_inference_steps=2, height=16, width=16,
                  output_type="np", generator=torch.Generator().manual_seed(0)).images
     assert image.shape == (1, 16, 16, 3) and np.isfinite(image).all()
+    other = write_tiny_sd_folder(tmp_path / "other", seed=1)
+    shutil.rmtree(sd / "text_encoder")
+    shutil.copytree(other / "text_encoder", sd / "text_encoder")  # the same folder, other weights
+    with pytest.raises(ValueError, match="text encoder"):
+        api.export(tmp_path / "run", tmp_path / "pipe2", format="diffusers")
+    assert not (tmp_path / "pipe2").exists()
 
 
 def test_clip_score_and_inception_score_are_logged_with_their_image_counts(tmp_path, tiny_overrides):
@@ -209,3 +215,39 @@ def test_text_run_in_bf16_with_accumulation_and_a_heldout_split(tmp_path, tiny_o
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
     heldout = [r["heldout/loss"] for r in rows if "heldout/loss" in r]
     assert len(heldout) == 2 and all(0 < h < 10 for h in heldout)
+
+
+def test_moved_frozen_parts_are_named_on_the_command_line_and_changed_ones_refused_early(tmp_path, tiny_overrides):
+    from difftrain.cli import main
+
+    vae, text = write_tiny_vae(tmp_path / "vae"), write_tiny_text_encoder(tmp_path / "text")
+    data = _captioned_folder(tmp_path / "data")
+    cache = tmp_path / "latents"
+    cfg = load_config(None, tiny_overrides + [f"data.path={data}", "data.captions=true", f"model.text_encoder={text}",
+                                              f"model.vae={vae}", "model.attention_resolutions=[4]",
+                                              f"data.cache_dir={cache}", "validation.every_steps=0"])
+    train(cfg, tmp_path / "run", stop_at_step=2)
+    shutil.move(vae, tmp_path / "vae-moved")
+    shutil.move(text, tmp_path / "text-moved")
+    out = tmp_path / "samples"
+    common = ["sample", "--checkpoint", str(tmp_path / "run"), "--num", "1", "--steps", "2", "--out", str(out),
+              "--prompt", "a red square on a dark background"]
+    assert main(common) == 2  # the folders named in the config are gone
+    assert main(common + ["--vae", str(tmp_path / "vae-moved"), "--text-encoder", str(tmp_path / "text-moved")]) == 0
+    assert (out / "grid.png").is_file()
+
+    write_tiny_vae(vae, seed=1)  # other weights where the run's VAE was
+    shutil.move(tmp_path / "text-moved", text)
+    built = sorted(cache.iterdir())
+    with pytest.raises(ValueError, match="vae"):
+        train(cfg, tmp_path / "run")
+    assert sorted(cache.iterdir()) == built  # refused before encoding the images with the wrong VAE
+
+
+def test_estimate_of_a_text_config_without_its_data(tmp_path, capsys):
+    from difftrain.cli import main
+
+    code = main(["estimate", "--set", f"data.path={tmp_path / 'missing'}", "--set", "data.captions=true",
+                 "--set", "model.text_encoder=builtin:tiny-clip", "--set", "data.resolution=16",
+                 "--set", "train.batch_size=4"])
+    assert code == 0, capsys.readouterr().err

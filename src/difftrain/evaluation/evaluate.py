@@ -229,6 +229,8 @@ def evaluate_checkpoint(
     progress: bool = False,
     guidance_scale: float = 1.0,
     captions: str | Path | None = None,
+    text_encoder: str | None = None,
+    vae: str | None = None,
     **sampler_options,
 ) -> dict:
     """FID/KID of a checkpoint's samples against ``ref`` (an .npz or a folder), or, when ``ref``
@@ -243,7 +245,7 @@ def evaluate_checkpoint(
     from difftrain.runtime.progress import CountProgress
 
     start = time.perf_counter()
-    loaded = load_model(checkpoint, use_ema=use_ema, device=device)
+    loaded = load_model(checkpoint, use_ema=use_ema, device=device, text_encoder=text_encoder, vae=vae)
     sampler = sampler or loaded.cfg.evaluation.fid_sampler
     d = loaded.cfg.data
     conditions = checkpoint_conditions(loaded, guidance_scale, captions)

@@ -34,13 +34,15 @@ class Setup:
 
 
 class RandomImages(Dataset):
-    """Stand-in data of the configured shape (uniform in [-1, 1]) where only shapes matter."""
+    """Stand-in data of the configured shape (uniform in [-1, 1]) where only shapes matter; with
+    ``data.captions``, every caption is empty."""
 
     num_classes = 0
 
     def __init__(self, cfg: Config, num_items: int = 4096):
         self.shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
         self.num_items = num_items
+        self.captions = cfg.data.captions
 
     def __len__(self) -> int:
         return self.num_items
@@ -48,7 +50,7 @@ class RandomImages(Dataset):
     def __getitem__(self, key):
         index = key[0] if isinstance(key, tuple) else key
         g = torch.Generator().manual_seed(int(index))
-        return torch.rand(self.shape, generator=g) * 2 - 1, 0
+        return torch.rand(self.shape, generator=g) * 2 - 1, "" if self.captions else 0
 
 
 def build_setup(cfg: Config, need_data: bool = True, network: dict | None = None) -> Setup:

@@ -210,6 +210,7 @@ def diagnose(checkpoint: str | Path, out_dir: str | Path, timesteps: list[int] |
     if cfg.model.vae:
         raise ValueError(f"diagnose looks at images in pixel space; {state['path']} is a latent model (model.vae)")
     setup = build_setup(cfg, network=state["network"])
+    setup.state.conditioning.check_references(state["frozen"], f"checkpoint {state['path']}")
     load_weights(setup.model, state["ema"]["model"], state["path"], "ema.model")
     if setup.objective.family == "ddpm":
         T = cfg.diffusion.num_timesteps

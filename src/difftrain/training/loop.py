@@ -66,12 +66,14 @@ def train(
     # and VAE (text and latent runs), whose latents of the images are cached once.
     data = prepare_training_data(cfg, run_dir)
     conditioning = Conditioning.from_config(cfg, data.num_classes, device)
+    source, resumed_from = resume_source(run_dir, resume), None
+    saved = ckpt.load_checkpoint(source) if source is not None else None
+    if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
+        conditioning.check_references(saved["frozen"], f"checkpoint {saved['path']}")
     data = with_latents(data, conditioning, cfg, dctx)
 
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)
-    source, resumed_from = resume_source(run_dir, resume), None
-    saved = ckpt.load_checkpoint(source) if source is not None else None
     state = RunState.build(cfg, data.num_classes, device, init_weights=source is None, conditioning=conditioning,
                            network=saved["network"] if saved else None)
     if saved is not None:
