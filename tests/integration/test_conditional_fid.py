@@ -12,16 +12,14 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from difftrain import cli
 from difftrain.conditioning import Conditioning
 from difftrain.config import load_config
 from difftrain.diffusion.objective import build_objective
-from difftrain.evaluation import InceptionFeatures, WEIGHTS_ENV_VAR
-from difftrain.evaluation import inception as inception_module
 from difftrain.evaluation.evaluate import DatasetCaptions, FIDConditions, sample_features
 from difftrain.training.loop import train
+from tests.fid_standin import use_standin, write_standin
 from difftrain.training.state import build_model
 
 DIM = 32
@@ -31,30 +29,14 @@ FID = ["evaluation.fid_every_steps=3", "evaluation.fid_num_samples=5", "evaluati
        "validation.guidance_scale=2.0", "train.total_steps=3", "checkpoint.every_steps=3"]
 
 
-class _StandIn(torch.nn.Module):
-    """Pools the 299x299 input to 3x8x8 and maps it to DIM features with a fixed random matrix."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(192, DIM, generator=torch.Generator().manual_seed(0)) / 14)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(F.adaptive_avg_pool2d(x, 8).reshape(x.shape[0], 192) @ self.weight)
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    path = tmp_path_factory.mktemp("net") / "standin.pt"
-    torch.jit.script(_StandIn()).save(str(path))
-    return path
+    return write_standin(tmp_path_factory.mktemp("net") / "standin.pt", DIM)
 
 
 @pytest.fixture
 def env(weights, tmp_path, monkeypatch):
-    monkeypatch.setattr(inception_module, "FEATURE_DIM", DIM)
-    monkeypatch.setattr(InceptionFeatures, "feature_dim", DIM)
-    monkeypatch.setenv(WEIGHTS_ENV_VAR, str(weights))
-    monkeypatch.setenv("DIFFTRAIN_CACHE", str(tmp_path / "cache"))
+    use_standin(monkeypatch, weights, DIM, tmp_path / "cache")
     return tmp_path
 
 

@@ -19,6 +19,7 @@ from PIL import Image
 
 from conftest import TINY_OVERRIDES
 from multiproc import free_port, rank_env
+from fid_standin import write_standin
 
 from difftrain.config import load_config
 from difftrain.training import checkpoint as ckpt
@@ -51,18 +52,6 @@ def _run(run_dir, nproc: int, batch: int, *extra: str, env_extra: dict | None = 
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-class _StandInFeatures(torch.nn.Module):
-    """Stands in for the FID Inception network (too slow here): 2048 features of the pooled input."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(192, 2048, generator=torch.Generator().manual_seed(0)) / 14)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pooled = torch.nn.functional.adaptive_avg_pool2d(x, 8).reshape(x.shape[0], 192)
-        return torch.tanh(pooled @ self.weight)
-
-
 # Validation, held-out loss and FID, each spread across the ranks.
 EVALUATION = ["data.heldout_fraction=0.05", "validation.heldout_max_images=5", "validation.sampler=ddpm",
               "evaluation.fid_every_steps=4", "evaluation.fid_num_samples=5", "evaluation.fid_batch_size=2",
@@ -82,7 +71,7 @@ def _assert_close(a: dict, b: dict) -> None:
 @pytest.mark.slow  # about 30 s alone, more on a busy 2-core machine: three processes start
 def test_two_processes_equal_one_at_the_same_global_batch(tmp_path):
     weights = tmp_path / "standin.pt"
-    torch.jit.script(_StandInFeatures()).save(str(weights))
+    write_standin(weights, 2048)  # stands in for the FID Inception network (too slow here)
     env = {"DIFFTRAIN_FID_WEIGHTS": str(weights), "DIFFTRAIN_CACHE": str(tmp_path / "cache")}
     extra = [a for kv in EVALUATION for a in ("--set", kv)]
     _run(tmp_path / "one", 1, 8, *extra, env_extra=env)

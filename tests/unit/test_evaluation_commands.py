@@ -14,46 +14,28 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from difftrain import cli
 from difftrain.config import load_config
 from difftrain.evaluation import InceptionFeatures, WEIGHTS_ENV_VAR, statistics_from_images
-from difftrain.evaluation import inception as inception_module
 from difftrain.evaluation.evaluate import describe, evaluate_checkpoint
 from difftrain.evaluation.reference import reference_statistics
 from difftrain.training.loop import train
+from tests.fid_standin import use_standin, write_standin
 
 
 DIM = 64  # features of the stand-in: a 2048 x 2048 eigendecomposition per FID would dominate the tests
 
 
-class _StandIn(torch.nn.Module):
-    """Pools the 299x299 input to 3x8x8 and maps it to DIM features with a fixed random matrix."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(192, DIM, generator=torch.Generator().manual_seed(0)) / 14)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pooled = F.adaptive_avg_pool2d(x, 8).reshape(x.shape[0], 192)
-        return torch.tanh(pooled @ self.weight)
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    path = tmp_path_factory.mktemp("net") / "standin.pt"
-    torch.jit.script(_StandIn()).save(str(path))
-    return path
+    return write_standin(tmp_path_factory.mktemp("net") / "standin.pt", DIM)
 
 
 @pytest.fixture
 def env(weights, tmp_path, monkeypatch):
-    monkeypatch.setattr(inception_module, "FEATURE_DIM", DIM)
-    monkeypatch.setattr(InceptionFeatures, "feature_dim", DIM)
-    monkeypatch.setenv(WEIGHTS_ENV_VAR, str(weights))
-    monkeypatch.setenv("DIFFTRAIN_CACHE", str(tmp_path / "cache"))
+    use_standin(monkeypatch, weights, DIM, tmp_path / "cache")
     return tmp_path
 
 
