@@ -134,3 +134,15 @@ def write_tiny_clip_model(path: str | Path, seed: int = 0, image_size: int = 32)
         torch.manual_seed(seed)
         CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(path)
     return path
+
+
+def assert_one_line_error(load, path: str, *needles: str) -> None:
+    """``load(path)`` raises a ValueError of one line that names ``path`` and holds each of ``needles``."""
+    import pytest
+
+    with pytest.raises(ValueError) as info:
+        load(path)
+    message = str(info.value)
+    assert "\n" not in message and path in message, message
+    for needle in needles:
+        assert needle in message, message

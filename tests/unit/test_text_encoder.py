@@ -17,6 +17,7 @@ from difftrain.models.text import BOS, EOS, TextEncoder, word_vocabulary  # noqa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from text_components import (  # noqa: E402
+    assert_one_line_error,
     TEXT_HIDDEN, TEXT_LENGTH, write_tiny_sd_folder, write_tiny_text_encoder, write_tiny_tokenizer,
 )
 
@@ -151,12 +152,7 @@ def test_tokenizer_builder_makes_each_word_one_token(tmp_path):
 
 
 def _one_line_error(path: str, *needles: str):
-    with pytest.raises(ValueError) as info:
-        TextEncoder.from_path(path)
-    message = str(info.value)
-    assert "\n" not in message and path in message, message
-    for needle in needles:
-        assert needle in message, message
+    assert_one_line_error(TextEncoder.from_path, path, *needles)
 
 
 def test_errors_name_the_folder_and_what_is_missing(tmp_path):

@@ -11,28 +11,12 @@ import torch
 
 from difftrain.models import UNet, build_model
 from difftrain.training.checkpoint import state_dict_sha256
+from tests.unit.test_unet import SMALL, one_thread  # noqa: F401 - one_thread: the module's autouse fixture
 
-SMALL = dict(
-    resolution=16,
-    in_channels=3,
-    base_channels=16,
-    channel_mult=(1, 2, 3),
-    num_res_blocks=1,
-    attention_resolutions=(8, 4),
-    norm_groups=4,
-)
 CTX = 12  # width of the text embeddings in the difftrain UNet tests
 # UNet(**SMALL) after torch.manual_seed(0), by the code before context_dim existed (main 9bd2624):
 # names, shapes and initial values pinned together.
 SMALL_INIT_SHA256 = "a0ca4c2f579ce4e140ae39ae500c26b86058b70c29380eb0f8465019905e5077"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.05) -> torch.nn.Module:

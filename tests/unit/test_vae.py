@@ -14,7 +14,7 @@ pytest.importorskip("diffusers")
 from difftrain.models.vae import LatentCodec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from text_components import write_tiny_sd_folder, write_tiny_vae  # noqa: E402
+from text_components import assert_one_line_error, write_tiny_sd_folder, write_tiny_vae  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +100,7 @@ def test_bad_images_are_refused(codec):
 
 
 def _one_line_error(path: str, *needles: str):
-    with pytest.raises(ValueError) as info:
-        LatentCodec.from_path(path)
-    message = str(info.value)
-    assert "\n" not in message and path in message, message
-    for needle in needles:
-        assert needle in message, message
+    assert_one_line_error(LatentCodec.from_path, path, *needles)
 
 
 def test_errors_name_the_folder(tmp_path):
