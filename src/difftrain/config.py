@@ -159,6 +159,10 @@ class DiffusionConfig(_Section):
     prediction: Prediction = "epsilon"  # what the network predicts
     loss_weighting: LossWeighting = "uniform"  # per-timestep loss weight
     min_snr_gamma: float = 5.0  # gamma of min-SNR weighting (Hang et al. 2023)
+    zero_terminal_snr: bool = False  # rescale alpha_bar so that SNR(T-1) = 0 (Lin et al. 2024); needs prediction v or x0
+    # input perturbation (Ning et al. 2023): x_t made from noise + this x N(0, I) (noise std units), the target
+    # from the noise alone; training only, 0 = off (the paper: 0.1)
+    input_perturbation: float = 0.0
     # The keys above are DDPM's (edm and flow ignore them); sigma_min/max and rho are also
     # the sigma grid DDPM's heun sampler walks.
     sigma_min: float = 0.002  # sigma (data units) where EDM's sampling grid ends, before the last step to 0
@@ -170,6 +174,9 @@ class DiffusionConfig(_Section):
     flow_logit_mean: float = 0.0  # mean of logit(t) in flow training (logit-normal, SD3)
     flow_logit_std: float = 1.0  # std of logit(t) in flow training
     flow_shift: float = 1.0  # flow sampling grid shift t' = s t / (1 + (s - 1) t); 1 = uniform
+    # offset noise (Guttenberg 2023), every objective: the training noise gets + this x N(0, 1) per (sample,
+    # channel), in noise std units, so the model learns to move an image's mean; 0 = off (SD fine-tunes: 0.05-0.1)
+    noise_offset: float = 0.0
 
 
 @dataclass
@@ -473,6 +480,12 @@ def _check_objective(cfg: Config) -> None:
         _check(getattr(dc, key) > 0, f"diffusion.{key} must be > 0, got {getattr(dc, key)}")
     _check(dc.sigma_max > dc.sigma_min,
            f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
+    for key in ("noise_offset", "input_perturbation"):
+        _check(getattr(dc, key) >= 0, f"diffusion.{key} must be >= 0 (0 = off), got {getattr(dc, key)}")
+    for key, on in (("zero_terminal_snr", dc.zero_terminal_snr), ("input_perturbation", dc.input_perturbation > 0)):
+        _check(not on or dc.objective == "ddpm", f"diffusion.{key} is for diffusion.objective='ddpm', got {dc.objective!r}")
+    _check(not (dc.zero_terminal_snr and dc.prediction == "epsilon"),
+           "diffusion.zero_terminal_snr needs diffusion.prediction='v' (or 'x0'): epsilon has no x0 at SNR 0")
     names = OBJECTIVE_SAMPLERS[dc.objective]
     for key, sampler in (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler)):
         _check(sampler in names, f"{key} must be one of {', '.join(names)} for diffusion.objective={dc.objective!r}, "
@@ -637,6 +650,7 @@ ARCHITECTURE_KEYS = (
     "data.captions",
     "diffusion.num_timesteps",
     "diffusion.schedule",
+    "diffusion.zero_terminal_snr",
     "diffusion.prediction",
     "diffusion.edm_sigma_data",
 )
@@ -647,8 +661,10 @@ def _flatten(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Every dotted key whose value differs between two :func:`config_to_dict` outputs."""
-    a, b = _flatten(old), _flatten(new)
+    """Every dotted key whose value differs between two :func:`config_to_dict` outputs; a key
+    one of them lacks (a checkpoint written before the key existed) counts as its default."""
+    defaults = _flatten(config_to_dict(Config()))
+    a, b = {**defaults, **_flatten(old)}, {**defaults, **_flatten(new)}
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

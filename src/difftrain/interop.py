@@ -128,8 +128,9 @@ def _named_betas(name: str, num_timesteps: int) -> tuple[dict, Tensor] | None:
 def scheduler_config(diffusion) -> dict:
     """Keyword arguments of diffusers' ``DDPMScheduler`` (``DDIMScheduler`` accepts them too)
     that reproduce difftrain's sampling for ``cfg.diffusion``: the same alpha_bar (a named
-    schedule when diffusers has an equal one, else ``trained_betas``), prediction, x0 clipped to
-    [-1, 1], the trailing timestep grid, and the posterior variance of ``ddpm_sample``.
+    schedule when diffusers has an equal one, else ``trained_betas``; rescaled to zero terminal
+    SNR by diffusers when ``diffusion.zero_terminal_snr``), prediction, x0 clipped to [-1, 1], the
+    trailing timestep grid, and the posterior variance of ``ddpm_sample``.
 
     DDIM matches difftrain's DDIM when the step count divides T (diffusers steps by T // steps)
     and the pipeline is called with ``use_clipped_model_output=True`` (difftrain derives the
@@ -156,7 +157,7 @@ def scheduler_config(diffusion) -> dict:
         thresholding=False,
         timestep_spacing="trailing",  # difftrain's grid (Lin et al. 2024)
         steps_offset=0,
-        rescale_betas_zero_snr=False,
+        rescale_betas_zero_snr=diffusion.zero_terminal_snr,  # diffusers rescales the betas above as difftrain does
     )
 
 

@@ -139,3 +139,25 @@ def test_init_from_a_different_architecture_names_the_folder_and_key(tmp_path):
     cfg = load_config(None, SMALL + ["model.num_res_blocks=2", f"model.init_from={tmp_path}"])
     with pytest.raises(ValueError, match=r"model\.init_from .*lacks"):
         RunState.build(cfg, 0, torch.device("cpu"))
+
+
+def test_zero_terminal_snr_exports_a_scheduler_that_samples_what_difftrain_samples(tmp_path):
+    # v prediction on the rescaled schedule: diffusers rescales the exported betas itself
+    # (rescale_betas_zero_snr) and walks the trailing grid from alpha_bar = 0, as difftrain does.
+    diffusers = pytest.importorskip("diffusers")
+    from difftrain.api import export, generate, load
+    from difftrain.interop import pipeline_generator
+
+    make_checkpoint(tmp_path, "diffusion.prediction=v", "diffusion.zero_terminal_snr=true")
+    loaded = load(tmp_path)
+    config = scheduler_config(loaded.cfg.diffusion)
+    assert config["rescale_betas_zero_snr"] is True and config["prediction_type"] == "v_prediction"
+    assert config["timestep_spacing"] == "trailing"
+    scheduler = diffusers.DDPMScheduler(**config)
+    assert scheduler.alphas_cumprod[-1].item() == 0.0 and loaded.objective.alpha_bar[-1].item() == 0.0
+    torch.testing.assert_close(scheduler.alphas_cumprod, loaded.objective.alpha_bar.float(), rtol=1e-4, atol=1e-6)
+    pipe = diffusers.DDIMPipeline.from_pretrained(export(tmp_path, tmp_path / "pipe"))
+    theirs = pipe(batch_size=2, generator=pipeline_generator(3), num_inference_steps=5, use_clipped_model_output=True,
+                  output_type="np").images
+    ours = ((generate(loaded, 2, sampler="ddim", steps=5, seed=3) + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    assert abs(ours - theirs).max() < 1e-4

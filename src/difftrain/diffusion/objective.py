@@ -38,7 +38,7 @@ from difftrain.diffusion.interface import Network, Noised, Objective
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import check_prediction, coefficient_table, mix, target_from, to_x0_and_eps
 from difftrain.diffusion.samplers import SAMPLER_NFE, SAMPLERS, karras_timesteps, sampling_timesteps
-from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.diffusion.schedules import alpha_bar_schedule, rescale_zero_terminal_snr
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_SAMPLERS", "DDPMObjective", "EDMObjective", "FlowObjective", "Network", "Noised", "Objective",
            "build_objective", "per_sample_loss", "sampler_names"]
@@ -53,6 +53,8 @@ class DDPMObjective:
         schedule: a key of ``SCHEDULES``; ``num_timesteps``: T.
         prediction: "epsilon", "v" or "x0"; ``loss_weighting``: a key of ``LOSS_WEIGHTINGS``.
         sigma_min, sigma_max, rho: the sigma grid "heun" walks (see ``karras_timesteps``).
+        zero_terminal_snr: rescale alpha_bar so that alpha_bar[T-1] = 0 (Lin et al. 2024; see
+            ``rescale_zero_terminal_snr``); refused with "epsilon", which has no x0 at SNR 0.
     """
 
     family = "ddpm"
@@ -61,9 +63,14 @@ class DDPMObjective:
 
     def __init__(self, schedule: str, num_timesteps: int, prediction: str, loss_weighting: str,
                  min_snr_gamma: float = 5.0, sigma_min: float = 0.002, sigma_max: float = 80.0,
-                 rho: float = 7.0):
+                 rho: float = 7.0, zero_terminal_snr: bool = False):
         check_prediction(prediction)
+        if zero_terminal_snr and prediction == "epsilon":
+            raise ValueError("zero terminal SNR needs v or x0 prediction: at alpha_bar = 0 the noise is the input "
+                             "and x0 cannot be recovered from it")
         self.alpha_bar = alpha_bar_schedule(schedule, num_timesteps)  # (T,) float64
+        if zero_terminal_snr:
+            self.alpha_bar = rescale_zero_terminal_snr(self.alpha_bar)
         self.num_timesteps = num_timesteps
         self.prediction = prediction
         self.loss_weighting = loss_weighting
@@ -158,7 +165,7 @@ def build_objective(diffusion) -> Objective:
 # name -> builder from cfg.diffusion; feeds the config's choices. Each family reads its own keys.
 OBJECTIVES: dict[str, Callable[..., Objective]] = {
     "ddpm": lambda d: DDPMObjective(d.schedule, d.num_timesteps, d.prediction, d.loss_weighting, d.min_snr_gamma,
-                                    d.sigma_min, d.sigma_max, d.rho),
+                                    d.sigma_min, d.sigma_max, d.rho, d.zero_terminal_snr),
     "edm": lambda d: EDMObjective(d.edm_sigma_data, d.edm_p_mean, d.edm_p_std, d.sigma_min, d.sigma_max, d.rho),
     "flow": lambda d: FlowObjective(d.flow_logit_mean, d.flow_logit_std, d.flow_shift),
 }
