@@ -46,6 +46,13 @@ def test_resume_is_bit_exact(tmp_path, tiny_overrides, accum):
                                                        "model.dropout=0.1"])
 
 
+def test_resume_is_bit_exact_with_the_fine_tuning_knobs(tmp_path, tiny_overrides):
+    # their random numbers come from the step's generator too, drawn after the others
+    assert_resume_is_exact(tmp_path, tiny_overrides + [
+        "diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1", "diffusion.prediction=v",
+        "diffusion.zero_terminal_snr=true", "train.grad_accum_steps=2"])
+
+
 def test_resume_from_an_explicit_checkpoint(tmp_path, tiny_cfg):
     train(tiny_cfg, tmp_path / "a")
     first = ckpt.list_checkpoints(tmp_path / "a" / "checkpoints")[0][1]  # step 4

@@ -17,6 +17,7 @@ Every objective has the same methods:
     bucket(levels, num_buckets) -> (n,) long            the bucket of each level
     quantile(u) -> (n,)                                 the level at probability u (u: (n,) in (0, 1))
     noised(x0, levels, noise) -> Noised                 network input, cond, target, weight
+                                                        (DDPM's also takes input_noise: input perturbation)
     x0_hat(noised, out, levels) -> (B, C, H, W)         the denoised image from the network output
     sample(network, x_T, sampler, steps, generator)     x_0 from the network, with ``samplers``
 
@@ -114,15 +115,18 @@ class DDPMObjective:
         """(n,) long: bucket i holds t with (t * k) // T == i."""
         return (levels * num_buckets) // self.num_timesteps
 
-    def noised(self, x0: Tensor, levels: Tensor, noise: Tensor) -> Noised:
+    def noised(self, x0: Tensor, levels: Tensor, noise: Tensor, input_noise: Tensor | None = None) -> Noised:
         """x_t (DDPM eq. 4), the prediction target and the weighting at timesteps ``levels``:
         ``q_sample``, ``prediction_target`` and ``loss_weight`` bit for bit, from one gather of
-        the per-timestep table."""
+        the per-timestep table. ``input_noise`` (B, C, H, W), if given, makes x_t in place of
+        ``noise``, which still makes the target: input perturbation (Ning et al. 2023, eq. 9)."""
         if noise.shape != x0.shape:
             raise ValueError(f"noise shape {tuple(noise.shape)} differs from x0 shape {tuple(x0.shape)}")
+        if input_noise is not None and input_noise.shape != x0.shape:
+            raise ValueError(f"input_noise shape {tuple(input_noise.shape)} differs from x0 shape {tuple(x0.shape)}")
         rows = self._table(x0.dtype, levels.device).index_select(1, levels)  # (3, B)
         signal, sigma = rows[:2].reshape(2, -1, *([1] * (x0.ndim - 1)))  # (B, 1, ..., 1) each
-        x_t = mix(x0, noise, signal, sigma)
+        x_t = mix(x0, noise if input_noise is None else input_noise, signal, sigma)
         target = target_from(self.prediction, x0, noise, signal, sigma)
         return Noised(x_t, levels, target, rows[2].float())
 
@@ -189,14 +193,16 @@ def per_sample_loss(
     levels: Tensor,
     noise: Tensor,
     autocast: contextlib.AbstractContextManager | None = None,
+    input_noise: Tensor | None = None,
 ) -> Tensor:
     """The training loss of each sample, (B,) float32: ``net(input, cond, condition)`` (under
     ``autocast``, when given) regressed onto the objective's target with its weight.
 
     x0, noise: (B, C, H, W); condition: class labels (B,) long, text embeddings (B, L, D) or None;
-    levels: (B,) from ``draw_levels``.
+    levels: (B,) from ``draw_levels``; input_noise: (B, C, H, W) with input perturbation (DDPM
+    only: the input is noised with it, the target made from ``noise``), else None.
     """
-    b = objective.noised(x0, levels, noise)
+    b = objective.noised(x0, levels, noise) if input_noise is None else objective.noised(x0, levels, noise, input_noise)
     with autocast or contextlib.nullcontext():
         out = net(b.input, b.cond, condition)
     return diffusion_loss(out, b.target, b.weight)

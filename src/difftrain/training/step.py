@@ -36,14 +36,16 @@ class MicroBatch:
     x0: torch.Tensor  # (B, C, H, W): images, or latents in a latent run
     condition: torch.Tensor | None  # labels (B,) / text embeddings (B, L, D), dropped rows null; None when unconditional
     levels: torch.Tensor  # (B,) noise levels (DDPM: timesteps)
-    noise: torch.Tensor  # (B, C, H, W)
+    noise: torch.Tensor  # (B, C, H, W): the target's noise (offset noise included)
+    input_noise: torch.Tensor | None = None  # (B, C, H, W): the network input's noise, with input perturbation
 
 
 def draw_micro_batch(
     state: RunState, objective: Objective, x0: torch.Tensor, second, micro: int, dctx: DistContext,
 ) -> MicroBatch:
-    """Move a loaded micro-batch to the device and draw its noise levels, noise, condition dropout
-    and (latent runs) the latents from their cached distribution.
+    """Move a loaded micro-batch to the device and draw its noise levels, noise, condition dropout,
+    (latent runs) the latents from their cached distribution, and then, only where their keys are
+    on, the offset noise and the input perturbation (so that runs without them draw what they did).
 
     x0: (B, C, H, W) images in [-1, 1], or (B, 2c, h, w) latent means and stds (``data/latents.py``);
     second: labels (B,) long or captions (B strings), turned into the network's condition by
@@ -68,7 +70,14 @@ def draw_micro_batch(
 
         eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         x0 = sample_latents(x0, eps, c.codec)
-    return MicroBatch(x0, condition, levels, noise)
+    dc, input_noise = cfg.diffusion, None
+    if dc.noise_offset > 0:  # offset noise (Guttenberg 2023): one constant per (sample, channel)
+        offset = distributed.rank_rows(torch.randn((n, shape[0], 1, 1), device=device, generator=gen), dctx)
+        noise = noise + dc.noise_offset * offset
+    if dc.input_perturbation > 0:  # input perturbation (Ning et al. 2023): x_t from more noise, target from `noise`
+        extra = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
+        input_noise = noise + dc.input_perturbation * extra
+    return MicroBatch(x0, condition, levels, noise, input_noise)
 
 
 class StepMetrics:
@@ -139,7 +148,8 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     step_loss = torch.zeros((), device=batches[0].x0.device)
     for micro, b in enumerate(batches):
         with distributed.sync_gradients(net, sync=micro == accum - 1):
-            per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast())
+            per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast(),
+                                         b.input_noise)
             loss = per_sample.mean() / accum
             state.precision.backward(loss)
         step_loss += loss.detach()
