@@ -192,3 +192,25 @@ def test_noise_offset_and_input_perturbation_both_on_draw_in_a_fixed_order():
     again, _ = _micro_batch(["diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1"])
     assert torch.equal(both.noise, offset.noise)
     assert torch.equal(both.input_noise, again.input_noise) and not torch.equal(both.input_noise, both.noise)
+
+
+def test_the_captured_step_copies_each_new_micro_batch_into_its_static_buffers():
+    # (CPU-checkable part of the CUDA graph step: the replayed graph reads these buffers.)
+    from difftrain.training.step import MicroBatch
+
+    def batch(seed: int, perturbed: bool) -> MicroBatch:
+        g = torch.Generator().manual_seed(seed)
+        x0, noise = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
+        return MicroBatch(x0, None, torch.randint(0, 10, (2,), generator=g), noise, noise + 0.1 if perturbed else None)
+
+    for perturbed in (False, True):
+        step = CapturedStep.__new__(CapturedStep)  # no CUDA needed for the copying
+        step.static = None
+        step._copy_in([batch(0, perturbed)])
+        buffers = [t.data_ptr() for t in (step.static[0].x0, step.static[0].noise)]
+        step._copy_in([batch(1, perturbed)])
+        new = batch(1, perturbed)
+        assert [t.data_ptr() for t in (step.static[0].x0, step.static[0].noise)] == buffers
+        for name in ("x0", "levels", "noise", "input_noise"):
+            ours, want = getattr(step.static[0], name), getattr(new, name)
+            assert (ours is None and want is None) or torch.equal(ours, want), name

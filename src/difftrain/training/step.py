@@ -237,10 +237,10 @@ class CapturedStep:
 
     def _copy_in(self, micro: list[MicroBatch]) -> None:
         if self.static is None:
-            self.static = [MicroBatch(*(None if v is None else v.clone() for v in dataclasses.astuple(b))) for b in micro]
+            self.static = [MicroBatch(*(None if v is None else v.clone() for v in _fields(b))) for b in micro]
             return
         for dst, src in zip(self.static, micro):
-            for d, s in zip(dataclasses.astuple(dst), dataclasses.astuple(src)):
+            for d, s in zip(_fields(dst), _fields(src)):
                 if d is not None:
                     d.copy_(s, non_blocking=True)
 
@@ -293,6 +293,12 @@ class CapturedStep:
             self._body(state, metrics)
         torch.manual_seed(dropout_seed)  # the replay draws the dropout masks the eager step would
         self.graph.replay()
+
+
+def _fields(b: MicroBatch) -> tuple:
+    """The micro-batch's tensors themselves, in field order (``dataclasses.astuple`` deep-copies
+    them, so copying into its result never reached the graph's static buffers)."""
+    return tuple(getattr(b, f.name) for f in dataclasses.fields(b))
 
 
 def _state_tensors(state: RunState) -> list[torch.Tensor]:
