@@ -159,10 +159,8 @@ class DiffusionConfig(_Section):
     prediction: Prediction = "epsilon"  # what the network predicts
     loss_weighting: LossWeighting = "uniform"  # per-timestep loss weight
     min_snr_gamma: float = 5.0  # gamma of min-SNR weighting (Hang et al. 2023)
-    zero_terminal_snr: bool = False  # rescale alpha_bar so that SNR(T-1) = 0 (Lin et al. 2024); needs prediction v or x0
-    # input perturbation (Ning et al. 2023): x_t made from noise + this x N(0, I) (noise std units), the target
-    # from the noise alone; training only, 0 = off (the paper: 0.1)
-    input_perturbation: float = 0.0
+    zero_terminal_snr: bool = False  # rescale alpha_bar so SNR(T-1) = 0 (Lin et al. 2024); needs prediction v or x0
+    input_perturbation: float = 0.0  # std (noise units) of extra noise in x_t only (Ning et al. 2023); 0 = off, 0.1 usual
     # The keys above are DDPM's (edm and flow ignore them); sigma_min/max and rho are also
     # the sigma grid DDPM's heun sampler walks.
     sigma_min: float = 0.002  # sigma (data units) where EDM's sampling grid ends, before the last step to 0
@@ -174,9 +172,7 @@ class DiffusionConfig(_Section):
     flow_logit_mean: float = 0.0  # mean of logit(t) in flow training (logit-normal, SD3)
     flow_logit_std: float = 1.0  # std of logit(t) in flow training
     flow_shift: float = 1.0  # flow sampling grid shift t' = s t / (1 + (s - 1) t); 1 = uniform
-    # offset noise (Guttenberg 2023), every objective: the training noise gets + this x N(0, 1) per (sample,
-    # channel), in noise std units, so the model learns to move an image's mean; 0 = off (SD fine-tunes: 0.05-0.1)
-    noise_offset: float = 0.0
+    noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 
 @dataclass
