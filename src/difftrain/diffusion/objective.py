@@ -119,7 +119,7 @@ class DDPMObjective:
         """x_t (DDPM eq. 4), the prediction target and the weighting at timesteps ``levels``:
         ``q_sample``, ``prediction_target`` and ``loss_weight`` bit for bit, from one gather of
         the per-timestep table. ``input_noise`` (B, C, H, W), if given, makes x_t in place of
-        ``noise``, which still makes the target: input perturbation (Ning et al. 2023, eq. 9)."""
+        ``noise``, which still makes the target: input perturbation (Ning et al. 2023)."""
         if noise.shape != x0.shape:
             raise ValueError(f"noise shape {tuple(noise.shape)} differs from x0 shape {tuple(x0.shape)}")
         if input_noise is not None and input_noise.shape != x0.shape:
