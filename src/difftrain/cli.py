@@ -61,7 +61,8 @@ def _data_check(args: argparse.Namespace) -> int:
                                     caption_column=args.caption_column)
         for path, reason in folder.bad_captions.items():
             report.bad.setdefault(path, f"caption: {reason}")
-    print(json.dumps(report.__dict__, indent=2) if args.json else report.summary())
+    as_json = {**report.__dict__, "bad": report.bad_entries}  # a folder that cannot be listed is bad too
+    print(json.dumps(as_json, indent=2) if args.json else report.summary())
     return EXIT_PROBLEMS_FOUND if report.bad or report.unreadable_folders else 0
 
 
