@@ -398,11 +398,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         _apply(cfg, data, str(path))
+        chosen = {f"{section}.{key}" for section, values in data.items() for key in values}
+    else:
+        chosen = set()
     for text in overrides:
         section, key, value = parse_override(text)
         _apply(cfg, {section: {key: value}}, f"--set {text}")
+        chosen.add(f"{section}.{key}")
+    _follow_objective(cfg, chosen)
     validate(cfg)
     return cfg
+
+
+# Keys whose default is the objective's: DDPM's samplers are not EDM's or flow's.
+OBJECTIVE_DEFAULT_KEYS = ("validation.sampler", "evaluation.fid_sampler")
+
+
+def _follow_objective(cfg: Config, chosen: set[str]) -> None:
+    """Give each of :data:`OBJECTIVE_DEFAULT_KEYS` that the preset and the ``--set`` options do
+    not name (``chosen``) the default of ``diffusion.objective``, so that switching the
+    objective is one option; a value that was chosen is kept, and checked by :func:`validate`."""
+    from difftrain.diffusion.objective import DEFAULT_SAMPLERS  # local, like MODEL_PRESETS
+
+    for dotted in OBJECTIVE_DEFAULT_KEYS:
+        if dotted not in chosen:
+            section, key = dotted.split(".")
+            object.__setattr__(getattr(cfg, section), key, DEFAULT_SAMPLERS[cfg.diffusion.objective])
 
 
 def config_from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
@@ -474,9 +495,10 @@ def _check_objective(cfg: Config) -> None:
     _check(dc.sigma_max > dc.sigma_min,
            f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
     names = OBJECTIVE_SAMPLERS[dc.objective]
-    for key, sampler in (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler)):
-        _check(sampler in names, f"{key} must be one of {', '.join(names)} for diffusion.objective={dc.objective!r}, "
-                                 f"got {sampler!r}")
+    chosen = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
+    bad = [f"{key}={sampler!r}" for key, sampler in chosen if sampler not in names]  # all of them, in one message
+    _check(not bad, f"{' and '.join(bad)}: diffusion.objective={dc.objective!r} samples with "
+                    f"{', '.join(names)} only (left unset, these keys take its default)")
 
 
 def _check_text(cfg: Config) -> None:
