@@ -664,6 +664,20 @@ ARCHITECTURE_KEYS = (
 )
 
 
+def unknown_keys(data: dict[str, Any]) -> list[str]:
+    """The sections and ``section.key`` names of a stored config (:func:`config_to_dict` output)
+    that this version's :class:`Config` does not have, as ``--set`` would refuse them."""
+    sections = _hints(Config)
+    unknown = []
+    for name, values in data.items():
+        if name not in sections:
+            unknown.append(f"section {name!r}" + (f" ({', '.join(f'{name}.{k}' for k in values)})" if values else ""))
+        else:
+            fields = _hints(sections[name])
+            unknown += [f"key {name}.{k}" for k in values if k not in fields]
+    return unknown
+
+
 def _flatten(data: dict[str, Any]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, section in data.items() for k, v in section.items()}
 

@@ -293,6 +293,22 @@ def test_resume_lists_each_incompatible_key_and_each_allowed_change(tmp_path, ti
         assert f"resuming with a changed {key}" in out
 
 
+@pytest.mark.parametrize("extra", [{"augment": {}}, {"augment": {"mixup": 0.2}}, {"train": {"mixup": 0.2}}],
+                         ids=["empty section", "section", "key"])
+def test_a_checkpoint_whose_config_has_an_unknown_section_or_key_is_refused_naming_it(tmp_path, tiny_overrides, extra):
+    cfg = load_config(None, tiny_overrides + ["validation.every_steps=0"])
+    train(cfg, tmp_path, stop_at_step=2)
+    path = ckpt.find_checkpoint(tmp_path)
+    state = torch.load(path, weights_only=True)
+    for section, keys in extra.items():
+        state["config"].setdefault(section, {}).update(keys)
+    torch.save(state, path)
+    (name, keys), = extra.items()
+    named = f"{name}.{next(iter(keys))}" if keys else name
+    with pytest.raises(ValueError, match=rf"cannot resume from {path}: .*unknown .*{named}"):
+        train(cfg, tmp_path)
+
+
 # 7. Security ---------------------------------------------------------------------------------
 
 
