@@ -155,8 +155,8 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, tiny_overrides, tmpfs
     run = tmp_path / "run"
     ckpt_dir = tmpfs(run / "checkpoints", "20m")
     cfg = load_config(None, tiny_overrides + ["checkpoint.on_write_error=continue", "validation.every_steps=0"])
-    result = train(cfg, run)
-    assert result.step == 6 and result.checkpoint is None  # went on, but the last save failed
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"last step, 6,.*/step_00000002.pt \(step 2\), 4 steps unsaved"):
+        train(cfg, run)  # went on, but the last save failed too: not a success
     err = capsys.readouterr().err
     assert "ENOSPC" in err and str(ckpt_dir) in err
     assert ckpt.load_checkpoint(run)["step"] == 2
@@ -166,6 +166,31 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, tiny_overrides, tmpfs
     with pytest.raises(ckpt.CheckpointWriteError, match=r"step 4 .*No space left on device"):
         train(stop, run)
     assert ckpt.load_checkpoint(run)["step"] == 2
+
+
+def test_a_run_whose_last_save_fails_too_exits_2_naming_the_newest_checkpoint_and_the_unsaved_steps(
+        tmp_path, tiny_overrides, monkeypatch, capsys):
+    """checkpoint.on_write_error=continue goes on past failed saves, but a run that ends without
+    its last checkpoint is no success for a job scheduler: exit 2, and the last line says what is lost."""
+    from difftrain import cli
+
+    real = ckpt.save_checkpoint
+
+    def disk_full_after_step_2(state, ckpt_dir, step, *args):
+        if step > 2:
+            raise OSError(28, "No space left on device", str(ckpt_dir / ckpt.checkpoint_name(step)))
+        return real(state, ckpt_dir, step, *args)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", disk_full_after_step_2)
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for o in tiny_overrides + ["checkpoint.on_write_error=continue", "validation.every_steps=0"]:
+        args += ["--set", o]
+    assert cli.main(args) == cli.EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("difftrain train: error: ") and "trained to step" not in captured.out
+    assert f"{tmp_path / 'run' / 'checkpoints' / 'step_00000002.pt'} (step 2), 4 steps unsaved" in last, last
+    assert ckpt.load_checkpoint(tmp_path / "run")["step"] == 2
 
 
 def test_read_only_checkpoint_folder_stops_cleanly(tmp_path, tiny_overrides, tmpfs):

@@ -208,8 +208,10 @@ def train(
         stop.restore()
     if resumed_from is not None and state.step == start_step:
         final = resumed_from  # nothing was left to train: the checkpoint resumed from is the result
+    elif last_saved != state.step:  # on_write_error="continue" went on, and the last save failed too
+        raise ckpt.CheckpointWriteError(_unsaved_message(run_dir, state.step, start_step, resumed_from))
     else:
-        final = ckpt.find_checkpoint(run_dir) if last_saved == state.step else None
+        final = ckpt.find_checkpoint(run_dir)
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
 
@@ -313,6 +315,17 @@ def _warnings(cfg: Config) -> list[str]:
         out.append(f"optim.warmup_steps={o.warmup_steps:,} is not shorter than train.total_steps={tc.total_steps:,}: "
                    "the learning rate never reaches optim.lr")
     return out
+
+
+def _unsaved_message(run_dir: Path, step: int, start_step: int, resumed_from: Path | None) -> str:
+    """The run ended at ``step`` without its checkpoint: name the newest one on disk and the
+    steps lost since."""
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    newest, newest_step = saved[-1][::-1] if saved else (resumed_from, start_step if resumed_from else 0)
+    where = f"the newest checkpoint on disk is {newest} (step {newest_step})" if newest else "no checkpoint is on disk"
+    return (f"the checkpoint of the last step, {step}, could not be written either "
+            f"(checkpoint.on_write_error='continue'): {where}, {step - newest_step} steps unsaved; "
+            "free space or fix the folder, then run the same command again")
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:
