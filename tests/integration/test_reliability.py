@@ -109,6 +109,29 @@ def test_a_second_signal_inside_a_checkpoint_write_exits_at_once_and_keeps_the_o
     assert ckpt.load_checkpoint(run)["step"] == 2
 
 
+def test_a_double_ctrl_c_to_the_process_group_with_loader_workers_exits_130_with_one_line(tmp_path, tiny_overrides):
+    """The second Ctrl-C reaches the workers too: they leave stopping to the main process (they
+    used to exit on it, and the main process then raised "DataLoader worker exited unexpectedly",
+    exit 70 with a traceback)."""
+    overrides = tiny_overrides + ["train.total_steps=10000", "validation.every_steps=0", "tracking.tensorboard=false",
+                                  "data.num_workers=2"]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run)] + [x for o in overrides for x in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), ckpt.PAUSE_ENV: "2"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    ckpt_dir = run / "checkpoints"
+    _wait_for(lambda: (ckpt_dir / "latest").exists(), proc)  # step 2 is complete
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the save of the stop pauses inside its write
+    _wait_for(lambda: any(ckpt_dir.glob(".step_*.tmp")), proc)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C again: stop now
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.count("second signal") == 1 and err.count("SIGINT received") == 1, err
+    assert "Traceback" not in err and "internal error" not in err
+    assert ckpt.load_checkpoint(run)["step"] >= 2  # the newest complete checkpoint is intact
+
+
 def test_sigkill_campaign_short(tmp_path):
     """A short run of scripts/fault_injection.py (the full one: pytest -m slow, or the script)."""
     sys.path.insert(0, str(ROOT / "scripts"))

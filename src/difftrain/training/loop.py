@@ -200,6 +200,9 @@ def train(
             if stopped_by:
                 break
     finally:
+        # The loader's workers are shut down while the handler is still installed, so that a
+        # second signal during their shutdown exits at once with its one line, as during the save.
+        del batches, loader
         progress.close()
         trackers.close()
         distributed.teardown(dctx)
