@@ -529,11 +529,11 @@ def input_error(e: BaseException) -> str | None:
 
 
 def _is_out_of_memory(e: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    if isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
-        return True
-    # The CPU allocator raises a plain RuntimeError.
-    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    if "torch" not in sys.modules:
+        return isinstance(e, MemoryError)
+    from difftrain.runtime.device import is_out_of_memory
+
+    return is_out_of_memory(e)
 
 
 def _describe_os_error(e: OSError) -> str:

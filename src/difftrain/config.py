@@ -566,7 +566,10 @@ def validate(cfg: Config) -> None:
     _check(m.dropout is None or 0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
     _check(0 <= m.class_dropout < 1, f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
     _check_text(cfg)
-    _check(cfg.diffusion.num_timesteps >= 2, f"diffusion.num_timesteps must be >= 2, got {cfg.diffusion.num_timesteps}")
+    # The network sees t in float32, whose integers are exact up to 2**24: more steps are not distinct.
+    _check(2 <= cfg.diffusion.num_timesteps <= 2**24,
+           f"diffusion.num_timesteps must be in [2, 2**24 = 16,777,216] (timesteps are float32 in the network), "
+           f"got {cfg.diffusion.num_timesteps}")
     _check(cfg.diffusion.min_snr_gamma > 0, f"diffusion.min_snr_gamma must be > 0, got {cfg.diffusion.min_snr_gamma}")
     _check_objective(cfg)
     _check(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")

@@ -18,6 +18,7 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
+from difftrain.runtime.files import cache_dir_error
 from difftrain.training import checkpoint as ckpt
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.heldout import build_heldout
@@ -230,8 +231,12 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
 
     def build() -> dict:
         def cached(dataset, flip):
-            return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip, cache_dir=d.cache_dir or None,
-                                     batch_size=cfg.validation.heldout_batch_size, device=dctx.device)
+            try:
+                return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip,
+                                         cache_dir=d.cache_dir or None, batch_size=cfg.validation.heldout_batch_size,
+                                         device=dctx.device)
+            except OSError as e:
+                raise cache_dir_error(e, d.cache_dir, "latents") from e
 
         return {"train": cached(data.train, d.random_flip),
                 "heldout": None if data.heldout is None else cached(data.heldout, False)}
