@@ -510,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
 def input_error(e: BaseException) -> str | None:
     """The message for an error caused by the input (config, data, checkpoint, disk, memory),
     or None for anything else: a bug."""
+    from difftrain.runtime.optional import MissingDependency
     from difftrain.training.checkpoint import CheckpointWriteError
     from difftrain.training.loop import TrainingDiverged
 
@@ -523,7 +524,7 @@ def input_error(e: BaseException) -> str | None:
         )
     if isinstance(e, OSError):
         return _describe_os_error(e)
-    if isinstance(e, (ConfigError, ValueError, CheckpointWriteError, TrainingDiverged)):
+    if isinstance(e, (ConfigError, ValueError, CheckpointWriteError, TrainingDiverged, MissingDependency)):
         return _unwrap_worker_error(str(e))
     return None
 
