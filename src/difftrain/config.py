@@ -495,8 +495,8 @@ def _check_objective(cfg: Config) -> None:
     _check(dc.sigma_max > dc.sigma_min,
            f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
     names = OBJECTIVE_SAMPLERS[dc.objective]
-    chosen = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
-    bad = [f"{key}={sampler!r}" for key, sampler in chosen if sampler not in names]  # all of them, in one message
+    samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
+    bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message
     _check(not bad, f"{' and '.join(bad)}: diffusion.objective={dc.objective!r} samples with "
                     f"{', '.join(names)} only (left unset, these keys take its default)")
 

@@ -329,7 +329,10 @@ def _unsaved_message(run_dir: Path, step: int, start_step: int, resumed_from: Pa
     """The run ended at ``step`` without its checkpoint: name the newest one on disk and the
     steps lost since."""
     saved = ckpt.list_checkpoints(run_dir / "checkpoints")
-    newest, newest_step = saved[-1][::-1] if saved else (resumed_from, start_step if resumed_from else 0)
+    if saved:
+        newest_step, newest = saved[-1]
+    else:  # none in this run folder: the checkpoint resumed from, if any
+        newest, newest_step = resumed_from, start_step if resumed_from else 0
     where = f"the newest checkpoint on disk is {newest} (step {newest_step})" if newest else "no checkpoint is on disk"
     return (f"the checkpoint of the last step, {step}, could not be written either "
             f"(checkpoint.on_write_error='continue'): {where}, {step - newest_step} steps unsaved; "

@@ -41,11 +41,22 @@ def validation_plan(cfg: Config, conditioning: Conditioning, dataset=None) -> Va
     try:
         return _plan(v, shape, conditioning, dataset)
     except (MemoryError, RuntimeError) as e:  # the fixed noise of the grid lives through the run
-        if not is_out_of_memory(e):
-            raise
+        if not is_out_of_memory(e) or not _fits(cfg.train.batch_size, shape):
+            raise  # a training batch of these images does not fit either: the batch or resolution's error
         gib = v.num_images * np.prod(shape) * 4 / 2**30
         raise ConfigError(f"validation.num_images={v.num_images}: its fixed noise ({gib:,.1f} GiB) does not fit in "
                           "memory; a grid needs a few dozen images") from None
+
+
+def _fits(num: int, shape: tuple[int, int, int]) -> bool:
+    """Whether ``num`` float32 images of ``shape`` can be allocated (untouched: no memory used)."""
+    try:
+        torch.empty((num, *shape))
+        return True
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        return False
 
 
 def _plan(v, shape: tuple[int, int, int], conditioning: Conditioning, dataset) -> ValidationPlan:
