@@ -42,7 +42,7 @@ from difftrain.diffusion.samplers import SAMPLER_NFE, SAMPLERS, karras_timesteps
 from difftrain.diffusion.schedules import alpha_bar_schedule, rescale_zero_terminal_snr
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_SAMPLERS", "DDPMObjective", "EDMObjective", "FlowObjective", "Network", "Noised", "Objective",
-           "build_objective", "per_sample_loss", "sampler_names"]
+           "build_objective", "per_sample_loss", "sampler_names", "DEFAULT_SAMPLERS"]
 
 
 class DDPMObjective:
@@ -180,6 +180,9 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
 OBJECTIVE_SAMPLERS: dict[str, tuple[str, ...]] = {
     "ddpm": tuple(DDPMObjective.samplers), "edm": tuple(EDMObjective.samplers), "flow": tuple(FlowObjective.samplers),
 }
+# name -> the sampler that validation.sampler and evaluation.fid_sampler take when no preset or
+# --set names them: DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow.
+DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun"}
 
 
 def sampler_names() -> list[str]:

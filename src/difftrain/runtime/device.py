@@ -74,3 +74,11 @@ def compile_model(net: nn.Module, device: torch.device, mode: str) -> nn.Module:
     # resume) of the same model loads them instead of compiling again.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
     return torch.compile(net)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed: Python's MemoryError, PyTorch's device
+    OutOfMemoryError, or the plain RuntimeError of PyTorch's CPU allocator."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
