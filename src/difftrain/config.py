@@ -204,7 +204,7 @@ class TrainConfig(_Section):
     compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
     channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA and CPU)
     tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
-    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: on for CUDA)
+    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: off; on: CUDA only, unmeasured)
 
 
 @dataclass
