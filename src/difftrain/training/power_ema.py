@@ -29,6 +29,7 @@ from torch import nn
 
 from difftrain.runtime.files import atomic_write
 from difftrain.training.checkpoint import load_weights
+from difftrain.training.ema import foreach_lerp_
 
 SIGMA_REL_MAX = 0.3  # sigma_rel peaks at ~0.3003 (gamma ~ -0.38); 0.2887 is gamma = 0, the plain mean
 SNAPSHOT_DIR = "ema_snapshots"
@@ -144,7 +145,7 @@ class PowerEMA:
         params = list(model.parameters())  # under no_grad: no detach (a view op per tensor) needed
         for k, avg in enumerate(self.models):
             if params:
-                torch._foreach_lerp_(list(avg.parameters()), params, weights[k])
+                foreach_lerp_(list(avg.parameters()), params, weights[k])
             for avg_buf, buf in zip(avg.buffers(), model.buffers()):
                 avg_buf.copy_(buf)
 
