@@ -135,12 +135,12 @@ def test_validation_grid_on_two_ranks_equals_one_process(one_and_two):
 def test_fid_features_on_two_ranks_equal_one_process(one_and_two):
     one, (rank0, rank1) = one_and_two
     assert rank1["features"] is None
-    assert one["features"].shape == (FID["num"], 8)
+    assert one["features"].shape == (FID["num"], 8 + 1)  # the features, then the Laplacian energy
     torch.testing.assert_close(rank0["features"], one["features"], rtol=1e-5, atol=1e-5)
 
 
 def test_class_conditional_fid_features_on_two_ranks_equal_one_process(one_and_two):
     one, (rank0, rank1) = one_and_two
     assert rank1["class_features"] is None
-    assert one["class_features"].shape == (FID["num"], 8)
+    assert one["class_features"].shape == (FID["num"], 8 + 1)
     torch.testing.assert_close(rank0["class_features"], one["class_features"], rtol=1e-5, atol=1e-5)
