@@ -100,13 +100,14 @@ class EMA:
 def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weight: float | torch.Tensor) -> None:
     """``averages[i] += weight * (params[i] - averages[i])`` in place, for every i.
 
-    A Python-number weight takes ``torch._foreach_lerp_`` (the eager path, bit for bit what runs
-    have always done). A 0-dim device tensor takes a subtraction, a multiplication by the tensor
-    and an addition: ``_foreach_lerp_`` with a tensor weight cannot be recorded in a CUDA graph
-    (the capture fails with "operation not permitted when stream is capturing"), the foreach
-    multiplication by a 0-dim tensor can.
+    Eagerly this is ``torch._foreach_lerp_`` (bit for bit what runs have always done). While a CUDA
+    graph is being captured (the captured step's 0-dim weight tensor) it is a subtraction, a
+    multiplication by the tensor and an addition: ``_foreach_lerp_`` with a tensor weight cannot be
+    recorded (the capture fails with "operation not permitted when stream is capturing"), the
+    foreach multiplication by a 0-dim tensor can.
     """
-    if not isinstance(weight, torch.Tensor):
+    capturing = isinstance(weight, torch.Tensor) and weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
         torch._foreach_lerp_(averages, params, weight)
         return
     delta = torch._foreach_sub(params, averages)
