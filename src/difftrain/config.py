@@ -270,6 +270,20 @@ class TrackingConfig(_Section):
 
 
 @dataclass
+class LoraConfig(_Section):
+    # LoRA (Hu et al. 2021) through peft (pip install 'difftrain[lora]'): low-rank adapters on the network
+    # model.init_from names, which stays frozen; checkpoints hold the adapter and the base's digest
+    rank: int = 0  # r of every adapted layer; 0 = off (full fine-tuning)
+    alpha: float = 0.0  # the adapter's output is scaled by alpha / rank; 0 = rank (scale 1, diffusers' scripts)
+    dropout: float = 0.0  # dropout on the adapter's input
+    # suffixes of the module names to adapt (peft's target_modules); [] = the attention projections
+    # (a UNet2DConditionModel's to_q, to_k, to_v, to_out.0; difftrain's UNet's q, k, v, proj_out)
+    target_modules: tuple[str, ...] = ()
+    include_conv: bool = False  # also adapt the residual blocks' convolutions (conv1, conv2)
+    init: Literal["gaussian", "default"] = "gaussian"  # A ~ N(0, 1/r) (diffusers' scripts) or peft's Kaiming-uniform; B = 0
+
+
+@dataclass
 class Config(_Root):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -281,6 +295,7 @@ class Config(_Root):
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # Section class name -> its key in Config, for the names in errors.
@@ -590,6 +605,19 @@ def validate(cfg: Config) -> None:
     _check(e.fid_ref_num == 0 or e.fid_ref_num >= 2, f"evaluation.fid_ref_num must be 0 (all) or >= 2, got {e.fid_ref_num}")
     _check_steps("evaluation.fid_steps", e.fid_steps, cfg)
     _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
+    _check_lora(cfg)
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA adapts the network model.init_from names."""
+    lc = cfg.lora
+    _check(lc.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {lc.rank}")
+    _check(lc.alpha >= 0, f"lora.alpha must be >= 0 (0 = lora.rank), got {lc.alpha}")
+    _check(0 <= lc.dropout < 1, f"lora.dropout must be in [0, 1), got {lc.dropout}")
+    _check(all(t.strip() and t == t.strip() for t in lc.target_modules),
+           f"lora.target_modules must hold module names without spaces, got {list(lc.target_modules)}")
+    _check(not lc.rank or bool(cfg.model.init_from),
+           "lora.rank > 0 needs model.init_from: the base network the adapter is trained on")
 
 
 def check_environment(cfg: Config) -> None:

@@ -286,10 +286,14 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     """Device, parameters, images, effective batch, steps and precision of this start."""
     tc, w = cfg.train, dctx.world_size
     params = sum(p.numel() for p in state.model.parameters())
+    trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+    network = f"{cfg.model.preset} UNet {params / 1e6:.2f}M parameters"
+    if trained < params:  # LoRA: the adapter trains, the base is frozen
+        network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank})"
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
     per_step = effective_batch(cfg, w)
     where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)
-    return (f"{where}, {cfg.model.preset} UNet {params / 1e6:.2f}M parameters, {len(data.train):,} images{held}, "
+    return (f"{where}, {network}, {len(data.train):,} images{held}, "
             f"batch {tc.batch_size} x {tc.grad_accum_steps} accumulation x {w} processes = {per_step} per step, "
             f"steps {state.step:,} -> {tc.total_steps:,} ({tc.total_steps * per_step:,} images), {tc.precision}, "
             f"{cfg.diffusion.objective} objective{_condition_text(cfg, state)}")

@@ -1,0 +1,166 @@
+"""LoRA end to end, offline: train an adapter on a tiny random Stable Diffusion UNet
+(tests/text_components.py), resume it exactly, export it in diffusers' layout, load it with
+``StableDiffusionPipeline.load_lora_weights`` and compare the samples with difftrain's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from difftrain.config import load_config  # noqa: E402
+from difftrain.inference import generate_images, load_model  # noqa: E402
+from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.training.loop import train  # noqa: E402
+from tests.integration.test_text_train import _captioned_folder  # noqa: E402
+from tests.text_components import write_tiny_sd_folder  # noqa: E402
+
+PROMPT = "a red square on a dark background"
+
+
+def _sd_overrides(tmp_path, tiny_overrides, *extra):
+    """A LoRA (rank 4, alpha 8) run on the tiny Stable Diffusion folder and captioned squares."""
+    sd = tmp_path / "sd"
+    if not sd.exists():
+        write_tiny_sd_folder(sd)
+        _captioned_folder(tmp_path / "data")
+    return tiny_overrides + [f"data.path={tmp_path / 'data'}", "data.captions=true", f"model.text_encoder={sd}",
+                             f"model.vae={sd}", f"model.init_from={sd}", "validation.every_steps=0",
+                             "lora.rank=4", "lora.alpha=8", "optim.lr=1e-2", *extra]
+
+
+def _digests(run_dir) -> tuple[str, str]:
+    state = ckpt.load_checkpoint(run_dir)
+    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A finished 6-step LoRA run on the tiny Stable Diffusion UNet, shared by the export tests."""
+    from tests.conftest import TINY_OVERRIDES
+
+    root = tmp_path_factory.mktemp("lora")
+    cfg = load_config(None, _sd_overrides(root, list(TINY_OVERRIDES)))
+    train(cfg, root / "run")
+    return root
+
+
+def test_lora_checkpoint_holds_the_adapter_and_the_base_digest_and_trains_only_it(lora_run):
+    state = ckpt.load_checkpoint(lora_run / "run")
+    assert state["network"]["kind"] == "lora" and len(state["network"]["base_digest"]) == 64
+    assert state["network"]["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0,
+                                        "targets": ["to_q", "to_k", "to_v", "to_out.0"]}
+    names = list(state["model"])
+    assert names and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
+    assert set(state["ema"]["model"]) == set(names)
+    # The optimizer holds state for the adapter alone: one entry per adapter tensor.
+    assert len(state["optimizer"]["state"]) == len(names)
+    assert len(state["optimizer"]["param_groups"][0]["params"]) == len(names)
+    assert any(t.abs().sum() > 0 for n, t in state["model"].items() if "lora_B" in n)  # it trained (B starts at 0)
+    # The base did not move: the network rebuilt from the folder + adapter has the folder's base weights.
+    from diffusers import UNet2DConditionModel
+
+    base = UNet2DConditionModel.from_pretrained(lora_run / "sd" / "unet").state_dict()
+    loaded = load_model(lora_run / "run", device="cpu").model
+    merged_free = {k.replace(".base_layer.", "."): v for k, v in loaded.base.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(merged_free[k], v) for k, v in base.items())
+
+
+def test_lora_run_resumes_exactly(tmp_path, tiny_overrides):
+    cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides, "lora.dropout=0.1"))
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=3)
+    assert train(cfg, tmp_path / "resumed").step == 6
+    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+
+
+def test_resume_refuses_another_base_in_one_line(tmp_path, tiny_overrides):
+    import shutil
+
+    cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides))
+    train(cfg, tmp_path / "run", stop_at_step=2)
+    other = write_tiny_sd_folder(tmp_path / "other", seed=1)
+    shutil.rmtree(tmp_path / "sd" / "unet")
+    shutil.copytree(other / "unet", tmp_path / "sd" / "unet")  # the same folder, another UNet
+    with pytest.raises(ValueError) as info:
+        train(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert "\n" not in message and "not the base this LoRA adapter was trained on" in message
+    assert str(tmp_path / "sd") in message
+
+
+def _pipeline_images(sd, adapter_dir, cfg, noise, steps, guidance, scale=1.0):
+    """The tiny Stable Diffusion pipeline with difftrain's DDIM scheduler settings (as its
+    export writes them), the adapter loaded by diffusers, run from ``noise``; images in [-1, 1]."""
+    from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
+
+    from difftrain.interop import scheduler_config
+
+    pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
+    ddpm = DDPMScheduler(**{**scheduler_config(cfg.diffusion), "clip_sample": False, "steps_offset": 1})
+    pipe.scheduler = DDIMScheduler.from_config(ddpm.config)
+    pipe.load_lora_weights(adapter_dir)
+    images = pipe([PROMPT] * len(noise), latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance, eta=0.0,
+                  output_type="pt", height=16, width=16, cross_attention_kwargs={"scale": scale}).images
+    return images * 2 - 1
+
+
+def test_exported_adapter_loads_in_diffusers_and_samples_as_difftrain_does(lora_run, tmp_path):
+    from difftrain import api
+    from difftrain.sampling import initial_noise
+
+    out = api.export(lora_run / "run", tmp_path / "adapter", format="lora")
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    ours = load_model(lora_run / "run", device="cpu")
+    steps, guidance = 5, 3.0
+    expected = generate_images(ours, 2, sampler="ddim", steps=steps, seed=3, prompt=PROMPT, guidance_scale=guidance)
+    noise = initial_noise(2, (4, 8, 8), 3)
+    theirs = _pipeline_images(lora_run / "sd", out, ours.cfg, noise, steps, guidance)
+    assert theirs.shape == expected.shape
+    assert (theirs - expected).abs().max() < 1e-4
+    base_only = generate_images(load_model(lora_run / "run", device="cpu", lora_scale=0.0), 2, sampler="ddim",
+                                steps=steps, seed=3, prompt=PROMPT, guidance_scale=guidance)
+    assert (base_only - expected).abs().max() > 1e-3  # the adapter changes the samples
+    # The adapter file alone, on the base it names, samples the same (sample --lora), at any scale.
+    from_file = load_model(None, device="cpu", lora=out)
+    again = generate_images(from_file, 2, sampler="ddim", steps=steps, seed=3, prompt=PROMPT, guidance_scale=guidance)
+    assert torch.equal(again, expected)
+    half = generate_images(load_model(None, device="cpu", lora=out, lora_scale=0.5), 2, sampler="ddim", steps=steps,
+                           seed=3, prompt=PROMPT, guidance_scale=guidance)
+    theirs_half = _pipeline_images(lora_run / "sd", out, ours.cfg, noise, steps, guidance, scale=0.5)
+    assert (theirs_half - half).abs().max() < 1e-4
+
+
+def test_merged_export_is_the_adapted_unet(lora_run, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from difftrain import api
+
+    out = api.export(lora_run / "run", tmp_path / "pipe", format="diffusers", merge=True)
+    unet = StableDiffusionPipeline.from_pretrained(out, safety_checker=None).unet.eval()
+    ours = load_model(lora_run / "run", device="cpu").model
+    g = torch.Generator().manual_seed(0)
+    x, cond = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 16, 32, generator=g)
+    t = torch.tensor([10, 60])
+    with torch.no_grad():
+        assert (unet(x, t, encoder_hidden_states=cond).sample - ours(x, t, cond)).abs().max() < 1e-5
+
+
+def test_sample_command_takes_an_adapter_and_a_scale(lora_run, tmp_path, capsys):
+    from difftrain.cli import main
+
+    adapter = tmp_path / "adapter"
+    assert main(["export", str(lora_run / "run"), str(adapter), "--format", "lora"]) == 0
+    out = tmp_path / "samples"
+    assert main(["sample", "--lora", str(adapter), "--lora-scale", "0.7", "--num", "2", "--steps", "2",
+                 "--out", str(out), "--prompt", PROMPT]) == 0
+    assert (out / "grid.png").is_file()
+    # Neither or both of --checkpoint and --lora: one line, exit code 2.
+    assert main(["sample", "--num", "1", "--steps", "2", "--out", str(out), "--prompt", PROMPT]) == 2
+    assert "--lora" in capsys.readouterr().err
+    pixels = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(out / "000000.png"))
+    assert pixels.shape == (16, 16, 3)
