@@ -636,6 +636,11 @@ def check_environment(cfg: Config) -> None:
         raise ConfigError(f"train.device is {device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
     if device == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("train.device is 'mps' but MPS is not available in this PyTorch build or machine")
+    if cfg.lora.rank:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError("lora.rank > 0 needs peft, which is not installed: pip install 'difftrain[lora]'")
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path and not path.startswith("builtin:"):
             if path.rstrip().lower().endswith((".tar", ".parquet")):

@@ -164,3 +164,67 @@ def test_sample_command_takes_an_adapter_and_a_scale(lora_run, tmp_path, capsys)
     assert "--lora" in capsys.readouterr().err
     pixels = np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(out / "000000.png"))
     assert pixels.shape == (16, 16, 3)
+
+
+def _one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("difftrain ")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("lora.rank=64", "lora.rank=64 is larger than the layer"),
+    ("lora.target_modules=['nothing']", "lora.target_modules ['nothing'] match no layer"),
+    ("lora.target_modules=['norm1']", "LoRA adapts Linear and Conv2d layers"),
+])
+def test_bad_lora_settings_are_one_line(tmp_path, tiny_overrides, capsys, setting, needle):
+    from difftrain.cli import main
+
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for s in _sd_overrides(tmp_path, tiny_overrides, setting):
+        args += ["--set", s]
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert needle in line, line
+
+
+def test_missing_peft_names_the_extra(tmp_path, tiny_overrides, capsys, monkeypatch):
+    import importlib.util
+
+    from difftrain.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for s in _sd_overrides(tmp_path, tiny_overrides):
+        args += ["--set", s]
+    assert main(args) == 2
+    assert "pip install 'difftrain[lora]'" in _one_error_line(capsys)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_adapter_on_another_base_and_other_misuse_are_one_line(lora_run, tmp_path, capsys):
+    from difftrain.cli import main
+
+    adapter = tmp_path / "adapter"
+    assert main(["export", str(lora_run / "run"), str(adapter), "--format", "lora"]) == 0
+    other = write_tiny_sd_folder(tmp_path / "other", seed=1)
+    common = ["sample", "--num", "1", "--steps", "2", "--out", str(tmp_path / "s"), "--prompt", PROMPT]
+    assert main(common + ["--lora", str(adapter), "--base", str(other)]) == 2
+    line = _one_error_line(capsys)
+    assert "not the base this LoRA adapter was trained on" in line and str(other) in line
+    assert main(common + ["--lora", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in _one_error_line(capsys)
+    capsys.readouterr()
+    # export --format lora of a run without an adapter; --merge with --format lora
+    from tests.conftest import TINY_OVERRIDES
+
+    full = tmp_path / "full"
+    train(load_config(None, TINY_OVERRIDES + ["train.total_steps=2", "validation.every_steps=0"]), full)
+    assert main(["export", str(full), str(tmp_path / "a2"), "--format", "lora"]) == 2
+    assert "is not a LoRA run" in _one_error_line(capsys)
+    assert main(["export", str(lora_run / "run"), str(tmp_path / "a3"), "--format", "lora", "--merge"]) == 2
+    assert "--merge" in _one_error_line(capsys)
+    assert main(["sample", "--checkpoint", str(full), "--lora-scale", "0.5", "--num", "1", "--steps", "2",
+                 "--out", str(tmp_path / "s")]) == 2
+    assert "holds no LoRA adapter" in _one_error_line(capsys)
