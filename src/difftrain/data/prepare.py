@@ -45,6 +45,10 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
     Raises ValueError naming ``data.path`` when fewer images than ``train.batch_size`` remain.
     """
     d = cfg.data
+    dreambooth = bool(cfg.dreambooth.instance_prompt)
+    if dreambooth:  # the instance prompt is every image's caption: caption files are not read
+        d = dataclasses.replace(d)
+        object.__setattr__(d, "captions", False)
     dataset = dataset_from_config(d)
     if run_dir is not None:
         # The scan and the cache build decode in data.num_workers processes; both are reused by
@@ -52,6 +56,10 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
         dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size, d.num_workers)
         dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
     train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False))
+    if dreambooth:
+        from difftrain.dreambooth import instance_dataset
+
+        train = instance_dataset(train, cfg)
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0
     if len(train) < cfg.train.batch_size:
         raise ValueError(

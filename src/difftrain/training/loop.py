@@ -15,6 +15,7 @@ from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
 from difftrain.diffusion.objective import build_objective
+from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
@@ -66,6 +67,7 @@ def train(
     # and VAE (text and latent runs), whose latents of the images are cached once.
     data = prepare_training_data(cfg, run_dir)
     conditioning = Conditioning.from_config(cfg, data.num_classes, device)
+    data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
     source, resumed_from = resume_source(run_dir, resume), None
     saved = ckpt.load_checkpoint(source) if source is not None else None
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with

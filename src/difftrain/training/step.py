@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from difftrain.diffusion.objective import Objective, per_sample_loss
+from difftrain.dreambooth import loss_weights
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.seeding import derive_seed, step_generator
@@ -37,6 +38,7 @@ class MicroBatch:
     condition: torch.Tensor | None  # labels (B,) / text embeddings (B, L, D), dropped rows null; None when unconditional
     levels: torch.Tensor  # (B,) noise levels (DDPM: timesteps)
     noise: torch.Tensor  # (B, C, H, W)
+    weight: torch.Tensor | None = None  # (B,) per-sample loss weights (DreamBooth's prior); None: all 1
 
 
 def draw_micro_batch(
@@ -63,12 +65,13 @@ def draw_micro_batch(
     if c.kind != "none":  # label or caption dropout for classifier-free guidance
         drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
     condition = c.condition(second, drop, device)
+    weight = loss_weights(cfg, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
         from difftrain.data.latents import sample_latents
 
         eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         x0 = sample_latents(x0, eps, c.codec)
-    return MicroBatch(x0, condition, levels, noise)
+    return MicroBatch(x0, condition, levels, noise, weight)
 
 
 class StepMetrics:
@@ -140,6 +143,8 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     for micro, b in enumerate(batches):
         with distributed.sync_gradients(net, sync=micro == accum - 1):
             per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast())
+            if b.weight is not None:
+                per_sample = per_sample * b.weight
             loss = per_sample.mean() / accum
             state.precision.backward(loss)
         step_loss += loss.detach()
