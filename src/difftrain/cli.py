@@ -110,6 +110,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{key:12s} {info[key]:,}" if isinstance(info[key], int) else f"{key:12s} {info[key]}")
     if info["network"] != "unet":
         print(f"{'network':12s} {info['network']}")
+    if info["network"] == "lora":  # the checkpoint holds the adapter; the base is named with its digest
+        r = info["lora"]
+        print(f"{'lora':12s} rank {r['lora']['rank']}, alpha {r['lora']['alpha']:g} on {', '.join(r['lora']['targets'])}"
+              f" of the base {r['base_source']} (sha256 {r['base_digest'][:16]}..., not in the checkpoint)")
     for name, ref in info["frozen"].items():  # frozen parts: named with their digests, not saved
         print(f"{name:12s} {ref['source']} (sha256 {ref['digest'][:16]}..., not in the checkpoint)")
     if info["posthoc_ema_stds"]:

@@ -228,3 +228,23 @@ def test_adapter_on_another_base_and_other_misuse_are_one_line(lora_run, tmp_pat
     assert main(["sample", "--checkpoint", str(full), "--lora-scale", "0.5", "--num", "1", "--steps", "2",
                  "--out", str(tmp_path / "s")]) == 2
     assert "holds no LoRA adapter" in _one_error_line(capsys)
+
+
+def test_inspect_names_the_adapter_and_its_base(lora_run, capsys):
+    from difftrain.cli import main
+
+    assert main(["inspect", str(lora_run / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "rank 4, alpha 8 on to_q, to_k, to_v, to_out.0 of the base" in out and "not in the checkpoint" in out
+
+
+def test_safetensors_export_of_a_lora_run_holds_the_adapter_and_merge_the_whole_network(lora_run, tmp_path):
+    from difftrain import api
+
+    adapter_only = api.export(lora_run / "run", tmp_path / "a.safetensors", format="safetensors")
+    merged = api.export(lora_run / "run", tmp_path / "m.safetensors", format="safetensors", merge=True)
+    assert adapter_only.stat().st_size * 5 < merged.stat().st_size
+    expected = generate_images(load_model(lora_run / "run", device="cpu"), 1, steps=2, prompt=PROMPT)
+    for path in (adapter_only, merged):
+        got = generate_images(load_model(path, device="cpu"), 1, steps=2, prompt=PROMPT)
+        assert (got - expected).abs().max() < 1e-5

@@ -1,0 +1,123 @@
+"""LoRA against full fine-tuning of the same UNet2DConditionModel: parameters trained, memory of a
+training step (``difftrain estimate``'s measured breakdown) and seconds per optimizer step.
+
+    python bench/lora_vs_full.py                        # a Stable-Diffusion-shaped UNet, scaled down, random
+    python bench/lora_vs_full.py --ranks 4 16 --batch 4 --steps 5
+    python bench/lora_vs_full.py --sd /path/to/stable-diffusion-folder --resolution 64   # a real one
+
+Without ``--sd`` the UNet has Stable Diffusion 1.x's blocks (three cross-attention levels and a
+plain one, two residual blocks per level) at ``--width`` base channels, on 3-channel 32 px images
+with ``builtin:tiny-clip`` captions (no VAE): everything is made here, nothing is downloaded. Each
+mode is measured in a fresh subprocess; memory is ``difftrain estimate``'s breakdown (weights,
+gradients, optimizer state, EMA and the activations autograd saves, measured); the step time is the median of
+``--steps`` timed steps after one warm-up step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def write_unet(folder: Path, width: int, resolution: int) -> Path:
+    """A random Stable-Diffusion-shaped UNet2DConditionModel (pixel space, 64-wide text) in ``folder``."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=resolution, in_channels=3, out_channels=3, layers_per_block=2,
+        block_out_channels=(width, 2 * width, 4 * width, 4 * width), attention_head_dim=8, cross_attention_dim=64,
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    )
+    unet.save_pretrained(folder)
+    return folder
+
+
+def overrides(args, init_from: str, rank: int) -> list[str]:
+    common = [f"model.init_from={init_from}", "data.captions=true", f"data.resolution={args.resolution}",
+              f"train.batch_size={args.batch}", "train.device=cpu", "train.compile=off", "validation.every_steps=0",
+              f"lora.rank={rank}", f"data.path={args.tmp}/no-data"]
+    if args.sd:
+        common += [f"model.text_encoder={args.sd}", f"model.vae={args.sd}"]
+    else:
+        common += ["model.text_encoder=builtin:tiny-clip"]
+    return common
+
+
+def measure(args, init_from: str, rank: int) -> dict:
+    """One mode, in this process: estimate's breakdown, then timed steps."""
+    import torch
+
+    from difftrain.config import load_config
+    from difftrain.tools.common import build_setup, fetch_batch
+    from difftrain.tools.estimate import estimate
+    from difftrain.training.step import StepMetrics, train_step
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(None, overrides(args, init_from, rank))
+    est = estimate(cfg, batch_size=args.batch)
+    setup = build_setup(cfg, need_data=False)
+    batch = fetch_batch(setup, args.batch, seed=0)
+    metrics, times = StepMetrics(setup.device), []
+    for i in range(args.steps + 1):
+        start = time.perf_counter()
+        train_step(setup.state, setup.objective, iter([batch]), 1e-4, metrics)
+        if i:  # the first step is a warm-up
+            times.append(time.perf_counter() - start)
+    return {"rank": rank, "parameters": est["parameters"], "trained": est["trained_parameters"],
+            "weights_mib": est["params_mib"], "grads_mib": est["grads_mib"], "optimizer_mib": est["optimizer_mib"],
+            "ema_mib": est["ema_mib"], "activations_mib": est["activations_mib"], "total_mib": est["total_mib"],
+            "step_s": statistics.median(times)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[4, 16], help="LoRA ranks to measure beside full")
+    p.add_argument("--width", type=int, default=64, help="base channels of the generated UNet (SD: 320)")
+    p.add_argument("--resolution", type=int, default=32, help="image size in pixels (latent runs: / 8)")
+    p.add_argument("--batch", type=int, default=4, help="images per step")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--sd", help="a local Stable Diffusion folder to measure instead of the generated UNet")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one mode, print JSON
+    p.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one is not None:
+        init_from, rank = args.one.rsplit(":", 1)
+        print(json.dumps(measure(args, init_from, int(rank))))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        init_from = args.sd or str(write_unet(Path(tmp) / "unet", args.width, args.resolution))
+        rows = []
+        for rank in [0, *args.ranks]:
+            cmd = [sys.executable, __file__, "--one", f"{init_from}:{rank}", "--tmp", tmp,
+                   *sys.argv[1:]]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+    full = rows[0]
+    print(f"UNet2DConditionModel {'from ' + args.sd if args.sd else f'SD-shaped, width {args.width}'}, "
+          f"{full['parameters'] / 1e6:.1f}M parameters; batch {args.batch} at {args.resolution} px, fp32, "
+          f"{args.threads} CPU threads; step = median of {args.steps}")
+    print()
+    print("| mode | parameters trained | gradients MiB | AdamW state MiB | EMA MiB | activations MiB "
+          "| step total MiB | s / step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mode = "full fine-tuning" if r["rank"] == 0 else f"LoRA rank {r['rank']}"
+        share = r["trained"] / r["parameters"]
+        print(f"| {mode} | {r['trained']:,} ({share:.2%}) | {r['grads_mib']:.1f} | {r['optimizer_mib']:.1f} | "
+              f"{r['ema_mib']:.1f} | {r['activations_mib']:.1f} | {r['total_mib']:.1f} | "
+              f"{r['step_s']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
