@@ -248,3 +248,26 @@ def test_safetensors_export_of_a_lora_run_holds_the_adapter_and_merge_the_whole_
     for path in (adapter_only, merged):
         got = generate_images(load_model(path, device="cpu"), 1, steps=2, prompt=PROMPT)
         assert (got - expected).abs().max() < 1e-5
+
+
+def test_lora_on_difftrains_own_text_unet_trains_resumes_and_merges(tmp_path, tiny_overrides):
+    from difftrain import api
+
+    text = ["data.captions=true", "model.text_encoder=builtin:tiny-clip", "validation.every_steps=0"]
+    train(load_config(None, tiny_overrides + text + ["train.total_steps=2"]), tmp_path / "base")
+    cfg = load_config(None, tiny_overrides + text + [f"model.init_from={tmp_path / 'base'}", "lora.rank=2",
+                                                     "lora.include_conv=true", "optim.lr=1e-2"])
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=3)
+    assert train(cfg, tmp_path / "resumed").step == 6
+    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    state = ckpt.load_checkpoint(tmp_path / "straight")
+    assert state["network"]["base"] == {"kind": "unet"}
+    assert state["network"]["lora"]["targets"] == ["q", "k", "v", "proj_out", "conv1", "conv2"]
+    assert any(".conv1.lora_A." in k for k in state["model"]) and any(".k.lora_B." in k for k in state["model"])
+    with pytest.raises(ValueError, match="difftrain's own UNet"):
+        api.export(tmp_path / "straight", tmp_path / "adapter", format="lora")
+    merged = api.export(tmp_path / "straight", tmp_path / "m.safetensors", format="safetensors", merge=True)
+    prompt = "a red disc on a dark background"
+    expected = generate_images(load_model(tmp_path / "straight", device="cpu"), 1, steps=2, prompt=prompt)
+    assert (generate_images(load_model(merged, device="cpu"), 1, steps=2, prompt=prompt) - expected).abs().max() < 1e-5
