@@ -271,3 +271,18 @@ def test_lora_on_difftrains_own_text_unet_trains_resumes_and_merges(tmp_path, ti
     prompt = "a red disc on a dark background"
     expected = generate_images(load_model(tmp_path / "straight", device="cpu"), 1, steps=2, prompt=prompt)
     assert (generate_images(load_model(merged, device="cpu"), 1, steps=2, prompt=prompt) - expected).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+def test_lora_trains_on_cuda_with_the_captured_step_and_compile(tmp_path, tiny_overrides):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides, "train.device=cuda", "train.compile=on",
+                                          "train.cuda_graphs=on", "train.precision=bf16"))
+    result = train(cfg, tmp_path / "run")
+    assert result.step == 6 and result.skipped_steps == 0
+    state = ckpt.load_checkpoint(tmp_path / "run")
+    assert all("lora_" in k for k in state["model"])
+    assert any(t.abs().sum() > 0 for n, t in state["ema"]["model"].items() if "lora_B" in n)  # the EMA moved too
+    images = generate_images(load_model(tmp_path / "run", device="cuda"), 2, steps=3, prompt=PROMPT)
+    assert torch.isfinite(images).all()
