@@ -62,17 +62,20 @@ def _check_targets(base: nn.Module, targets: list[str], rank: int) -> None:
     if not matched:
         raise ValueError(f"lora.target_modules {targets} match no layer of this network "
                          f"(its attention projections are named e.g. {_example_names(base)})")
+    sizes = []
     for name, module in matched:
         if isinstance(module, nn.Linear):
-            smallest = min(module.in_features, module.out_features)
+            sizes.append((min(module.in_features, module.out_features), name, "Linear"))
         elif isinstance(module, nn.Conv2d):
-            smallest = min(module.in_channels * module.kernel_size[0] * module.kernel_size[1], module.out_channels)
+            fan_in = module.in_channels * module.kernel_size[0] * module.kernel_size[1]
+            sizes.append((min(fan_in, module.out_channels), name, "Conv2d"))
         else:
             raise ValueError(f"lora.target_modules: {name} is a {type(module).__name__}; LoRA adapts Linear and "
                              "Conv2d layers (name those)")
-        if rank > smallest:
-            raise ValueError(f"lora.rank={rank} is larger than the layer {name} ({type(module).__name__}, smallest "
-                             f"dimension {smallest}); lower lora.rank to at most {smallest}")
+    smallest, name, kind = min(sizes)
+    if rank > smallest:
+        raise ValueError(f"lora.rank={rank} is larger than the layer {name} ({kind}, smallest dimension {smallest}); "
+                         f"lower lora.rank to at most {smallest}")
 
 
 def _example_names(base: nn.Module) -> str:
