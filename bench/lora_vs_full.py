@@ -7,10 +7,11 @@ training step (``difftrain estimate``'s measured breakdown) and seconds per opti
 
 Without ``--sd`` the UNet has Stable Diffusion 1.x's blocks (three cross-attention levels and a
 plain one, two residual blocks per level) at ``--width`` base channels, on 3-channel 32 px images
-with ``builtin:tiny-clip`` captions (no VAE): everything is made here, nothing is downloaded. Each
-mode is measured in a fresh subprocess; memory is ``difftrain estimate``'s breakdown (weights,
-gradients, optimizer state, EMA and the activations autograd saves, measured); the step time is the median of
-``--steps`` timed steps after one warm-up step.
+with ``builtin:tiny-clip`` captions (no VAE): everything is made here, nothing is downloaded.
+Memory is ``difftrain estimate``'s breakdown (gradients, AdamW state, EMA and the activations
+autograd saves, measured; "step total" adds the weights), each mode in a fresh subprocess. Step
+times are taken in one process, one step of each mode per round after a warm-up round, the
+median over ``--steps`` rounds, so that a change in the machine's load falls on every mode alike.
 """
 
 from __future__ import annotations
@@ -53,30 +54,43 @@ def overrides(args, init_from: str, rank: int) -> list[str]:
     return common
 
 
-def measure(args, init_from: str, rank: int) -> dict:
-    """One mode, in this process: estimate's breakdown, then timed steps."""
+def measure_memory(args, init_from: str, rank: int) -> dict:
+    """One mode's ``difftrain estimate`` breakdown (run in a fresh subprocess)."""
+    import torch
+
+    from difftrain.config import load_config
+    from difftrain.tools.estimate import estimate
+
+    torch.set_num_threads(args.threads)
+    est = estimate(load_config(None, overrides(args, init_from, rank)), batch_size=args.batch)
+    return {"rank": rank, "parameters": est["parameters"], "trained": est["trained_parameters"],
+            "grads_mib": est["grads_mib"], "optimizer_mib": est["optimizer_mib"], "ema_mib": est["ema_mib"],
+            "activations_mib": est["activations_mib"], "total_mib": est["total_mib"]}
+
+
+def measure_steps(args, init_from: str, ranks: list[int]) -> dict[int, float]:
+    """Median seconds per optimizer step of each mode, timed in interleaved rounds (one step of
+    each mode per round, in alternating order, after a warm-up round) so that a change in the
+    machine's load falls on every mode alike."""
     import torch
 
     from difftrain.config import load_config
     from difftrain.tools.common import build_setup, fetch_batch
-    from difftrain.tools.estimate import estimate
     from difftrain.training.step import StepMetrics, train_step
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(None, overrides(args, init_from, rank))
-    est = estimate(cfg, batch_size=args.batch)
-    setup = build_setup(cfg, need_data=False)
-    batch = fetch_batch(setup, args.batch, seed=0)
-    metrics, times = StepMetrics(setup.device), []
-    for i in range(args.steps + 1):
-        start = time.perf_counter()
-        train_step(setup.state, setup.objective, iter([batch]), 1e-4, metrics)
-        if i:  # the first step is a warm-up
-            times.append(time.perf_counter() - start)
-    return {"rank": rank, "parameters": est["parameters"], "trained": est["trained_parameters"],
-            "weights_mib": est["params_mib"], "grads_mib": est["grads_mib"], "optimizer_mib": est["optimizer_mib"],
-            "ema_mib": est["ema_mib"], "activations_mib": est["activations_mib"], "total_mib": est["total_mib"],
-            "step_s": statistics.median(times)}
+    setups = {r: build_setup(load_config(None, overrides(args, init_from, r)), need_data=False) for r in ranks}
+    batches = {r: fetch_batch(s, args.batch, seed=0) for r, s in setups.items()}
+    times: dict[int, list[float]] = {r: [] for r in ranks}
+    for round_ in range(args.steps + 1):
+        order = ranks if round_ % 2 else ranks[::-1]  # alternate the order: no mode always runs first
+        for r in order:
+            setup = setups[r]
+            start = time.perf_counter()
+            train_step(setup.state, setup.objective, iter([batches[r]]), 1e-4, StepMetrics(setup.device))
+            if round_:  # round 0 warms up
+                times[r].append(time.perf_counter() - start)
+    return {r: statistics.median(t) for r, t in times.items()}
 
 
 def main() -> None:
@@ -93,20 +107,24 @@ def main() -> None:
     args = p.parse_args()
     if args.one is not None:
         init_from, rank = args.one.rsplit(":", 1)
-        print(json.dumps(measure(args, init_from, int(rank))))
+        print(json.dumps(measure_memory(args, init_from, int(rank))))
         return
+    ranks = [0, *args.ranks]
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
+        args.tmp = tmp
         init_from = args.sd or str(write_unet(Path(tmp) / "unet", args.width, args.resolution))
         rows = []
-        for rank in [0, *args.ranks]:
-            cmd = [sys.executable, __file__, "--one", f"{init_from}:{rank}", "--tmp", tmp,
-                   *sys.argv[1:]]
+        for rank in ranks:
+            cmd = [sys.executable, __file__, "--one", f"{init_from}:{rank}", "--tmp", tmp, *sys.argv[1:]]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
+        seconds = measure_steps(args, init_from, ranks)
     full = rows[0]
     print(f"UNet2DConditionModel {'from ' + args.sd if args.sd else f'SD-shaped, width {args.width}'}, "
           f"{full['parameters'] / 1e6:.1f}M parameters; batch {args.batch} at {args.resolution} px, fp32, "
-          f"{args.threads} CPU threads; step = median of {args.steps}")
+          f"{args.threads} CPU threads; s / step = median of {args.steps} interleaved rounds; "
+          f"load average {load:.1f} at the start on {os.cpu_count()} cores")
     print()
     print("| mode | parameters trained | gradients MiB | AdamW state MiB | EMA MiB | activations MiB "
           "| step total MiB | s / step |")
@@ -116,7 +134,7 @@ def main() -> None:
         share = r["trained"] / r["parameters"]
         print(f"| {mode} | {r['trained']:,} ({share:.2%}) | {r['grads_mib']:.1f} | {r['optimizer_mib']:.1f} | "
               f"{r['ema_mib']:.1f} | {r['activations_mib']:.1f} | {r['total_mib']:.1f} | "
-              f"{r['step_s']:.3f} |")
+              f"{seconds[r['rank']]:.2f} |")
 
 
 if __name__ == "__main__":

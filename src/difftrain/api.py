@@ -131,6 +131,9 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "dif
         return export_lora(state, out, use_ema=ema, layout=lora_layout)
     if merge:
         state = merged_state(state, use_ema=ema, text_encoder=text_encoder, vae=vae)
+    elif format == "diffusers" and state["network"].get("kind") == "lora":
+        raise ValueError(f"{state['path']} is a LoRA run: export --format lora writes the adapter, and --merge "
+                         "the pipeline with the adapter folded into the UNet")
     if format == "safetensors":
         return save_weights_file(state, out, use_ema=ema)
     return export_diffusers(state, out, use_ema=ema, text_encoder=text_encoder, vae=vae)

@@ -71,7 +71,8 @@ def test_lora_checkpoint_holds_the_adapter_and_the_base_digest_and_trains_only_i
 
 
 def test_lora_run_resumes_exactly(tmp_path, tiny_overrides):
-    cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides, "lora.dropout=0.1"))
+    cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides, "lora.dropout=0.1", "validation.every_steps=3",
+                                          f"validation.prompts=['{PROMPT}']", "data.heldout_fraction=0.1"))
     train(cfg, tmp_path / "straight")
     train(cfg, tmp_path / "resumed", stop_at_step=3)
     assert train(cfg, tmp_path / "resumed").step == 6
@@ -225,6 +226,11 @@ def test_adapter_on_another_base_and_other_misuse_are_one_line(lora_run, tmp_pat
     assert "is not a LoRA run" in _one_error_line(capsys)
     assert main(["export", str(lora_run / "run"), str(tmp_path / "a3"), "--format", "lora", "--merge"]) == 2
     assert "--merge" in _one_error_line(capsys)
+    assert main(["export", str(lora_run / "run"), str(tmp_path / "a4")]) == 2  # a pipeline needs --merge
+    assert "is a LoRA run: export --format lora" in _one_error_line(capsys)
+    assert main(["sample", "--checkpoint", str(full), "--base", str(other), "--num", "1", "--steps", "2",
+                 "--out", str(tmp_path / "s")]) == 2
+    assert "holds no LoRA adapter" in _one_error_line(capsys)
     assert main(["sample", "--checkpoint", str(full), "--lora-scale", "0.5", "--num", "1", "--steps", "2",
                  "--out", str(tmp_path / "s")]) == 2
     assert "holds no LoRA adapter" in _one_error_line(capsys)
@@ -271,6 +277,19 @@ def test_lora_on_difftrains_own_text_unet_trains_resumes_and_merges(tmp_path, ti
     prompt = "a red disc on a dark background"
     expected = generate_images(load_model(tmp_path / "straight", device="cpu"), 1, steps=2, prompt=prompt)
     assert (generate_images(load_model(merged, device="cpu"), 1, steps=2, prompt=prompt) - expected).abs().max() < 1e-5
+
+
+def test_estimate_counts_the_adapter_as_what_trains(lora_run):
+    from difftrain.tools.estimate import estimate
+
+    cfg = load_config(None, _sd_overrides(lora_run, []) + ["data.resolution=16", "train.device=cpu"])
+    lora = estimate(cfg, batch_size=2)
+    object.__setattr__(cfg.lora, "rank", 0)
+    full = estimate(cfg, batch_size=2)
+    assert lora["parameters"] > full["parameters"] == full["trained_parameters"] > 50 * lora["trained_parameters"]
+    for key in ("grads_mib", "optimizer_mib", "ema_mib"):  # the frozen base has none of these
+        assert lora[key] * 50 < full[key], key
+    assert lora["params_mib"] > full["params_mib"]  # the base is there, plus the adapter
 
 
 @pytest.mark.gpu
