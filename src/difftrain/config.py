@@ -159,6 +159,8 @@ class DiffusionConfig(_Section):
     prediction: Prediction = "epsilon"  # what the network predicts
     loss_weighting: LossWeighting = "uniform"  # per-timestep loss weight
     min_snr_gamma: float = 5.0  # gamma of min-SNR weighting (Hang et al. 2023)
+    zero_terminal_snr: bool = False  # rescale alpha_bar so SNR(T-1) = 0 (Lin et al. 2024); needs prediction v or x0
+    input_perturbation: float = 0.0  # std (noise units) of extra noise in x_t only (Ning et al. 2023); 0 = off, 0.1 usual
     # The keys above are DDPM's (edm and flow ignore them); sigma_min/max and rho are also
     # the sigma grid DDPM's heun sampler walks.
     sigma_min: float = 0.002  # sigma (data units) where EDM's sampling grid ends, before the last step to 0
@@ -170,6 +172,7 @@ class DiffusionConfig(_Section):
     flow_logit_mean: float = 0.0  # mean of logit(t) in flow training (logit-normal, SD3)
     flow_logit_std: float = 1.0  # std of logit(t) in flow training
     flow_shift: float = 1.0  # flow sampling grid shift t' = s t / (1 + (s - 1) t); 1 = uniform
+    noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 
 @dataclass
@@ -505,6 +508,12 @@ def _check_objective(cfg: Config) -> None:
         _check(getattr(dc, key) > 0, f"diffusion.{key} must be > 0, got {getattr(dc, key)}")
     _check(dc.sigma_max > dc.sigma_min,
            f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
+    for key in ("noise_offset", "input_perturbation"):
+        _check(getattr(dc, key) >= 0, f"diffusion.{key} must be >= 0 (0 = off), got {getattr(dc, key)}")
+    for key, on in (("zero_terminal_snr", dc.zero_terminal_snr), ("input_perturbation", dc.input_perturbation > 0)):
+        _check(not on or dc.objective == "ddpm", f"diffusion.{key} is for diffusion.objective='ddpm', got {dc.objective!r}")
+    _check(not (dc.zero_terminal_snr and dc.prediction == "epsilon"),
+           "diffusion.zero_terminal_snr needs diffusion.prediction='v' (or 'x0'): epsilon has no x0 at SNR 0")
     names = OBJECTIVE_SAMPLERS[dc.objective]
     for key, sampler in (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler)):
         _check(sampler in names, f"{key} must be one of {', '.join(names)} for diffusion.objective={dc.objective!r}, "
@@ -712,6 +721,7 @@ ARCHITECTURE_KEYS = (
     "data.captions",
     "diffusion.num_timesteps",
     "diffusion.schedule",
+    "diffusion.zero_terminal_snr",
     "diffusion.prediction",
     "diffusion.edm_sigma_data",
 )
@@ -722,8 +732,10 @@ def _flatten(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Every dotted key whose value differs between two :func:`config_to_dict` outputs."""
-    a, b = _flatten(old), _flatten(new)
+    """Every dotted key whose value differs between two :func:`config_to_dict` outputs; a key
+    one of them lacks (a checkpoint written before the key existed) counts as its default."""
+    defaults = _flatten(config_to_dict(Config()))
+    a, b = {**defaults, **_flatten(old)}, {**defaults, **_flatten(new)}
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

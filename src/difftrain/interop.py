@@ -128,8 +128,9 @@ def _named_betas(name: str, num_timesteps: int) -> tuple[dict, Tensor] | None:
 def scheduler_config(diffusion) -> dict:
     """Keyword arguments of diffusers' ``DDPMScheduler`` (``DDIMScheduler`` accepts them too)
     that reproduce difftrain's sampling for ``cfg.diffusion``: the same alpha_bar (a named
-    schedule when diffusers has an equal one, else ``trained_betas``), prediction, x0 clipped to
-    [-1, 1], the trailing timestep grid, and the posterior variance of ``ddpm_sample``.
+    schedule when diffusers has an equal one, else ``trained_betas``; rescaled to zero terminal
+    SNR by diffusers when ``diffusion.zero_terminal_snr``), prediction, x0 clipped to [-1, 1], the
+    trailing timestep grid, and the posterior variance of ``ddpm_sample``.
 
     DDIM matches difftrain's DDIM when the step count divides T (diffusers steps by T // steps)
     and the pipeline is called with ``use_clipped_model_output=True`` (difftrain derives the
@@ -156,7 +157,7 @@ def scheduler_config(diffusion) -> dict:
         thresholding=False,
         timestep_spacing="trailing",  # difftrain's grid (Lin et al. 2024)
         steps_offset=0,
-        rescale_betas_zero_snr=False,
+        rescale_betas_zero_snr=diffusion.zero_terminal_snr,  # diffusers rescales the betas above as difftrain does
     )
 
 
@@ -418,6 +419,82 @@ def _load_condition_unet_weights(model: nn.Module, path: Path) -> None:
             raise ValueError(f"model.init_from {path}: the UNet does not match this model's architecture: first "
                              f"mismatched key {key!r}: folder {theirs.get(key)!r}, this model {ours.get(key)!r}")
     model.load_state_dict(loaded.state_dict())
+
+
+# The diffusion.* keys a model.init_from source may have been trained with otherwise than this run.
+INIT_SOURCE_KEYS = ("objective", "prediction", "schedule", "num_timesteps", "zero_terminal_snr")
+_FROM_DIFFUSERS_PREDICTION = {v: k for k, v in DIFFUSERS_PREDICTION.items()}
+
+
+def _diffusers_training(scheduler: dict) -> dict:
+    """The diffusion.* values a diffusers scheduler config describes (diffusers' defaults where it
+    is silent: SD 1.x's has no prediction_type, meaning epsilon); a schedule only when difftrain
+    has the same one."""
+    out = {"objective": "ddpm", "zero_terminal_snr": bool(scheduler.get("rescale_betas_zero_snr", False))}
+    if scheduler.get("prediction_type", "epsilon") in _FROM_DIFFUSERS_PREDICTION:
+        out["prediction"] = _FROM_DIFFUSERS_PREDICTION[scheduler.get("prediction_type", "epsilon")]
+    T = scheduler.get("num_train_timesteps", 1000)
+    if isinstance(T, int) and T >= 2:
+        out["num_timesteps"] = T
+        for name in ("linear", "scaled_linear", "cosine"):
+            if scheduler.get("trained_betas") is None and all(
+                    _same(scheduler.get(k), v) for k, v in _named_betas(name, T)[0].items()):
+                out["schedule"] = name
+    return out
+
+
+def _same(theirs, ours) -> bool:
+    """A scheduler config value equals ours (floats to 1e-9 relative: JSON round trips)."""
+    if isinstance(ours, float) and isinstance(theirs, (int, float)) and not isinstance(theirs, bool):
+        return abs(theirs - ours) <= 1e-9 * abs(ours)
+    return theirs == ours
+
+
+def init_source_training(source: str | Path) -> dict:
+    """What the weights ``model.init_from`` names were trained with, as far as the source tells:
+    the ``diffusion.*`` values of :data:`INIT_SOURCE_KEYS` it records (a difftrain weights file,
+    checkpoint or run directory: its config; a diffusers pipeline or Stable Diffusion folder, or
+    its ``unet/``: the ``scheduler/`` config beside it). {} when it tells nothing (a bare UNet
+    folder) or cannot be read. Reads no weights."""
+    path = Path(source).expanduser()
+    try:
+        if path.is_dir() and not (path / "checkpoints").is_dir() and not list(path.glob("step_*.pt")):
+            for folder in (path, path.parent):
+                config = folder / "scheduler" / "scheduler_config.json"
+                if config.is_file() and (folder == path or path.name == "unet"):
+                    return _diffusers_training(json.loads(config.read_text()))
+            return {}
+        if is_weights_file(path):
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                diffusion = tomllib.loads((f.metadata() or {})["config"]).get("diffusion", {})
+        else:
+            from difftrain.training.checkpoint import find_checkpoint
+
+            saved = torch.load(find_checkpoint(path), map_location="cpu", weights_only=True, mmap=True)
+            diffusion = saved["config"].get("diffusion", {})
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError):
+        return {}
+    defaults = {"objective": "ddpm", "zero_terminal_snr": False}  # configs written before these keys
+    return {k: diffusion.get(k, defaults.get(k)) for k in INIT_SOURCE_KEYS if k in diffusion or k in defaults}
+
+
+def init_source_changes(cfg) -> list[str]:
+    """One line per diffusion.* key that this new run (``cfg``) sets otherwise than the weights of
+    ``cfg.model.init_from`` were trained with. A fine-tune may switch them (Stable Diffusion 2.x
+    went from epsilon to v prediction this way), while a resume refuses to; the line says so."""
+    if not cfg.model.init_from:
+        return []
+    source = init_source_training(cfg.model.init_from)
+    lines = []
+    for key in INIT_SOURCE_KEYS:
+        ours = getattr(cfg.diffusion, key)
+        if key in source and source[key] != ours:
+            lines.append(f"model.init_from {cfg.model.init_from} was trained with diffusion.{key}={source[key]!r}; "
+                         f"this run fine-tunes it with {ours!r}: allowed for a new run (a resume refuses such a "
+                         "change), and its first steps retrain the network to it")
+    return lines
 
 
 def load_init_weights(model: nn.Module, source: str | Path) -> None:

@@ -186,6 +186,36 @@ def test_fine_tuned_stable_diffusion_unet_exports_as_a_pipeline(tmp_path, tiny_o
     assert not (tmp_path / "pipe2").exists()
 
 
+def test_fine_tune_from_epsilon_to_v_with_zero_terminal_snr_is_logged_kept_and_exported(tmp_path, tiny_overrides,
+                                                                                          capsys):
+    # What Stable Diffusion 2.x and Lin et al. 2024 did: a pretrained epsilon model fine-tuned to v
+    # prediction (here with zero terminal SNR too). A new run may switch; a resume may not.
+    from diffusers import StableDiffusionPipeline
+
+    from difftrain import api
+
+    sd = write_tiny_sd_folder(tmp_path / "sd")  # DDPMScheduler defaults: epsilon, linear betas
+    data = _captioned_folder(tmp_path / "data")
+    base = tiny_overrides + [f"data.path={data}", "data.captions=true", f"model.text_encoder={sd}", f"model.vae={sd}",
+                             f"model.init_from={sd}", "validation.every_steps=0", "train.total_steps=2",
+                             "diffusion.schedule=linear", "diffusion.num_timesteps=1000"]
+    cfg = load_config(None, base + ["diffusion.prediction=v", "diffusion.zero_terminal_snr=true"])
+    train(cfg, tmp_path / "run", stop_at_step=1)
+    err = capsys.readouterr().err
+    assert f"warning: model.init_from {sd} was trained with diffusion.prediction='epsilon'; this run fine-tunes " \
+           "it with 'v'" in err
+    assert "diffusion.zero_terminal_snr=False; this run fine-tunes it with True" in err
+    assert "diffusion.schedule" not in err and "diffusion.num_timesteps" not in err
+    with pytest.raises(ValueError, match=r"diffusion\.prediction: checkpoint 'v', now 'epsilon'"):
+        train(load_config(None, base + ["diffusion.zero_terminal_snr=false"]), tmp_path / "run")
+    train(cfg, tmp_path / "run")  # the resume says nothing of init_from
+    assert "init_from" not in capsys.readouterr().err
+    scheduler = StableDiffusionPipeline.from_pretrained(api.export(tmp_path / "run", tmp_path / "pipe"),
+                                                        safety_checker=None).scheduler
+    assert scheduler.config.prediction_type == "v_prediction" and scheduler.config.rescale_betas_zero_snr
+    assert scheduler.config.timestep_spacing == "trailing" and scheduler.alphas_cumprod[-1].item() == 0.0
+
+
 def test_clip_score_and_inception_score_are_logged_with_their_image_counts(tmp_path, tiny_overrides):
     from difftrain.evaluation.inception_score import InceptionClassifier
     from tests.text_components import write_tiny_clip_model

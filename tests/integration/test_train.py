@@ -46,6 +46,13 @@ def test_resume_is_bit_exact(tmp_path, tiny_overrides, accum):
                                                        "model.dropout=0.1"])
 
 
+def test_resume_is_bit_exact_with_the_fine_tuning_knobs(tmp_path, tiny_overrides):
+    # their random numbers come from the step's generator too, drawn after the others
+    assert_resume_is_exact(tmp_path, tiny_overrides + [
+        "diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1", "diffusion.prediction=v",
+        "diffusion.zero_terminal_snr=true", "train.grad_accum_steps=2"])
+
+
 def test_resume_from_an_explicit_checkpoint(tmp_path, tiny_cfg):
     train(tiny_cfg, tmp_path / "a")
     first = ckpt.list_checkpoints(tmp_path / "a" / "checkpoints")[0][1]  # step 4
@@ -109,3 +116,13 @@ def test_run_records_keep_the_original_config_and_append_each_start(tmp_path, ti
     assert {"time", "command", "version", "device", "world_size"} <= set(starts[1])
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["time"] > 1.6e9 for r in rows) and "time_to_first_step_s" in rows[0]
+
+
+def test_zero_terminal_snr_with_min_snr_weighting_warns_that_snr_zero_is_not_trained():
+    from difftrain.training.loop import _warnings
+
+    on = ["diffusion.prediction=v", "diffusion.zero_terminal_snr=true"]
+    warned = _warnings(load_config(None, on + ["diffusion.loss_weighting=min_snr"]), fresh=True)
+    assert any("never trains the step that sampling starts from" in w for w in warned)
+    for overrides in (on, ["diffusion.prediction=v", "diffusion.loss_weighting=min_snr"]):
+        assert not any("SNR 0" in w for w in _warnings(load_config(None, overrides), fresh=True))

@@ -91,3 +91,35 @@ def test_incompatible_keys_are_the_architecture_ones():
     changes = C.config_changes(old, new)
     assert set(changes) == {"model.base_channels", "train.total_steps", "data.resolution"}
     assert set(C.incompatible_keys(old, new)) == {"model.base_channels", "data.resolution"}
+
+
+def test_zero_terminal_snr_refuses_epsilon_and_other_objectives_in_one_line():
+    with pytest.raises(ConfigError, match=r"diffusion\.zero_terminal_snr needs diffusion\.prediction='v'") as e:
+        load_config(None, ["diffusion.zero_terminal_snr=true"])
+    assert "\n" not in str(e.value)
+    assert load_config(None, ["diffusion.zero_terminal_snr=true", "diffusion.prediction=v"]).diffusion.zero_terminal_snr
+    for key in ("diffusion.zero_terminal_snr=true", "diffusion.input_perturbation=0.1"):
+        with pytest.raises(ConfigError, match=r"diffusion\.(zero_terminal_snr|input_perturbation) is for .*'ddpm'"):
+            load_config(None, ["diffusion.objective=flow", "diffusion.prediction=v", key])
+    for key in ("diffusion.noise_offset=-0.1", "diffusion.input_perturbation=-0.1"):
+        with pytest.raises(ConfigError, match=key.split("=")[0].replace(".", r"\.")):
+            load_config(None, [key])
+
+
+def test_a_resume_refuses_a_changed_zero_terminal_snr_but_not_the_training_noise_knobs():
+    old = config_to_dict(load_config(None, ["diffusion.prediction=v"]))
+    new = config_to_dict(load_config(None, ["diffusion.prediction=v", "diffusion.zero_terminal_snr=true",
+                                            "diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1"]))
+    assert set(C.incompatible_keys(old, new)) == {"diffusion.zero_terminal_snr"}
+    assert set(C.allowed_changes(old, new)) == {"diffusion.noise_offset", "diffusion.input_perturbation"}
+
+
+def test_a_checkpoint_written_before_a_key_existed_reads_as_its_default():
+    # A run saved by an older difftrain lacks the newer keys: resuming it is no change.
+    old = config_to_dict(load_config())
+    for key in ("zero_terminal_snr", "noise_offset", "input_perturbation"):
+        del old["diffusion"][key]
+    assert C.config_changes(old, config_to_dict(load_config())) == {}
+    assert set(C.incompatible_keys(old, config_to_dict(load_config(None, ["diffusion.prediction=v",
+                                                                          "diffusion.zero_terminal_snr=true"])))) \
+        == {"diffusion.prediction", "diffusion.zero_terminal_snr"}

@@ -139,3 +139,64 @@ def test_init_from_a_different_architecture_names_the_folder_and_key(tmp_path):
     cfg = load_config(None, SMALL + ["model.num_res_blocks=2", f"model.init_from={tmp_path}"])
     with pytest.raises(ValueError, match=r"model\.init_from .*lacks"):
         RunState.build(cfg, 0, torch.device("cpu"))
+
+
+def test_zero_terminal_snr_exports_a_scheduler_that_samples_what_difftrain_samples(tmp_path):
+    # v prediction on the rescaled schedule: diffusers rescales the exported betas itself
+    # (rescale_betas_zero_snr) and walks the trailing grid from alpha_bar = 0, as difftrain does.
+    diffusers = pytest.importorskip("diffusers")
+    from difftrain.api import export, generate, load
+    from difftrain.interop import pipeline_generator
+
+    make_checkpoint(tmp_path, "diffusion.prediction=v", "diffusion.zero_terminal_snr=true")
+    loaded = load(tmp_path)
+    config = scheduler_config(loaded.cfg.diffusion)
+    assert config["rescale_betas_zero_snr"] is True and config["prediction_type"] == "v_prediction"
+    assert config["timestep_spacing"] == "trailing"
+    scheduler = diffusers.DDPMScheduler(**config)
+    assert scheduler.alphas_cumprod[-1].item() == 0.0 and loaded.objective.alpha_bar[-1].item() == 0.0
+    torch.testing.assert_close(scheduler.alphas_cumprod, loaded.objective.alpha_bar.float(), rtol=1e-4, atol=1e-6)
+    pipe = diffusers.DDIMPipeline.from_pretrained(export(tmp_path, tmp_path / "pipe"))
+    theirs = pipe(batch_size=2, generator=pipeline_generator(3), num_inference_steps=5, use_clipped_model_output=True,
+                  output_type="np").images
+    ours = ((generate(loaded, 2, sampler="ddim", steps=5, seed=3) + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    assert abs(ours - theirs).max() < 1e-4
+
+
+def test_init_source_training_reads_what_a_source_was_trained_with(tmp_path):
+    import json
+
+    from difftrain.interop import init_source_changes, init_source_training
+
+    # a Stable Diffusion 2.x-like folder: v prediction, SD's scaled_linear betas; its unet/ reads the same
+    sd = tmp_path / "sd"
+    (sd / "scheduler").mkdir(parents=True)
+    (sd / "unet").mkdir()
+    (sd / "scheduler" / "scheduler_config.json").write_text(json.dumps({
+        "_class_name": "PNDMScheduler", "num_train_timesteps": 1000, "beta_schedule": "scaled_linear",
+        "beta_start": 0.00085, "beta_end": 0.012, "prediction_type": "v_prediction", "trained_betas": None}))
+    want = {"objective": "ddpm", "prediction": "v", "schedule": "scaled_linear", "num_timesteps": 1000,
+            "zero_terminal_snr": False}
+    assert init_source_training(sd) == init_source_training(sd / "unet") == want
+    # SD 1.x's scheduler config names no prediction_type: diffusers' default, epsilon
+    (sd / "scheduler" / "scheduler_config.json").write_text(json.dumps({
+        "beta_schedule": "squaredcos_cap_v2", "rescale_betas_zero_snr": True, "num_train_timesteps": 100}))
+    assert init_source_training(sd) == {"objective": "ddpm", "prediction": "epsilon", "schedule": "cosine",
+                                        "num_timesteps": 100, "zero_terminal_snr": True}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert init_source_training(bare) == {} and init_source_training(tmp_path / "missing") == {}
+    # difftrain's own checkpoints, run directories and weights files: their config
+    state = make_checkpoint(tmp_path / "run", "diffusion.prediction=v", "diffusion.zero_terminal_snr=true")
+    weights = save_weights_file(state, tmp_path / "w.safetensors")
+    for source in (tmp_path / "run", state["path"], weights):
+        assert init_source_training(source) == {"objective": "ddpm", "prediction": "v", "schedule": "cosine",
+                                                "num_timesteps": 100, "zero_terminal_snr": True}, source
+    # a new run from it that trains epsilon without the rescaling says so, one line per key
+    lines = init_source_changes(load_config(None, SMALL + [f"model.init_from={weights}"]))
+    assert [line.split(" was trained with ")[1].split(";")[0] for line in lines] == [
+        "diffusion.prediction='v'", "diffusion.zero_terminal_snr=True"]
+    assert "this run fine-tunes it with 'epsilon'" in lines[0] and "a resume refuses" in lines[0]
+    assert init_source_changes(load_config(None, SMALL + [f"model.init_from={weights}", "diffusion.prediction=v",
+                                                          "diffusion.zero_terminal_snr=true"])) == []

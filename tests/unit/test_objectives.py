@@ -342,3 +342,53 @@ def test_ddpm_noised_from_its_table_is_the_per_batch_formula_bit_for_bit(dtype, 
     assert torch.equal(b.target, prediction_target(prediction, x0, noise, ab_t))
     weight = loss_weight(weighting, ab_t, prediction, 5.0)
     assert torch.equal(b.weight, weight) and b.weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero terminal SNR (Lin et al. 2024): alpha_bar[T-1] = 0, where sampling starts.
+
+
+def ddpm_v_oracle(alpha_bar):
+    """The v-prediction network of the optimal denoiser, v = a E[eps | x] - b E[x0 | x]: finite at
+    a = 0 (there E[x0 | x] = mu and v = -mu)."""
+
+    def net(x, t):
+        ab = alpha_bar[t]
+        a, b = ab.sqrt(), (1 - ab).sqrt()
+        v = lambda c: c.view(-1, 1, 1, 1)  # noqa: E731
+        return (v(a) * posterior_noise(x, a, b) - v(b) * posterior_mean(x, a, b)).float()
+
+    return net
+
+
+# heun at every timestep: its grid (EDM's, capped at sigma_max) reaches T - 1 only when it must.
+ZERO_SNR_CASES = [(s, n) for f, s, n in ORACLE_CASES if f == "ddpm" and s != "heun"] + [("heun", 1000)]
+
+
+@pytest.mark.parametrize("sampler, steps", ZERO_SNR_CASES)
+def test_every_ddpm_sampler_starts_at_snr_zero_and_samples_the_data(sampler, steps):
+    # cosine as in ORACLE_CASES: at t = 0 scaled_linear's noise (sigma 0.03) shrinks this narrow Gaussian
+    obj = DDPMObjective("cosine", 1000, "v", "uniform", zero_terminal_snr=True)
+    assert obj.alpha_bar[-1].item() == 0.0
+    net, seen = ddpm_v_oracle(obj.alpha_bar), []
+
+    def spy(x, t):
+        seen.append(int(t[0]))
+        return net(x, t)
+
+    with torch.no_grad():
+        samples = obj.sample(spy, x_T(), sampler, steps, torch.Generator().manual_seed(3))
+    assert seen[0] == 999  # trailing grid (and heun's at steps = T): x_T is pure noise, as trained
+    assert bool(samples.isfinite().all())
+    assert_matches_data(samples)
+
+
+def test_zero_terminal_snr_refuses_epsilon_prediction():
+    with pytest.raises(ValueError, match="v or x0"):
+        DDPMObjective("scaled_linear", 1000, "epsilon", "uniform", zero_terminal_snr=True)
+    for prediction in ("v", "x0"):  # and the loss weights stay finite at SNR 0
+        for weighting in ("uniform", "inv_one_minus_alpha_bar", "min_snr"):
+            obj = DDPMObjective("scaled_linear", 100, prediction, weighting, zero_terminal_snr=True)
+            b = obj.noised(torch.ones(2, 1, 2, 2), torch.tensor([99, 0]), torch.zeros(2, 1, 2, 2))
+            assert bool(b.weight.isfinite().all()) and bool(b.target.isfinite().all())
+            assert torch.equal(b.input[0], torch.zeros(1, 2, 2))  # at T - 1 the input is the noise alone

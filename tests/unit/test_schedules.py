@@ -12,6 +12,7 @@ from difftrain.diffusion.schedules import (
     betas_from_alpha_bar,
     cosine_schedule,
     linear_schedule,
+    rescale_zero_terminal_snr,
     scaled_linear_schedule,
     snr,
 )
@@ -120,3 +121,35 @@ def test_schedules_match_diffusers_at_1000_steps(name, diffusers_name, beta_star
     scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule=diffusers_name, **limits)
     theirs = scheduler.alphas_cumprod.double()
     torch.testing.assert_close(theirs, alpha_bar_schedule(name, 1000), rtol=5e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("num_timesteps", [2, 10, 1000])
+def test_zero_terminal_snr_is_an_affine_map_of_sqrt_alpha_bar_ending_at_zero(name, num_timesteps):
+    # Lin et al. 2024, alg. 1: sqrt(alpha_bar) shifted to end at exactly 0, scaled to keep its start.
+    alpha_bar = alpha_bar_schedule(name, num_timesteps)
+    rescaled = rescale_zero_terminal_snr(alpha_bar)
+    assert rescaled.shape == alpha_bar.shape and rescaled.dtype == torch.float64
+    assert rescaled[-1].item() == 0.0 and snr(rescaled)[-1].item() == 0.0
+    torch.testing.assert_close(rescaled[0], alpha_bar[0], rtol=1e-14, atol=0)
+    assert torch.all(rescaled[1:] < rescaled[:-1]) and torch.all(rescaled[:-1] > 0)
+    old, new = alpha_bar.sqrt(), rescaled.sqrt()
+    slope = (new[0] - new[-1]) / (old[0] - old[-1])
+    torch.testing.assert_close(new, slope * (old - old[-1]), rtol=0, atol=1e-14)
+    betas = betas_from_alpha_bar(rescaled)
+    assert betas[-1].item() == 1.0 and torch.all(betas[:-1] < 1)
+
+
+def test_zero_terminal_snr_matches_diffusers_rescale_betas_zero_snr():
+    # diffusers rescales its float32 betas the same way (what an exported scheduler config asks for).
+    diffusers = pytest.importorskip("diffusers")
+    scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
+                                        beta_end=0.012, rescale_betas_zero_snr=True)
+    ours = rescale_zero_terminal_snr(alpha_bar_schedule("scaled_linear", 1000))
+    assert scheduler.alphas_cumprod[-1].item() == 0.0
+    torch.testing.assert_close(scheduler.alphas_cumprod.double(), ours, rtol=1e-4, atol=1e-7)
+
+
+def test_zero_terminal_snr_refuses_a_single_timestep():
+    with pytest.raises(ValueError, match="T >= 2"):
+        rescale_zero_terminal_snr(alpha_bar_schedule("cosine", 1))

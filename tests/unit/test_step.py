@@ -130,3 +130,87 @@ def test_the_captured_step_gives_the_eager_weights():
             torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2e-2, atol=2e-3)
     assert m_captured["steps"] == m_eager["steps"] == 6
     assert m_captured["loss"] == pytest.approx(m_eager["loss"], rel=2e-2)
+
+
+def _micro_batch(overrides: list[str], step: int = 5):
+    """The micro-batch a tiny run draws at ``step`` for a fixed batch, and its objective."""
+    from difftrain.training.step import draw_micro_batch
+
+    cfg = load_config(None, TINY_OVERRIDES + overrides)
+    state = RunState.build(cfg, 0, torch.device("cpu"))
+    state.step = step
+    x0 = torch.rand(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    return draw_micro_batch(state, build_objective(cfg.diffusion), x0, None, 0, DistContext()), state
+
+
+def test_noise_offset_adds_one_gaussian_constant_per_sample_and_channel():
+    plain, _ = _micro_batch([])
+    offset, _ = _micro_batch(["diffusion.noise_offset=0.1"])
+    assert torch.equal(plain.levels, offset.levels) and torch.equal(plain.x0, offset.x0)  # drawn after them
+    assert plain.input_noise is None and offset.input_noise is None
+    shift = offset.noise - plain.noise  # (B, C, H, W), constant over H and W
+    per_channel = shift[:, :, :1, :1]
+    assert torch.allclose(shift, per_channel.expand_as(shift), atol=1e-6)
+    assert 0.05 < float(per_channel.std()) < 0.15 and float(per_channel.abs().min()) > 0  # 0.1 x N(0, 1), B x C draws
+    # and the step trains on it: one step from the same weights ends elsewhere
+    weights = []
+    for overrides in ([], ["diffusion.noise_offset=0.1"]):
+        _, state = _micro_batch(overrides, step=0)
+        batch = (torch.rand(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)) * 2 - 1, torch.zeros(8).long())
+        train_step(state, build_objective(state.cfg.diffusion), iter([batch]), 1e-3, StepMetrics(torch.device("cpu")))
+        weights.append(ckpt.state_dict_sha256(state.model.state_dict()))
+    assert weights[0] != weights[1]
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v"])
+def test_input_perturbation_noises_the_input_and_keeps_the_target(prediction):
+    from difftrain.diffusion.process import prediction_target, q_sample
+
+    plain, _ = _micro_batch([f"diffusion.prediction={prediction}"])
+    b, state = _micro_batch([f"diffusion.prediction={prediction}", "diffusion.input_perturbation=0.1"])
+    assert torch.equal(plain.levels, b.levels) and torch.equal(plain.noise, b.noise)  # drawn after them
+    extra = (b.input_noise - b.noise) / 0.1
+    assert 0.9 < float(extra.std()) < 1.1 and abs(float(extra.mean())) < 0.05  # a fresh N(0, I) per element
+    objective = build_objective(state.cfg.diffusion)
+    noised = objective.noised(b.x0, b.levels, b.noise, b.input_noise)
+    assert torch.equal(noised.input, q_sample(b.x0, b.levels, b.input_noise, objective.alpha_bar))
+    assert torch.equal(noised.target, prediction_target(prediction, b.x0, b.noise, objective.alpha_bar[b.levels]))
+    assert not torch.equal(noised.input, objective.noised(b.x0, b.levels, b.noise).input)
+    # the step's loss is computed on the perturbed input: the network sees it
+    seen = []
+    net = lambda x, cond, condition: seen.append(x) or torch.zeros_like(x)  # noqa: E731
+    from difftrain.diffusion.objective import per_sample_loss
+
+    per_sample_loss(objective, net, b.x0, None, b.levels, b.noise, None, b.input_noise)
+    assert torch.equal(seen[0], noised.input)
+
+
+def test_noise_offset_and_input_perturbation_both_on_draw_in_a_fixed_order():
+    # offset first, then the perturbation, which perturbs the offset noise: a resume redraws both alike
+    both, _ = _micro_batch(["diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1"])
+    offset, _ = _micro_batch(["diffusion.noise_offset=0.1"])
+    again, _ = _micro_batch(["diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1"])
+    assert torch.equal(both.noise, offset.noise)
+    assert torch.equal(both.input_noise, again.input_noise) and not torch.equal(both.input_noise, both.noise)
+
+
+def test_the_captured_step_copies_each_new_micro_batch_into_its_static_buffers():
+    # (CPU-checkable part of the CUDA graph step: the replayed graph reads these buffers.)
+    from difftrain.training.step import MicroBatch
+
+    def batch(seed: int, perturbed: bool) -> MicroBatch:
+        g = torch.Generator().manual_seed(seed)
+        x0, noise = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
+        return MicroBatch(x0, None, torch.randint(0, 10, (2,), generator=g), noise, noise + 0.1 if perturbed else None)
+
+    for perturbed in (False, True):
+        step = CapturedStep.__new__(CapturedStep)  # no CUDA needed for the copying
+        step.static = None
+        step._copy_in([batch(0, perturbed)])
+        buffers = [t.data_ptr() for t in (step.static[0].x0, step.static[0].noise)]
+        step._copy_in([batch(1, perturbed)])
+        new = batch(1, perturbed)
+        assert [t.data_ptr() for t in (step.static[0].x0, step.static[0].noise)] == buffers
+        for name in ("x0", "levels", "noise", "input_noise"):
+            ours, want = getattr(step.static[0], name), getattr(new, name)
+            assert (ours is None and want is None) or torch.equal(ours, want), name

@@ -46,7 +46,8 @@ LOSS_WEIGHTINGS: dict[str, Callable[[Tensor, str, float], Tensor]] = {
 
 
 def loss_weight(weighting: str, alpha_bar_t: Tensor, prediction: str, min_snr_gamma: float = 5.0) -> Tensor:
-    """Per-sample loss weight, (B,) float32, for timesteps with alpha_bar_t: (B,) in (0, 1).
+    """Per-sample loss weight, (B,) float32, for timesteps with alpha_bar_t: (B,) in [0, 1); finite
+    at alpha_bar_t = 0 (zero terminal SNR), where min-SNR gives v and x0 the weight 0.
 
     ``prediction`` is the trained target (one of PREDICTIONS); only "min_snr" depends on it.
     """

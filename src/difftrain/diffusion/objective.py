@@ -17,6 +17,7 @@ Every objective has the same methods:
     bucket(levels, num_buckets) -> (n,) long            the bucket of each level
     quantile(u) -> (n,)                                 the level at probability u (u: (n,) in (0, 1))
     noised(x0, levels, noise) -> Noised                 network input, cond, target, weight
+                                                        (DDPM's also takes input_noise: input perturbation)
     x0_hat(noised, out, levels) -> (B, C, H, W)         the denoised image from the network output
     sample(network, x_T, sampler, steps, generator)     x_0 from the network, with ``samplers``
 
@@ -38,7 +39,7 @@ from difftrain.diffusion.interface import Network, Noised, Objective
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
 from difftrain.diffusion.process import check_prediction, coefficient_table, mix, target_from, to_x0_and_eps
 from difftrain.diffusion.samplers import SAMPLER_NFE, SAMPLERS, karras_timesteps, sampling_timesteps
-from difftrain.diffusion.schedules import alpha_bar_schedule
+from difftrain.diffusion.schedules import alpha_bar_schedule, rescale_zero_terminal_snr
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_SAMPLERS", "DDPMObjective", "EDMObjective", "FlowObjective", "Network", "Noised", "Objective",
            "build_objective", "per_sample_loss", "sampler_names"]
@@ -53,6 +54,8 @@ class DDPMObjective:
         schedule: a key of ``SCHEDULES``; ``num_timesteps``: T.
         prediction: "epsilon", "v" or "x0"; ``loss_weighting``: a key of ``LOSS_WEIGHTINGS``.
         sigma_min, sigma_max, rho: the sigma grid "heun" walks (see ``karras_timesteps``).
+        zero_terminal_snr: rescale alpha_bar so that alpha_bar[T-1] = 0 (Lin et al. 2024; see
+            ``rescale_zero_terminal_snr``); refused with "epsilon", which has no x0 at SNR 0.
     """
 
     family = "ddpm"
@@ -61,9 +64,14 @@ class DDPMObjective:
 
     def __init__(self, schedule: str, num_timesteps: int, prediction: str, loss_weighting: str,
                  min_snr_gamma: float = 5.0, sigma_min: float = 0.002, sigma_max: float = 80.0,
-                 rho: float = 7.0):
+                 rho: float = 7.0, zero_terminal_snr: bool = False):
         check_prediction(prediction)
+        if zero_terminal_snr and prediction == "epsilon":
+            raise ValueError("zero terminal SNR needs v or x0 prediction: at alpha_bar = 0 the noise is the input "
+                             "and x0 cannot be recovered from it")
         self.alpha_bar = alpha_bar_schedule(schedule, num_timesteps)  # (T,) float64
+        if zero_terminal_snr:
+            self.alpha_bar = rescale_zero_terminal_snr(self.alpha_bar)
         self.num_timesteps = num_timesteps
         self.prediction = prediction
         self.loss_weighting = loss_weighting
@@ -107,15 +115,18 @@ class DDPMObjective:
         """(n,) long: bucket i holds t with (t * k) // T == i."""
         return (levels * num_buckets) // self.num_timesteps
 
-    def noised(self, x0: Tensor, levels: Tensor, noise: Tensor) -> Noised:
+    def noised(self, x0: Tensor, levels: Tensor, noise: Tensor, input_noise: Tensor | None = None) -> Noised:
         """x_t (DDPM eq. 4), the prediction target and the weighting at timesteps ``levels``:
         ``q_sample``, ``prediction_target`` and ``loss_weight`` bit for bit, from one gather of
-        the per-timestep table."""
+        the per-timestep table. ``input_noise`` (B, C, H, W), if given, makes x_t in place of
+        ``noise``, which still makes the target: input perturbation (Ning et al. 2023)."""
         if noise.shape != x0.shape:
             raise ValueError(f"noise shape {tuple(noise.shape)} differs from x0 shape {tuple(x0.shape)}")
+        if input_noise is not None and input_noise.shape != x0.shape:
+            raise ValueError(f"input_noise shape {tuple(input_noise.shape)} differs from x0 shape {tuple(x0.shape)}")
         rows = self._table(x0.dtype, levels.device).index_select(1, levels)  # (3, B)
         signal, sigma = rows[:2].reshape(2, -1, *([1] * (x0.ndim - 1)))  # (B, 1, ..., 1) each
-        x_t = mix(x0, noise, signal, sigma)
+        x_t = mix(x0, noise if input_noise is None else input_noise, signal, sigma)
         target = target_from(self.prediction, x0, noise, signal, sigma)
         return Noised(x_t, levels, target, rows[2].float())
 
@@ -158,7 +169,7 @@ def build_objective(diffusion) -> Objective:
 # name -> builder from cfg.diffusion; feeds the config's choices. Each family reads its own keys.
 OBJECTIVES: dict[str, Callable[..., Objective]] = {
     "ddpm": lambda d: DDPMObjective(d.schedule, d.num_timesteps, d.prediction, d.loss_weighting, d.min_snr_gamma,
-                                    d.sigma_min, d.sigma_max, d.rho),
+                                    d.sigma_min, d.sigma_max, d.rho, d.zero_terminal_snr),
     "edm": lambda d: EDMObjective(d.edm_sigma_data, d.edm_p_mean, d.edm_p_std, d.sigma_min, d.sigma_max, d.rho),
     "flow": lambda d: FlowObjective(d.flow_logit_mean, d.flow_logit_std, d.flow_shift),
 }
@@ -182,14 +193,16 @@ def per_sample_loss(
     levels: Tensor,
     noise: Tensor,
     autocast: contextlib.AbstractContextManager | None = None,
+    input_noise: Tensor | None = None,
 ) -> Tensor:
     """The training loss of each sample, (B,) float32: ``net(input, cond, condition)`` (under
     ``autocast``, when given) regressed onto the objective's target with its weight.
 
     x0, noise: (B, C, H, W); condition: class labels (B,) long, text embeddings (B, L, D) or None;
-    levels: (B,) from ``draw_levels``.
+    levels: (B,) from ``draw_levels``; input_noise: (B, C, H, W) with input perturbation (DDPM
+    only: the input is noised with it, the target made from ``noise``), else None.
     """
-    b = objective.noised(x0, levels, noise)
+    b = objective.noised(x0, levels, noise) if input_noise is None else objective.noised(x0, levels, noise, input_noise)
     with autocast or contextlib.nullcontext():
         out = net(b.input, b.cond, condition)
     return diffusion_loss(out, b.target, b.weight)

@@ -108,7 +108,9 @@ def to_x0_and_eps(
     1 / sqrt(ab)), and eps from x0 as alpha_bar -> 1 (like 1 / sqrt(1 - ab)); that is inherent to
     the parameterization, and v is well conditioned at both ends.
 
-    model_out, x_t: (B, C, H, W); alpha_bar_t: (B,) in (0, 1).
+    model_out, x_t: (B, C, H, W); alpha_bar_t: (B,) in [0, 1). "v" and "x0" are finite at
+    alpha_bar_t = 0 (zero terminal SNR); "epsilon" is not (x0 is not recoverable from the noise
+    alone there), which is why ``DDPMObjective`` refuses that combination.
     Returns two (B, C, H, W) tensors in float32, or float64 if either input is float64.
     """
     check_prediction(prediction)

@@ -6,8 +6,9 @@ Every sampler is
 
 with denoiser(x_t: (B, C, H, W), t: (B,) long) -> x0_hat: (B, C, H, W), the predicted clean
 image; x_T: (B, C, H, W) noise at timesteps[0]; timesteps: (N,) long, strictly descending in
-[0, T); alpha_bar: (T,) float64. The state is kept in float32 whatever precision the denoiser
-runs in, coefficients are formed in float64 and the last step returns the denoiser's x0_hat
+[0, T); alpha_bar: (T,) float64 in [0, 1) (0 at T - 1 under zero terminal SNR, which every
+sampler handles). The state is kept in float32 whatever precision the denoiser runs in,
+coefficients are formed in float64 and the last step returns the denoiser's x0_hat
 (no noise is added after timesteps[-1], i.e. alpha_bar before the first step is taken as 1).
 Noise comes from torch.randn(..., generator=generator, device=x.device) (so the generator must
 live on x_T's device) and a seeded generator reproduces a sample exactly. ``generator`` may also
@@ -219,8 +220,9 @@ def ddim_sample(
 
 
 def _log_snr_half(ab: float) -> float:
-    """lambda = log(alpha / sigma) = 0.5 log(alpha_bar / (1 - alpha_bar)) (DPM-Solver's lambda_t)."""
-    return 0.5 * (math.log(ab) - math.log1p(-ab))
+    """lambda = log(alpha / sigma) = 0.5 log(alpha_bar / (1 - alpha_bar)) (DPM-Solver's lambda_t);
+    -inf at alpha_bar = 0 (zero terminal SNR)."""
+    return 0.5 * (math.log(ab) - math.log1p(-ab)) if ab > 0.0 else -math.inf
 
 
 def _dpmpp_multistep(
@@ -234,7 +236,8 @@ def _dpmpp_multistep(
         1st order: x_s = sigma_s / sigma_t x_t - alpha_s (e^{-h} - 1) D0                 (= DDIM)
         2M:        ... - 0.5 alpha_s (e^{-h} - 1) D1,  D1 = (D0 - D_prev) / r0,  r0 = h_prev / h
         3M:        ... + alpha_s ((e^{-h} - 1) / h + 1) D1 - alpha_s ((e^{-h} - 1 + h) / h^2 - 0.5) D2
-    The order ramps up over the first steps (one x0_hat of history per extra order). With
+    The order ramps up over the first steps (one x0_hat of history per extra order), and again
+    after a step from alpha_bar = 0 (zero terminal SNR, lambda = -inf), which is first order. With
     ``lower_order_final`` and fewer than 15 timesteps the second-to-last update drops to order 2
     (as DPM-Solver++ and diffusers do, for stability at few steps). The last timestep returns x0_hat.
     """
@@ -266,6 +269,8 @@ def _dpmpp_multistep(
                 d1 = d1_0 + (r0 / (r0 + r1)) * (d1_0 - d1_1)
                 d2 = (d1_0 - d1_1) / (r0 + r1)
                 x = x + (alpha_s * (phi1 / h + 1.0)) * d1 - (alpha_s * ((phi1 + h) / h**2 - 0.5)) * d2
+        if lam_t == -math.inf:  # from SNR 0 (h = inf, e^{-h} = 0) the step above is DDIM's; that x0_hat
+            history, lambdas = [], []  # lies infinitely far back in lambda: no higher-order difference uses it
     raise AssertionError("unreachable: timesteps is non-empty")
 
 
@@ -323,16 +328,21 @@ def heun_sample(
 
     ``DDPMObjective`` walks it on ``karras_timesteps`` (EDM's sigma grid, capped at sigma_max),
     not on the trailing grid. Two network evaluations per step between timesteps, one at the last
-    timestep, whose x0_hat is returned: 2N - 1 in all. Deterministic (``generator`` is unused); shapes as in the module
+    timestep, whose x0_hat is returned: 2N - 1 in all (2N - 2 when the grid starts at alpha_bar = 0,
+    sigma = inf, whose step is the Euler one alone). Deterministic (``generator`` is unused); shapes as in the module
     docstring.
     """
     x, steps, alpha_bars = _prepare(x_T, timesteps, alpha_bar)
     x0_hat = _predict_x0(denoiser, x, steps[0])
     for i in range(len(steps) - 1):
         ab_t, ab_s = alpha_bars[i], alpha_bars[i + 1]
-        sigma_t, sigma_s = math.sqrt((1.0 - ab_t) / ab_t), math.sqrt((1.0 - ab_s) / ab_s)
+        sigma_t = math.sqrt((1.0 - ab_t) / ab_t) if ab_t > 0.0 else math.inf  # inf: zero terminal SNR
+        sigma_s = math.sqrt((1.0 - ab_s) / ab_s)
         x_euler = math.sqrt((1.0 - ab_s) / (1.0 - ab_t)) * x + math.sqrt(ab_s) * (1.0 - sigma_s / sigma_t) * x0_hat
         x0_next = _predict_x0(denoiser, x_euler, steps[i + 1])
+        if sigma_t == math.inf:  # from sigma = inf the Euler step is DDIM's and there is no trapezoid: keep it
+            x, x0_hat = x_euler, x0_next
+            continue
         correction = math.sqrt(ab_s) * (sigma_t - sigma_s) / (2.0 * sigma_s)
         x = x_euler + correction * (x0_next - x0_hat)
         x0_hat = _predict_x0(denoiser, x, steps[i + 1])

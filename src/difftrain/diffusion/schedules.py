@@ -6,6 +6,7 @@ Discrete time throughout: timesteps are integers t in [0, T), and
 
 so alpha_bar[0] = 1 - beta_0 < 1 and alpha_bar is strictly decreasing in (0, 1). Every schedule
 returns a CPU float64 tensor; callers cast (or move) once, where they use it.
+``rescale_zero_terminal_snr`` reshapes any of them so that alpha_bar[T-1] = 0 exactly.
 """
 
 from __future__ import annotations
@@ -124,6 +125,23 @@ def alpha_bar_schedule(name: str, num_timesteps: int) -> Tensor:
     if name not in SCHEDULES:
         raise ValueError(f"unknown noise schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](num_timesteps)
+
+
+def rescale_zero_terminal_snr(alpha_bar: Tensor) -> Tensor:
+    """Zero terminal SNR (Lin et al. 2024, "Common diffusion noise schedules and sample steps are
+    flawed", alg. 1): shift sqrt(alpha_bar) so that its last value is 0 and scale it so that its
+    first is kept, i.e. sqrt(alpha_bar'[t]) = (sqrt(alpha_bar[t]) - sqrt(alpha_bar[T-1]))
+    * sqrt(alpha_bar[0]) / (sqrt(alpha_bar[0]) - sqrt(alpha_bar[T-1])).
+
+    alpha_bar: (T,), strictly decreasing, T >= 2. Returns (T,) in its dtype, strictly decreasing,
+    with alpha_bar'[T-1] = 0 exactly (SNR 0: x_{T-1} is pure noise, which sampling starts from).
+    An epsilon-prediction network cannot give x0 there (x0 = (x_t - eps) / 0): train v or x0.
+    """
+    if alpha_bar.ndim != 1 or alpha_bar.shape[0] < 2:
+        raise ValueError(f"alpha_bar must have shape (T,) with T >= 2, got {tuple(alpha_bar.shape)}")
+    root = alpha_bar.sqrt()
+    first, last = root[0].clone(), root[-1].clone()
+    return ((root - last) * (first / (first - last))).square()
 
 
 def betas_from_alpha_bar(alpha_bar: Tensor) -> Tensor:

@@ -96,7 +96,7 @@ def train(
         (run_dir / "samples").mkdir(exist_ok=True)
         record_start(run_dir, cfg, device, dctx.world_size, state.step)  # config.toml once, history.jsonl always
         print(f"difftrain: {_start_line(cfg, state, data, dctx)}")
-        for warning in _warnings(cfg):
+        for warning in _warnings(cfg, fresh=resumed_from is None):
             print(f"difftrain: warning: {warning}", file=sys.stderr)
     d = cfg.data
     loader = build_loader(
@@ -311,10 +311,16 @@ def _condition_text(cfg: Config, state: RunState) -> str:
     return "".join(f", {p}" for p in parts)
 
 
-def _warnings(cfg: Config) -> list[str]:
-    """Settings that are valid but probably not what was meant."""
+def _warnings(cfg: Config, fresh: bool) -> list[str]:
+    """Settings that are valid but probably not what was meant; in a new run, a model.init_from
+    trained with another prediction (or schedule, ...) than this run's, which it switches."""
+    from difftrain.interop import init_source_changes
+
     o, tc = cfg.optim, cfg.train
-    out = []
+    out = init_source_changes(cfg) if fresh else []
+    if cfg.diffusion.zero_terminal_snr and cfg.diffusion.loss_weighting == "min_snr":
+        out.append("diffusion.loss_weighting='min_snr' weighs the last timestep (SNR 0) by min(SNR, gamma) = 0: "
+                   "diffusion.zero_terminal_snr then never trains the step that sampling starts from")
     if o.warmup_steps >= tc.total_steps:
         out.append(f"optim.warmup_steps={o.warmup_steps:,} is not shorter than train.total_steps={tc.total_steps:,}: "
                    "the learning rate never reaches optim.lr")

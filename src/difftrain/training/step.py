@@ -37,15 +37,17 @@ class MicroBatch:
     x0: torch.Tensor  # (B, C, H, W): images, or latents in a latent run
     condition: torch.Tensor | None  # labels (B,) / text embeddings (B, L, D), dropped rows null; None when unconditional
     levels: torch.Tensor  # (B,) noise levels (DDPM: timesteps)
-    noise: torch.Tensor  # (B, C, H, W)
+    noise: torch.Tensor  # (B, C, H, W): the target's noise (offset noise included)
+    input_noise: torch.Tensor | None = None  # (B, C, H, W): the network input's noise, with input perturbation
     weight: torch.Tensor | None = None  # (B,) per-sample loss weights (DreamBooth's prior); None: all 1
 
 
 def draw_micro_batch(
     state: RunState, objective: Objective, x0: torch.Tensor, second, micro: int, dctx: DistContext,
 ) -> MicroBatch:
-    """Move a loaded micro-batch to the device and draw its noise levels, noise, condition dropout
-    and (latent runs) the latents from their cached distribution.
+    """Move a loaded micro-batch to the device and draw its noise levels, noise, condition dropout,
+    (latent runs) the latents from their cached distribution, and then, only where their keys are
+    on, the offset noise and the input perturbation (so that runs without them draw what they did).
 
     x0: (B, C, H, W) images in [-1, 1], or (B, 2c, h, w) latent means and stds (``data/latents.py``);
     second: labels (B,) long or captions (B strings), turned into the network's condition by
@@ -71,7 +73,14 @@ def draw_micro_batch(
 
         eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         x0 = sample_latents(x0, eps, c.codec)
-    return MicroBatch(x0, condition, levels, noise, weight)
+    dc, input_noise = cfg.diffusion, None
+    if dc.noise_offset > 0:  # offset noise (Guttenberg 2023): one constant per (sample, channel)
+        offset = distributed.rank_rows(torch.randn((n, shape[0], 1, 1), device=device, generator=gen), dctx)
+        noise = noise + dc.noise_offset * offset
+    if dc.input_perturbation > 0:  # input perturbation (Ning et al. 2023): x_t from more noise, target from `noise`
+        extra = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
+        input_noise = noise + dc.input_perturbation * extra
+    return MicroBatch(x0, condition, levels, noise, input_noise, weight)
 
 
 class StepMetrics:
@@ -142,7 +151,8 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     step_loss = torch.zeros((), device=batches[0].x0.device)
     for micro, b in enumerate(batches):
         with distributed.sync_gradients(net, sync=micro == accum - 1):
-            per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast())
+            per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast(),
+                                         b.input_noise)
             if b.weight is not None:
                 per_sample = per_sample * b.weight
             loss = per_sample.mean() / accum
@@ -232,10 +242,10 @@ class CapturedStep:
 
     def _copy_in(self, micro: list[MicroBatch]) -> None:
         if self.static is None:
-            self.static = [MicroBatch(*(None if v is None else v.clone() for v in dataclasses.astuple(b))) for b in micro]
+            self.static = [MicroBatch(*(None if v is None else v.clone() for v in _fields(b))) for b in micro]
             return
         for dst, src in zip(self.static, micro):
-            for d, s in zip(dataclasses.astuple(dst), dataclasses.astuple(src)):
+            for d, s in zip(_fields(dst), _fields(src)):
                 if d is not None:
                     d.copy_(s, non_blocking=True)
 
@@ -288,6 +298,12 @@ class CapturedStep:
             self._body(state, metrics)
         torch.manual_seed(dropout_seed)  # the replay draws the dropout masks the eager step would
         self.graph.replay()
+
+
+def _fields(b: MicroBatch) -> tuple:
+    """The micro-batch's tensors themselves, in field order (``dataclasses.astuple`` deep-copies
+    them, so copying into its result never reached the graph's static buffers)."""
+    return tuple(getattr(b, f.name) for f in dataclasses.fields(b))
 
 
 def _state_tensors(state: RunState) -> list[torch.Tensor]:
