@@ -286,9 +286,9 @@ def test_estimate_counts_the_adapter_as_what_trains(lora_run):
     lora = estimate(cfg, batch_size=2)
     object.__setattr__(cfg.lora, "rank", 0)
     full = estimate(cfg, batch_size=2)
-    assert lora["parameters"] > full["parameters"] == full["trained_parameters"] > 50 * lora["trained_parameters"]
+    assert lora["parameters"] > full["parameters"] == full["trained_parameters"] > 10 * lora["trained_parameters"]
     for key in ("grads_mib", "optimizer_mib", "ema_mib"):  # the frozen base has none of these
-        assert lora[key] * 50 < full[key], key
+        assert lora[key] * 10 < full[key], key
     assert lora["params_mib"] > full["params_mib"]  # the base is there, plus the adapter
 
 
