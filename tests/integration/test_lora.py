@@ -84,6 +84,11 @@ def test_resume_refuses_another_base_in_one_line(tmp_path, tiny_overrides):
 
     cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides))
     train(cfg, tmp_path / "run", stop_at_step=2)
+    for setting, needle in (("lora.rank=2", "its adapter has rank 4, this config 2"),
+                            ("lora.rank=0", "it holds a LoRA adapter, but lora.rank is 0"),
+                            ("lora.target_modules=['to_q']", "its adapter has targets")):
+        with pytest.raises(ValueError, match=needle):
+            train(load_config(None, _sd_overrides(tmp_path, tiny_overrides, setting)), tmp_path / "run")
     other = write_tiny_sd_folder(tmp_path / "other", seed=1)
     shutil.rmtree(tmp_path / "sd" / "unet")
     shutil.copytree(other / "unet", tmp_path / "sd" / "unet")  # the same folder, another UNet
