@@ -283,7 +283,7 @@ class LoraConfig(_Section):
     # (a UNet2DConditionModel's to_q, to_k, to_v, to_out.0; difftrain's UNet's q, k, v, proj_out)
     target_modules: tuple[str, ...] = ()
     include_conv: bool = False  # also adapt the residual blocks' convolutions (conv1, conv2)
-    init: Literal["gaussian", "default"] = "gaussian"  # A ~ N(0, 1/r) (diffusers' scripts) or peft's Kaiming-uniform; B = 0
+    init: Literal["gaussian", "default"] = "gaussian"  # A normal with std 1/r (diffusers' scripts) or peft's Kaiming-uniform; B = 0
 
 
 @dataclass
