@@ -206,14 +206,15 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     targets; base_source: where its weights came from (``model.init_from``). The adapter starts
     as peft starts it (A random from the global torch RNG, B zero: the network is the base).
     saved: the LoRA record of a checkpoint or adapter file (``where``) to rebuild instead: its
-    settings are used, and ``base`` must be the base it was trained on (one ValueError if not).
+    rank, alpha and targets are used (a resume may change lora.dropout), and ``base`` must be
+    the base it was trained on (one ValueError if not).
     """
     peft = import_peft()
     targets = target_modules(lora_cfg, base_record["kind"])
     rank, alpha, dropout = lora_cfg.rank, lora_cfg.alpha or float(lora_cfg.rank), lora_cfg.dropout
     if saved is not None:
         s = saved["lora"]
-        targets, rank, alpha, dropout = list(s["targets"]), int(s["rank"]), float(s["alpha"]), float(s["dropout"])
+        targets, rank, alpha = list(s["targets"]), int(s["rank"]), float(s["alpha"])  # dropout: the config's
     _check_targets(base, targets, rank)
     digest = base_digest(base)
     if saved is not None and digest != saved["base_digest"]:
