@@ -72,11 +72,20 @@ def test_lora_checkpoint_holds_the_adapter_and_the_base_digest_and_trains_only_i
 
 def test_lora_run_resumes_exactly(tmp_path, tiny_overrides):
     cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides, "lora.dropout=0.1", "validation.every_steps=3",
-                                          f"validation.prompts=['{PROMPT}']", "data.heldout_fraction=0.1"))
+                                          f"validation.prompts=['{PROMPT}']", "data.heldout_fraction=0.1",
+                                          "ema.posthoc_std=[0.1]"))
     train(cfg, tmp_path / "straight")
     train(cfg, tmp_path / "resumed", stop_at_step=3)
     assert train(cfg, tmp_path / "resumed").step == 6
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    posthoc = ckpt.load_checkpoint(tmp_path / "straight")["posthoc_ema"]["models"][0]
+    assert posthoc and all("lora_" in k for k in posthoc)  # the power EMAs average the adapter alone
+    from difftrain.cli import main
+
+    out = tmp_path / "posthoc.pt"
+    assert main(["posthoc-ema", str(tmp_path / "straight"), "--std", "0.1", "--out", str(out)]) == 0
+    images = generate_images(load_model(out, device="cpu"), 1, steps=2, prompt=PROMPT)
+    assert torch.isfinite(images).all()
 
 
 def test_resume_refuses_another_base_in_one_line(tmp_path, tiny_overrides):
