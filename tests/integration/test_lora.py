@@ -319,3 +319,24 @@ def test_lora_trains_on_cuda_with_the_captured_step_and_compile(tmp_path, tiny_o
     assert any(t.abs().sum() > 0 for n, t in state["ema"]["model"].items() if "lora_B" in n)  # the EMA moved too
     images = generate_images(load_model(tmp_path / "run", device="cuda"), 2, steps=3, prompt=PROMPT)
     assert torch.isfinite(images).all()
+
+
+@pytest.mark.slow
+def test_lora_under_torchrun_matches_one_process(tmp_path, tiny_overrides):
+    """2 processes (gloo) of 4 images against 1 of 8: the same adapter (DDP leaves the frozen base alone)."""
+    import os
+    import subprocess
+    import sys
+
+    sets = _sd_overrides(tmp_path, tiny_overrides, "train.total_steps=4", "train.device=cpu",
+                         "tracking.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}")
+    for run_dir, nproc, batch in (("one", 1, 8), ("two", 2, 4)):
+        args = ["-m", "difftrain", "train", "--run-dir", str(tmp_path / run_dir),
+                *[a for kv in sets + [f"train.batch_size={batch}"] for a in ("--set", kv)]]
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+        proc = subprocess.run([sys.executable, *launcher, *args], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    one, two = (ckpt.load_checkpoint(tmp_path / r)["model"] for r in ("one", "two"))
+    assert set(one) == set(two) and all("lora_" in k for k in one)
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5  # float rounding of the all-reduce
