@@ -61,7 +61,8 @@ def _data_check(args: argparse.Namespace) -> int:
                                     caption_column=args.caption_column)
         for path, reason in folder.bad_captions.items():
             report.bad.setdefault(path, f"caption: {reason}")
-    print(json.dumps(report.__dict__, indent=2) if args.json else report.summary())
+    as_json = {**report.__dict__, "bad": report.bad_entries}  # a folder that cannot be listed is bad too
+    print(json.dumps(as_json, indent=2) if args.json else report.summary())
     return EXIT_PROBLEMS_FOUND if report.bad or report.unreadable_folders else 0
 
 
@@ -529,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
 def input_error(e: BaseException) -> str | None:
     """The message for an error caused by the input (config, data, checkpoint, disk, memory),
     or None for anything else: a bug."""
+    from difftrain.runtime.optional import MissingDependency
     from difftrain.training.checkpoint import CheckpointWriteError
     from difftrain.training.loop import TrainingDiverged
 
@@ -542,17 +544,17 @@ def input_error(e: BaseException) -> str | None:
         )
     if isinstance(e, OSError):
         return _describe_os_error(e)
-    if isinstance(e, (ConfigError, ValueError, CheckpointWriteError, TrainingDiverged)):
+    if isinstance(e, (ConfigError, ValueError, CheckpointWriteError, TrainingDiverged, MissingDependency)):
         return _unwrap_worker_error(str(e))
     return None
 
 
 def _is_out_of_memory(e: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    if isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
-        return True
-    # The CPU allocator raises a plain RuntimeError.
-    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    if "torch" not in sys.modules:
+        return isinstance(e, MemoryError)
+    from difftrain.runtime.device import is_out_of_memory
+
+    return is_out_of_memory(e)
 
 
 def _describe_os_error(e: OSError) -> str:

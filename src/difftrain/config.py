@@ -204,7 +204,7 @@ class TrainConfig(_Section):
     compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
     channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA and CPU)
     tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
-    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: on for CUDA)
+    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: off; on: CUDA only, unmeasured)
 
 
 @dataclass
@@ -433,11 +433,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         _apply(cfg, data, str(path))
+        chosen = {f"{section}.{key}" for section, values in data.items() for key in values}
+    else:
+        chosen = set()
     for text in overrides:
         section, key, value = parse_override(text)
         _apply(cfg, {section: {key: value}}, f"--set {text}")
+        chosen.add(f"{section}.{key}")
+    _follow_objective(cfg, chosen)
     validate(cfg)
     return cfg
+
+
+# Keys whose default is the objective's: DDPM's samplers are not EDM's or flow's.
+OBJECTIVE_DEFAULT_KEYS = ("validation.sampler", "evaluation.fid_sampler")
+
+
+def _follow_objective(cfg: Config, chosen: set[str]) -> None:
+    """Give each of :data:`OBJECTIVE_DEFAULT_KEYS` that the preset and the ``--set`` options do
+    not name (``chosen``) the default of ``diffusion.objective``, so that switching the
+    objective is one option; a value that was chosen is kept, and checked by :func:`validate`."""
+    from difftrain.diffusion.objective import DEFAULT_SAMPLERS  # local, like MODEL_PRESETS
+
+    for dotted in OBJECTIVE_DEFAULT_KEYS:
+        if dotted not in chosen:
+            section, key = dotted.split(".")
+            object.__setattr__(getattr(cfg, section), key, DEFAULT_SAMPLERS[cfg.diffusion.objective])
 
 
 def config_from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
@@ -515,9 +536,10 @@ def _check_objective(cfg: Config) -> None:
     _check(not (dc.zero_terminal_snr and dc.prediction == "epsilon"),
            "diffusion.zero_terminal_snr needs diffusion.prediction='v' (or 'x0'): epsilon has no x0 at SNR 0")
     names = OBJECTIVE_SAMPLERS[dc.objective]
-    for key, sampler in (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler)):
-        _check(sampler in names, f"{key} must be one of {', '.join(names)} for diffusion.objective={dc.objective!r}, "
-                                 f"got {sampler!r}")
+    samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
+    bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message
+    _check(not bad, f"{' and '.join(bad)}: diffusion.objective={dc.objective!r} samples with "
+                    f"{', '.join(names)} only (left unset, these keys take its default)")
 
 
 def _check_text(cfg: Config) -> None:
@@ -585,7 +607,10 @@ def validate(cfg: Config) -> None:
     _check(m.dropout is None or 0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
     _check(0 <= m.class_dropout < 1, f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
     _check_text(cfg)
-    _check(cfg.diffusion.num_timesteps >= 2, f"diffusion.num_timesteps must be >= 2, got {cfg.diffusion.num_timesteps}")
+    # The network sees t in float32, whose integers are exact up to 2**24: more steps are not distinct.
+    _check(2 <= cfg.diffusion.num_timesteps <= 2**24,
+           f"diffusion.num_timesteps must be in [2, 2**24 = 16,777,216] (timesteps are float32 in the network), "
+           f"got {cfg.diffusion.num_timesteps}")
     _check(cfg.diffusion.min_snr_gamma > 0, f"diffusion.min_snr_gamma must be > 0, got {cfg.diffusion.min_snr_gamma}")
     _check_objective(cfg)
     _check(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
@@ -725,6 +750,20 @@ ARCHITECTURE_KEYS = (
     "diffusion.prediction",
     "diffusion.edm_sigma_data",
 )
+
+
+def unknown_keys(data: dict[str, Any]) -> list[str]:
+    """The sections and ``section.key`` names of a stored config (:func:`config_to_dict` output)
+    that this version's :class:`Config` does not have, as ``--set`` would refuse them."""
+    sections = _hints(Config)
+    unknown = []
+    for name, values in data.items():
+        if name not in sections:
+            unknown.append(f"section {name!r}" + (f" ({', '.join(f'{name}.{k}' for k in values)})" if values else ""))
+        else:
+            fields = _hints(sections[name])
+            unknown += [f"key {name}.{k}" for k in values if k not in fields]
+    return unknown
 
 
 def _flatten(data: dict[str, Any]) -> dict[str, Any]:

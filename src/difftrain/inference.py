@@ -13,7 +13,7 @@ from difftrain.conditioning import Conditioning, moved_parts
 from difftrain.config import Config, config_from_dict
 from difftrain.diffusion.objective import Objective, build_objective
 from difftrain.runtime.device import resolve_device
-from difftrain.sampling import generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
+from difftrain.sampling import GRID_NAME, GRID_TEXT, generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
 from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.runtime.progress import CountProgress
 from difftrain.training.state import build_network
@@ -170,7 +170,8 @@ def sample_to_folder(
     progress: bool = False,
     **sampler_options,
 ) -> Path:
-    """Write ``num`` images as ``out_dir/NNNNNN.png`` plus ``out_dir/grid.png``; return the grid.
+    """Write ``num`` images as ``out_dir/NNNNNN.png`` plus ``out_dir/grid.png`` (marked, so that
+    ``difftrain fid`` / ``eval`` of ``out_dir`` read the samples alone); return the grid.
     With ``progress``, a progress line with rate and ETA on stderr."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -180,6 +181,6 @@ def sample_to_folder(
     pixels = to_uint8(images)
     for i, image in enumerate(pixels):
         save_png(image, out_dir / f"{i:06d}.png")
-    grid_path = out_dir / "grid.png"
-    save_png(make_grid(pixels), grid_path)
+    grid_path = out_dir / GRID_NAME
+    save_png(make_grid(pixels), grid_path, text=GRID_TEXT)  # marked: fid and eval of out_dir leave it out
     return grid_path

@@ -147,6 +147,29 @@ def make_grid(images: np.ndarray, ncols: int | None = None, pad: int = 2) -> np.
     return grid
 
 
-def save_png(image: np.ndarray, path: Path) -> None:
-    """Save an (H, W, C) uint8 array (C = 1 or 3) as PNG."""
-    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)
+# The grid `difftrain sample` writes among its samples carries this PNG text chunk, so that
+# `fid` and `eval`, which read every image of a folder, leave it out (it is not a sample).
+GRID_NAME = "grid.png"
+GRID_TEXT = ("difftrain", "grid of the samples beside it")
+
+
+def save_png(image: np.ndarray, path: Path, text: tuple[str, str] | None = None) -> None:
+    """Save an (H, W, C) uint8 array (C = 1 or 3) as PNG, with one (key, value) text chunk if given."""
+    info = None
+    if text is not None:
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        info.add_text(*text)
+    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path, pnginfo=info)
+
+
+def is_sample_grid(path: Path) -> bool:
+    """Whether ``path`` is the grid `difftrain sample` wrote (by its name and text chunk)."""
+    if path.name != GRID_NAME:
+        return False
+    try:
+        with Image.open(path) as img:
+            return img.info.get(GRID_TEXT[0]) == GRID_TEXT[1]
+    except OSError:
+        return False

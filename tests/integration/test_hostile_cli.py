@@ -206,3 +206,20 @@ def _tiny() -> list[str]:
     from tests.conftest import TINY_OVERRIDES
 
     return TINY_OVERRIDES + ["validation.every_steps=0", "tracking.tensorboard=false"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["validation.num_images=1000000000", "validation.every_steps=3"], "validation.num_images=1000000000"),
+    (["diffusion.num_timesteps=2000000000"], "diffusion.num_timesteps"),
+    (["data.heldout_fraction=0.9999"], "data.heldout_fraction=0.9999"),
+    (["data.cache=true", "data.cache_dir=/proc/nope", "data.path=FOLDER"], "data.cache_dir=/proc/nope"),
+], ids=["num_images", "num_timesteps", "heldout_fraction", "cache_dir"])
+def test_an_error_caused_by_an_option_names_it(tmp_path, tiny_overrides, capsys, overrides, key):
+    """Each of these ended in a message without the key: out of memory, fewer images (2 of the
+    built-in 20,000) than the batch, ENOENT of a folder."""
+    data = _folder(tmp_path / "d", 16)
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for o in tiny_overrides + ["tracking.tensorboard=false"] + [o.replace("FOLDER", str(data)) for o in overrides]:
+        args += ["--set", o]
+    assert main(args) == EXIT_BAD_INPUT
+    assert key in _one_error_line(capsys.readouterr().err)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -62,12 +63,13 @@ def test_mlflow_local_store(tmp_path, tiny_overrides, monkeypatch):
 
 
 def test_a_chosen_tracker_that_is_missing_names_the_option(tmp_path, tiny_overrides, monkeypatch):
-    import importlib.util
+    from difftrain.runtime.optional import MissingDependency
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    for name in [m for m in sys.modules if m == "wandb" or m.startswith("wandb.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, as when not installed
     cfg = load_config(None, tiny_overrides + ["tracking.wandb=true"])
-    with pytest.raises(ValueError, match="tracking.wandb"):
+    with pytest.raises(MissingDependency, match=r"tracking.wandb=true .*pip install 'difftrain\[tracking\]'"):
         train(cfg, tmp_path)
 
 

@@ -109,6 +109,29 @@ def test_a_second_signal_inside_a_checkpoint_write_exits_at_once_and_keeps_the_o
     assert ckpt.load_checkpoint(run)["step"] == 2
 
 
+def test_a_double_ctrl_c_to_the_process_group_with_loader_workers_exits_130_with_one_line(tmp_path, tiny_overrides):
+    """The second Ctrl-C reaches the workers too: they leave stopping to the main process (they
+    used to exit on it, and the main process then raised "DataLoader worker exited unexpectedly",
+    exit 70 with a traceback)."""
+    overrides = tiny_overrides + ["train.total_steps=10000", "validation.every_steps=0", "tracking.tensorboard=false",
+                                  "data.num_workers=2"]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run)] + [x for o in overrides for x in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), ckpt.PAUSE_ENV: "2"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    ckpt_dir = run / "checkpoints"
+    _wait_for(lambda: (ckpt_dir / "latest").exists(), proc)  # step 2 is complete
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the save of the stop pauses inside its write
+    _wait_for(lambda: any(ckpt_dir.glob(".step_*.tmp")), proc)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C again: stop now
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.count("second signal") == 1 and err.count("SIGINT received") == 1, err
+    assert "Traceback" not in err and "internal error" not in err
+    assert ckpt.load_checkpoint(run)["step"] >= 2  # the newest complete checkpoint is intact
+
+
 def test_sigkill_campaign_short(tmp_path):
     """A short run of scripts/fault_injection.py (the full one: pytest -m slow, or the script)."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -155,8 +178,8 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, tiny_overrides, tmpfs
     run = tmp_path / "run"
     ckpt_dir = tmpfs(run / "checkpoints", "20m")
     cfg = load_config(None, tiny_overrides + ["checkpoint.on_write_error=continue", "validation.every_steps=0"])
-    result = train(cfg, run)
-    assert result.step == 6 and result.checkpoint is None  # went on, but the last save failed
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"last step, 6,.*/step_00000002.pt \(step 2\), 4 steps unsaved"):
+        train(cfg, run)  # went on, but the last save failed too: not a success
     err = capsys.readouterr().err
     assert "ENOSPC" in err and str(ckpt_dir) in err
     assert ckpt.load_checkpoint(run)["step"] == 2
@@ -166,6 +189,31 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, tiny_overrides, tmpfs
     with pytest.raises(ckpt.CheckpointWriteError, match=r"step 4 .*No space left on device"):
         train(stop, run)
     assert ckpt.load_checkpoint(run)["step"] == 2
+
+
+def test_a_run_whose_last_save_fails_too_exits_2_naming_the_newest_checkpoint_and_the_unsaved_steps(
+        tmp_path, tiny_overrides, monkeypatch, capsys):
+    """checkpoint.on_write_error=continue goes on past failed saves, but a run that ends without
+    its last checkpoint is no success for a job scheduler: exit 2, and the last line says what is lost."""
+    from difftrain import cli
+
+    real = ckpt.save_checkpoint
+
+    def disk_full_after_step_2(state, ckpt_dir, step, *args):
+        if step > 2:
+            raise OSError(28, "No space left on device", str(ckpt_dir / ckpt.checkpoint_name(step)))
+        return real(state, ckpt_dir, step, *args)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", disk_full_after_step_2)
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for o in tiny_overrides + ["checkpoint.on_write_error=continue", "validation.every_steps=0"]:
+        args += ["--set", o]
+    assert cli.main(args) == cli.EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("difftrain train: error: ") and "trained to step" not in captured.out
+    assert f"{tmp_path / 'run' / 'checkpoints' / 'step_00000002.pt'} (step 2), 4 steps unsaved" in last, last
+    assert ckpt.load_checkpoint(tmp_path / "run")["step"] == 2
 
 
 def test_read_only_checkpoint_folder_stops_cleanly(tmp_path, tiny_overrides, tmpfs):
@@ -291,6 +339,22 @@ def test_resume_lists_each_incompatible_key_and_each_allowed_change(tmp_path, ti
     for key in ("train.total_steps: checkpoint 6, now 8", "train.log_every_steps: checkpoint 2, now 4",
                 "data.num_workers: checkpoint 0, now 1"):
         assert f"resuming with a changed {key}" in out
+
+
+@pytest.mark.parametrize("extra", [{"augment": {}}, {"augment": {"mixup": 0.2}}, {"train": {"mixup": 0.2}}],
+                         ids=["empty section", "section", "key"])
+def test_a_checkpoint_whose_config_has_an_unknown_section_or_key_is_refused_naming_it(tmp_path, tiny_overrides, extra):
+    cfg = load_config(None, tiny_overrides + ["validation.every_steps=0"])
+    train(cfg, tmp_path, stop_at_step=2)
+    path = ckpt.find_checkpoint(tmp_path)
+    state = torch.load(path, weights_only=True)
+    for section, keys in extra.items():
+        state["config"].setdefault(section, {}).update(keys)
+    torch.save(state, path)
+    (name, keys), = extra.items()
+    named = f"{name}.{next(iter(keys))}" if keys else name
+    with pytest.raises(ValueError, match=rf"cannot resume from {path}: .*unknown .*{named}"):
+        train(cfg, tmp_path)
 
 
 # 7. Security ---------------------------------------------------------------------------------

@@ -123,3 +123,25 @@ def test_a_checkpoint_written_before_a_key_existed_reads_as_its_default():
     assert set(C.incompatible_keys(old, config_to_dict(load_config(None, ["diffusion.prediction=v",
                                                                           "diffusion.zero_terminal_snr=true"])))) \
         == {"diffusion.prediction", "diffusion.zero_terminal_snr"}
+
+
+def test_switching_the_objective_takes_one_option_and_only_chosen_samplers_can_conflict(tmp_path):
+    tiny = Path(__file__).parents[2] / "configs" / "tiny.toml"
+    for objective, sampler in (("ddpm", "ddim"), ("edm", "heun"), ("flow", "heun")):
+        cfg = load_config(tiny, [f"diffusion.objective={objective}"])
+        assert (cfg.validation.sampler, cfg.evaluation.fid_sampler) == (sampler, sampler), objective
+        resolved = tmp_path / f"{objective}.toml"  # config.toml names the samplers: a resume reads the same
+        resolved.write_text(config_to_toml(cfg))
+        assert load_config(resolved) == cfg
+    cfg = load_config(tiny, ["diffusion.objective=edm", "validation.sampler=euler"])  # a choice is kept
+    assert (cfg.validation.sampler, cfg.evaluation.fid_sampler) == ("euler", "heun")
+    # Every conflicting choice in one message; a key the user left alone is not one.
+    with pytest.raises(ConfigError) as e:
+        load_config(tiny, ["diffusion.objective=flow", "validation.sampler=ddim", "evaluation.fid_sampler=dpmpp_2m"])
+    assert "validation.sampler='ddim' and evaluation.fid_sampler='dpmpp_2m'" in str(e.value)
+    assert "euler, heun, midpoint" in str(e.value)
+    preset = tmp_path / "preset.toml"  # a preset that names the key chose it too
+    preset.write_text('[diffusion]\nobjective = "edm"\n[validation]\nsampler = "ddim"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(preset)
+    assert "validation.sampler='ddim'" in str(e.value) and "fid_sampler" not in str(e.value)

@@ -149,3 +149,40 @@ def test_the_scan_runs_in_worker_processes_and_is_reused_by_another_run(tmp_path
     (root / "good_0.png").write_bytes(b"changed")
     with pytest.raises(pytest.fail.Exception, match="scanned again"):
         check.cached_check(root, 16, tmp_path / "run3" / check.CACHE_NAME)
+
+
+def test_a_folder_that_cannot_be_listed_is_a_bad_entry_of_data_check(tmp_path):
+    """A real permission denial: chmod 000, and (as root, who reads everything) the check run
+    without the capabilities that bypass file permissions."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = tmp_path / "d"
+    (root / "locked").mkdir(parents=True)
+    for i in range(2):
+        _rgb(seed=i).save(root / f"{i}.png")
+    _rgb(seed=9).save(root / "locked" / "x.png")
+    (root / "locked").chmod(0)
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root, and no setpriv to drop the capabilities that ignore permissions")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    cmd = prefix + [sys.executable, "-m", "difftrain", "data", "check", str(root), "--resolution", "16", "--workers", "0"]
+    try:
+        text = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": src})
+        as_json = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": src})
+    finally:
+        (root / "locked").chmod(0o755)
+    if text.stderr.startswith("setpriv:"):
+        pytest.skip(f"cannot drop capabilities here: {text.stderr.strip()}")
+    assert text.returncode == 1, text.stderr
+    first = text.stdout.splitlines()[0]
+    assert "2 image files, 2 usable, 1 bad" in first, text.stdout
+    assert "bad: locked/ (folder, not searched): unreadable folder: Permission denied" in text.stdout
+    assert as_json.returncode == 1
+    assert json.loads(as_json.stdout)["bad"] == {"locked/": "unreadable folder: Permission denied"}

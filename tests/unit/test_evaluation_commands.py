@@ -18,7 +18,7 @@ from PIL import Image
 
 from difftrain import cli
 from difftrain.config import load_config
-from difftrain.evaluation import InceptionFeatures, WEIGHTS_ENV_VAR, statistics_from_images
+from difftrain.evaluation import InceptionFeatures, WEIGHTS_ENV_VAR, list_images, statistics_from_images
 from difftrain.evaluation.evaluate import describe, evaluate_checkpoint
 from difftrain.evaluation.reference import reference_statistics
 from difftrain.training.loop import train
@@ -195,3 +195,15 @@ def test_fid_during_training_and_eval_of_edm_and_flow(env, tiny_overrides, objec
     # eval defaults to the run's fid_sampler and reports the objective's NFE (flow's heun: 2N)
     result = evaluate_checkpoint(env / "run", num=4, sampler=None, steps=2, seed=1, ref_num=8, batch_size=4, kid=False)
     assert (result["sampler"], result["nfe"]) == (sampler, nfe) and np.isfinite(result["fid"])
+
+
+def test_fid_of_a_sample_folder_reads_the_samples_not_the_grid(env, trained_run, capsys):
+    out = env / "samples"
+    assert cli.main(["sample", "--checkpoint", str(trained_run), "--num", "3", "--steps", "2", "--out", str(out)]) == 0
+    assert (out / "grid.png").is_file()  # still written beside the samples, for a person to look at
+    assert cli.main(["fid", str(out), str(out), "--no-kid", "--json", str(env / "fid.json")]) == 0
+    result = json.loads((env / "fid.json").read_text())
+    assert result["num_samples"] == 3 and result["num_reference"] == 3, result
+    # A file of the user's own that happens to be called grid.png is an image like any other.
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(out / "grid.png")
+    assert len(list_images(out)) == 4

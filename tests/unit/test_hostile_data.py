@@ -150,7 +150,7 @@ def test_an_unreadable_subfolder_is_reported_not_skipped_silently(tmp_path, monk
     report = check_folder(root, 16)
     assert report.unreadable_folders == {"locked/": "unreadable folder: Permission denied"}
     assert main(["data", "check", str(root), "--resolution", "16"]) == 1
-    assert "not searched: locked/" in capsys.readouterr().out
+    assert "bad: locked/ (folder, not searched)" in capsys.readouterr().out
     prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
     assert "start\tlocked/\tunreadable folder" in (tmp_path / "run" / BAD_LOG_NAME).read_text()
     with pytest.raises(ValueError, match="unreadable folders"):

@@ -320,10 +320,13 @@ def test_timesteps_match_diffusers(spacing):
 @pytest.mark.parametrize("spacing", ["leading", "trailing"])
 @pytest.mark.parametrize("prediction", PREDICTIONS)
 @pytest.mark.parametrize("eta", [0.0, 1.0])
-def test_ddim_matches_diffusers(spacing, prediction, eta):
+@pytest.mark.parametrize("clip", [False, True])
+def test_ddim_matches_diffusers(spacing, prediction, eta, clip):
     # Conventions that make the two agree: set_alpha_to_one=True is our "last step returns x0_hat";
     # diffusers steps from t to t - T // steps, which is the next grid point only for "leading"
-    # and for "trailing" with steps dividing T, so "linspace" is not compared here.
+    # and for "trailing" with steps dividing T, so "linspace" is not compared here. With clip, the
+    # toy model's x0 leaves [-1, 1] at high noise; diffusers clamps it and keeps the model's own
+    # noise in the direction term (use_clipped_model_output=False), as ours does.
     diffusers = pytest.importorskip("diffusers")
     num_timesteps, steps = 1000, 50
     scheduler = diffusers.DDIMScheduler(
@@ -331,7 +334,7 @@ def test_ddim_matches_diffusers(spacing, prediction, eta):
         beta_start=1e-4,
         beta_end=0.02,
         beta_schedule="linear",
-        clip_sample=False,
+        clip_sample=clip,
         set_alpha_to_one=True,
         steps_offset=0,
         timestep_spacing=spacing,
@@ -355,7 +358,7 @@ def test_ddim_matches_diffusers(spacing, prediction, eta):
         x = scheduler.step(model_out, t, x, eta=eta, variance_noise=variance_noise).prev_sample
 
     denoiser = make_x0_denoiser(toy_model, alpha_bar, prediction, clip=False)
-    ours = ddim_sample(denoiser, x_T, timesteps, alpha_bar, torch.Generator().manual_seed(5), eta=eta)
+    ours = ddim_sample(denoiser, x_T, timesteps, alpha_bar, torch.Generator().manual_seed(5), eta=eta, clip=clip)
     torch.testing.assert_close(ours, x, rtol=1e-4, atol=1e-4)
 
 

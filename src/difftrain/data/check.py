@@ -58,11 +58,19 @@ class DataReport:
     def num_good(self) -> int:
         return self.num_files - len(self.bad)
 
+    @property
+    def bad_entries(self) -> dict[str, str]:
+        """The bad files and the folders that could not be listed (``dir/``), whose images
+        are in no count: what ``data check`` reports as bad."""
+        return {**self.bad, **self.unreadable_folders}
+
     def summary(self) -> str:
         """A few lines for a terminal."""
+        folders = len(self.unreadable_folders)
         lines = [
-            f"{printable(self.root)}: {self.num_files} image files, {self.num_good} usable, {len(self.bad)} bad "
-            f"(resolution {self.resolution})",
+            f"{printable(self.root)}: {self.num_files} image files, {self.num_good} usable, "
+            f"{len(self.bad_entries)} bad (resolution {self.resolution})"
+            + (f"; {folders} folders not searched, their images not counted" if folders else ""),
             "  modes:       " + _histogram(self.modes),
             "  formats:     " + _histogram(self.formats),
             "  short side:  " + _histogram(self.short_sides),
@@ -70,7 +78,7 @@ class DataReport:
         for path, reason in sorted(self.bad.items()):
             lines.append(f"  bad: {printable(path)}: {printable(reason)}")
         for path, reason in sorted(self.unreadable_folders.items()):
-            lines.append(f"  not searched: {printable(path)}: {printable(reason)}")
+            lines.append(f"  bad: {printable(path)} (folder, not searched): {printable(reason)}")
         return "\n".join(lines)
 
 

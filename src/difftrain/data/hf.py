@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from difftrain.runtime.files import cache_dir
+from difftrain.runtime.optional import require
 
 from .captions import BadCaption, CaptionTable
 from .records import EncodedImageDataset, labels_from_values
@@ -43,14 +44,7 @@ def is_hf_path(path: str) -> bool:
 
 
 def _require_datasets():
-    try:
-        import datasets
-    except ImportError as e:
-        raise ValueError(
-            "data.path names a Hugging Face dataset, which needs the datasets package: "
-            "pip install 'difftrain[hf]' (or pip install datasets)"
-        ) from e
-    return datasets
+    return require("datasets", "hf", "data.path (a Hugging Face dataset)")
 
 
 def load_hf_dataset(path: str):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
+from difftrain.runtime.files import cache_dir_error
+
 from .cache import with_decode_cache
 from .check import prepare_dataset
 from .loader import build_dataset
@@ -54,7 +56,10 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
         # The scan and the cache build decode in data.num_workers processes; both are reused by
         # later runs of the same folder (the scan keyed by its files, the cache by their contents).
         dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size, d.num_workers)
-        dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
+        try:
+            dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
+        except OSError as e:
+            raise cache_dir_error(e, d.cache_dir, "decode") from e
     train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False))
     if dreambooth:
         from difftrain.dreambooth import instance_dataset
@@ -62,7 +67,9 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
         train = instance_dataset(train, cfg)
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0
     if len(train) < cfg.train.batch_size:
+        held = (f" after data.heldout_fraction={d.heldout_fraction} held out {len(heldout)} of its {len(dataset)}"
+                if d.heldout_fraction > 0 else "")
         raise ValueError(
-            f"data.path {d.path} holds {len(train)} images, fewer than train.batch_size={cfg.train.batch_size}"
+            f"data.path {d.path} holds {len(train)} images{held}, fewer than train.batch_size={cfg.train.batch_size}"
         )
     return TrainingData(train, heldout, num_classes)

@@ -42,7 +42,7 @@ from difftrain.diffusion.samplers import SAMPLER_NFE, SAMPLERS, karras_timesteps
 from difftrain.diffusion.schedules import alpha_bar_schedule, rescale_zero_terminal_snr
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_SAMPLERS", "DDPMObjective", "EDMObjective", "FlowObjective", "Network", "Noised", "Objective",
-           "build_objective", "per_sample_loss", "sampler_names"]
+           "build_objective", "per_sample_loss", "sampler_names", "DEFAULT_SAMPLERS"]
 
 
 class DDPMObjective:
@@ -149,7 +149,8 @@ class DDPMObjective:
         """x_0 (B, C, H, W) float32 from x_T by ``sampler`` over ``steps`` timesteps: trailing ones
         (Lin et al. 2024), except for "heun", which walks the timesteps nearest EDM's sigma grid
         capped at sigma_max (the trailing grid starts at sigma ~ 2e4 on the cosine schedule).
-        ``clip``: clamp each x0 estimate to [-1, 1] (pixels; latents are not bounded so)."""
+        ``clip``: clamp each x0 estimate to [-1, 1] (pixels; latents are not bounded so), inside the
+        sampler, which keeps its noise estimate the network's own (``samplers._predict_clipped``)."""
         if sampler not in self.samplers:
             raise ValueError(f"sampler must be one of {', '.join(self.samplers)} for ddpm models, got {sampler!r}")
         if sampler == "heun":
@@ -158,7 +159,8 @@ class DDPMObjective:
             timesteps = sampling_timesteps(self.num_timesteps, steps)
         timesteps = timesteps.to(x_T.device)
         alpha_bar = self.alpha_bar.to(x_T.device)
-        return self.samplers[sampler](self.denoiser(network, alpha_bar, clip), x_T, timesteps, alpha_bar, generator, **options)
+        return self.samplers[sampler](self.denoiser(network, alpha_bar, clip=False), x_T, timesteps, alpha_bar, generator,
+                                      clip=clip, **options)
 
 
 def build_objective(diffusion) -> Objective:
@@ -178,6 +180,9 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
 OBJECTIVE_SAMPLERS: dict[str, tuple[str, ...]] = {
     "ddpm": tuple(DDPMObjective.samplers), "edm": tuple(EDMObjective.samplers), "flow": tuple(FlowObjective.samplers),
 }
+# name -> the sampler that validation.sampler and evaluation.fid_sampler take when no preset or
+# --set names them: DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow.
+DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun"}
 
 
 def sampler_names() -> list[str]:

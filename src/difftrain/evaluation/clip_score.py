@@ -25,6 +25,8 @@ import torch
 from PIL import Image
 from torch import nn
 
+from difftrain.runtime.optional import require
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's RGB normalisation
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 TOKENIZER_FILES = ("vocab.json", "merges.txt")  # CLIP's byte-level BPE files
@@ -126,6 +128,7 @@ class CLIPScorer(nn.Module):
     @classmethod
     def from_path(cls, folder: str | os.PathLike) -> CLIPScorer:
         """Load a transformers CLIPModel folder (config.json, weights, vocab.json, merges.txt)."""
+        require("transformers", "text", f"evaluation.clip_model={folder}")
         from transformers import CLIPModel, CLIPTokenizer
 
         root = Path(folder).expanduser()

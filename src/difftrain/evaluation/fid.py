@@ -181,14 +181,18 @@ def list_images(folder: str | os.PathLike) -> list[Path]:
     """Image files under folder (recursively), sorted, with an extension in IMAGE_EXTENSIONS.
 
     Names starting with "." are skipped, files and folders alike (macOS "._x.png" forks,
-    .ipynb_checkpoints), as difftrain.data does for training images.
+    .ipynb_checkpoints), as difftrain.data does for training images; so is the grid that
+    ``difftrain sample`` writes among its samples (``grid.png`` with its text chunk).
     """
+    from difftrain.sampling import is_sample_grid
+
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist or is not a folder")
     return sorted(p for p in root.rglob("*")
                   if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
-                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts)
+                  and not is_sample_grid(p))
 
 
 def _same_size_runs(images: list[torch.Tensor]) -> Iterable[torch.Tensor]:

@@ -87,7 +87,10 @@ def find_inception_weights(path: str | os.PathLike | None = None) -> Path:
         source = f"${WEIGHTS_ENV_VAR}"
         candidate = Path(os.environ[WEIGHTS_ENV_VAR]).expanduser()
     else:
-        spec = importlib.util.find_spec(FID_HELPER_PACKAGE)
+        try:
+            spec = importlib.util.find_spec(FID_HELPER_PACKAGE)
+        except ValueError:  # in sys.modules as None: import of it blocked
+            spec = None
         locations = list(spec.submodule_search_locations or []) if spec else []
         for location in locations:
             candidate = Path(location) / FID_HELPER_WEIGHTS

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from difftrain.runtime.optional import require
+
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
 # The "kind" of the network record checkpoints keep of a ConditionUNet (with its diffusers config).
 NETWORK_KIND = "diffusers.UNet2DConditionModel"
@@ -114,6 +116,7 @@ class ConditionUNet(nn.Module):
     def from_config(cls, config: dict) -> ConditionUNet:
         """The architecture of a UNet2DConditionModel config (``unet_config``), weights random,
         in float32."""
+        require("diffusers", "text", "a checkpoint of a diffusers UNet2DConditionModel")
         from diffusers import UNet2DConditionModel
 
         return cls(UNet2DConditionModel.from_config(dict(config)).float())
@@ -123,6 +126,7 @@ class ConditionUNet(nn.Module):
         """The UNet2DConditionModel of a UNet folder or of a Stable Diffusion folder (its
         ``unet/``), weights included, in float32; a ValueError naming the folder if it is not one
         or its weights do not load."""
+        require("diffusers", "text", f"model.init_from={path} (a diffusers UNet2DConditionModel)")
         from diffusers import UNet2DConditionModel
 
         folder = unet_folder(path)

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.runtime.optional import require
+
 BUILTIN_PREFIX = "builtin:"
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"  # CLIP's special tokens; EOS also pads
 END_OF_WORD = "</w>"  # CLIP's BPE marks the last symbol of a word with this suffix
@@ -163,6 +165,7 @@ class TextEncoder(nn.Module):
                 raise ValueError(f"text encoder {path}: unknown built-in; choices: {choices}")
             return BUILTIN_TEXT_ENCODERS[name]()
         model_dir, tokenizer_dir = text_model_folders(path)
+        require("transformers", "text", f"model.text_encoder={path}")
         from transformers import CLIPTextModel, CLIPTokenizer
         from transformers.utils import logging
 
@@ -242,6 +245,7 @@ def text_model_folders(path: str) -> tuple[Path, Path]:
 
 def clip_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], max_length: int):
     """A transformers CLIPTokenizer made in memory from a vocabulary and its merges."""
+    require("transformers", "text", "a text encoder (model.text_encoder)")
     from transformers import CLIPTokenizer
 
     return CLIPTokenizer(vocab=vocab, merges=list(merges), model_max_length=max_length)
@@ -272,6 +276,7 @@ def seeded_clip_weights(model: nn.Module, seed: int) -> None:
 def tiny_clip() -> TextEncoder:
     """``builtin:tiny-clip``: hidden 64, 2 layers, 4 heads, 16 tokens, the ``TINY_CLIP_WORDS``
     vocabulary, weights from ``TINY_CLIP_SEED`` (see :func:`seeded_clip_weights`)."""
+    require("transformers", "text", "model.text_encoder=builtin:tiny-clip")
     from transformers import CLIPTextConfig, CLIPTextModel
 
     vocab, merges = word_vocabulary(TINY_CLIP_WORDS)

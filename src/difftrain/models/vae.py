@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.runtime.optional import require
+
 from .text import check_loading_info, first_line, quiet_loading, weights_digest
 
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin",
@@ -71,6 +73,7 @@ class LatentCodec(nn.Module):
         """Load on the CPU, float32, from an AutoencoderKL folder (config.json and
         diffusion_pytorch_model.safetensors) or a Stable Diffusion folder with ``vae/``."""
         folder = vae_folder(path)
+        require("diffusers", "text", f"model.vae={path}")
         from diffusers import AutoencoderKL
         from diffusers.utils import logging
 

@@ -29,15 +29,18 @@ def resolve_device(name: str) -> torch.device:
 # Where ``auto`` turns each switch on (docs/benchmarks.md has the measurements): channels_last
 # pays on CUDA tensor cores and in oneDNN's CPU convolutions; compiling the UNet took minutes on
 # a 2-core CPU and then ran slower than eager there, so ``auto`` compiles on CUDA only.
-# CUDA graphs replay a captured step without launching its kernels one by one (CUDA only).
-AUTO_ON = {"channels_last": ("cuda", "cpu"), "compile": ("cuda",), "cuda_graphs": ("cuda",)}
+# CUDA graphs replay a captured step without launching its kernels one by one; ``auto`` leaves
+# them off everywhere: the captured step failed its first run on a GPU (an H100, 2026-11-24:
+# the capture was invalidated; docs/benchmarks.md), and no default may rest on code that has not
+# run right and faster. ``on`` stays available (CUDA only), unmeasured.
+AUTO_ON = {"channels_last": ("cuda", "cpu"), "compile": ("cuda",), "cuda_graphs": ()}
 
 
 def resolve_toggle(value: str, device: torch.device, switch: str) -> bool:
     """``on`` / ``off``, or ``auto``: on for the device types in ``AUTO_ON[switch]``."""
     if value == "auto":
         return device.type in AUTO_ON[switch]
-    if value == "on" and device.type not in AUTO_ON[switch] and switch == "cuda_graphs":
+    if value == "on" and device.type != "cuda" and switch == "cuda_graphs":
         raise ValueError(f"train.cuda_graphs is 'on' but the device is {device.type}: CUDA graphs need CUDA")
     return value == "on"
 
@@ -74,3 +77,11 @@ def compile_model(net: nn.Module, device: torch.device, mode: str) -> nn.Module:
     # resume) of the same model loads them instead of compiling again.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir("inductor")))
     return torch.compile(net)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed: Python's MemoryError, PyTorch's device
+    OutOfMemoryError, or the plain RuntimeError of PyTorch's CPU allocator."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)

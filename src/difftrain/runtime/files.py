@@ -90,3 +90,14 @@ def cache_dir(kind: str, override: str | os.PathLike | None = None) -> Path:
     if not root:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "difftrain"
     return Path(root).expanduser() / kind
+
+
+def cache_dir_error(e: OSError, override: str, kind: str) -> OSError:
+    """``e`` with ``data.cache_dir`` named when it happened in the cache folder of ``kind`` that
+    the option chose (or, when unset, the default one), else ``e`` itself."""
+    folder = cache_dir(kind, override).absolute()
+    where = Path(e.filename or "").absolute() if e.filename else None
+    if where is None or not (where == folder or folder in where.parents or where in folder.parents):
+        return e
+    option = f"data.cache_dir={override}" if override else f"the default cache folder {folder} (data.cache_dir)"
+    return OSError(e.errno, f"cannot write the {kind} cache in {option}: {e.strerror or e}", e.filename)

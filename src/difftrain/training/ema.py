@@ -84,7 +84,7 @@ class EMA:
         device tensor (a captured step fills it before each replay). Counts no update."""
         params = trainable(list(model.parameters()), self._trained)  # under no_grad: no detach needed
         if params:
-            torch._foreach_lerp_(self._ema_params, params, weight)
+            foreach_lerp_(self._ema_params, params, weight)
         for ema_buf, buf in zip(self._ema_buffers, model.buffers()):
             ema_buf.copy_(buf)
 
@@ -110,3 +110,20 @@ class EMA:
             yield model
         finally:
             model.load_state_dict(backup)
+
+
+def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weight: float | torch.Tensor) -> None:
+    """``averages[i] += weight * (params[i] - averages[i])`` in place, for every i.
+
+    A Python-number weight takes ``torch._foreach_lerp_`` (the eager path, bit for bit what runs
+    have always done). A 0-dim device tensor takes a subtraction, a multiplication by the tensor
+    and an addition: ``_foreach_lerp_`` with a tensor weight cannot be recorded in a CUDA graph
+    (the capture fails with "operation not permitted when stream is capturing"), the foreach
+    multiplication by a 0-dim tensor can.
+    """
+    if not isinstance(weight, torch.Tensor):
+        torch._foreach_lerp_(averages, params, weight)
+        return
+    delta = torch._foreach_sub(params, averages)
+    torch._foreach_mul_(delta, weight)
+    torch._foreach_add_(averages, delta)

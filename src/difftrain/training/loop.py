@@ -19,6 +19,7 @@ from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
+from difftrain.runtime.files import cache_dir_error
 from difftrain.training import checkpoint as ckpt
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.heldout import build_heldout
@@ -202,6 +203,9 @@ def train(
             if stopped_by:
                 break
     finally:
+        # The loader's workers are shut down while the handler is still installed, so that a
+        # second signal during their shutdown exits at once with its one line, as during the save.
+        del batches, loader
         progress.close()
         trackers.close()
         distributed.teardown(dctx)
@@ -210,8 +214,10 @@ def train(
         stop.restore()
     if resumed_from is not None and state.step == start_step:
         final = resumed_from  # nothing was left to train: the checkpoint resumed from is the result
+    elif last_saved != state.step:  # on_write_error="continue" went on, and the last save failed too
+        raise ckpt.CheckpointWriteError(_unsaved_message(run_dir, state.step, start_step, resumed_from))
     else:
-        final = ckpt.find_checkpoint(run_dir) if last_saved == state.step else None
+        final = ckpt.find_checkpoint(run_dir)
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
 
@@ -227,8 +233,12 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
 
     def build() -> dict:
         def cached(dataset, flip):
-            return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip, cache_dir=d.cache_dir or None,
-                                     batch_size=cfg.validation.heldout_batch_size, device=dctx.device)
+            try:
+                return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip,
+                                         cache_dir=d.cache_dir or None, batch_size=cfg.validation.heldout_batch_size,
+                                         device=dctx.device)
+            except OSError as e:
+                raise cache_dir_error(e, d.cache_dir, "latents") from e
 
         return {"train": cached(data.train, d.random_flip),
                 "heldout": None if data.heldout is None else cached(data.heldout, False)}
@@ -325,6 +335,20 @@ def _warnings(cfg: Config, fresh: bool) -> list[str]:
         out.append(f"optim.warmup_steps={o.warmup_steps:,} is not shorter than train.total_steps={tc.total_steps:,}: "
                    "the learning rate never reaches optim.lr")
     return out
+
+
+def _unsaved_message(run_dir: Path, step: int, start_step: int, resumed_from: Path | None) -> str:
+    """The run ended at ``step`` without its checkpoint: name the newest one on disk and the
+    steps lost since."""
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    if saved:
+        newest_step, newest = saved[-1]
+    else:  # none in this run folder: the checkpoint resumed from, if any
+        newest, newest_step = resumed_from, start_step if resumed_from else 0
+    where = f"the newest checkpoint on disk is {newest} (step {newest_step})" if newest else "no checkpoint is on disk"
+    return (f"the checkpoint of the last step, {step}, could not be written either "
+            f"(checkpoint.on_write_error='continue'): {where}, {step - newest_step} steps unsaved; "
+            "free space or fix the folder, then run the same command again")
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:

@@ -28,7 +28,7 @@ from torch import nn
 
 from difftrain.runtime.files import atomic_write
 from difftrain.training.checkpoint import load_weights
-from difftrain.training.ema import averaged_copy, trainable
+from difftrain.training.ema import averaged_copy, foreach_lerp_, trainable
 
 SIGMA_REL_MAX = 0.3  # sigma_rel peaks at ~0.3003 (gamma ~ -0.38); 0.2887 is gamma = 0, the plain mean
 SNAPSHOT_DIR = "ema_snapshots"
@@ -146,7 +146,7 @@ class PowerEMA:
         params = trainable(list(model.parameters()), self._trained)  # under no_grad: no detach needed
         for k, avg in enumerate(self.models):
             if params:
-                torch._foreach_lerp_(trainable(list(avg.parameters()), self._trained), params, weights[k])
+                foreach_lerp_(trainable(list(avg.parameters()), self._trained), params, weights[k])
             for avg_buf, buf in zip(avg.buffers(), model.buffers()):
                 avg_buf.copy_(buf)
 

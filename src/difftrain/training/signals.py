@@ -39,8 +39,15 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested: str | None = None
         self._previous: dict[int, object] = {}
+        self._pid = os.getpid()
 
     def _handle(self, signum: int, frame: object) -> None:
+        if os.getpid() != self._pid:
+            # A forked child (a DataLoader worker) inherits the handler so that a Ctrl-C to the
+            # process group does not kill it; stopping is the main process's, which shuts the
+            # workers down. (A worker that exited on the second signal made the main process
+            # raise "DataLoader worker exited unexpectedly" instead of exiting 130.)
+            return
         name = signal.Signals(signum).name
         if self.requested is not None:  # the second signal: exit now, without saving
             print(f"difftrain: second signal ({name}); exiting without saving", file=sys.stderr, flush=True)
@@ -61,6 +68,7 @@ class StopRequest:
     def install(self) -> "StopRequest":
         """Start catching the signals (also what ``with`` does)."""
         if threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

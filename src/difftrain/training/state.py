@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from difftrain.conditioning import Conditioning
-from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys
+from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
 from difftrain.models import build_model  # noqa: F401 - also imported from here
 from difftrain.runtime.device import prepare_model
 from difftrain.runtime.precision import Precision
@@ -131,6 +131,10 @@ class RunState:
         """Raise ValueError if ``state`` cannot continue this run (a changed model or data, a
         data position the world size does not divide); else the lines naming allowed changes."""
         path = state.get("path", "checkpoint")
+        unknown = unknown_keys(state["config"])
+        if unknown:  # another difftrain version's config, or an edited one: its meaning is unknown here
+            raise ValueError(f"cannot resume from {path}: its stored config has the unknown config "
+                             f"{' and '.join(unknown)}; sections: {', '.join(config_to_dict(self.cfg))}")
         new = config_to_dict(self.cfg)
         bad = incompatible_keys(state["config"], new)
         if bad:

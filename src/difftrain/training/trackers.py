@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from difftrain.runtime.optional import require
+
 
 class Tracker(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
@@ -107,7 +109,7 @@ class WandbTracker:
     """Weights & Biases, offline by default (``wandb sync run_dir/wandb/offline-run-*`` uploads)."""
 
     def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]):
-        import wandb
+        wandb = require("wandb", "tracking", "tracking.wandb=true")
 
         os.environ.setdefault("WANDB_SILENT", "true")
         self._wandb = wandb
@@ -129,6 +131,7 @@ class MLflowTracker:
     """MLflow through its client API (no global active run); a local store by default."""
 
     def __init__(self, run_dir: Path, tracking_uri: str | None, experiment: str, config: dict[str, Any]):
+        require("mlflow", "tracking", "tracking.mlflow=true")
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
 
@@ -156,23 +159,13 @@ class MLflowTracker:
         self._client.set_terminated(self._run_id)
 
 
-def _require(module: str, option: str, package: str) -> None:
-    """Fail early, naming the option, when an optional tracker's package is missing."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"{option} = true needs the {module} package: pip install {package}")
-
-
 def build_trackers(run_dir: Path, tracking=None, config: dict[str, Any] | None = None) -> Trackers:
     """metrics.jsonl, plus the trackers ``tracking`` (a TrackingConfig) turns on."""
     trackers: list[Tracker] = [JSONLTracker(run_dir / "metrics.jsonl")]
     if tracking is None or tracking.tensorboard:
         trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
     if tracking is not None and tracking.wandb:
-        _require("wandb", "tracking.wandb", "wandb")
         trackers.append(WandbTracker(run_dir, tracking.wandb_project, tracking.wandb_mode, config or {}))
     if tracking is not None and tracking.mlflow:
-        _require("mlflow", "tracking.mlflow", "mlflow-skinny")
         trackers.append(MLflowTracker(run_dir, tracking.mlflow_tracking_uri, tracking.mlflow_experiment, config or {}))
     return Trackers(trackers)

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from difftrain.conditioning import Conditioning
-from difftrain.config import Config
+from difftrain.config import Config, ConfigError
 from difftrain.runtime import distributed
+from difftrain.runtime.device import is_out_of_memory
 from difftrain.sampling import generate, grid_class_labels, grid_columns, initial_noise, make_grid, save_png, to_uint8
 
 DATA_PROMPTS = 8  # rows of a text model's grid when validation.prompts is empty: captions of the training data
@@ -37,6 +38,29 @@ def validation_plan(cfg: Config, conditioning: Conditioning, dataset=None) -> Va
     v = cfg.validation
     shape = conditioning.network_shape()
     shape = (shape[0], shape[1], shape[1])
+    try:
+        return _plan(v, shape, conditioning, dataset)
+    except (MemoryError, RuntimeError) as e:  # the fixed noise of the grid lives through the run
+        if not is_out_of_memory(e) or not _fits(cfg.train.batch_size, shape):
+            raise  # a training batch of these images does not fit either: the batch or resolution's error
+        gib = v.num_images * np.prod(shape) * 4 / 2**30
+        raise ConfigError(f"validation.num_images={v.num_images}: its fixed noise ({gib:,.1f} GiB) does not fit in "
+                          "memory; a grid needs a few dozen images") from None
+
+
+def _fits(num: int, shape: tuple[int, int, int]) -> bool:
+    """Whether ``num`` float32 images of ``shape`` can be allocated (untouched: no memory used)."""
+    try:
+        torch.empty((num, *shape))
+        return True
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        return False
+
+
+def _plan(v, shape: tuple[int, int, int], conditioning: Conditioning, dataset) -> ValidationPlan:
+    """The plan of validation config ``v`` for images of ``shape`` (C, H, W)."""
     if conditioning.kind == "text":
         prompts = list(v.prompts) or data_prompts(dataset, min(DATA_PROMPTS, v.num_images))
         ncols = max(1, v.num_images // len(prompts))
