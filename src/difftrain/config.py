@@ -716,7 +716,7 @@ def check_environment(cfg: Config) -> None:
         import importlib.util
 
         if importlib.util.find_spec("peft") is None:
-            raise ConfigError("lora.rank > 0 needs peft, which is not installed: pip install 'difftrain[lora]'")
+            raise ConfigError("lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'")
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path and not path.startswith("builtin:"):
             if path.rstrip().lower().endswith((".tar", ".parquet")):

@@ -214,8 +214,18 @@ def test_missing_peft_names_the_extra(tmp_path, tiny_overrides, capsys, monkeypa
     for s in _sd_overrides(tmp_path, tiny_overrides):
         args += ["--set", s]
     assert main(args) == 2
-    assert "pip install 'difftrain[lora]'" in _one_error_line(capsys)
+    assert "lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'" \
+        in _one_error_line(capsys)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+    # Past that check (the Python API's build, a sampler): the same line where peft is imported.
+    import sys
+
+    from difftrain.models.lora import import_peft
+    from difftrain.runtime.optional import MissingDependency
+
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(MissingDependency, match=r"needs the peft package.*difftrain\[lora\]"):
+        import_peft()
 
 
 def test_adapter_on_another_base_and_other_misuse_are_one_line(lora_run, tmp_path, capsys):

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
 ADAPTER = "default"  # peft's adapter name; never in difftrain's names
-INSTALL = "pip install 'difftrain[lora]'"
 
 # The attention projections each network names (peft matches a module by its name's suffix).
 ATTENTION_TARGETS = {
@@ -34,12 +33,11 @@ CONV_TARGETS = ("conv1", "conv2")
 
 
 def import_peft():
-    """The ``peft`` module, or one ValueError naming the extra that installs it."""
-    try:
-        import peft
-    except ImportError:
-        raise ValueError(f"lora.rank > 0 needs peft, which is not installed: {INSTALL}") from None
-    return peft
+    """The ``peft`` module, or one ``MissingDependency`` line naming the extra that installs it."""
+    from difftrain.runtime.optional import require
+
+    require("peft.tuners.lora", "lora", "lora.rank > 0")
+    return require("peft", "lora", "lora.rank > 0")
 
 
 def target_modules(lora_cfg, base_kind: str) -> list[str]:
