@@ -15,6 +15,7 @@ from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
 from difftrain.diffusion.objective import build_objective
+from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
@@ -67,6 +68,7 @@ def train(
     # and VAE (text and latent runs), whose latents of the images are cached once.
     data = prepare_training_data(cfg, run_dir)
     conditioning = Conditioning.from_config(cfg, data.num_classes, device)
+    data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
     source, resumed_from = resume_source(run_dir, resume), None
     saved = ckpt.load_checkpoint(source) if source is not None else None
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
@@ -296,10 +298,14 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     """Device, parameters, images, effective batch, steps and precision of this start."""
     tc, w = cfg.train, dctx.world_size
     params = sum(p.numel() for p in state.model.parameters())
+    trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+    network = f"{cfg.model.preset} UNet {params / 1e6:.2f}M parameters"
+    if trained < params:  # LoRA: the adapter trains, the base is frozen
+        network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank})"
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
     per_step = effective_batch(cfg, w)
     where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)
-    return (f"{where}, {cfg.model.preset} UNet {params / 1e6:.2f}M parameters, {len(data.train):,} images{held}, "
+    return (f"{where}, {network}, {len(data.train):,} images{held}, "
             f"batch {tc.batch_size} x {tc.grad_accum_steps} accumulation x {w} processes = {per_step} per step, "
             f"steps {state.step:,} -> {tc.total_steps:,} ({tc.total_steps * per_step:,} images), {tc.precision}, "
             f"{cfg.diffusion.objective} objective{_condition_text(cfg, state)}")
