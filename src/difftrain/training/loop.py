@@ -26,7 +26,7 @@ from difftrain.training.lr_schedule import lr_at
 from difftrain.training.power_ema import save_snapshots
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.records import record_start
-from difftrain.training.signals import StopRequest, signal_name
+from difftrain.training.signals import StopRequest, leave_process_group, signal_name
 from difftrain.training.state import RunState, effective_batch, peak_lr, resume_source
 from difftrain.training.step import CapturedStep, StepMetrics, train_step
 from difftrain.training.trackers import Trackers, build_trackers
@@ -101,6 +101,7 @@ def train(
     loader = build_loader(
         data.train, batch_size=tc.batch_size, seed=tc.seed, start=state.position, num_workers=d.num_workers,
         device=device, rank=dctx.rank, world_size=dctx.world_size, prefetch_factor=d.prefetch_factor,
+        worker_init_fn=leave_process_group,  # a SIGTERM to the group is the main process's to handle
     )
     trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if is_main else Trackers([])
     heldout = build_heldout(data.heldout, cfg, objective, device, dctx, conditioning)  # each rank holds its shard
