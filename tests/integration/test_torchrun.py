@@ -22,6 +22,7 @@ from multiproc import free_port, rank_env
 from fid_standin import write_standin
 
 from difftrain.config import load_config
+from difftrain.runtime.distributed import EXIT_GROUP_FAULT
 from difftrain.training import checkpoint as ckpt
 from difftrain.training.loop import train
 from difftrain.training.signals import EXIT_STOPPED
@@ -216,3 +217,34 @@ def test_a_failed_checkpoint_write_on_rank_0_stops_every_rank_with_its_error(tmp
     assert [code for code, _, _ in results] == [2, 2], results  # an error with a message, no hang
     for _, _, err in results:
         assert "cannot write the checkpoint of step 2" in err, err
+
+
+def _wait_for_steps(run, procs, steps: int) -> None:
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= steps):  # rank 0 logged `steps` steps
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _finish(procs, 5)
+        time.sleep(0.02)
+
+
+@pytest.mark.slow  # about 20 s: two ranks start, one is stopped, the other waits out a 5 s timeout
+def test_a_stopped_rank_ends_the_run_after_the_collective_timeout_naming_it_and_the_newest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    overrides = ONE_RANK + ["checkpoint.every_steps=2", "train.collective_timeout_s=5"]
+    procs = _start_ranks(run, overrides)
+    _wait_for_steps(run, procs, 3)
+    os.kill(procs[1].pid, signal.SIGSTOP)  # hung: alive, holding its connections, answering nothing
+    stopped_at = time.monotonic()
+    try:
+        out0, err0 = procs[0].communicate(timeout=60)
+    finally:
+        procs[1].kill()  # a stopped process still dies of SIGKILL
+        procs[1].communicate()
+    assert procs[0].returncode == EXIT_GROUP_FAULT, err0
+    waited = time.monotonic() - stopped_at
+    assert 5 <= waited < 40, waited  # the timeout, the check of who answers, leaving the group
+    lines = [line for line in err0.splitlines() if line.startswith("difftrain train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err0, err0
+    newest = ckpt.list_checkpoints(run / "checkpoints")[-1]
+    assert "rank 1 did not answer" in lines[0] and "collective_timeout_s=5" in lines[0], lines[0]
+    assert f"{newest[1]} (step {newest[0]})" in lines[0], lines[0]

@@ -39,3 +39,13 @@ def test_shards_cover_every_item_once():
         for world in (1, 2, 3, 8):
             parts = [distributed.shard(n, distributed.DistContext(rank=r, world_size=world)) for r in range(world)]
             assert [i for p in parts for i in range(n)[p]] == list(range(n))
+
+
+def test_a_group_fault_is_told_apart_from_an_error_of_this_rank():
+    # Only errors of a collective that another rank caused end the run as a group fault.
+    two = distributed.DistContext(rank=1, world_size=2)
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.7]:40344. This is ...")
+    assert "process ended (its connection from 10.0.0.7 closed)" in distributed.describe_group_fault(gone, two)
+    assert distributed.describe_group_fault(RuntimeError("CUDA out of memory"), two) is None
+    assert distributed.describe_group_fault(ValueError("Connection closed by peer"), two) is None
+    assert distributed.describe_group_fault(gone, distributed.DistContext()) is None  # one process: no group

@@ -33,6 +33,9 @@ from difftrain.training.trackers import Trackers, build_trackers
 from difftrain.training.validation import ValidationScores, save_grids, validation_grids, validation_plan
 
 
+LONG_WAIT_S = 7 * 24 * 3600.0  # the other ranks' wait for rank 0's start-up work (encoding the images)
+
+
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row; the last good checkpoint is left untouched."""
 
@@ -60,7 +63,7 @@ def train(
     """
     started = time.perf_counter()
     run_dir, tc = Path(run_dir), cfg.train
-    dctx = distributed.setup(resolve_device(tc.device))  # a no-op without torchrun
+    dctx = distributed.setup(resolve_device(tc.device), tc.collective_timeout_s)  # a no-op without torchrun
     device, is_main = dctx.device, dctx.is_main
 
     # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
@@ -201,6 +204,11 @@ def train(
                 last_saved = step if saved_to else last_saved
             if stopped_by:
                 break
+    except RuntimeError as e:  # another rank died or hung: one line naming it and the newest checkpoint
+        fault = distributed.describe_group_fault(e, dctx)
+        if fault is None:
+            raise
+        raise distributed.GroupFault(_group_fault_message(fault, dctx, run_dir, state.step)) from e
     finally:
         # The loader's workers are shut down while the handler is still installed, so that a
         # second signal during their shutdown exits at once with its one line, as during the save.
@@ -243,7 +251,7 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
                 "heldout": None if data.heldout is None else cached(data.heldout, False)}
 
     built: dict = {}
-    distributed.run_on_main(lambda: built.update(build()), dctx)
+    distributed.run_on_main(lambda: built.update(build()), dctx, wait_s=LONG_WAIT_S)
     return dataclasses.replace(data, **(built or build()))
 
 
@@ -344,6 +352,14 @@ def _unsaved_message(run_dir: Path, step: int, start_step: int, resumed_from: Pa
     return (f"the checkpoint of the last step, {step}, could not be written either "
             f"(checkpoint.on_write_error='continue'): {where}, {step - newest_step} steps unsaved; "
             "free space or fix the folder, then run the same command again")
+
+
+def _group_fault_message(fault: str, dctx: distributed.DistContext, run_dir: Path, step: int) -> str:
+    """Rank r's line for a rank that died or hung: what is known, the newest checkpoint, what next."""
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    newest = f"the newest checkpoint is {saved[-1][1]} (step {saved[-1][0]})" if saved else "no checkpoint is on disk"
+    return (f"rank {dctx.rank} of {dctx.world_size}, after step {step}: {fault}; {newest}; exit "
+            f"{distributed.EXIT_GROUP_FAULT}: torchrun --max-restarts restarts the group, which resumes from it")
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:
