@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 T = TypeVar("T")
 TEARDOWN_WAIT_S = 10  # how long a leaving rank waits for the others
+STARTUP_WAIT_S = 7 * 24 * 3600  # the timeout of the group that waits for rank 0's start-up work
 PROBE_WAIT_S = 30  # after a timed-out collective: how long rank 0 waits to learn which ranks answer
 EXIT_GROUP_FAULT = 69  # EX_UNAVAILABLE: a rank died or hung; torchrun --max-restarts restarts the group
 
@@ -67,6 +68,7 @@ class DistContext:
     owns_group: bool = False  # this module created the process group and will destroy it
     control: object | None = None  # a gloo group of all ranks for CPU-side control messages
     timeout_s: float = 600.0  # how long a collective waits for every rank
+    startup: object | None = None  # a gloo group that waits STARTUP_WAIT_S, for rank 0's long start-up work
 
     @property
     def enabled(self) -> bool:
@@ -100,7 +102,8 @@ def setup(device: torch.device, timeout_s: float = 600.0) -> DistContext:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     # Stop flags and rank 0's outcomes: CPU tensors on gloo, never a CUDA synchronisation.
     control = dist.new_group(backend="gloo", timeout=timeout)
-    return DistContext(rank, world_size, local_rank, device, owns, control, timeout_s)
+    startup = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=STARTUP_WAIT_S))
+    return DistContext(rank, world_size, local_rank, device, owns, control, timeout_s, startup)
 
 
 def teardown(ctx: DistContext) -> None:
@@ -120,8 +123,10 @@ def teardown(ctx: DistContext) -> None:
             pass
     if ctx.owns_group:
         dist.destroy_process_group()
-    elif ctx.control is not None:
-        dist.destroy_process_group(ctx.control)
+    else:
+        for group in (ctx.control, ctx.startup):
+            if group is not None:
+                dist.destroy_process_group(group)
 
 
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
@@ -197,15 +202,15 @@ def max_over_ranks(value: int, ctx: DistContext) -> int:
     return int(t.item())
 
 
-def run_on_main(fn: Callable[[], T], ctx: DistContext, wait_s: float | None = None) -> T:
+def run_on_main(fn: Callable[[], T], ctx: DistContext, long_wait: bool = False) -> T:
     """Call ``fn()`` on rank 0 only; every rank returns its result or raises its exception.
 
     The other ranks wait for rank 0's outcome (so this is also a barrier: none of them goes on
     before ``fn`` has finished) and then do the same thing as rank 0, instead of one rank
     leaving the loop on an error while the others wait for it in the next collective. The
     result and the exception are pickled; an exception that can't be is sent as a RuntimeError
-    with its message. ``wait_s``: how long the others wait for ``fn`` when that may take longer
-    than the collective timeout (start-up work such as encoding a dataset); None = the timeout.
+    with its message. ``long_wait``: the others wait up to ``STARTUP_WAIT_S`` instead of the
+    collective timeout, for start-up work that may take longer (encoding a dataset).
     """
     if not ctx.enabled:
         return fn()
@@ -217,9 +222,7 @@ def run_on_main(fn: Callable[[], T], ctx: DistContext, wait_s: float | None = No
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
             message[0] = ("error", _picklable(e))
-    if wait_s is not None:  # a barrier of its own timeout; the broadcast below then finds rank 0 ready
-        dist.monitored_barrier(group=ctx.control, timeout=datetime.timedelta(seconds=wait_s))
-    dist.broadcast_object_list(message, src=0, group=ctx.control)
+    dist.broadcast_object_list(message, src=0, group=ctx.startup if long_wait else ctx.control)
     kind, payload = message[0]
     if error is not None:
         raise error

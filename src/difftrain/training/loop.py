@@ -33,9 +33,6 @@ from difftrain.training.trackers import Trackers, build_trackers
 from difftrain.training.validation import ValidationScores, save_grids, validation_grids, validation_plan
 
 
-LONG_WAIT_S = 7 * 24 * 3600.0  # the other ranks' wait for rank 0's start-up work (encoding the images)
-
-
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row; the last good checkpoint is left untouched."""
 
@@ -251,7 +248,7 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
                 "heldout": None if data.heldout is None else cached(data.heldout, False)}
 
     built: dict = {}
-    distributed.run_on_main(lambda: built.update(build()), dctx, wait_s=LONG_WAIT_S)
+    distributed.run_on_main(lambda: built.update(build()), dctx, long_wait=True)
     return dataclasses.replace(data, **(built or build()))
 
 
