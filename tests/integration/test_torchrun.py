@@ -248,3 +248,64 @@ def test_a_stopped_rank_ends_the_run_after_the_collective_timeout_naming_it_and_
     newest = ckpt.list_checkpoints(run / "checkpoints")[-1]
     assert "rank 1 did not answer" in lines[0] and "collective_timeout_s=5" in lines[0], lines[0]
     assert f"{newest[1]} (step {newest[0]})" in lines[0], lines[0]
+
+
+def _torchrun(run_dir, overrides: list[str], *launch: str) -> subprocess.Popen:
+    """``torchrun LAUNCH... -m difftrain train`` in a session of its own, output to files in run_dir/.."""
+    sets = [a for kv in overrides for a in ("--set", kv)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "difftrain", "train",
+           "--run-dir", str(run_dir), *sets]
+    # A new rendezvous store for each restart: the shared one keeps the old group's addresses.
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    log = open(f"{run_dir}.log", "w")  # noqa: SIM115 - closed when the process is waited for
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, run_dir, timeout_s: float = 300.0) -> str:
+    """The agent's exit code is checked by the caller; its log is returned. Kills the group on a hang."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"torchrun still running after {timeout_s:.0f} s:\n{Path(f'{run_dir}.log').read_text()}")
+    return Path(f"{run_dir}.log").read_text()
+
+
+def _rank_pid(agent: subprocess.Popen, rank: int) -> int:
+    """The pid of the worker process of ``rank`` among the torchrun agent's children."""
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+    for pid in children:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} among {children}")
+
+
+ELASTIC = COMMON + ["train.batch_size=4", "train.total_steps=12", "train.log_every_steps=1",
+                    "validation.every_steps=0", "checkpoint.every_steps=2", "data.num_workers=2"]
+
+
+@pytest.mark.slow  # about 60 s: two torchrun runs of 2 processes, one of them restarted
+def test_a_killed_rank_under_max_restarts_restarts_the_group_and_resumes_to_the_uninterrupted_weights(tmp_path):
+    launch = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    straight = tmp_path / "straight"
+    assert _wait(_torchrun(straight, ELASTIC, *launch), straight) is not None
+    run = tmp_path / "run"
+    agent = _torchrun(run, ELASTIC, *launch)
+    deadline = time.monotonic() + 180
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
+        assert agent.poll() is None and time.monotonic() < deadline, Path(f"{run}.log").read_text()
+        time.sleep(0.02)
+    os.kill(_rank_pid(agent, 1), signal.SIGKILL)  # mid-run, without warning
+    log = _wait(agent, run)
+    assert agent.returncode == 0, log  # one command: torchrun restarted the group, which finished
+
+    starts = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert [s["elastic_restart"] for s in starts] == [0, 1], starts
+    assert 2 <= starts[1]["resumed_at_step"] < 12, starts  # resumed from a checkpoint of the killed run
+    assert "rank 0 of 2" in log and "process ended" in log  # rank 0's one line about its lost peer
+    a, b = ckpt.load_checkpoint(straight), ckpt.load_checkpoint(run)
+    assert a["step"] == b["step"] == 12
+    assert ckpt.state_dict_sha256(a["model"]) == ckpt.state_dict_sha256(b["model"])
+    assert ckpt.state_dict_sha256(a["ema"]["model"]) == ckpt.state_dict_sha256(b["ema"]["model"])

@@ -49,3 +49,14 @@ def test_a_group_fault_is_told_apart_from_an_error_of_this_rank():
     assert distributed.describe_group_fault(RuntimeError("CUDA out of memory"), two) is None
     assert distributed.describe_group_fault(ValueError("Connection closed by peer"), two) is None
     assert distributed.describe_group_fault(gone, distributed.DistContext()) is None  # one process: no group
+
+
+def test_torchrun_restarts_with_a_shared_rendezvous_store_are_warned_of(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in distributed.launch_warnings()[0]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that setting gives the workers
+    assert distributed.launch_warnings() == []
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert distributed.launch_warnings() == []

@@ -106,6 +106,18 @@ def setup(device: torch.device, timeout_s: float = 600.0) -> DistContext:
     return DistContext(rank, world_size, local_rank, device, owns, control, timeout_s, startup)
 
 
+def launch_warnings() -> list[str]:
+    """What in torchrun's settings will break this run later: under ``--max-restarts``, the
+    rendezvous store that torchrun shares with the workers by default keeps the previous
+    group's addresses, and the restarted group fails to connect (PyTorch issue 135712; seen with
+    torch 2.13 on gloo). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each restart a new store."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return [f"torchrun --max-restarts {restarts} with its shared rendezvous store: a restarted group fails to "
+                "connect (PyTorch issue 135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"]
+    return []
+
+
 def teardown(ctx: DistContext) -> None:
     """Leave the process groups that :func:`setup` created.
 

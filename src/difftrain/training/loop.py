@@ -327,7 +327,7 @@ def _warnings(cfg: Config, fresh: bool) -> list[str]:
     from difftrain.interop import init_source_changes
 
     o, tc = cfg.optim, cfg.train
-    out = init_source_changes(cfg) if fresh else []
+    out = (init_source_changes(cfg) if fresh else []) + distributed.launch_warnings()
     if cfg.diffusion.zero_terminal_snr and cfg.diffusion.loss_weighting == "min_snr":
         out.append("diffusion.loss_weighting='min_snr' weighs the last timestep (SNR 0) by min(SNR, gamma) = 0: "
                    "diffusion.zero_terminal_snr then never trains the step that sampling starts from")
