@@ -42,6 +42,7 @@ COMMON = TINY_OVERRIDES + [
 
 
 def _run(run_dir, nproc: int, batch: int, *extra: str, env_extra: dict | None = None) -> None:
+    """One process, or ``torchrun --standalone`` with ``nproc``, training COMMON at ``batch`` per process."""
     sets = [a for kv in COMMON + [f"train.batch_size={batch}"] for a in ("--set", kv)]
     args = ["-m", "difftrain", "train", "--run-dir", str(run_dir), *sets, *extra]
     if nproc > 1:
@@ -77,24 +78,61 @@ def test_two_processes_equal_one_at_the_same_global_batch(tmp_path):
     extra = [a for kv in EVALUATION for a in ("--set", kv)]
     _run(tmp_path / "one", 1, 8, *extra, env_extra=env)
     _run(tmp_path / "two", 2, 4, *extra, env_extra=env)
-    one, two = ckpt.load_checkpoint(tmp_path / "one"), ckpt.load_checkpoint(tmp_path / "two")
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def _assert_same_run(first: Path, second: Path) -> None:
+    """Two runs of COMMON + EVALUATION: the same weights, metrics, held-out loss, FID and grids
+    (to float rounding)."""
+    one, two = ckpt.load_checkpoint(first), ckpt.load_checkpoint(second)
     assert one["step"] == two["step"] == 4 and one["data_position"] == two["data_position"] == 32
     _assert_close(one["model"], two["model"])
     _assert_close(one["ema"]["model"], two["ema"]["model"])
     # Training moved the weights far more than the tolerance, so the match is not vacuous.
-    before = ckpt.load_checkpoint(ckpt.list_checkpoints(tmp_path / "one" / "checkpoints")[0][1])["model"]
+    before = ckpt.load_checkpoint(ckpt.list_checkpoints(first / "checkpoints")[0][1])["model"]
     assert max((one["model"][k] - before[k]).abs().max() for k in before) > 1e-3
 
     # Rank 0 alone logs, and what the ranks measured together is what one process measured.
-    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-            for name in ("one", "two")}
+    rows = {name: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            for name, run in (("one", first), ("two", second))}
     assert [sorted(r) for r in rows["two"]] == [sorted(r) for r in rows["one"]]
     logged = {name: {k: v for r in rows[name] for k, v in r.items()} for name in rows}
     for key in ("heldout/loss", "heldout_raw/loss", "fid"):
         assert logged["two"][key] == pytest.approx(logged["one"][key], rel=1e-3), key
     for grid in ("samples/step_00000004.png", "samples/raw/step_00000004.png"):
-        a, b = (np.asarray(Image.open(tmp_path / name / grid), dtype=int) for name in ("one", "two"))
+        a, b = (np.asarray(Image.open(run / grid), dtype=int) for run in (first, second))
         assert abs(a - b).max() <= 1 and (a != b).mean() < 0.01, grid  # the ddpm grid, to rounding
+
+
+@pytest.mark.slow  # about 60 s: two torchrun agents and one process start
+def test_two_nodes_of_one_process_train_like_one_node_of_two_and_one_process(tmp_path):
+    """Multi-node, on one host: two torchrun agents (--nnodes 2) meet by c10d rendezvous on the
+    loopback address, as two machines would at their head node's address."""
+    weights = tmp_path / "standin.pt"
+    write_standin(weights, 2048)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFTRAIN_FID_WEIGHTS": str(weights),
+           "DIFFTRAIN_CACHE": str(tmp_path / "cache"), "GLOO_SOCKET_IFNAME": "lo"}
+    extra = [a for kv in EVALUATION for a in ("--set", kv)]
+    _run(tmp_path / "one", 1, 8, *extra, env_extra=env)
+    _run(tmp_path / "node", 2, 4, *extra, env_extra=env)
+    sets = [a for kv in COMMON + ["train.batch_size=4"] for a in ("--set", kv)]
+    port = free_port()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+              "--local-addr", "127.0.0.1", "-m", "difftrain", "train", "--run-dir", str(tmp_path / "nodes"), *sets, *extra]
+    agents = [subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for _ in range(2)]
+    try:
+        logs = [agent.communicate(timeout=300)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    assert [agent.returncode for agent in agents] == [0, 0], logs
+    assert sum("2 x cpu" in log for log in logs) == 1, logs  # one rank 0, the other agent's rank is 1
+    nodes, node = ckpt.load_checkpoint(tmp_path / "nodes"), ckpt.load_checkpoint(tmp_path / "node")
+    assert ckpt.state_dict_sha256(nodes["model"]) == ckpt.state_dict_sha256(node["model"])  # the same ranks
+    _assert_same_run(tmp_path / "one", tmp_path / "nodes")
 
 
 @pytest.mark.slow  # about 40 s: three processes start and load transformers
