@@ -60,3 +60,16 @@ def test_torchrun_restarts_with_a_shared_rendezvous_store_are_warned_of(monkeypa
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert distributed.launch_warnings() == []
+
+
+def test_rank_0_names_every_rank_that_misses_the_barrier_after_a_timeout(monkeypatch):
+    def missed(group=None, timeout=None, wait_all_ranks=False):
+        raise RuntimeError("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 30000 ms")
+
+    monkeypatch.setattr(distributed.dist, "monitored_barrier", missed)
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600000ms for recv operation")
+    said = distributed.describe_group_fault(timeout, distributed.DistContext(rank=0, world_size=4, timeout_s=600))
+    assert said == "a collective waited train.collective_timeout_s=600 s: ranks 1, 3 did not answer (hung: stopped, or stuck in I/O)"
+    # Rank 2 sees the same timeout, but its barrier goes through rank 0: it cannot tell which.
+    said = distributed.describe_group_fault(timeout, distributed.DistContext(rank=2, world_size=4, timeout_s=600))
+    assert said.endswith("rank 0 did not answer, or another rank did (then rank 0's line names it)")
