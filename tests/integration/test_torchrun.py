@@ -279,8 +279,10 @@ def test_a_stopped_rank_ends_the_run_after_the_collective_timeout_naming_it_and_
         procs[1].kill()  # a stopped process still dies of SIGKILL
         procs[1].communicate()
     assert procs[0].returncode == EXIT_GROUP_FAULT, err0
+    # The 5 s timeout (counted from when rank 0 began to wait, which can be before the SIGSTOP),
+    # the check of who answers, leaving the group: 7 to 12 s here.
     waited = time.monotonic() - stopped_at
-    assert 5 <= waited < 40, waited  # the timeout, the check of who answers, leaving the group
+    assert waited < 40, waited
     lines = [line for line in err0.splitlines() if line.startswith("difftrain train: error:")]
     assert len(lines) == 1 and "Traceback" not in err0, err0
     newest = ckpt.list_checkpoints(run / "checkpoints")[-1]
