@@ -119,7 +119,8 @@ def test_two_nodes_of_one_process_train_like_one_node_of_two_and_one_process(tmp
     port = free_port()
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-              "--local-addr", "127.0.0.1", "-m", "difftrain", "train", "--run-dir", str(tmp_path / "nodes"), *sets, *extra]
+              "--local-addr", "127.0.0.1",
+              "-m", "difftrain", "train", "--run-dir", str(tmp_path / "nodes"), *sets, *extra]
     agents = [subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True) for _ in range(2)]
     try:
@@ -296,7 +297,8 @@ def _torchrun(run_dir, overrides: list[str], *launch: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "difftrain", "train",
            "--run-dir", str(run_dir), *sets]
     # A new rendezvous store for each restart: the shared one keeps the old group's addresses.
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     log = open(f"{run_dir}.log", "w")  # noqa: SIM115 - closed when the process is waited for
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

@@ -69,7 +69,8 @@ def test_rank_0_names_every_rank_that_misses_the_barrier_after_a_timeout(monkeyp
     monkeypatch.setattr(distributed.dist, "monitored_barrier", missed)
     timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600000ms for recv operation")
     said = distributed.describe_group_fault(timeout, distributed.DistContext(rank=0, world_size=4, timeout_s=600))
-    assert said == "a collective waited train.collective_timeout_s=600 s: ranks 1, 3 did not answer (hung: stopped, or stuck in I/O)"
+    assert said == ("a collective waited train.collective_timeout_s=600 s: "
+                    "ranks 1, 3 did not answer (hung: stopped, or stuck in I/O)")
     # Rank 2 sees the same timeout, but its barrier goes through rank 0: it cannot tell which.
     said = distributed.describe_group_fault(timeout, distributed.DistContext(rank=2, world_size=4, timeout_s=600))
     assert said.endswith("rank 0 did not answer, or another rank did (then rank 0's line names it)")

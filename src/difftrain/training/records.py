@@ -4,7 +4,8 @@
 began with. Every start (the first, each resume, each re-run with other ``--set`` values)
 appends one line to ``history.jsonl``: when, the command line, which keys differ from the
 original config, the version, the git revision of the working directory if any, the device,
-the world size and, under ``torchrun --max-restarts``, which restart of the group this is. A reader of a run folder sees what it was trained with and what changed when.
+the world size and, under ``torchrun --max-restarts``, which restart of the group this is. A
+reader of a run folder sees what it was trained with and what changed when.
 """
 
 from __future__ import annotations
