@@ -103,4 +103,7 @@ def leave_process_group(worker_id: int) -> None:
     workers; each ends itself within 5 s of its parent's death (PyTorch's worker watchdog), or,
     if stuck in I/O, when that I/O returns.
     """
-    os.setpgid(0, 0)
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # not permitted here (a session leader): the worker stays in the run's group, as before
+        pass
