@@ -328,25 +328,32 @@ ELASTIC = COMMON + ["train.batch_size=4", "train.total_steps=12", "train.log_eve
                     "validation.every_steps=0", "checkpoint.every_steps=2", "data.num_workers=2"]
 
 
-@pytest.mark.slow  # about 60 s: two torchrun runs of 2 processes, one of them restarted
-def test_a_killed_rank_under_max_restarts_restarts_the_group_and_resumes_to_the_uninterrupted_weights(tmp_path):
+@pytest.mark.slow  # about 60 s (SIGKILL) and 100 s (SIGSTOP): two torchrun runs of 2 processes, one restarted
+@pytest.mark.parametrize(("fault", "said"), [(signal.SIGKILL, "process ended"), (signal.SIGSTOP, "rank 1 did not answer")])
+def test_a_killed_or_hung_rank_under_max_restarts_restarts_the_group_and_resumes_to_the_uninterrupted_weights(
+    tmp_path, fault, said
+):
     launch = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    overrides = ELASTIC + ["train.collective_timeout_s=5"]
     straight = tmp_path / "straight"
-    assert _wait(_torchrun(straight, ELASTIC, *launch), straight) is not None
+    agent = _torchrun(straight, overrides, *launch)
+    log = _wait(agent, straight)
+    assert agent.returncode == 0, log
     run = tmp_path / "run"
-    agent = _torchrun(run, ELASTIC, *launch)
+    agent = _torchrun(run, overrides, *launch)
     deadline = time.monotonic() + 180
     while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
         assert agent.poll() is None and time.monotonic() < deadline, Path(f"{run}.log").read_text()
         time.sleep(0.02)
-    os.kill(_rank_pid(agent, 1), signal.SIGKILL)  # mid-run, without warning
+    os.kill(_rank_pid(agent, 1), fault)  # mid-run, without warning; a stopped rank is SIGKILLed by torchrun
     log = _wait(agent, run)
     assert agent.returncode == 0, log  # one command: torchrun restarted the group, which finished
 
     starts = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert [s["elastic_restart"] for s in starts] == [0, 1], starts
-    assert 2 <= starts[1]["resumed_at_step"] < 12, starts  # resumed from a checkpoint of the killed run
-    assert "rank 0 of 2" in log and "process ended" in log  # rank 0's one line about its lost peer
+    assert 2 <= starts[1]["resumed_at_step"] < 12, starts  # resumed from a checkpoint of the faulty run
+    faults = [line for line in log.splitlines() if line.startswith("difftrain train: error: rank 0 of 2")]
+    assert len(faults) == 1 and said in faults[0], log  # rank 0's one line about its peer
     a, b = ckpt.load_checkpoint(straight), ckpt.load_checkpoint(run)
     assert a["step"] == b["step"] == 12
     assert ckpt.state_dict_sha256(a["model"]) == ckpt.state_dict_sha256(b["model"])
