@@ -358,3 +358,20 @@ def test_a_killed_or_hung_rank_under_max_restarts_restarts_the_group_and_resumes
     assert a["step"] == b["step"] == 12
     assert ckpt.state_dict_sha256(a["model"]) == ckpt.state_dict_sha256(b["model"])
     assert ckpt.state_dict_sha256(a["ema"]["model"]) == ckpt.state_dict_sha256(b["ema"]["model"])
+
+
+@pytest.mark.slow  # about 15 s: two ranks start, one is stopped before it joins the group
+def test_a_rank_stopped_during_start_up_ends_the_other_with_the_same_one_line_and_exit(tmp_path):
+    run = tmp_path / "run"
+    procs = _start_ranks(run, ONE_RANK + ["train.collective_timeout_s=5"])
+    os.kill(procs[1].pid, signal.SIGSTOP)  # before it has even imported torch: rank 0 waits for it to join
+    try:
+        out0, err0 = procs[0].communicate(timeout=60)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == EXIT_GROUP_FAULT, err0
+    lines = [line for line in err0.splitlines() if line.startswith("difftrain train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err0 and "internal error" not in err0, err0
+    assert lines[0].startswith("difftrain train: error: rank 0 of 2, during start-up: a collective"), lines[0]
+    assert "no checkpoint is on disk" in lines[0], lines[0]

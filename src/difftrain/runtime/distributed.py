@@ -269,7 +269,17 @@ def describe_group_fault(e: BaseException, ctx: DistContext) -> str | None:
     NCCL's own watchdog ends a process whose CUDA collective timed out before this is reached;
     the gloo control group, which every step uses too, most often times out first.
     """
-    if not ctx.enabled or not isinstance(e, RuntimeError):
+    if not ctx.enabled:
+        return None
+    if isinstance(e, RuntimeError) and _TIMED_OUT.search(str(e)):
+        return f"a collective waited train.collective_timeout_s={ctx.timeout_s:g} s: {_silent_ranks(ctx)}"
+    return fault_text(e)
+
+
+def fault_text(e: BaseException) -> str | None:
+    """What ``e`` itself says of another rank, without asking the group (which may not exist
+    yet, or any more); None when it is not a failed collective."""
+    if not isinstance(e, RuntimeError):
         return None
     text = str(e)
     gone = _PEER_GONE.search(text)
@@ -277,9 +287,9 @@ def describe_group_fault(e: BaseException, ctx: DistContext) -> str | None:
         where = f" (its connection from {gone.group(1)} closed)" if gone.group(1) else ""
         return f"a rank's process ended{where}: killed or crashed (torchrun's log names it)"
     if _TIMED_OUT.search(text):
-        return f"a collective waited train.collective_timeout_s={ctx.timeout_s:g} s: {_silent_ranks(ctx)}"
+        return "a collective timed out (train.collective_timeout_s): a rank did not answer"
     if isinstance(e, dist.DistError):
-        return f"a collective failed: {text.strip().splitlines()[0] if text.strip() else type(e).__name__}"
+        return f"a collective failed: {text.strip().splitlines()[0].rstrip('.') if text.strip() else type(e).__name__}"
     return None
 
 

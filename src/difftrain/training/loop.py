@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -351,12 +352,24 @@ def _unsaved_message(run_dir: Path, step: int, start_step: int, resumed_from: Pa
             "free space or fix the folder, then run the same command again")
 
 
-def _group_fault_message(fault: str, dctx: distributed.DistContext, run_dir: Path, step: int) -> str:
+def fault_before_training(e: BaseException, run_dir: str | Path) -> distributed.GroupFault | None:
+    """``e`` as a :class:`GroupFault` when a rank died or hung during a start-up under torchrun
+    (joining the group, the DDP set-up: before the loop's own handler); else None."""
+    world_size, fault = int(os.environ.get("WORLD_SIZE", "1")), distributed.fault_text(e)
+    if world_size <= 1 or fault is None or isinstance(e, distributed.GroupFault):
+        return None
+    ctx = distributed.DistContext(rank=int(os.environ.get("RANK", "0")), world_size=world_size)
+    return distributed.GroupFault(_group_fault_message(fault, ctx, Path(run_dir), None))
+
+
+def _group_fault_message(fault: str, dctx: distributed.DistContext, run_dir: Path, step: int | None) -> str:
     """Rank r's line for a rank that died or hung: what is known, the newest checkpoint, what next."""
     saved = ckpt.list_checkpoints(run_dir / "checkpoints")
     newest = f"the newest checkpoint is {saved[-1][1]} (step {saved[-1][0]})" if saved else "no checkpoint is on disk"
-    return (f"rank {dctx.rank} of {dctx.world_size}, after step {step}: {fault}; {newest}; exit "
-            f"{distributed.EXIT_GROUP_FAULT}: torchrun --max-restarts restarts the group, which resumes from it")
+    when = "during start-up" if step is None else f"after step {step}"
+    then = "resumes from it" if saved else "starts over"
+    return (f"rank {dctx.rank} of {dctx.world_size}, {when}: {fault}; {newest}; exit "
+            f"{distributed.EXIT_GROUP_FAULT}: torchrun --max-restarts restarts the group, which {then}")
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:
