@@ -101,7 +101,9 @@ def leave_process_group(worker_id: int) -> None:
     worker that does not finish with SIGTERM and then wait for it; here that SIGTERM still ends
     it at once. What this costs: a signal to the group (SIGKILL too) no longer reaches the
     workers; each ends itself within 5 s of its parent's death (PyTorch's worker watchdog), or,
-    if stuck in I/O, when that I/O returns.
+    if stuck in I/O, when that I/O returns. Until then it holds its copies of the parent's
+    sockets, so under torchrun the other ranks learn of a SIGKILLed rank within those 5 s
+    rather than at once.
     """
     try:
         os.setpgid(0, 0)
