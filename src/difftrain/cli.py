@@ -38,9 +38,18 @@ def _train(args: argparse.Namespace) -> int:
               "(the quickstart is --config configs/tiny.toml)", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / (Path(args.config).stem if args.config else "default")
     _make_folder(run_dir, "--run-dir")
+    from difftrain.runtime.distributed import EXIT_GROUP_FAULT, GroupFault
+    from difftrain.training.loop import fault_before_training
     from difftrain.training.signals import EXIT_STOPPED
 
-    result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
+    try:
+        result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
+    except RuntimeError as e:  # another rank died or hung: torchrun --max-restarts restarts on this code
+        fault = e if isinstance(e, GroupFault) else fault_before_training(e, run_dir)
+        if fault is None:
+            raise
+        print(f"difftrain train: error: {fault}", file=sys.stderr)
+        return EXIT_GROUP_FAULT
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 alone says how it ended
         return EXIT_STOPPED if result.stopped_by else 0
     if result.stopped_by:

@@ -202,9 +202,11 @@ class TrainConfig(_Section):
     max_nonfinite_in_row: int = 20  # stop after this many skipped steps in a row
     progress_bar: bool = True  # a one-line progress display on stderr
     compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
-    channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA and CPU)
+    channels_last: Toggle = "auto"  # channels_last memory format (auto: on for the CPU; off for CUDA, where it measured slower)
     tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
-    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: off; on: CUDA only, unmeasured)
+    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: off; on: CUDA only, see docs/benchmarks.md)
+    # torchrun: longer than any healthy wait (rank 0's checkpoint write, the slowest first compile)
+    collective_timeout_s: float = 600.0  # seconds a rank waits for the others before a hung rank ends the run
 
 
 @dataclass
@@ -625,6 +627,7 @@ def validate(cfg: Config) -> None:
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be >= 1, got {t.grad_accum_steps}")
     _check(t.log_every_steps >= 1, f"train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    _check(t.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}")
     _check(t.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got {t.max_nonfinite_in_row}")
     _check(bool(_DEVICE.match(t.device)), f"train.device must be auto, cpu, cuda, cuda:N or mps, got {t.device!r}")
     _check(0 <= cfg.ema.decay <= 1, f"ema.decay must be in [0, 1], got {cfg.ema.decay}")
