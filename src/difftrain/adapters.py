@@ -131,15 +131,10 @@ def read_adapter(path: str | Path) -> dict:
     """An adapter file written by :func:`export_lora`, as the fields ``load_model`` takes from a
     checkpoint: ``path``, ``config``, ``network`` (its LoRA record), ``frozen``, ``num_classes``,
     ``step``, ``tensors`` (difftrain's names). One ValueError naming the file otherwise."""
-    from safetensors import safe_open
+    from difftrain.interop import read_safetensors
 
     path = adapter_file(path)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"cannot read LoRA adapter {path}: {str(e).strip().splitlines()[0]}") from None
+    metadata, tensors = read_safetensors(path, "LoRA adapter")
     if ADAPTER_KEY not in metadata:
         raise ValueError(f"LoRA adapter {path} carries no difftrain record of its base (written by another "
                          "program?); difftrain samples adapters it exported with export --format lora")

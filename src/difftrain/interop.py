@@ -74,19 +74,24 @@ def save_weights_file(state: dict, out: str | Path, use_ema: bool = True) -> Pat
     return out
 
 
+def read_safetensors(path: Path, what: str) -> tuple[dict, dict]:
+    """(metadata, tensors) of a .safetensors file, read on the CPU; one :class:`CheckpointError`
+    naming the file (as ``what``, e.g. "weights file") when it cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise CheckpointError(f"cannot read {what} {path}: {str(e).strip().splitlines()[0]}") from None
+
+
 def load_weights_file(path: str | Path) -> dict:
     """Read a weights file: ``path``, ``config`` (a dict as in checkpoints), ``num_classes``,
     ``step``, ``images_seen``, ``weights`` ("ema" or "raw") and ``tensors``; a file that is not
     one raises :class:`CheckpointError` naming it."""
-    from safetensors import safe_open
-
     path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"cannot read weights file {path}: {e}") from e
+    metadata, tensors = read_safetensors(path, "weights file")
     if metadata.get("format") != WEIGHTS_FORMAT:
         raise CheckpointError(f"{path} is not a difftrain weights file (metadata format {WEIGHTS_FORMAT!r} "
                               "expected; a diffusers UNet folder goes in model.init_from)")
