@@ -54,7 +54,7 @@ class TrainingFID:
     """
 
     def __init__(self, cfg: Config, objective, device: torch.device, ctx: DistContext | None = None,
-                 conditioning=None, dataset=None):
+                 conditioning=None, dataset=None, check=None):
         from difftrain.conditioning import Conditioning
 
         self.cfg, self.objective, self.device = cfg, objective, device
@@ -62,6 +62,7 @@ class TrainingFID:
         self.every = cfg.evaluation.fid_every_steps
         self.conditioning = conditioning or Conditioning(channels=cfg.data.channels, resolution=cfg.data.resolution)
         self.dataset = dataset
+        self.check = check  # a SampleCheck: memorization and diversity of the samples' features (Inception space)
         self._conditions: FIDConditions | None = None
         self._inception = None
         self._reference = None
@@ -108,7 +109,19 @@ class TrainingFID:
             {"num_images": e.fid_num_samples, "sampler": e.fid_sampler, "steps": e.fid_steps})
         result = fid_result(samples, self._reference, kid=False)
         record = self._conditions.record()
-        return {"fid": result["fid"], "fid_num_samples": result["num_samples"],
+        checked = self.check.of_features(features) if self.check is not None else {}
+        return {**checked, "fid": result["fid"], "fid_num_samples": result["num_samples"],
                 "fid_num_reference": result["num_reference"], "fid_steps": e.fid_steps,
                 "fid_conditioned_on": record["conditioned_on"], "fid_guidance_scale": record["guidance_scale"],
                 "fid_seconds": time.perf_counter() - start}
+
+    def new_best(self, metrics: dict, ckpt_dir) -> float | None:
+        """The FID in ``metrics`` when it is lower than the run's best checkpoint's (so this step is
+        saved and becomes ``best``), else None; the same decision on every rank (rank 0 measures:
+        the others get NaN for the value, which only rank 0 writes). Every rank must call it."""
+        from difftrain.training.checkpoint import is_better
+
+        better = int("fid" in metrics and is_better(ckpt_dir, metrics["fid"]))
+        if not distributed.max_over_ranks(better, self.ctx):
+            return None
+        return float(metrics["fid"]) if better else float("nan")

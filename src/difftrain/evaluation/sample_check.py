@@ -1,0 +1,95 @@
+"""The memorization and diversity check of a run's validation images (and of its FID samples in the
+Inception space): called by the loop at each validation on rank 0, by ``difftrain eval``
+on its samples. A disabled one (``validation.memorization = "off"``) does nothing and loads nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from difftrain.config import Config
+
+from .diversity import data_features, diversity
+from .memorization import FeatureNetwork, TrainingIndex, feature_network, memorization, neighbour_grid, training_index
+
+
+class SampleCheck:
+    """``check(step, images, groups, run_dir, trackers)`` -> metrics: the share of near-copies,
+    the median ratio, the Vendi score beside the data's; writes ``samples/neighbours/step_N.png``
+    (each sample beside its nearest training image) and logs it as ``samples/neighbours``.
+
+    ``dataset``: the training images (pixels, unaugmented items in [-1, 1]); the index of their
+    features is built on first use and cached (evaluation/memorization.py)."""
+
+    def __init__(self, cfg: Config, dataset, device: torch.device | str = "cpu"):
+        self.cfg, self.dataset, self.device = cfg, dataset, device
+        self.space = cfg.validation.memorization
+        self._net: FeatureNetwork | None = None
+        self._index: TrainingIndex | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.space != "off"
+
+    def setup(self) -> None:
+        """Load the feature network and the training index (built once, then from the cache)."""
+        if self._index is None:
+            e = self.cfg.evaluation
+            self._net = feature_network(self.space, inception_path=e.inception_path, clip_model=e.clip_model,
+                                        device=self.device)
+            self._index = training_index(self.dataset, self._net, folder=_cache_folder(self.cfg))
+
+    def features(self, images: np.ndarray) -> torch.Tensor:
+        """(N, H, W, C) uint8 -> (N, V, D) query views."""
+        x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2)
+        return torch.cat([self._net.queries(x[i:i + 64]) for i in range(0, len(x), 64)])
+
+    def __call__(self, step: int, images: np.ndarray, groups: list[int] | None = None,
+                 run_dir: Path | None = None, trackers=None) -> dict[str, float]:
+        if not self.enabled or images is None:
+            return {}
+        self.setup()
+        queries = self.features(images)
+        result = memorization(queries, self._index.features, self.cfg.validation.near_copy_ratio,
+                              device=self.device)
+        out = result.metrics()
+        reference = data_features(self._index.features, len(images), seed=self.cfg.validation.seed)
+        out.update(diversity(queries[:, 0], reference, groups))
+        pairs = self.cfg.validation.memorization_pairs
+        if pairs and run_dir is not None:
+            from difftrain.sampling import save_png
+
+            grid = neighbour_grid(images, self.dataset, result, pairs)
+            folder = run_dir / "samples" / "neighbours"
+            folder.mkdir(parents=True, exist_ok=True)
+            save_png(grid, folder / f"step_{step:08d}.png")
+            if trackers is not None:
+                trackers.log_image(step, "samples/neighbours", grid)
+        return out
+
+    def of_features(self, features: torch.Tensor, prefix: str = "fid_samples") -> dict[str, float]:
+        """Memorization and diversity of FID samples given as Inception features (N, 2048), in the
+        Inception space only ({} in the others: their images are not kept)."""
+        if self.space != "inception":
+            return {}
+        self.setup()
+        q = torch.nn.functional.normalize(features.float(), dim=1)
+        result = memorization(q, self._index.features, self.cfg.validation.near_copy_ratio, device=self.device)
+        out = result.metrics(f"{prefix}/memorization")
+        out.update(diversity(q, data_features(self._index.features, len(q)), prefix=f"{prefix}/diversity"))
+        return out
+
+
+def _cache_folder(cfg: Config) -> str | None:
+    """data.cache_dir/memorization when data.cache_dir is set, else the default cache folder."""
+    return str(Path(cfg.data.cache_dir) / "memorization") if cfg.data.cache_dir else None
+
+
+def plan_groups(plan) -> list[int] | None:
+    """A text plan's row sizes (one prompt per row), for per-prompt diversity; None otherwise."""
+    if plan is None or plan.prompts is None:
+        return None
+    return [plan.ncols] * len(plan.prompts)
