@@ -29,6 +29,7 @@ class SampleCheck:
         self.space = cfg.validation.memorization
         self._net: FeatureNetwork | None = None
         self._index: TrainingIndex | None = None
+        check_available(cfg)  # before training: a missing network is one line now, not at the first validation
 
     @property
     def enabled(self) -> bool:
@@ -81,6 +82,20 @@ class SampleCheck:
         out = result.metrics(f"{prefix}/memorization")
         out.update(diversity(q, data_features(self._index.features, len(q)), prefix=f"{prefix}/diversity"))
         return out
+
+
+def check_available(cfg: Config) -> None:
+    """Raise the one line naming what to install when ``validation.memorization``'s network is
+    missing: the FID Inception file (FileNotFoundError), transformers for CLIP (MissingDependency)."""
+    space = cfg.validation.memorization
+    if space == "inception":
+        from .inception import find_inception_weights
+
+        find_inception_weights(cfg.evaluation.inception_path or None)
+    elif space == "clip":
+        from difftrain.runtime.optional import require
+
+        require("transformers", "text", f"validation.memorization='clip' (evaluation.clip_model={cfg.evaluation.clip_model})")
 
 
 def _cache_folder(cfg: Config) -> str | None:
