@@ -106,8 +106,8 @@ def train(
         device=device, rank=dctx.rank, world_size=dctx.world_size, prefetch_factor=d.prefetch_factor,
     )
     # Rank 0's trackers, watched for the signs of a run going wrong (training/warnings.py).
-    trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)), RunWarnings(cfg)) \
-        if is_main else Trackers([])
+    trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)),
+                               RunWarnings.resumed(cfg, run_dir / "metrics.jsonl", state.step)) if is_main else Trackers([])
     heldout = build_heldout(data.heldout, cfg, objective, device, dctx, conditioning)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
     plan = validation_plan(cfg, conditioning, data.train) if cfg.validation.every_steps else None

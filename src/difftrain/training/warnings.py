@@ -9,7 +9,9 @@ line on stderr and a ``warning`` text in the trackers, naming the step it starte
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -35,6 +37,24 @@ class RunWarnings:
         self.heldout: list[tuple[int, float, float]] = []  # (step, held-out loss, mean training loss since last)
         self._train_losses: list[float] = []
         self.active: dict[str, int] = {}  # condition -> the step it started
+
+    @classmethod
+    def resumed(cls, cfg: Config, metrics_file: Path, step: int) -> RunWarnings:
+        """Watching a resumed run: the metrics it logged up to ``step`` (metrics.jsonl) are replayed
+        silently, so a rise that began before the stop still counts and a warning given is not repeated."""
+        warnings = cls(cfg)
+        try:
+            lines = Path(metrics_file).read_text().splitlines() if step else []
+        except OSError:
+            lines = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                warnings.observe(row["step"], row)
+        return warnings
 
     def observe(self, step: int, metrics: dict) -> list[str]:
         out: list[str] = []
