@@ -4,6 +4,7 @@ tiny images the tests make: copies of training images are found, new images are 
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -175,3 +176,24 @@ def test_a_missing_feature_network_is_one_line_naming_what_to_install(tmp_path, 
 def test_a_disabled_check_does_nothing(data):
     cfg = load_config(None, [])
     assert SampleCheck(cfg, None)(1, data[0].permute(0, 2, 3, 1).numpy()) == {}
+
+
+def test_eval_reports_the_samples_memorization_and_diversity(tmp_path, tiny_overrides, monkeypatch, capsys):
+    from difftrain import cli
+    from difftrain.training.loop import train
+
+    use_standin(monkeypatch, write_standin(tmp_path / "standin.pt", 64), 64, tmp_path / "cache")
+    folder = tmp_path / "data" / "a"
+    folder.mkdir(parents=True)
+    for i, image in enumerate(_images(24, seed=3)):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i}.png")
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides + [f"data.path={tmp_path / 'data'}", "train.total_steps=2",
+                                              "validation.every_steps=0", "tracking.tensorboard=false"]), run)
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--checkpoint", str(run), "--num", "6", "--steps", "2", "--batch-size", "4",
+                     "--no-kid", "--memorization", "pixels", "--out", str(out)]) == 0
+    m = json.loads(out.read_text())["memorization"]
+    assert m["memorization/num_samples"] == 6 and m["memorization/space"] == "pixels"
+    assert 0 <= m["memorization/near_copy_share"] <= 1 and m["diversity/vendi"] >= 1
+    assert "near-copies of training images" in capsys.readouterr().out

@@ -84,6 +84,44 @@ class SampleCheck:
         return out
 
 
+class CheckedInception:
+    """The FID network, checking each batch of samples it sees (``difftrain eval``): the samples'
+    memorization and diversity are gathered batch by batch, so memory stays at one batch plus a
+    few numbers per sample. Call ``result()`` once every batch is through."""
+
+    def __init__(self, inception, check: SampleCheck):
+        self.inception, self.check = inception, check
+        self.parts: list = []
+        self.centre: list[torch.Tensor] = []
+        check.setup()
+
+    def __getattr__(self, name):  # feature_dim, metadata, to(): the network's own
+        return getattr(self.inception, name)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """images: (B, C, H, W) uint8 -> the network's features, after checking them."""
+        features = self.inception(images)
+        if self.check.space == "inception":
+            queries = torch.nn.functional.normalize(features.float().cpu(), dim=1)[:, None]
+        else:
+            queries = self.check.features(images.cpu().permute(0, 2, 3, 1).numpy())
+        v = self.check.cfg.validation
+        self.parts.append(memorization(queries, self.check._index.features, v.near_copy_ratio,
+                                       device=self.check.device))
+        self.centre.append(queries[:, 0])
+        return features
+
+    def result(self) -> dict[str, float]:
+        from .memorization import Memorization
+
+        merged = Memorization(torch.cat([p.neighbour for p in self.parts]), torch.cat([p.distance for p in self.parts]),
+                              torch.cat([p.ratio for p in self.parts]), self.check.cfg.validation.near_copy_ratio)
+        features = torch.cat(self.centre)
+        out = merged.metrics()
+        out.update(diversity(features, data_features(self.check._index.features, len(features))))
+        return {**out, "memorization/space": self.check.space}
+
+
 def check_available(cfg: Config) -> None:
     """Raise the one line naming what to install when ``validation.memorization``'s network is
     missing: the FID Inception file (FileNotFoundError), transformers for CLIP (MissingDependency)."""

@@ -1,0 +1,111 @@
+"""A run made to over-fit beside a healthy one, with the memorization, diversity, FID and held-out
+signals and the warnings they raise (docs/monitoring.md, "Warnings").
+
+    python bench/monitoring_demo.py --cifar16 /tmp/cifar16 --out /tmp/monitoring-demo
+
+Both runs use configs/cifar10-16px-cpu.toml with the same schedule: ``overfit`` trains on 32
+CIFAR-10 images without flips, ``healthy`` on the whole training set with flips. Both hold out
+the same 200 test images (held-out loss) and measure FID against the same 500 test images, so
+their numbers compare. ``--cifar16``: a folder with train/<class>/*.png and test/<class>/*.png
+(bench/make_cifar16.py). Nothing made here goes into the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("memorization/near_copy_share", "memorization/median_ratio", "diversity/ratio", "fid", "heldout/loss")
+
+
+def _folder(src: list[Path], dest: Path) -> Path:
+    """``dest`` holding copies of ``src`` (class folders kept)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    for p in src:
+        (dest / p.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, dest / p.parent.name / p.name)
+    return dest
+
+
+def _sets(args, data: Path, heldout: Path, fid_ref: Path, flip: bool) -> list[str]:
+    every = args.every
+    return [f"data.path={data}", f"data.heldout_path={heldout}", f"data.random_flip={str(flip).lower()}",
+            f"train.total_steps={args.steps}", f"train.batch_size={args.batch}", "train.log_every_steps=50",
+            "train.device=cpu", "train.progress_bar=false", f"optim.lr={args.lr}", "optim.lr_schedule=constant",
+            "optim.warmup_steps=30", "ema.decay=0.995", f"checkpoint.every_steps={args.steps}",
+            f"validation.every_steps={every}", "validation.num_images=32", "validation.sampler=ddim",
+            "validation.steps=25", "validation.heldout_max_images=200", "validation.memorization=pixels",
+            f"evaluation.fid_every_steps={every}", f"evaluation.fid_ref={fid_ref}", "evaluation.fid_num_samples=64",
+            "evaluation.fid_batch_size=64", "evaluation.fid_steps=25", "tracking.tensorboard=false"]
+
+
+def _train(name: str, sets: list[str], out: Path) -> tuple[float, list[str]]:
+    run = out / name
+    if run.exists():
+        shutil.rmtree(run)
+    cmd = [sys.executable, "-m", "difftrain", "train", "--config", str(ROOT / "configs" / "cifar10-16px-cpu.toml"),
+           "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return seconds, [line for line in proc.stderr.splitlines() if "warning: step" in line]
+
+
+def _table(out: Path, name: str) -> None:
+    rows: dict[int, dict] = {}
+    for line in (out / name / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows.setdefault(r["step"], {}).update({k: r[k] for k in KEYS if k in r})
+    print(f"\n{name}\n| step | near-copy share | median ratio | diversity (Vendi / data's) | FID (64 vs 500) | held-out loss |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for step, r in sorted(rows.items()):
+        if "fid" in r or "heldout/loss" in r:
+            cells = [f"{r[k]:.0%}" if k.endswith("share") and k in r else f"{r[k]:.3g}" if k in r else ""
+                     for k in KEYS]
+            print(f"| {step} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cifar16", default="/tmp/cifar16")
+    p.add_argument("--out", default="/tmp/monitoring-demo")
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--every", type=int, default=200)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--only", choices=["overfit", "healthy"])
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(args.cifar16)
+    train = sorted((src / "train").glob("*/*.png"))
+    test = sorted((src / "test").glob("*/*.png"))
+    few = _folder([train[i] for i in range(0, len(train), len(train) // 32)][:32], out / "data" / "train32")
+    heldout = _folder(test[::len(test) // 200][:200], out / "data" / "heldout200")
+    fid_ref = _folder(test[1::len(test) // 500][:500], out / "data" / "fidref500")
+    runs = {"overfit": _sets(args, few, heldout, fid_ref, flip=False),
+            "healthy": _sets(args, src / "train", heldout, fid_ref, flip=True)}
+    for name, sets in runs.items():
+        if args.only and name != args.only:
+            continue
+        seconds, warnings = _train(name, sets, out)
+        print(f"\n{name}: {seconds:.0f} s")
+        for line in warnings:
+            print(f"  {line[:200]}")
+        _table(out, name)
+
+
+if __name__ == "__main__":
+    main()
