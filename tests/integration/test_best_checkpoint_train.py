@@ -76,6 +76,13 @@ def test_best_survives_keep_last_and_resume_and_rising_fid_warns(tmp_path, tiny_
     warned = [line for line in err.splitlines() if "FID has risen" in line]
     assert len(warned) == 1 and "step 10:" in warned[0] and "since step 4" in warned[0]
 
+    # The report marks the best checkpoint and lists the warning.
+    from difftrain.report.html import build_report
+
+    page = build_report(run).read_text()
+    assert "step_00000004.pt <b class=\"best\">best FID 30.000</b>" in page
+    assert "<h2>Warnings</h2>" in page and "step 10: FID has risen" in page
+
     # sample and export take RUN/best and RUN:best.
     assert main(["sample", "--checkpoint", f"{run}/best", "--num", "2", "--steps", "2", "--out",
                  str(tmp_path / "samples"), "--device", "cpu"]) == 0
