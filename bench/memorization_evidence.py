@@ -75,7 +75,11 @@ def evaluate_space(space: str, train: torch.Tensor, heldout: torch.Tensor, queri
 
 def search_time(rows: int, dim: int, queries: int, chunk: int) -> None:
     """Time of one search of ``queries`` against a random float16 (rows, dim) index in memory."""
-    index = np.random.default_rng(0).standard_normal((rows, dim), dtype=np.float32).astype(np.float16)
+    index = np.empty((rows, dim), dtype=np.float16)
+    rng = np.random.default_rng(0)
+    for start in range(0, rows, 65_536):  # filled in chunks: a float32 copy of 1M x 2048 would be 8 GiB
+        block = rng.standard_normal((min(65_536, rows - start), dim), dtype=np.float32)
+        index[start:start + len(block)] = block / np.linalg.norm(block, axis=1, keepdims=True)
     q = torch.nn.functional.normalize(torch.randn(queries, dim), dim=1)
     start = time.perf_counter()
     memorization(q, index, NEAR_COPY_RATIO, chunk)

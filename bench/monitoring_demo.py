@@ -3,10 +3,10 @@ signals and the warnings they raise (docs/monitoring.md, "Warnings").
 
     python bench/monitoring_demo.py --cifar16 /tmp/cifar16 --out /tmp/monitoring-demo
 
-Both runs use configs/cifar10-16px-cpu.toml with the same schedule: ``overfit`` trains on 32
-CIFAR-10 images without flips, ``healthy`` on the whole training set with flips. Both hold out
-the same 200 test images (held-out loss) and measure FID against the same 500 test images, so
-their numbers compare. ``--cifar16``: a folder with train/<class>/*.png and test/<class>/*.png
+Both runs use configs/cifar10-16px-cpu.toml with the same schedule: ``overfit`` trains on
+``--num-images`` (16) CIFAR-10 images without flips, ``healthy`` on the whole training set with
+flips. Both hold out the same 200 test images (held-out loss) and measure FID against the same
+200 other test images, so their numbers compare. ``--cifar16``: a folder with train/<class>/*.png and test/<class>/*.png
 (bench/make_cifar16.py). Nothing made here goes into the repository.
 """
 
@@ -43,8 +43,8 @@ def _sets(args, data: Path, heldout: Path, fid_ref: Path, flip: bool) -> list[st
             "optim.warmup_steps=30", "ema.decay=0.995", f"checkpoint.every_steps={args.steps}",
             f"validation.every_steps={every}", "validation.num_images=32", "validation.sampler=ddim",
             "validation.steps=25", "validation.heldout_max_images=200", "validation.memorization=pixels",
-            f"evaluation.fid_every_steps={every}", f"evaluation.fid_ref={fid_ref}", "evaluation.fid_num_samples=64",
-            "evaluation.fid_batch_size=64", "evaluation.fid_steps=25", "tracking.tensorboard=false"]
+            f"evaluation.fid_every_steps={every}", f"evaluation.fid_ref={fid_ref}", "evaluation.fid_num_samples=32",
+            "evaluation.fid_batch_size=32", "evaluation.fid_steps=25", "tracking.tensorboard=false"]
 
 
 def _train(name: str, sets: list[str], out: Path) -> tuple[float, list[str]]:
@@ -68,7 +68,7 @@ def _table(out: Path, name: str) -> None:
     for line in (out / name / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         rows.setdefault(r["step"], {}).update({k: r[k] for k in KEYS if k in r})
-    print(f"\n{name}\n| step | near-copy share | median ratio | diversity (Vendi / data's) | FID (64 vs 500) | held-out loss |")
+    print(f"\n{name}\n| step | near-copy share | median ratio | diversity (Vendi / data's) | FID (32 vs 200) | held-out loss |")
     print("|---:|---:|---:|---:|---:|---:|")
     for step, r in sorted(rows.items()):
         if "fid" in r or "heldout/loss" in r:
@@ -81,9 +81,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cifar16", default="/tmp/cifar16")
     p.add_argument("--out", default="/tmp/monitoring-demo")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--every", type=int, default=200)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--num-images", type=int, default=16, help="training images of the over-fitting run")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--only", choices=["overfit", "healthy"])
     args = p.parse_args()
@@ -92,9 +93,10 @@ def main() -> None:
     src = Path(args.cifar16)
     train = sorted((src / "train").glob("*/*.png"))
     test = sorted((src / "test").glob("*/*.png"))
-    few = _folder([train[i] for i in range(0, len(train), len(train) // 32)][:32], out / "data" / "train32")
+    n = args.num_images
+    few = _folder([train[i] for i in range(0, len(train), len(train) // n)][:n], out / "data" / f"train{n}")
     heldout = _folder(test[::len(test) // 200][:200], out / "data" / "heldout200")
-    fid_ref = _folder(test[1::len(test) // 500][:500], out / "data" / "fidref500")
+    fid_ref = _folder(test[1::len(test) // 200][:200], out / "data" / "fidref200")
     runs = {"overfit": _sets(args, few, heldout, fid_ref, flip=False),
             "healthy": _sets(args, src / "train", heldout, fid_ref, flip=True)}
     for name, sets in runs.items():
