@@ -4,7 +4,7 @@ signals and the warnings they raise (docs/monitoring.md, "Warnings").
     python bench/monitoring_demo.py --cifar16 /tmp/cifar16 --out /tmp/monitoring-demo
 
 Both runs use configs/cifar10-16px-cpu.toml with the same schedule: ``overfit`` trains on
-``--num-images`` (16) CIFAR-10 images without flips, ``healthy`` on the whole training set with
+``--num-images`` (12) CIFAR-10 images without flips, ``healthy`` on the whole training set with
 flips. Both hold out the same 200 test images (held-out loss) and measure FID against the same
 200 other test images, so their numbers compare. ``--cifar16``: a folder with train/<class>/*.png and test/<class>/*.png
 (bench/make_cifar16.py). Nothing made here goes into the repository.
@@ -53,7 +53,7 @@ def _train(name: str, sets: list[str], out: Path) -> tuple[float, list[str]]:
         shutil.rmtree(run)
     cmd = [sys.executable, "-m", "difftrain", "train", "--config", str(ROOT / "configs" / "cifar10-16px-cpu.toml"),
            "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -81,10 +81,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cifar16", default="/tmp/cifar16")
     p.add_argument("--out", default="/tmp/monitoring-demo")
-    p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--every", type=int, default=200)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--every", type=int, default=100)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--num-images", type=int, default=16, help="training images of the over-fitting run")
+    p.add_argument("--num-images", type=int, default=12, help="training images of the over-fitting run")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--only", choices=["overfit", "healthy"])
     args = p.parse_args()

@@ -82,3 +82,17 @@ def test_watched_trackers_print_one_line_and_log_the_warning(tmp_path, capsys):
     assert len(err) == 4 and all(line.startswith("difftrain: warning: step ") for line in err)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "warning" in r] == [s for s, _ in trackers.fired]
+
+
+def test_a_resumed_run_replays_its_metrics_up_to_the_checkpoint_and_does_not_warn_twice(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "w") as f:
+        for step, metrics in OVERFIT[4:]:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+    cfg = load_config(None, [])
+    # Resumed at step 500: the rises of FID and held-out loss since 300 count, the near-copy warning was given.
+    w = RunWarnings.resumed(cfg, path, 500)
+    assert w.active == {"near_copy": 500}
+    lines = w.observe(600, {"fid": 170.0, "heldout/loss": 0.22, "memorization/near_copy_share": 0.4})
+    assert [line.split(":")[1].strip().split()[0] for line in lines] == ["FID"]  # held-out needs the training loss
+    assert RunWarnings.resumed(cfg, tmp_path / "missing.jsonl", 500).active == {}

@@ -184,7 +184,7 @@ def nearest(queries: torch.Tensor, index: np.ndarray, k: int = 1, chunk: int = C
     best_idx = torch.zeros((q.shape[0], k), dtype=torch.int64, device=device)
     dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
     for start in range(0, index.shape[0], chunk):
-        rows = torch.from_numpy(np.array(index[start:start + chunk], dtype=np.float32)).to(device, dtype)
+        rows = torch.from_numpy(np.array(index[start:start + chunk])).to(device).to(dtype)  # a copy: the memmap is read-only
         sim = (q.to(dtype) @ rows.T).float()  # cosine similarity, (Q, chunk)
         top_sim, top_idx = sim.topk(min(k, sim.shape[1]), dim=1)
         merged_sim = torch.cat([best_sim, top_sim], 1)
