@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--data", default="/tmp/cifar16")
     p.add_argument("--num-train", type=int, default=5000)
     p.add_argument("--num-queries", type=int, default=200)
-    p.add_argument("--spaces", nargs="+", default=["pixels"])
+    p.add_argument("--spaces", nargs="*", default=["pixels"], help="feature spaces to compare (none: the timing only)")
     p.add_argument("--inception-train", type=int, default=1000, help="training images for the inception space")
     p.add_argument("--search-rows", type=int, default=100_000)
     p.add_argument("--search-dim", type=int, default=2048)
@@ -104,6 +104,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.spaces:
+        compare(args)
+    if args.search_rows:
+        search_time(args.search_rows, args.search_dim, args.search_queries, args.chunk)
+
+
+def compare(args) -> None:
     rng = np.random.default_rng(args.seed)
     train_paths = sorted(Path(args.data, "train").glob("*/*.png"))
     test_paths = sorted(Path(args.data, "test").glob("*/*.png"))
@@ -113,8 +120,6 @@ def main() -> None:
     for space in args.spaces:
         n = args.inception_train if space != "pixels" else len(train)
         evaluate_space(space, train[:n], heldout, min(args.num_queries, n), args.seed)
-    if args.search_rows:
-        search_time(args.search_rows, args.search_dim, args.search_queries, args.chunk)
 
 
 if __name__ == "__main__":
