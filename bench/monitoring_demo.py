@@ -4,7 +4,7 @@ signals and the warnings they raise (docs/monitoring.md, "Warnings").
     python bench/monitoring_demo.py --cifar16 /tmp/cifar16 --out /tmp/monitoring-demo
 
 Both runs use configs/cifar10-16px-cpu.toml with the same schedule: ``overfit`` trains on
-``--num-images`` (12) CIFAR-10 images without flips, ``healthy`` on the whole training set with
+``--num-images`` (16; at least --batch) CIFAR-10 images without flips, ``healthy`` on the whole training set with
 flips. Both hold out the same 200 test images (held-out loss) and measure FID against the same
 200 other test images, so their numbers compare. ``--cifar16``: a folder with train/<class>/*.png and test/<class>/*.png
 (bench/make_cifar16.py). Nothing made here goes into the repository.
@@ -47,9 +47,9 @@ def _sets(args, data: Path, heldout: Path, fid_ref: Path, flip: bool) -> list[st
             "evaluation.fid_batch_size=32", "evaluation.fid_steps=25", "tracking.tensorboard=false"]
 
 
-def _train(name: str, sets: list[str], out: Path) -> tuple[float, list[str]]:
+def _train(name: str, sets: list[str], out: Path, resume: bool = False) -> tuple[float, list[str]]:
     run = out / name
-    if run.exists():
+    if run.exists() and not resume:
         shutil.rmtree(run)
     cmd = [sys.executable, "-m", "difftrain", "train", "--config", str(ROOT / "configs" / "cifar10-16px-cpu.toml"),
            "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]
@@ -57,10 +57,17 @@ def _train(name: str, sets: list[str], out: Path) -> tuple[float, list[str]]:
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    with open(out / f"{name}.log", "a") as f:
+        f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     return seconds, [line for line in proc.stderr.splitlines() if "warning: step" in line]
+
+
+def _warnings(out: Path, name: str) -> list[str]:
+    """Every warning the run logged, from its metrics.jsonl (all its starts)."""
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["warning"] for r in rows if "warning" in r]
 
 
 def _table(out: Path, name: str) -> None:
@@ -84,9 +91,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--num-images", type=int, default=12, help="training images of the over-fitting run")
+    p.add_argument("--num-images", type=int, default=16, help="training images of the over-fitting run")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--only", choices=["overfit", "healthy"])
+    p.add_argument("--resume", action="store_true", help="continue the runs in --out to --steps instead of restarting")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,10 +110,10 @@ def main() -> None:
     for name, sets in runs.items():
         if args.only and name != args.only:
             continue
-        seconds, warnings = _train(name, sets, out)
+        seconds, _ = _train(name, sets, out, args.resume)
         print(f"\n{name}: {seconds:.0f} s")
-        for line in warnings:
-            print(f"  {line[:200]}")
+        for line in _warnings(out, name):
+            print(f"  warning: {line}")
         _table(out, name)
 
 
