@@ -32,19 +32,24 @@ HEALTHY = _run(losses=[0.30, 0.20, 0.15, 0.12, 0.11, 0.10, 0.10, 0.09],
                heldout=[0.31, 0.21, 0.16, 0.13, 0.125, 0.12, 0.121, 0.119],
                fids=[300, 200, 120, 90, 80, 78, 79, 77],
                shares=[0.0, 0.0, 0.02, 0.0, 0.03, 0.0, 0.02, 0.03],
-               diversity=[0.4, 0.8, 0.9, 0.95, 0.9, 1.0, 0.95, 0.97])
+               diversity=[2.6, 1.8, 1.4, 1.2, 1.1, 1.0, 0.95, 0.97])
 OVERFIT = _run(losses=[0.30, 0.20, 0.15, 0.10, 0.07, 0.05, 0.03, 0.02],
                heldout=[0.31, 0.21, 0.16, 0.17, 0.19, 0.22, 0.26, 0.30],
                fids=[300, 200, 120, 130, 150, 170, 200, 230],
                shares=[0.0, 0.0, 0.02, 0.05, 0.15, 0.4, 0.7, 0.9],
-               diversity=[0.4, 0.8, 0.9, 0.8, 0.6, 0.45, 0.3, 0.2])
+               diversity=[2.8, 1.8, 1.5, 1.2, 0.8, 0.45, 0.3, 0.2])
 
 
-def test_a_healthy_run_gets_no_warning_after_its_first_validation():
-    # The first validation's diversity (0.4, noise-like early samples) is below the level; nothing after.
-    lines = _feed(HEALTHY)
-    assert len(lines) == 1 and "diversity" in lines[0] and lines[0].startswith("step 100:")
-    assert _feed(HEALTHY[4:]) == []
+def test_a_healthy_run_gets_no_warning():
+    # Early samples (noise) are more varied than the data: the diversity ratio starts above 1 and falls to
+    # about 1; a few near-copies by chance, a FID that wobbles once and a flat held-out loss warn of nothing.
+    assert _feed(HEALTHY) == []
+
+
+def test_the_levels_are_the_configs():
+    strict = RunWarnings(load_config(None, ["validation.warn_near_copy_share=0.01", "validation.warn_fid_rises=1"]))
+    fired = [line for step, metrics in HEALTHY for line in strict.observe(step, metrics)]
+    assert any("near-copies" in line for line in fired) and any("FID has risen" in line for line in fired)
 
 
 def test_an_overfitting_run_warns_once_per_condition_with_the_step_it_started_and_what_to_try():
