@@ -92,8 +92,10 @@ def test_two_processes_equal_one_at_the_same_global_batch(tmp_path):
     logged = {name: {k: v for r in rows[name] for k, v in r.items()} for name in rows}
     for key in ("heldout/loss", "heldout_raw/loss", "fid"):
         assert logged["two"][key] == pytest.approx(logged["one"][key], rel=1e-3), key
-    # Memorization and diversity of the grid, on rank 0 from the gathered images (equal to rounding).
-    for key in ("memorization/near_copy_share", "memorization/median_ratio", "diversity/vendi"):
+    # Memorization and diversity of the grid (rank 0, the gathered images) and of the FID samples (each rank
+    # its batches, gathered): equal to rounding.
+    for key in ("memorization/near_copy_share", "memorization/median_ratio", "diversity/vendi",
+                "fid_samples/memorization/median_ratio", "fid_samples/diversity/vendi"):
         assert logged["two"][key] == pytest.approx(logged["one"][key], rel=1e-2), key
     assert (tmp_path / "two" / "samples" / "neighbours" / "step_00000004.png").is_file()
     for grid in ("samples/step_00000004.png", "samples/raw/step_00000004.png"):

@@ -98,10 +98,12 @@ class TrainingFID:
             self._setup()
         e = self.cfg.evaluation
         channels, size = self.conditioning.network_shape()
+        tap = self.check.tap(self._inception, self.ctx) if self.check is not None else None  # sees the images
         features = sharded_sample_features(
-            ema_model, self._inception, objective=self.objective, shape=(channels, size, size),
+            ema_model, tap or self._inception, objective=self.objective, shape=(channels, size, size),
             num=e.fid_num_samples, sampler=e.fid_sampler, steps=e.fid_steps, seed=e.fid_seed,
             batch_size=e.fid_batch_size, conditions=self._conditions, ctx=self.ctx)
+        checked = tap.result(self.ctx, prefix="fid_samples/") if tap is not None else {}
         if features is None:  # not rank 0
             return {}
         samples = statistics_from_features(
@@ -109,7 +111,8 @@ class TrainingFID:
             {"num_images": e.fid_num_samples, "sampler": e.fid_sampler, "steps": e.fid_steps})
         result = fid_result(samples, self._reference, kid=False)
         record = self._conditions.record()
-        checked = self.check.of_features(features) if self.check is not None else {}
+        if self.check is not None and tap is None:
+            checked = self.check.of_features(features)
         return {**checked, "fid": result["fid"], "fid_num_samples": result["num_samples"],
                 "fid_num_reference": result["num_reference"], "fid_steps": e.fid_steps,
                 "fid_conditioned_on": record["conditioned_on"], "fid_guidance_scale": record["guidance_scale"],

@@ -275,7 +275,7 @@ def evaluate_checkpoint(
         sampler_options=sampler_options, ema=use_ema, seed=seed, batch_size=batch_size, **conditions.record(),
         checkpoint=loaded.path, checkpoint_step=loaded.step, reference=ref_source,
         inception=inception.metadata, seconds=round(time.perf_counter() - start, 1),
-        **({"memorization": checked.result()} if checked else {}))
+        **({"memorization": {**checked.result(), "memorization/space": memorization}} if checked else {}))
 
 
 def _checked(inception: InceptionFeatures, loaded, space: str | None):

@@ -73,7 +73,7 @@ class SampleCheck:
 
     def of_features(self, features: torch.Tensor, prefix: str = "fid_samples") -> dict[str, float]:
         """Memorization and diversity of FID samples given as Inception features (N, 2048), in the
-        Inception space only ({} in the others: their images are not kept)."""
+        Inception space only ({} in the others: :class:`CheckedInception` sees their images)."""
         if self.space != "inception":
             return {}
         self.setup()
@@ -82,6 +82,18 @@ class SampleCheck:
         out = result.metrics(f"{prefix}/memorization")
         out.update(diversity(q, data_features(self._index.features, len(q)), prefix=f"{prefix}/diversity"))
         return out
+
+    def tap(self, inception, ctx=None):
+        """The FID network, checking the samples it sees in this (non-Inception) space; None when the
+        check is off or in the Inception space (:meth:`of_features` then uses the FID features).
+        Every rank must call it: rank 0 builds the index first, the others then read its cache."""
+        if not self.enabled or self.space == "inception":
+            return None
+        if ctx is not None and ctx.enabled:
+            from difftrain.runtime import distributed
+
+            distributed.run_on_main(self.setup, ctx)
+        return CheckedInception(inception, self)
 
 
 class CheckedInception:
@@ -111,15 +123,28 @@ class CheckedInception:
         self.centre.append(queries[:, 0])
         return features
 
-    def result(self) -> dict[str, float]:
+    def result(self, ctx=None, prefix: str = "") -> dict[str, float]:
+        """The metrics of every sample seen (under torchrun: of every rank's, on rank 0; {} on the
+        others; every rank must call it). Resets the tap for the next evaluation."""
+        from difftrain.runtime import distributed
+
         from .memorization import Memorization
 
-        merged = Memorization(torch.cat([p.neighbour for p in self.parts]), torch.cat([p.distance for p in self.parts]),
-                              torch.cat([p.ratio for p in self.parts]), self.check.cfg.validation.near_copy_ratio)
-        features = torch.cat(self.centre)
-        out = merged.metrics()
-        out.update(diversity(features, data_features(self.check._index.features, len(features))))
-        return {**out, "memorization/space": self.check.space}
+        dim = self.check._index.features.shape[1]
+        parts, centre, self.parts, self.centre = self.parts, self.centre, [], []
+        local = [torch.cat([getattr(p, k) for p in parts]) if parts else torch.zeros(0, dtype=dtype)
+                 for k, dtype in (("neighbour", torch.int64), ("distance", torch.float32), ("ratio", torch.float32))]
+        local.append(torch.cat(centre) if centre else torch.zeros(0, dim))
+        if ctx is not None and ctx.enabled:
+            local = [distributed.gather_cat(t, ctx) for t in local]
+            if not ctx.is_main:
+                return {}
+        neighbour, distance, ratio, features = local
+        merged = Memorization(neighbour, distance, ratio, self.check.cfg.validation.near_copy_ratio)
+        out = merged.metrics(f"{prefix}memorization")
+        out.update(diversity(features, data_features(self.check._index.features, len(features)),
+                             prefix=f"{prefix}diversity"))
+        return out
 
 
 def check_available(cfg: Config) -> None:
