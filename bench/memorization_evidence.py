@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from difftrain.evaluation.memorization import NEAR_COPY_RATIO, feature_network, memorization, nearest
+from difftrain.evaluation.memorization import NEAR_COPY_RATIO, feature_network, memorization
 
 
 def load(paths: list[Path]) -> torch.Tensor:
