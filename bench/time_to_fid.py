@@ -75,7 +75,9 @@ ABLATION = {
     "all-but-decay": _CONSTANT + _BETA1 + _WD + _EMA + _NOFLIP,
     "diffusers-like": _COSINE + _BETA1 + _WD + _EMA + _NOFLIP,
     # The objectives (diffusion/objective.py), each with the decaying LR and its own ODE sampler.
-    "v-minsnr": _COSINE + ("diffusion.prediction=v", "diffusion.loss_weighting=min_snr"),
+    "epsilon": _COSINE + ("diffusion.objective=ddpm", "diffusion.schedule=linear", "diffusion.prediction=epsilon"),
+    "v-minsnr": _COSINE + ("diffusion.objective=ddpm", "diffusion.schedule=linear", "diffusion.prediction=v",
+                           "diffusion.loss_weighting=min_snr"),
     "edm": _COSINE + ("diffusion.objective=edm", "validation.sampler=heun", "evaluation.fid_sampler=heun"),
     "flow": _COSINE + ("diffusion.objective=flow", "validation.sampler=heun", "evaluation.fid_sampler=heun"),
 }

@@ -34,10 +34,10 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str, timeout_s: float) -> None:
     os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(1)
-    ctx = distributed.setup(torch.device("cpu"))
+    ctx = distributed.setup(torch.device("cpu"), timeout_s)
     try:
         result = fn(ctx, *args)
     finally:
@@ -45,16 +45,16 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0, collective_timeout_s: float = 600.0) -> list:
     """``fn(ctx, *args)`` on ``world_size`` spawned processes; their results in rank order.
 
     ``fn`` must be a module-level function and its result something ``torch.save`` can write.
     A process that raises fails the call with its traceback; a hang is killed after
-    ``timeout_s``.
+    ``timeout_s``. ``collective_timeout_s`` is the process groups' (``train.collective_timeout_s``).
     """
     with tempfile.TemporaryDirectory() as out_dir:
         procs = mp.start_processes(
-            _worker, (world_size, free_port(), fn, args, out_dir), nprocs=world_size, join=False,
+            _worker, (world_size, free_port(), fn, args, out_dir, collective_timeout_s), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s

@@ -65,13 +65,17 @@ def train(
     return train_loop(cfg, run_dir, resume=resume, stop_at_step=stop_at_step)
 
 
-def load(run_or_checkpoint: str | Path, *, ema: bool = True, device: str = "auto"):
+def load(run_or_checkpoint: str | Path | None = None, *, ema: bool = True, device: str = "auto",
+         lora: str | Path | None = None, lora_scale: float = 1.0, base: str | Path | None = None):
     """A trained model (``LoadedModel``: model, cfg, objective, num_classes, step, path) from a
     run directory, a checkpoint file or a ``.safetensors`` weights file, EMA weights unless
-    ``ema`` is False."""
+    ``ema`` is False. Or, with ``lora`` instead, an adapter from ``export(..., format="lora")``
+    on the base it was trained on (``base``: where that base is now, if it moved).
+    ``lora_scale`` scales the adapter (of ``lora`` or of a LoRA run): 1 as trained, 0 none."""
     from difftrain.inference import load_model
 
-    return load_model(run_or_checkpoint, use_ema=ema, device=device)
+    return load_model(run_or_checkpoint, use_ema=ema, device=device, lora=lora, lora_scale=lora_scale,
+                      base=None if base is None else str(base))
 
 
 def generate(
@@ -103,17 +107,33 @@ def generate(
 
 
 def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "diffusers", ema: bool = True,
-           text_encoder: str | None = None, vae: str | None = None) -> Path:
+           text_encoder: str | None = None, vae: str | None = None, merge: bool = False,
+           lora_layout: str = "diffusers") -> Path:
     """Write a checkpoint's EMA (or raw) weights as a diffusers pipeline folder
     (``format="diffusers"``) or as one ``.safetensors`` file with its config
     (``format="safetensors"``), as ``difftrain export``; returns what was written.
-    ``text_encoder`` / ``vae``: where a Stable Diffusion fine-tune's frozen parts are now."""
+    ``text_encoder`` / ``vae``: where a Stable Diffusion fine-tune's frozen parts are now.
+
+    A LoRA run: ``format="lora"`` writes the adapter alone in ``lora_layout`` (diffusers':
+    ``out/pytorch_lora_weights.safetensors``, which ``load_lora_weights(out)`` reads); ``merge``
+    folds it into the base first, for the whole-network formats."""
+    from difftrain.adapters import export_lora, merged_state
     from difftrain.interop import export_diffusers, save_weights_file
     from difftrain.training.checkpoint import load_checkpoint
 
-    if format not in ("diffusers", "safetensors"):
-        raise ValueError(f"format must be 'diffusers' or 'safetensors', got {format!r}")
+    if format not in ("diffusers", "safetensors", "lora"):
+        raise ValueError(f"format must be 'diffusers', 'safetensors' or 'lora', got {format!r}")
+    if merge and format == "lora":
+        raise ValueError("--merge folds the adapter into the base for --format diffusers or safetensors; "
+                         "--format lora writes the adapter alone")
     state = load_checkpoint(run_or_checkpoint)
+    if format == "lora":
+        return export_lora(state, out, use_ema=ema, layout=lora_layout)
+    if merge:
+        state = merged_state(state, use_ema=ema, text_encoder=text_encoder, vae=vae)
+    elif format == "diffusers" and state["network"].get("kind") == "lora":
+        raise ValueError(f"{state['path']} is a LoRA run: export --format lora writes the adapter, and --merge "
+                         "the pipeline with the adapter folded into the UNet")
     if format == "safetensors":
         return save_weights_file(state, out, use_ema=ema)
     return export_diffusers(state, out, use_ema=ema, text_encoder=text_encoder, vae=vae)

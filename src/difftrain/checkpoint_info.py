@@ -30,6 +30,7 @@ def describe_checkpoint(path: str | Path) -> dict:
             "ema_posthoc": None,
             "network": state["network"]["kind"],
             "frozen": state["frozen"],
+            "lora": state["network"] if state["network"]["kind"] == "lora" else None,
             "config": state["config"],
             "config_toml": config_to_toml(cfg),
         }
@@ -48,6 +49,7 @@ def describe_checkpoint(path: str | Path) -> dict:
         "ema_posthoc": state["ema"].get("posthoc"),  # how `posthoc-ema` made the EMA weights, or None
         "network": state["network"]["kind"],  # "unet" (difftrain's) or a diffusers UNet2DConditionModel
         "frozen": state["frozen"],  # the text encoder and VAE it needs: {"source", "digest"} each, never their weights
+        "lora": state["network"] if state["network"]["kind"] == "lora" else None,  # base record, digest, settings
         "config": state["config"],
         "config_toml": config_to_toml(cfg),
     }

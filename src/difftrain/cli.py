@@ -38,9 +38,18 @@ def _train(args: argparse.Namespace) -> int:
               "(the quickstart is --config configs/tiny.toml)", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / (Path(args.config).stem if args.config else "default")
     _make_folder(run_dir, "--run-dir")
+    from difftrain.runtime.distributed import EXIT_GROUP_FAULT, GroupFault
+    from difftrain.training.loop import fault_before_training
     from difftrain.training.signals import EXIT_STOPPED
 
-    result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
+    try:
+        result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
+    except RuntimeError as e:  # another rank died or hung: torchrun --max-restarts restarts on this code
+        fault = e if isinstance(e, GroupFault) else fault_before_training(e, run_dir)
+        if fault is None:
+            raise
+        print(f"difftrain train: error: {fault}", file=sys.stderr)
+        return EXIT_GROUP_FAULT
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 alone says how it ended
         return EXIT_STOPPED if result.stopped_by else 0
     if result.stopped_by:
@@ -71,7 +80,8 @@ def _sample(args: argparse.Namespace) -> int:
 
     _make_folder(Path(args.out), "--out")
     loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device,
-                        text_encoder=args.text_encoder, vae=args.vae)
+                        text_encoder=args.text_encoder, vae=args.vae, lora=args.lora, lora_scale=args.lora_scale,
+                        base=args.base)
     args.sampler = args.sampler or loaded.cfg.validation.sampler  # default: the run's own
     options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
     try:
@@ -110,6 +120,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{key:12s} {info[key]:,}" if isinstance(info[key], int) else f"{key:12s} {info[key]}")
     if info["network"] != "unet":
         print(f"{'network':12s} {info['network']}")
+    if info["network"] == "lora":  # the checkpoint holds the adapter; the base is named with its digest
+        r = info["lora"]
+        print(f"{'lora':12s} rank {r['lora']['rank']}, alpha {r['lora']['alpha']:g} on {', '.join(r['lora']['targets'])}"
+              f" of the base {r['base_source']} (sha256 {r['base_digest'][:16]}..., not in the checkpoint)")
     for name, ref in info["frozen"].items():  # frozen parts: named with their digests, not saved
         print(f"{name:12s} {ref['source']} (sha256 {ref['digest'][:16]}..., not in the checkpoint)")
     if info["posthoc_ema_stds"]:
@@ -249,14 +263,14 @@ def _export(args: argparse.Namespace) -> int:
     from difftrain.api import export
 
     out = Path(args.out)
-    if args.format == "diffusers":
+    if args.format in ("diffusers", "lora"):
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ConfigError(f"OUT {out} exists and is not an empty folder; pick a new folder for the pipeline")
     elif out.suffix != ".safetensors":
         raise ConfigError(f"OUT must end in .safetensors for --format safetensors, got {out}")
     written = export(args.run, out, format=args.format, ema=not args.no_ema, text_encoder=args.text_encoder,
-                     vae=args.vae)
-    weights = "raw" if args.no_ema else "EMA"
+                     vae=args.vae, merge=args.merge, lora_layout=args.lora_layout)
+    weights = ("raw" if args.no_ema else "EMA") + (" merged" if args.merge else "")
     print(f"difftrain: {weights} weights of {args.run} exported as {args.format} to {written}")
     if args.format == "diffusers" and (written / "README.md").is_file():
         print(f"difftrain: note: class-conditional model: DDPMPipeline / DDIMPipeline pass no class labels; "
@@ -354,7 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_data_check)
 
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")
-    p.add_argument("--checkpoint", required=True, help="checkpoint file, run directory or .safetensors weights file")
+    p.add_argument("--checkpoint", help="checkpoint file, run directory or .safetensors weights file")
+    p.add_argument("--lora", help="instead of --checkpoint: a LoRA adapter from export --format lora (its folder or "
+                                  "file), on the base it was trained on")
+    p.add_argument("--lora-scale", type=float, default=1.0, help="strength of the LoRA adapter (0 = the base alone)")
+    p.add_argument("--base", help="with --lora: where the adapter's base is now (default: its model.init_from)")
     p.add_argument("--num", type=int, default=64, help="number of images")
     p.add_argument("--sampler", choices=_sampler_choices(),
                    help="sampler (default: the run's validation.sampler); the model's objective must have it")
@@ -468,9 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="a checkpoint as a diffusers pipeline folder or one .safetensors file")
     p.add_argument("run", help="checkpoint file or run directory")
-    p.add_argument("out", help="folder for --format diffusers; FILE.safetensors for --format safetensors")
-    p.add_argument("--format", choices=["diffusers", "safetensors"], default="diffusers",
-                   help="diffusers: DDPMPipeline/DDIMPipeline folder; safetensors: the weights and config alone")
+    p.add_argument("out", help="folder for --format diffusers or lora; FILE.safetensors for --format safetensors")
+    p.add_argument("--format", choices=["diffusers", "safetensors", "lora"], default="diffusers",
+                   help="diffusers: DDPMPipeline/DDIMPipeline (or StableDiffusionPipeline) folder; safetensors: the "
+                        "weights and config alone; lora: a LoRA run's adapter alone (load_lora_weights(OUT))")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: fold the adapter into the base and export the whole network")
+    p.add_argument("--lora-layout", choices=_lora_layouts(), default="diffusers",
+                   help="file layout of --format lora")
     p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA")
     _frozen_part_options(p)
     p.set_defaults(func=_export)
@@ -482,6 +505,12 @@ def _frozen_part_options(p: argparse.ArgumentParser) -> None:
     folders moved since training (their digests must match the checkpoint's)."""
     p.add_argument("--text-encoder", help="the text encoder's folder now (default: the run's model.text_encoder)")
     p.add_argument("--vae", help="the VAE's folder now (default: the run's model.vae)")
+
+
+def _lora_layouts() -> list[str]:
+    from difftrain.adapters import LORA_LAYOUTS
+
+    return list(LORA_LAYOUTS)
 
 
 def _sampler_choices() -> list[str]:

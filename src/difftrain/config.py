@@ -202,9 +202,11 @@ class TrainConfig(_Section):
     max_nonfinite_in_row: int = 20  # stop after this many skipped steps in a row
     progress_bar: bool = True  # a one-line progress display on stderr
     compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
-    channels_last: Toggle = "auto"  # channels_last memory format (auto: on for CUDA and CPU)
+    channels_last: Toggle = "auto"  # channels_last memory format (auto: on for the CPU; off for CUDA, where it measured slower)
     tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
-    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: on for CUDA)
+    cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: off; on: CUDA only, see docs/benchmarks.md)
+    # torchrun: longer than any healthy wait (rank 0's checkpoint write, the slowest first compile)
+    collective_timeout_s: float = 600.0  # seconds a rank waits for the others before a hung rank ends the run
 
 
 @dataclass
@@ -282,6 +284,36 @@ class TrackingConfig(_Section):
 
 
 @dataclass
+class LoraConfig(_Section):
+    # LoRA (Hu et al. 2021) through peft (pip install 'difftrain[lora]'): low-rank adapters on the network
+    # model.init_from names, which stays frozen; checkpoints hold the adapter and the base's digest
+    rank: int = 0  # r of every adapted layer; 0 = off (full fine-tuning)
+    alpha: float = 0.0  # the adapter's output is scaled by alpha / rank; 0 = rank (scale 1, diffusers' scripts)
+    dropout: float = 0.0  # dropout on the adapter's input
+    # suffixes of the module names to adapt (peft's target_modules); [] = the attention projections
+    # (a UNet2DConditionModel's to_q, to_k, to_v, to_out.0; difftrain's UNet's q, k, v, proj_out)
+    target_modules: tuple[str, ...] = ()
+    include_conv: bool = False  # also adapt the residual blocks' convolutions (conv1, conv2)
+    init: Literal["gaussian", "default"] = "gaussian"  # A normal with std 1/r (diffusers' scripts) or peft's Kaiming-uniform; B = 0
+
+
+@dataclass
+class DreamBoothConfig(_Section):
+    # DreamBooth (Ruiz et al. 2023): data.path holds a few images of one subject, all captioned with
+    # instance_prompt (caption files are not read); full fine-tuning or LoRA of model.init_from alike
+    instance_prompt: str = ""  # e.g. "a photo of sks dog"; "" = off
+    # prior preservation: class images made once by the base model from class_prompt, trained beside the
+    # instance images (half of each batch on average) with their loss weighted by prior_loss_weight; "" = off
+    class_prompt: str = ""  # e.g. "a photo of a dog"
+    class_dir: str = ""  # where the class images are made and kept (reused by later runs); "" = RUN_DIR/class_images
+    num_class_images: int = 100  # class images made (diffusers' scripts: 100)
+    prior_loss_weight: float = 1.0  # weight of a class image's loss against an instance image's
+    class_steps: int = 50  # DDIM steps of each class image
+    class_guidance_scale: float = 7.5  # classifier-free guidance of the class images
+    class_batch_size: int = 8  # class images per sampling batch
+
+
+@dataclass
 class Config(_Root):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -293,6 +325,8 @@ class Config(_Root):
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    dreambooth: DreamBoothConfig = field(default_factory=DreamBoothConfig)
 
 
 # Section class name -> its key in Config, for the names in errors.
@@ -602,6 +636,7 @@ def validate(cfg: Config) -> None:
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be >= 1, got {t.grad_accum_steps}")
     _check(t.log_every_steps >= 1, f"train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    _check(t.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}")
     _check(t.max_nonfinite_in_row >= 1, f"train.max_nonfinite_in_row must be >= 1, got {t.max_nonfinite_in_row}")
     _check(bool(_DEVICE.match(t.device)), f"train.device must be auto, cpu, cuda, cuda:N or mps, got {t.device!r}")
     _check(0 <= cfg.ema.decay <= 1, f"ema.decay must be in [0, 1], got {cfg.ema.decay}")
@@ -642,6 +677,44 @@ def validate(cfg: Config) -> None:
     _check(e.fid_ref_num == 0 or e.fid_ref_num >= 2, f"evaluation.fid_ref_num must be 0 (all) or >= 2, got {e.fid_ref_num}")
     _check_steps("evaluation.fid_steps", e.fid_steps, cfg)
     _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
+    _check_lora(cfg)
+    _check_dreambooth(cfg)
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA adapts the network model.init_from names."""
+    lc = cfg.lora
+    _check(lc.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {lc.rank}")
+    _check(lc.alpha >= 0, f"lora.alpha must be >= 0 (0 = lora.rank), got {lc.alpha}")
+    _check(0 <= lc.dropout < 1, f"lora.dropout must be in [0, 1), got {lc.dropout}")
+    _check(all(t.strip() and t == t.strip() for t in lc.target_modules),
+           f"lora.target_modules must hold module names without spaces, got {list(lc.target_modules)}")
+    _check(not lc.rank or bool(cfg.model.init_from),
+           "lora.rank > 0 needs model.init_from: the base network the adapter is trained on")
+
+
+def _check_dreambooth(cfg: Config) -> None:
+    """DreamBooth fine-tunes a text model's base on one subject, with an optional class prior."""
+    db = cfg.dreambooth
+    for key in ("instance_prompt", "class_prompt", "class_dir"):
+        value = getattr(db, key)
+        _check(value == value.strip(), f"dreambooth.{key} has spaces around it: {value!r}")
+    _check(not db.class_prompt or bool(db.instance_prompt), "dreambooth.class_prompt needs dreambooth.instance_prompt")
+    _check(db.class_prompt != db.instance_prompt or not db.class_prompt,
+           "dreambooth.class_prompt must differ from dreambooth.instance_prompt (the loss weight tells them apart)")
+    _check(db.num_class_images >= 1, f"dreambooth.num_class_images must be >= 1, got {db.num_class_images}")
+    _check(db.prior_loss_weight >= 0, f"dreambooth.prior_loss_weight must be >= 0, got {db.prior_loss_weight}")
+    _check(db.class_steps >= 1, f"dreambooth.class_steps must be >= 1, got {db.class_steps}")
+    _check(db.class_guidance_scale >= 0, f"dreambooth.class_guidance_scale must be >= 0, got {db.class_guidance_scale}")
+    _check(db.class_batch_size >= 1, f"dreambooth.class_batch_size must be >= 1, got {db.class_batch_size}")
+    if not db.instance_prompt:
+        return
+    _check(cfg.data.captions, "dreambooth.instance_prompt needs a text model: data.captions=true and model.text_encoder")
+    _check(bool(cfg.model.init_from), "dreambooth.instance_prompt needs model.init_from: the model to teach the subject")
+    _check(not cfg.data.path.startswith("builtin:"), "dreambooth.instance_prompt needs data.path: a folder of the "
+                                                     f"subject's images, got {cfg.data.path}")
+    _check(cfg.data.heldout_fraction == 0 and not cfg.data.heldout_path,
+           "DreamBooth trains on every instance image: leave data.heldout_fraction and data.heldout_path out")
 
 
 def check_environment(cfg: Config) -> None:
@@ -660,6 +733,11 @@ def check_environment(cfg: Config) -> None:
         raise ConfigError(f"train.device is {device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
     if device == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("train.device is 'mps' but MPS is not available in this PyTorch build or machine")
+    if cfg.lora.rank:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError("lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'")
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path and not path.startswith("builtin:"):
             if path.rstrip().lower().endswith((".tar", ".parquet")):

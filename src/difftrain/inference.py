@@ -31,18 +31,31 @@ class LoadedModel:
     conditioning: Conditioning  # labels or text, and the frozen text encoder and VAE
 
 
-def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto", *,
-               text_encoder: str | None = None, vae: str | None = None) -> LoadedModel:
+def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str = "auto", *,
+               text_encoder: str | None = None, vae: str | None = None, lora: str | Path | None = None,
+               lora_scale: float = 1.0, base: str | None = None) -> LoadedModel:
     """The network of a checkpoint (file, checkpoints/ folder or run directory), EMA weights
     unless ``use_ema`` is False, on ``device``. A weights file (``.safetensors``, from ``difftrain
     export --format safetensors``) holds one set of weights, used whatever ``use_ema`` says.
 
     ``text_encoder``, ``vae``: where the frozen parts are now, when their folders moved since
     training (default: the config's ``model.text_encoder`` / ``model.vae``); their digests must
-    match the checkpoint's."""
+    match the checkpoint's.
+
+    LoRA: ``lora`` (instead of ``checkpoint``) is an adapter written by ``export --format lora``,
+    put on the base it was trained on (its ``model.init_from``, or ``base`` where that moved; the
+    digest must match); ``lora_scale`` scales the adapter of it or of a LoRA run's checkpoint
+    (1 = as trained, 0 = the base alone)."""
     from difftrain.interop import is_weights_file, load_weights_file
 
-    if is_weights_file(checkpoint):
+    if (checkpoint is None) == (lora is None):
+        raise ValueError("give a checkpoint (--checkpoint) or a LoRA adapter file (--lora), one of them")
+    if lora is not None:
+        from difftrain.adapters import read_adapter
+
+        state = read_adapter(lora)
+        tensors, key, use_ema = state["tensors"], "adapter", state["weights"] == "ema"
+    elif is_weights_file(checkpoint):
         state = load_weights_file(checkpoint)
         tensors, key, use_ema = state["tensors"], "weights", state["weights"] == "ema"
     else:
@@ -50,12 +63,21 @@ def load_model(checkpoint: str | Path, use_ema: bool = True, device: str = "auto
         key = "ema.model" if use_ema else "model"
         tensors = state["ema"]["model"] if use_ema else state["model"]
     cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
+    if base is not None:
+        if state.get("network", {}).get("kind") != "lora":
+            raise ValueError(f"--base given, but {state['path']} holds no LoRA adapter (--base is where an "
+                             "adapter's base is now)")
+        object.__setattr__(cfg.model, "init_from", base)  # where the adapter's base is now (checked by digest)
     num_classes = state["num_classes"]
     device = resolve_device(device)
     conditioning = Conditioning.from_config(cfg, num_classes, device)
     conditioning.check_references(state.get("frozen", {}), state["path"])
     model = build_network(cfg, conditioning, state.get("network"), init_weights=False)
     load_weights(model, tensors, state["path"], key)
+    if lora_scale != 1.0:
+        if not hasattr(model, "set_scale"):
+            raise ValueError(f"--lora-scale given, but {state['path']} holds no LoRA adapter")
+        model.set_scale(lora_scale)
     model = model.to(device).eval()
     return LoadedModel(model, cfg, build_objective(cfg.diffusion), num_classes, state["step"], state["path"], use_ema,
                        conditioning)

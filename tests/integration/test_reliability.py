@@ -132,6 +132,26 @@ def test_a_double_ctrl_c_to_the_process_group_with_loader_workers_exits_130_with
     assert ckpt.load_checkpoint(run)["step"] >= 2  # the newest complete checkpoint is intact
 
 
+def test_sigterm_to_the_process_group_with_loader_workers_saves_and_exits_75_with_one_line(tmp_path, tiny_overrides):
+    """What a scheduler, or torchrun's agent when a peer fails, does: SIGTERM to the whole group.
+    The workers used to die of it (PyTorch's worker handler obeys only its parent) and the main
+    process then raised "DataLoader worker ... killed by signal: Terminated", exit 70, no save."""
+    overrides = tiny_overrides + ["train.total_steps=10000", "train.log_every_steps=1", "validation.every_steps=0",
+                                  "checkpoint.every_steps=10000", "tracking.tensorboard=false", "data.num_workers=2"]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run)] + [x for o in overrides for x in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2, proc)
+    os.killpg(proc.pid, signal.SIGTERM)  # `kill -TERM -PGID`: the main process and its two workers
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err
+    assert err.count("SIGTERM received") == 1 and "Traceback" not in err and "internal error" not in err, err
+    step = ckpt.load_checkpoint(run)["step"]
+    assert f"SIGTERM stopped the run at step {step}" in out and step >= 2
+
+
 def test_sigkill_campaign_short(tmp_path):
     """A short run of scripts/fault_injection.py (the full one: pytest -m slow, or the script)."""
     sys.path.insert(0, str(ROOT / "scripts"))

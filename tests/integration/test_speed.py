@@ -33,9 +33,10 @@ def test_channels_last_trains_the_same(tmp_path, tiny_overrides):
     _trains_the_same(tmp_path, tiny_overrides + ["model.dropout=0"], ["train.channels_last=on"], atol=1e-5)
 
 
-def test_auto_turns_channels_last_on_for_cpu_and_cuda_and_compile_for_cuda_only():
+def test_auto_turns_channels_last_on_for_the_cpu_only_and_compile_for_cuda_only():
+    # On an H100 the plain layout measured faster (docs/benchmarks.md), so auto keeps channels_last to the CPU.
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_toggle("auto", cpu, "channels_last") and resolve_toggle("auto", cuda, "channels_last")
+    assert resolve_toggle("auto", cpu, "channels_last") and not resolve_toggle("auto", cuda, "channels_last")
     assert not resolve_toggle("auto", cpu, "compile") and resolve_toggle("auto", cuda, "compile")
     assert not resolve_toggle("off", cuda, "compile") and resolve_toggle("on", cpu, "compile")
 

@@ -51,6 +51,28 @@ def test_control_messages_reach_every_rank(tmp_path):
     assert rank0["gathered"].tolist() == [0, 10, 11] and rank1["gathered"] is None
 
 
+def _slow_start_then_hang(ctx: distributed.DistContext) -> dict:
+    import time
+
+    def slow():  # rank 0's start-up work, twice as long as the collective timeout
+        time.sleep(2 * ctx.timeout_s)
+        return "encoded"
+
+    out = {"long": distributed.run_on_main(slow, ctx, long_wait=True)}
+    try:  # the same wait without long_wait times out on the other rank
+        out["short"] = distributed.run_on_main(slow, ctx)
+    except RuntimeError as e:
+        out["short"] = distributed.describe_group_fault(e, ctx)
+    return out
+
+
+@pytest.mark.slow  # about 12 s: two spawned ranks and a 4 s wait
+def test_rank_0s_long_start_up_work_outlasts_the_collective_timeout_only_when_asked():
+    rank0, rank1 = run_ranks(_slow_start_then_hang, 2, collective_timeout_s=2.0)
+    assert rank0["long"] == rank1["long"] == "encoded"
+    assert "collective_timeout_s=2 s: rank 0 did not answer" in rank1["short"], rank1["short"]
+
+
 # ---- Work spread across ranks equals one process's -----------------------------------------------
 
 OVERRIDES = TINY_OVERRIDES + [
@@ -135,12 +157,12 @@ def test_validation_grid_on_two_ranks_equals_one_process(one_and_two):
 def test_fid_features_on_two_ranks_equal_one_process(one_and_two):
     one, (rank0, rank1) = one_and_two
     assert rank1["features"] is None
-    assert one["features"].shape == (FID["num"], 8)
+    assert one["features"].shape == (FID["num"], 8 + 1)  # the features, then the Laplacian energy
     torch.testing.assert_close(rank0["features"], one["features"], rtol=1e-5, atol=1e-5)
 
 
 def test_class_conditional_fid_features_on_two_ranks_equal_one_process(one_and_two):
     one, (rank0, rank1) = one_and_two
     assert rank1["class_features"] is None
-    assert one["class_features"].shape == (FID["num"], 8)
+    assert one["class_features"].shape == (FID["num"], 8 + 1)
     torch.testing.assert_close(rank0["class_features"], one["class_features"], rtol=1e-5, atol=1e-5)

@@ -150,6 +150,7 @@ def test_eval_writes_how_the_fid_was_made(env, trained_run, capsys):
     assert result["num_samples"] == 6 and result["num_reference"] == 8
     assert (result["sampler"], result["steps"], result["nfe"], result["ema"], result["seed"]) == ("dpmpp_2m", 3, 3, True, 5)
     assert result["checkpoint_step"] == 2 and np.isfinite(result["fid"]) and "kid_mean" in result
+    assert 0.0 <= result["confetti_share"] <= 1.0 and "confetti" in describe(result)
     for text in ("6 samples", "8 reference", "dpmpp_2m 3 steps", "EMA", "seed 5", "step 2"):
         assert text in printed, text
 
@@ -171,6 +172,7 @@ def test_fid_during_training_is_logged_with_its_sample_count(env, tiny_overrides
     fids = [r for r in rows if "fid" in r]
     assert [r["step"] for r in fids] == [3, 6]
     assert all(r["fid_num_samples"] == 5 and r["fid_num_reference"] == 8 and np.isfinite(r["fid"]) for r in fids)
+    assert all(0.0 <= r["fid_confetti_share"] <= 1.0 for r in fids)  # logged beside each FID
 
 
 def test_evaluation_options_fail_early_naming_the_key():

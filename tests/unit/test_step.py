@@ -54,6 +54,9 @@ def test_train_step_advances_the_state_and_counts_on_the_device():
 def test_cuda_graphs_resolve_off_on_the_cpu_and_refuse_on():
     cpu = torch.device("cpu")
     assert resolve_toggle("auto", cpu, "cuda_graphs") is False
+    # Not a default on CUDA either until a GPU measurement shows the captured step right and faster.
+    assert resolve_toggle("auto", torch.device("cuda"), "cuda_graphs") is False
+    assert resolve_toggle("on", torch.device("cuda"), "cuda_graphs") is True
     with pytest.raises(ValueError, match="train.cuda_graphs"):
         resolve_toggle("on", cpu, "cuda_graphs")
     cfg = load_config(None, TINY_OVERRIDES)
@@ -214,3 +217,17 @@ def test_the_captured_step_copies_each_new_micro_batch_into_its_static_buffers()
         for name in ("x0", "levels", "noise", "input_noise"):
             ours, want = getattr(step.static[0], name), getattr(new, name)
             assert (ours is None and want is None) or torch.equal(ours, want), name
+
+
+def test_foreach_lerp_with_a_tensor_weight_equals_the_number_weight():
+    """Eagerly a 0-dim tensor weight averages as a number does (the GPU test covers the capture path)."""
+    from difftrain.training.ema import foreach_lerp_
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    by_number = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    by_tensor = [t.clone() for t in by_number]
+    foreach_lerp_(by_number, params, 0.01)
+    foreach_lerp_(by_tensor, params, torch.tensor(0.01))
+    for a, b in zip(by_tensor, by_number):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -87,6 +87,7 @@ def build_loader(
     rank: int = 0,
     world_size: int = 1,
     prefetch_factor: int = 2,
+    worker_init_fn=None,
 ) -> DataLoader:
     """An endless loader of this rank's batches: (images (B, C, H, W) float32, labels (B,) long),
     or (images, captions list[str]) for a captioned dataset (see :func:`collate`).
@@ -102,6 +103,8 @@ def build_loader(
         device: where the batches go; CUDA turns on pinned memory.
         rank, world_size: this process's shard of the stream.
         prefetch_factor: batches each worker prepares ahead.
+        worker_init_fn: called in each worker as it starts, with its id (the training loop's
+            takes the worker out of the run's process group: ``training/signals.py``).
 
     Iterate it with ``iter()`` once and call ``next()``: it never ends and has no ``len``.
     """
@@ -122,6 +125,7 @@ def build_loader(
         drop_last=True,
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        worker_init_fn=worker_init_fn,
         # The loader draws its workers' base seed from this generator, not from (and so
         # without advancing) the global torch RNG; no item depends on it.
         generator=torch.Generator().manual_seed(seed),

@@ -47,6 +47,10 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
     Raises ValueError naming ``data.path`` when fewer images than ``train.batch_size`` remain.
     """
     d = cfg.data
+    dreambooth = bool(cfg.dreambooth.instance_prompt)
+    if dreambooth:  # the instance prompt is every image's caption: caption files are not read
+        d = dataclasses.replace(d)
+        object.__setattr__(d, "captions", False)
     dataset = dataset_from_config(d)
     if run_dir is not None:
         # The scan and the cache build decode in data.num_workers processes; both are reused by
@@ -57,6 +61,10 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
         except OSError as e:
             raise cache_dir_error(e, d.cache_dir, "decode") from e
     train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False))
+    if dreambooth:
+        from difftrain.dreambooth import instance_dataset
+
+        train = instance_dataset(train, cfg)
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0
     if len(train) < cfg.train.batch_size:
         held = (f" after data.heldout_fraction={d.heldout_fraction} held out {len(heldout)} of its {len(dataset)}"

@@ -19,9 +19,12 @@ REFERENCE_PERCENTILE = 99.0
 def laplacian_energy(images: torch.Tensor | np.ndarray) -> np.ndarray:
     """Mean |4-neighbour Laplacian| of each image, (N,) float64.
 
-    images: (N, C, H, W) float in [-1, 1] (a sampler's output) or (N, H, W, C) uint8 (image
-    files). Pixels are scaled to [0, 1]; the border is replicated, so a flat image scores 0.
+    images: (N, C, H, W) float in [-1, 1] (a sampler's output), (N, C, H, W) uint8 tensor (what
+    Inception is fed) or (N, H, W, C) uint8 array (image files). Pixels are scaled to [0, 1]; the
+    border is replicated, so a flat image scores 0.
     """
+    if isinstance(images, torch.Tensor) and images.dtype == torch.uint8:
+        images = images.permute(0, 2, 3, 1).cpu().numpy()
     if isinstance(images, np.ndarray):
         if images.dtype != np.uint8 or images.ndim != 4:
             raise ValueError(f"expected (N, H, W, C) uint8 images, got {images.dtype} {images.shape}")
@@ -44,3 +47,17 @@ def confetti_share(samples: torch.Tensor | np.ndarray, threshold: float) -> floa
     """The fraction of ``samples`` whose Laplacian energy is above ``threshold``, in [0, 1]."""
     energy = laplacian_energy(samples)
     return float((energy > threshold).mean()) if energy.size else float("nan")
+
+
+# The key of FeatureStats.metadata that holds the reference images' threshold.
+THRESHOLD_KEY = "laplacian_energy_p99"
+
+
+def share_against(energies: torch.Tensor | np.ndarray, metadata: dict) -> float | None:
+    """The share of samples with Laplacian ``energies`` (N,) above the reference statistics'
+    threshold (``metadata[THRESHOLD_KEY]``), or None for statistics made before it was recorded."""
+    threshold = metadata.get(THRESHOLD_KEY)
+    energies = np.asarray(energies, dtype=np.float64)
+    if threshold is None or energies.size == 0:
+        return None
+    return float((energies > threshold).mean())

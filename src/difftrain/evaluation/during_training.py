@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,16 +29,20 @@ from .inception import InceptionFeatures
 def sharded_sample_features(
     model: nn.Module, inception: InceptionFeatures, *, num: int, batch_size: int, ctx: DistContext, **options
 ) -> torch.Tensor | None:
-    """(num, D) float32 Inception features of all ``num`` samples on rank 0's CPU, None on the
-    others. Rank r draws the batches ``shard(num_batches, ctx)`` of :func:`sample_features`
+    """(num, D + 1) float32 on rank 0's CPU, None on the others: the Inception features of all
+    ``num`` samples, then each one's Laplacian energy (the confetti share's input). Rank r draws the batches ``shard(num_batches, ctx)`` of :func:`sample_features`
     (which ``options`` are passed to, ``conditions`` among them), so the features are those of
     one process, in order."""
     total = num_batches(num, batch_size)
     mine = range(total)[distributed.shard(total, ctx)]
-    features = sample_features(model, inception, num=num, batch_size=batch_size, batches=mine, **options)
+    energies: list = []
+    features = sample_features(model, inception, num=num, batch_size=batch_size, batches=mine, energies=energies,
+                               **options)
     parts = [f.cpu() for f in features]
     local = torch.cat(parts) if parts else torch.zeros(0, inception.feature_dim)
-    return distributed.gather_cat(local, ctx)
+    # The Laplacian energy of each sample rides along as one more column, gathered in the same order.
+    local_energy = torch.from_numpy(np.concatenate(energies)).float()[:, None] if energies else torch.zeros(0, 1)
+    return distributed.gather_cat(torch.cat([local, local_energy], dim=1), ctx)
 
 
 class TrainingFID:
@@ -106,14 +111,17 @@ class TrainingFID:
         checked = tap.result(self.ctx, prefix="fid_samples/") if tap is not None else {}
         if features is None:  # not rank 0
             return {}
+        features, energies = features[:, :-1], features[:, -1]
         samples = statistics_from_features(
             features.split(e.fid_batch_size), self._inception,
             {"num_images": e.fid_num_samples, "sampler": e.fid_sampler, "steps": e.fid_steps})
+        samples.energies = energies.double().numpy()
         result = fid_result(samples, self._reference, kid=False)
         record = self._conditions.record()
+        extra = {"fid_confetti_share": result["confetti_share"]} if "confetti_share" in result else {}
         if self.check is not None and tap is None:
             checked = self.check.of_features(features)
-        return {**checked, "fid": result["fid"], "fid_num_samples": result["num_samples"],
+        return {**extra, **checked, "fid": result["fid"], "fid_num_samples": result["num_samples"],
                 "fid_num_reference": result["num_reference"], "fid_steps": e.fid_steps,
                 "fid_conditioned_on": record["conditioned_on"], "fid_guidance_scale": record["guidance_scale"],
                 "fid_seconds": time.perf_counter() - start}

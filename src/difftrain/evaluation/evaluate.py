@@ -16,12 +16,14 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from difftrain.sampling import generate, initial_noise
 from difftrain.runtime.seeding import derive_seed
 
+from .confetti import laplacian_energy, share_against
 from .fid import compare
 from .inception import InceptionFeatures
 from .reference import reference_statistics
@@ -128,6 +130,7 @@ def sample_features(
     batch_size: int = 256,
     batches: Iterable[int] | None = None,
     conditions: FIDConditions | None = None,
+    energies: list | None = None,
     **sampler_options,
 ) -> Iterator[torch.Tensor]:
     """Inception features, (n_k, D) float32, of batch k of ``num`` samples of ``model`` for each
@@ -138,7 +141,8 @@ def sample_features(
     Batch k holds samples ``k * batch_size`` onwards; its initial noise, its labels or captions
     and its sampler noise are seeded by (seed, k), so its samples depend on (seed, batch_size, k)
     alone: any process can draw any batch. Samples are rounded to uint8, as a PNG would store
-    them, before Inception sees them.
+    them, before Inception sees them. ``energies``: a list that gets each batch's Laplacian
+    energies, (n_k,) float64 (``confetti.laplacian_energy``), for the confetti share.
     """
     for k in range(num_batches(num, batch_size)) if batches is None else batches:
         n = min(batch_size, num - k * batch_size)
@@ -151,7 +155,10 @@ def sample_features(
                           sampler=sampler, steps=steps, seed=derive_seed(seed, "fid-sampler", k),
                           condition=condition, null_condition=null,
                           batch_size=batch_size, **options, **sampler_options)
-        yield inception(((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8))
+        pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        if energies is not None:
+            energies.append(laplacian_energy(pixels))
+        yield inception(pixels)
 
 
 def num_batches(num: int, batch_size: int) -> int:
@@ -179,15 +186,20 @@ def sample_statistics(
     """
     if num < 2:
         raise ValueError(f"the number of samples must be >= 2 for a covariance, got {num}")
-    features = sample_features(model, inception, num=num, sampler=sampler, steps=steps, **options)
-    return statistics_from_features(features, inception,
-                                    {"num_images": num, "sampler": sampler, "steps": steps})
+    energies: list = []
+    features = sample_features(model, inception, num=num, sampler=sampler, steps=steps, energies=energies, **options)
+    stats = statistics_from_features(features, inception, {"num_images": num, "sampler": sampler, "steps": steps})
+    stats.energies = np.concatenate(energies)  # (num,) Laplacian energy of each sample
+    return stats
 
 
 def fid_result(samples: FeatureStats, reference: FeatureStats, /, *, kid: bool = True, **context) -> dict:
     """FID (and KID) of ``samples`` against ``reference``, with counts and ``context`` attached."""
     scores = compare(samples, reference, kid=kid)
     result = {"fid": scores["fid"], "num_samples": scores["count_a"], "num_reference": scores["count_b"]}
+    share = share_against(getattr(samples, "energies", ()), reference.metadata)
+    if share is not None:  # samples above the real images' 99th percentile of Laplacian energy
+        result["confetti_share"] = share
     if "kid_mean" in scores:
         result.update(kid_mean=scores["kid_mean"], kid_std=scores["kid_std"])
     return {**result, **context}
@@ -207,6 +219,8 @@ def describe(result: dict, a: str = "samples", b: str = "reference images") -> s
         text += f"; conditioned on {result['conditioned_on']}"
         if result["conditioned_on"] != "nothing (unconditional)":
             text += f", guidance {result['guidance_scale']:g}"
+    if "confetti_share" in result:
+        text += f"; confetti {100 * result['confetti_share']:.1f}% (real images: 1%)"
     if "checkpoint_step" in result:
         text += f", checkpoint step {result['checkpoint_step']}"
     return text

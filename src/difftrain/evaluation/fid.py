@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .confetti import REFERENCE_PERCENTILE, THRESHOLD_KEY, laplacian_energy
 from .inception import InceptionFeatures
 from .stats import FeatureStats
 
@@ -152,10 +153,15 @@ def statistics_from_images(batches: Iterable[torch.Tensor], inception: Inception
     """
     stats = FeatureStats(dim=inception.feature_dim, max_features=max_features, seed=seed,
                          metadata={**inception.metadata, **(metadata or {})})
+    energies = []  # the confetti threshold of these (real) images, kept in the metadata
     for images in batches:
         stats.update(inception(images))
+        if images.dtype == torch.uint8:
+            energies.append(laplacian_energy(images))
     if stats.count == 0:
         raise ValueError("no images were given")
+    if energies:
+        stats.metadata[THRESHOLD_KEY] = float(np.percentile(np.concatenate(energies), REFERENCE_PERCENTILE))
     return stats
 
 

@@ -18,6 +18,15 @@ step the ranks agree on whether to stop (:func:`max_over_ranks`, one small all-r
 integer, no device synchronisation); rank 0 shares the outcome of what only it does, such as
 writing a checkpoint (:func:`run_on_main`); and CPU tensors are gathered on rank 0
 (:func:`gather_cat`).
+
+Faults of the group: every collective waits at most ``train.collective_timeout_s`` (the process
+groups' timeout), so a rank that hangs (stopped, stuck in I/O) ends the run instead of leaving
+the others waiting forever, and a rank that dies makes the others' next collective fail at
+once. :func:`describe_group_fault` turns either error into what can be known about it: which
+rank did not answer (rank 0 learns it from a ``monitored_barrier``; the other ranks only that
+rank 0, or a rank that rank 0 names, did not), or that a rank's process ended. The loop then
+ends with :class:`GroupFault`, exit code :data:`EXIT_GROUP_FAULT`, which ``torchrun
+--max-restarts`` answers by restarting the group (the run resumes from its newest checkpoint).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import datetime
 import inspect
 import os
 import pickle
+import re
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -38,6 +48,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 T = TypeVar("T")
 TEARDOWN_WAIT_S = 10  # how long a leaving rank waits for the others
+STARTUP_WAIT_S = 7 * 24 * 3600  # the timeout of the group that waits for rank 0's start-up work
+PROBE_WAIT_S = 30  # after a timed-out collective: how long rank 0 waits to learn which ranks answer
+EXIT_GROUP_FAULT = 69  # EX_UNAVAILABLE: a rank died or hung; torchrun --max-restarts restarts the group
+
+
+class GroupFault(RuntimeError):
+    """A rank of the group died or did not answer within ``train.collective_timeout_s``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +67,8 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     owns_group: bool = False  # this module created the process group and will destroy it
     control: object | None = None  # a gloo group of all ranks for CPU-side control messages
+    timeout_s: float = 600.0  # how long a collective waits for every rank
+    startup: object | None = None  # a gloo group that waits STARTUP_WAIT_S, for rank 0's long start-up work
 
     @property
     def enabled(self) -> bool:
@@ -61,11 +80,12 @@ class DistContext:
         return self.rank == 0
 
 
-def setup(device: torch.device) -> DistContext:
+def setup(device: torch.device, timeout_s: float = 600.0) -> DistContext:
     """Join torchrun's process group if ``WORLD_SIZE`` > 1; else a single-process context.
 
     On CUDA each process takes ``cuda:LOCAL_RANK`` (unless the config named an index).
     Multi-node runs need nothing more: torchrun's rendezvous sets the same variables.
+    ``timeout_s`` bounds every collective of both groups (``train.collective_timeout_s``).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
@@ -77,11 +97,25 @@ def setup(device: torch.device) -> DistContext:
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     owns = not dist.is_initialized()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if owns:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     # Stop flags and rank 0's outcomes: CPU tensors on gloo, never a CUDA synchronisation.
-    control = dist.new_group(backend="gloo")
-    return DistContext(rank, world_size, local_rank, device, owns, control)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    startup = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=STARTUP_WAIT_S))
+    return DistContext(rank, world_size, local_rank, device, owns, control, timeout_s, startup)
+
+
+def launch_warnings() -> list[str]:
+    """What in torchrun's settings will break this run later: under ``--max-restarts``, the
+    rendezvous store that torchrun shares with the workers by default keeps the previous
+    group's addresses, and the restarted group fails to connect (PyTorch issue 135712; seen with
+    torch 2.13 on gloo). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each restart a new store."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return [f"torchrun --max-restarts {restarts} with its shared rendezvous store: a restarted group fails to "
+                "connect (PyTorch issue 135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"]
+    return []
 
 
 def teardown(ctx: DistContext) -> None:
@@ -101,8 +135,10 @@ def teardown(ctx: DistContext) -> None:
             pass
     if ctx.owns_group:
         dist.destroy_process_group()
-    elif ctx.control is not None:
-        dist.destroy_process_group(ctx.control)
+    else:
+        for group in (ctx.control, ctx.startup):
+            if group is not None:
+                dist.destroy_process_group(group)
 
 
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
@@ -178,14 +214,15 @@ def max_over_ranks(value: int, ctx: DistContext) -> int:
     return int(t.item())
 
 
-def run_on_main(fn: Callable[[], T], ctx: DistContext) -> T:
+def run_on_main(fn: Callable[[], T], ctx: DistContext, long_wait: bool = False) -> T:
     """Call ``fn()`` on rank 0 only; every rank returns its result or raises its exception.
 
     The other ranks wait for rank 0's outcome (so this is also a barrier: none of them goes on
     before ``fn`` has finished) and then do the same thing as rank 0, instead of one rank
     leaving the loop on an error while the others wait for it in the next collective. The
     result and the exception are pickled; an exception that can't be is sent as a RuntimeError
-    with its message.
+    with its message. ``long_wait``: the others wait up to ``STARTUP_WAIT_S`` instead of the
+    collective timeout, for start-up work that may take longer (encoding a dataset).
     """
     if not ctx.enabled:
         return fn()
@@ -197,7 +234,7 @@ def run_on_main(fn: Callable[[], T], ctx: DistContext) -> T:
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
             message[0] = ("error", _picklable(e))
-    dist.broadcast_object_list(message, src=0, group=ctx.control)
+    dist.broadcast_object_list(message, src=0, group=ctx.startup if long_wait else ctx.control)
     kind, payload = message[0]
     if error is not None:
         raise error
@@ -213,3 +250,63 @@ def _picklable(e: Exception) -> Exception:
         return e
     except Exception:  # noqa: BLE001 - any failure means: send the text instead
         return RuntimeError(f"on rank 0: {type(e).__name__}: {e}")
+
+
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms")
+_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer(?: \[([^\]]+)\])?")
+_SILENT = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def describe_group_fault(e: BaseException, ctx: DistContext) -> str | None:
+    """What can be known about a collective that failed because of another rank, or None when
+    ``e`` is not such a failure (an error of this rank's own, such as out of memory).
+
+    A rank that did not answer (stopped, stuck in I/O) shows as a timeout: rank 0 then asks every
+    rank to answer a ``monitored_barrier`` within :data:`PROBE_WAIT_S` and names those that do
+    not; another rank only learns that rank 0 did not answer, since that barrier goes through
+    rank 0. A rank whose process ended (killed, crashed) shows as a closed connection, with that
+    rank's host address but not its rank (torchrun's log names it, with its exit code).
+    NCCL's own watchdog ends a process whose CUDA collective timed out before this is reached;
+    the gloo control group, which every step uses too, most often times out first.
+    """
+    if not ctx.enabled:
+        return None
+    if isinstance(e, RuntimeError) and _TIMED_OUT.search(str(e)):
+        return f"a collective waited train.collective_timeout_s={ctx.timeout_s:g} s: {_silent_ranks(ctx)}"
+    return fault_text(e)
+
+
+def fault_text(e: BaseException) -> str | None:
+    """What ``e`` itself says of another rank, without asking the group (which may not exist
+    yet, or any more); None when it is not a failed collective."""
+    if not isinstance(e, RuntimeError):
+        return None
+    text = str(e)
+    gone = _PEER_GONE.search(text)
+    if gone:
+        where = f" (its connection from {gone.group(1)} closed)" if gone.group(1) else ""
+        return f"a rank's process ended{where}: killed or crashed (torchrun's log names it)"
+    if _TIMED_OUT.search(text):
+        return "a collective timed out (train.collective_timeout_s): a rank did not answer"
+    if isinstance(e, dist.DistError):
+        return f"a collective failed: {text.strip().splitlines()[0].rstrip('.') if text.strip() else type(e).__name__}"
+    return None
+
+
+def _silent_ranks(ctx: DistContext) -> str:
+    """Which ranks fail to answer a barrier now, as far as this rank can tell."""
+    wait = datetime.timedelta(seconds=min(PROBE_WAIT_S, ctx.timeout_s))
+    try:
+        dist.monitored_barrier(group=ctx.control, timeout=wait, wait_all_ranks=True)
+    except RuntimeError as probe:
+        silent = _SILENT.search(str(probe))
+        if silent and ctx.is_main:
+            ranks = [int(r) for r in silent.group(1).replace(",", " ").split()]
+            names = ", ".join(map(str, ranks))
+            return f"rank{'s' if len(ranks) > 1 else ''} {names} did not answer (hung: stopped, or stuck in I/O)"
+        if _PEER_GONE.search(str(probe)):
+            return "a rank's process has ended since"
+        if not ctx.is_main:
+            return "rank 0 did not answer, or another rank did (then rank 0's line names it)"
+        return "which rank did not answer is unknown"
+    return f"every rank answered within {wait.total_seconds():g} s afterwards: one was slow, not hung"

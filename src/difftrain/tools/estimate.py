@@ -101,14 +101,19 @@ def estimate(
     params = _tensor_bytes(model.parameters())
     buffers = _tensor_bytes(model.buffers())
     # One real optimizer step (the training loop's): creates the optimizer's state. Gradients
-    # take what the weights take (one per parameter, in its dtype).
+    # take what the trained weights take (one per parameter, in its dtype; none for a LoRA
+    # run's frozen base).
     batches = iter([fetch_batch(setup, min(b, 2), seed=1)] * cfg.train.grad_accum_steps)
     train_step(setup.state, setup.objective, batches, cfg.optim.lr, StepMetrics(setup.device))
-    grads = _tensor_bytes(model.parameters())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grads = _tensor_bytes(trained)
     optimizer = setup.state.optimizer
     opt_state = _tensor_bytes(v for s in optimizer.state.values() for v in s.values())
-    # The EMA and the power EMAs of ema.posthoc_std: one copy of the weights each.
-    ema = _tensor_bytes(p for m in (setup.state.ema.model, *setup.state.posthoc.models) for p in m.parameters())
+    # The EMA and the power EMAs of ema.posthoc_std: one copy of the trained weights each (a
+    # frozen base is shared with the model, not copied).
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ema = _tensor_bytes(p for m in (setup.state.ema.model, *setup.state.posthoc.models) for p in m.parameters()
+                        if p.untyped_storage().data_ptr() not in own)
     # Activations at b and 2b: the slope per image and the part that does not grow with b.
     act_b, peak_b = activation_bytes(setup, b)
     act_2b, _ = activation_bytes(setup, 2 * b)
@@ -122,6 +127,7 @@ def estimate(
         "data": "random stand-in (data.path not found)" if isinstance(setup.dataset, RandomImages) else cfg.data.path,
         "batch_size": b,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "trained_parameters": sum(p.numel() for p in trained),
         "params_mib": params / MiB,
         "buffers_mib": buffers / MiB,
         "grads_mib": grads / MiB,
@@ -154,7 +160,8 @@ def format_estimate(r: dict) -> str:
     rows = [
         ("device", r["device"]),
         ("data", r["data"]),
-        ("parameters", f"{r['parameters']:,}"),
+        ("parameters", f"{r['parameters']:,}" + (f" ({r['trained_parameters']:,} trained)"
+                                                  if r["trained_parameters"] < r["parameters"] else "")),
         ("weights", f"{r['params_mib']:.1f} MiB (+ buffers {r['buffers_mib']:.1f})"),
         ("gradients", f"{r['grads_mib']:.1f} MiB"),
         ("optimizer state", f"{r['optimizer_mib']:.1f} MiB (AdamW exp_avg, exp_avg_sq)"),

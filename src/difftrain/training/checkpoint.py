@@ -307,8 +307,10 @@ SCHEMA = {
                     and len(v["models"]) == len(v["stds"]) and all(_is_tensor_dict(m) for m in v["models"]),
                     "a dict with 'stds' (floats) and as many 'models' (tensors)"),
     "network": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str)
-                and (v["kind"] == "unet" or isinstance(v.get("config"), dict)),
-                "a dict with 'kind' ('unet', or a diffusers UNet with its 'config')"),
+                and (v["kind"] == "unet" or isinstance(v.get("config"), dict)
+                     or (v["kind"] == "lora" and isinstance(v.get("base"), dict) and isinstance(v.get("lora"), dict)
+                         and isinstance(v.get("base_digest"), str))),
+                "a dict with 'kind' ('unet', a diffusers UNet with its 'config', or 'lora' with its 'base')"),
     "frozen": (lambda v: isinstance(v, dict) and all(
                    isinstance(r, dict) and isinstance(r.get("source"), str) and isinstance(r.get("digest"), str)
                    for r in v.values()),

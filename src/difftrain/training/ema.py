@@ -10,6 +10,21 @@ import torch
 from torch import nn
 
 
+def averaged_copy(model: nn.Module) -> tuple[nn.Module, list[int]]:
+    """A copy of ``model`` for an average, in eval mode and frozen, and the indices (in
+    ``model.parameters()`` order) of the parameters that train. Frozen parameters (a LoRA run's
+    base) are shared with ``model``, not copied: they never change, so neither memory nor the
+    averaging is spent on them."""
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    copied = copy.deepcopy(model, memo=dict(frozen)).eval().requires_grad_(False)
+    return copied, [i for i, p in enumerate(model.parameters()) if p.requires_grad]
+
+
+def trainable(params: list, indices: list[int]) -> list:
+    """``params`` at ``indices`` (all of them when every parameter trains)."""
+    return params if len(indices) == len(params) else [params[i] for i in indices]
+
+
 class EMA:
     """Keeps ``ema = decay_t * ema + (1 - decay_t) * params`` after each optimizer step.
 
@@ -35,8 +50,8 @@ class EMA:
         self.warmup = warmup
         self.warmup_power = warmup_power
         self.num_updates = 0
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self._ema_params = list(self.model.parameters())
+        self.model, self._trained = averaged_copy(model)
+        self._ema_params = trainable(list(self.model.parameters()), self._trained)
         self._ema_buffers = list(self.model.buffers())
 
     def current_decay(self) -> float:
@@ -67,9 +82,9 @@ class EMA:
     def lerp_(self, model: nn.Module, weight: float | torch.Tensor) -> None:
         """``ema += weight * (params - ema)`` and copy the buffers; ``weight`` may be a 0-dim
         device tensor (a captured step fills it before each replay). Counts no update."""
-        params = list(model.parameters())  # under no_grad: no detach (a view op per tensor) needed
+        params = trainable(list(model.parameters()), self._trained)  # under no_grad: no detach needed
         if params:
-            torch._foreach_lerp_(self._ema_params, params, weight)
+            foreach_lerp_(self._ema_params, params, weight)
         for ema_buf, buf in zip(self._ema_buffers, model.buffers()):
             ema_buf.copy_(buf)
 
@@ -95,3 +110,21 @@ class EMA:
             yield model
         finally:
             model.load_state_dict(backup)
+
+
+def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weight: float | torch.Tensor) -> None:
+    """``averages[i] += weight * (params[i] - averages[i])`` in place, for every i.
+
+    Eagerly this is ``torch._foreach_lerp_`` (bit for bit what runs have always done). While a CUDA
+    graph is being captured (the captured step's 0-dim weight tensor) it is a subtraction, a
+    multiplication by the tensor and an addition: ``_foreach_lerp_`` with a tensor weight cannot be
+    recorded (the capture fails with "operation not permitted when stream is capturing"), the
+    foreach multiplication by a 0-dim tensor can.
+    """
+    capturing = isinstance(weight, torch.Tensor) and weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        torch._foreach_lerp_(averages, params, weight)
+        return
+    delta = torch._foreach_sub(params, averages)
+    torch._foreach_mul_(delta, weight)
+    torch._foreach_add_(averages, delta)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
 from difftrain.diffusion.objective import build_objective
+from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
 from difftrain.runtime import distributed
@@ -27,7 +29,7 @@ from difftrain.training.lr_schedule import lr_at
 from difftrain.training.power_ema import save_snapshots
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.records import record_start
-from difftrain.training.signals import StopRequest, signal_name
+from difftrain.training.signals import StopRequest, leave_process_group, signal_name
 from difftrain.training.state import RunState, effective_batch, peak_lr, resume_source
 from difftrain.training.step import CapturedStep, StepMetrics, train_step
 from difftrain.training.trackers import Trackers, build_trackers
@@ -62,7 +64,7 @@ def train(
     """
     started = time.perf_counter()
     run_dir, tc = Path(run_dir), cfg.train
-    dctx = distributed.setup(resolve_device(tc.device))  # a no-op without torchrun
+    dctx = distributed.setup(resolve_device(tc.device), tc.collective_timeout_s)  # a no-op without torchrun
     device, is_main = dctx.device, dctx.is_main
 
     # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
@@ -70,6 +72,7 @@ def train(
     data = prepare_training_data(cfg, run_dir)
     check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
     conditioning = Conditioning.from_config(cfg, data.num_classes, device)
+    data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
     source, resumed_from = resume_source(run_dir, resume), None
     saved = ckpt.load_checkpoint(source) if source is not None else None
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
@@ -104,6 +107,7 @@ def train(
     loader = build_loader(
         data.train, batch_size=tc.batch_size, seed=tc.seed, start=state.position, num_workers=d.num_workers,
         device=device, rank=dctx.rank, world_size=dctx.world_size, prefetch_factor=d.prefetch_factor,
+        worker_init_fn=leave_process_group,  # a SIGTERM to the group is the main process's to handle
     )
     # Rank 0's trackers, watched for the signs of a run going wrong (training/warnings.py).
     trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)),
@@ -209,6 +213,11 @@ def train(
                 last_saved = step if saved_to else last_saved
             if stopped_by:
                 break
+    except RuntimeError as e:  # another rank died or hung: one line naming it and the newest checkpoint
+        fault = distributed.describe_group_fault(e, dctx)
+        if fault is None:
+            raise
+        raise distributed.GroupFault(_group_fault_message(fault, dctx, run_dir, state.step)) from e
     finally:
         # The loader's workers are shut down while the handler is still installed, so that a
         # second signal during their shutdown exits at once with its one line, as during the save.
@@ -251,7 +260,7 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
                 "heldout": None if data.heldout is None else cached(data.heldout, False)}
 
     built: dict = {}
-    distributed.run_on_main(lambda: built.update(build()), dctx)
+    distributed.run_on_main(lambda: built.update(build()), dctx, long_wait=True)
     return dataclasses.replace(data, **(built or build()))
 
 
@@ -305,10 +314,14 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     """Device, parameters, images, effective batch, steps and precision of this start."""
     tc, w = cfg.train, dctx.world_size
     params = sum(p.numel() for p in state.model.parameters())
+    trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
+    network = f"{cfg.model.preset} UNet {params / 1e6:.2f}M parameters"
+    if trained < params:  # LoRA: the adapter trains, the base is frozen
+        network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank})"
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
     per_step = effective_batch(cfg, w)
     where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)
-    return (f"{where}, {cfg.model.preset} UNet {params / 1e6:.2f}M parameters, {len(data.train):,} images{held}, "
+    return (f"{where}, {network}, {len(data.train):,} images{held}, "
             f"batch {tc.batch_size} x {tc.grad_accum_steps} accumulation x {w} processes = {per_step} per step, "
             f"steps {state.step:,} -> {tc.total_steps:,} ({tc.total_steps * per_step:,} images), {tc.precision}, "
             f"{cfg.diffusion.objective} objective{_condition_text(cfg, state)}")
@@ -330,7 +343,7 @@ def _warnings(cfg: Config, fresh: bool) -> list[str]:
     from difftrain.interop import init_source_changes
 
     o, tc = cfg.optim, cfg.train
-    out = init_source_changes(cfg) if fresh else []
+    out = (init_source_changes(cfg) if fresh else []) + distributed.launch_warnings()
     if cfg.diffusion.zero_terminal_snr and cfg.diffusion.loss_weighting == "min_snr":
         out.append("diffusion.loss_weighting='min_snr' weighs the last timestep (SNR 0) by min(SNR, gamma) = 0: "
                    "diffusion.zero_terminal_snr then never trains the step that sampling starts from")
@@ -352,6 +365,26 @@ def _unsaved_message(run_dir: Path, step: int, start_step: int, resumed_from: Pa
     return (f"the checkpoint of the last step, {step}, could not be written either "
             f"(checkpoint.on_write_error='continue'): {where}, {step - newest_step} steps unsaved; "
             "free space or fix the folder, then run the same command again")
+
+
+def fault_before_training(e: BaseException, run_dir: str | Path) -> distributed.GroupFault | None:
+    """``e`` as a :class:`GroupFault` when a rank died or hung during a start-up under torchrun
+    (joining the group, the DDP set-up: before the loop's own handler); else None."""
+    world_size, fault = int(os.environ.get("WORLD_SIZE", "1")), distributed.fault_text(e)
+    if world_size <= 1 or fault is None or isinstance(e, distributed.GroupFault):
+        return None
+    ctx = distributed.DistContext(rank=int(os.environ.get("RANK", "0")), world_size=world_size)
+    return distributed.GroupFault(_group_fault_message(fault, ctx, Path(run_dir), None))
+
+
+def _group_fault_message(fault: str, dctx: distributed.DistContext, run_dir: Path, step: int | None) -> str:
+    """Rank r's line for a rank that died or hung: what is known, the newest checkpoint, what next."""
+    saved = ckpt.list_checkpoints(run_dir / "checkpoints")
+    newest = f"the newest checkpoint is {saved[-1][1]} (step {saved[-1][0]})" if saved else "no checkpoint is on disk"
+    when = "during start-up" if step is None else f"after step {step}"
+    then = "resumes from it" if saved else "starts over"
+    return (f"rank {dctx.rank} of {dctx.world_size}, {when}: {fault}; {newest}; exit "
+            f"{distributed.EXIT_GROUP_FAULT}: torchrun --max-restarts restarts the group, which {then}")
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:

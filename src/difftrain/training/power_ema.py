@@ -16,7 +16,6 @@ the average of any other length with :func:`solve_coefficients`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
@@ -29,6 +28,7 @@ from torch import nn
 
 from difftrain.runtime.files import atomic_write
 from difftrain.training.checkpoint import load_weights
+from difftrain.training.ema import averaged_copy, foreach_lerp_, trainable
 
 SIGMA_REL_MAX = 0.3  # sigma_rel peaks at ~0.3003 (gamma ~ -0.38); 0.2887 is gamma = 0, the plain mean
 SNAPSHOT_DIR = "ema_snapshots"
@@ -127,7 +127,9 @@ class PowerEMA:
     def __init__(self, model: nn.Module, stds: Sequence[float] = ()):
         self.stds = tuple(float(s) for s in stds)
         self.gammas = tuple(std_to_gamma(s) for s in self.stds)
-        self.models = [copy.deepcopy(model).eval().requires_grad_(False) for _ in self.stds]
+        copies = [averaged_copy(model) for _ in self.stds]  # a frozen base is shared, not copied
+        self.models = [m for m, _ in copies]
+        self._trained = copies[0][1] if copies else []
 
     def weights(self, t: int) -> list[float]:
         """``1 - beta(t, gamma_k)`` for each tracked average: the weights of update ``t``."""
@@ -141,10 +143,10 @@ class PowerEMA:
     @torch.no_grad()
     def lerp_(self, model: nn.Module, weights: Sequence[float] | torch.Tensor) -> None:
         """``avg_k += weights[k] * (params - avg_k)`` for each k; copy the buffers."""
-        params = list(model.parameters())  # under no_grad: no detach (a view op per tensor) needed
+        params = trainable(list(model.parameters()), self._trained)  # under no_grad: no detach needed
         for k, avg in enumerate(self.models):
             if params:
-                torch._foreach_lerp_(list(avg.parameters()), params, weights[k])
+                foreach_lerp_(trainable(list(avg.parameters()), self._trained), params, weights[k])
             for avg_buf, buf in zip(avg.buffers(), model.buffers()):
                 avg_buf.copy_(buf)
 

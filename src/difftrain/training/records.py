@@ -3,8 +3,9 @@
 ``config.toml`` is written at a run's first start and never again: it is the config the run
 began with. Every start (the first, each resume, each re-run with other ``--set`` values)
 appends one line to ``history.jsonl``: when, the command line, which keys differ from the
-original config, the version, the git revision of the working directory if any, the device and
-the world size. A reader of a run folder sees what it was trained with and what changed when.
+original config, the version, the git revision of the working directory if any, the device,
+the world size and, under ``torchrun --max-restarts``, which restart of the group this is. A
+reader of a run folder sees what it was trained with and what changed when.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def record_start(run_dir: Path, cfg: Config, device: torch.device, world_size: i
         "world_size": world_size,
         "torch": torch.__version__,
     }
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # set by torchrun: 0 at the first start, +1 per restart
+        entry["elastic_restart"] = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     path = run_dir / HISTORY_NAME
     try:
         with open(path, "a") as f:

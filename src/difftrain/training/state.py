@@ -26,11 +26,12 @@ from difftrain.training.power_ema import PowerEMA
 
 
 def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; the fused kernel where it exists (CPU and CUDA), which skips a non-finite step on
-    the device (see ``runtime/precision.py``)."""
+    """AdamW over the parameters that train (not a LoRA run's frozen base); the fused kernel
+    where it exists (CPU and CUDA), which skips a non-finite step on the device (see
+    ``runtime/precision.py``)."""
     o = cfg.optim
     return torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+        [p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
         fused=device.type in ("cuda", "cpu"),
     )
 
@@ -143,6 +144,11 @@ class RunState:
             raise ValueError(f"cannot resume from {path}: it has {state['num_classes']} classes, the data "
                              f"{self.num_classes}")
         self.conditioning.check_references(state["frozen"], f"checkpoint {path}")
+        from difftrain.models.lora import resume_mismatch
+
+        mismatch = resume_mismatch(self.cfg.lora, state["network"])
+        if mismatch:
+            raise ValueError(f"cannot resume from {path}: {mismatch}")
         if state["data_position"] % world_size:
             raise ValueError(
                 f"cannot resume {path} on {world_size} processes: its data position "
@@ -160,10 +166,27 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     says so: rebuilt from its config, without the original folder).
 
     With ``model.init_from`` and ``init_weights``, the weights it names are loaded.
+
+    With ``lora.rank`` (or a checkpoint's LoRA record), the network is that base, always loaded
+    from ``model.init_from`` (checkpoints hold the adapter alone), frozen, with LoRA layers
+    injected (``models/lora.py``); a base whose digest differs from the record's is refused.
     """
     from difftrain.models.diffusers_unet import NETWORK_KIND, ConditionUNet, is_condition_unet_folder
+    from difftrain.models.lora import NETWORK_KIND as LORA_KIND
 
     init_from = cfg.model.init_from
+    saved_lora = network if network is not None and network.get("kind") == LORA_KIND else None
+    if saved_lora is not None or (network is None and cfg.lora.rank):
+        from difftrain.models.lora import apply_lora
+
+        base = build_network(_without_lora(cfg), conditioning,
+                             saved_lora["base"] if saved_lora else None, init_weights=True)
+        if saved_lora is not None and saved_lora["base"].get("kind") == NETWORK_KIND:  # its config, weights from init_from
+            from difftrain.interop import load_init_weights
+
+            load_init_weights(base, init_from)
+        return apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
+                          saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})")
     if network is not None and network.get("kind") == NETWORK_KIND:
         return ConditionUNet.from_config(network["config"])
     if network is None and init_from and is_condition_unet_folder(init_from):
@@ -180,11 +203,23 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     return model
 
 
+def _without_lora(cfg: Config) -> Config:
+    """``cfg`` with ``lora.rank`` 0: the config of the base network."""
+    import copy
+
+    base = copy.deepcopy(cfg)
+    object.__setattr__(base.lora, "rank", 0)
+    return base
+
+
 def network_record(model: nn.Module) -> dict:
     """What rebuilds ``model`` besides the config: {"kind": "unet"} for difftrain's UNet, the
-    diffusers config of a UNet2DConditionModel."""
+    diffusers config of a UNet2DConditionModel, the LoRA record of a LoraNetwork."""
     from difftrain.models.diffusers_unet import NETWORK_KIND, ConditionUNet
+    from difftrain.models.lora import LoraNetwork
 
+    if isinstance(model, LoraNetwork):
+        return model.network_record()
     if isinstance(model, ConditionUNet):
         return {"kind": NETWORK_KIND, "config": model.unet_config}
     return {"kind": "unet"}

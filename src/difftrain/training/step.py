@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from difftrain.diffusion.objective import Objective, per_sample_loss
+from difftrain.dreambooth import loss_weights
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.seeding import derive_seed, step_generator
@@ -38,6 +39,7 @@ class MicroBatch:
     levels: torch.Tensor  # (B,) noise levels (DDPM: timesteps)
     noise: torch.Tensor  # (B, C, H, W): the target's noise (offset noise included)
     input_noise: torch.Tensor | None = None  # (B, C, H, W): the network input's noise, with input perturbation
+    weight: torch.Tensor | None = None  # (B,) per-sample loss weights (DreamBooth's prior); None: all 1
 
 
 def draw_micro_batch(
@@ -65,6 +67,7 @@ def draw_micro_batch(
     if c.kind != "none":  # label or caption dropout for classifier-free guidance
         drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
     condition = c.condition(second, drop, device)
+    weight = loss_weights(cfg, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
         from difftrain.data.latents import sample_latents
 
@@ -77,7 +80,7 @@ def draw_micro_batch(
     if dc.input_perturbation > 0:  # input perturbation (Ning et al. 2023): x_t from more noise, target from `noise`
         extra = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         input_noise = noise + dc.input_perturbation * extra
-    return MicroBatch(x0, condition, levels, noise, input_noise)
+    return MicroBatch(x0, condition, levels, noise, input_noise, weight)
 
 
 class StepMetrics:
@@ -150,6 +153,8 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
         with distributed.sync_gradients(net, sync=micro == accum - 1):
             per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast(),
                                          b.input_noise)
+            if b.weight is not None:
+                per_sample = per_sample * b.weight
             loss = per_sample.mean() / accum
             state.precision.backward(loss)
         step_loss += loss.detach()

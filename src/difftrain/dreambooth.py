@@ -1,0 +1,183 @@
+"""DreamBooth (Ruiz et al. 2023, "DreamBooth: Fine Tuning Text-to-Image Diffusion Models for
+Subject-Driven Generation"): a few images of one subject under one instance prompt, and
+optionally prior preservation: class images made once by the base model from a class prompt,
+trained beside them with their loss weighted by ``dreambooth.prior_loss_weight``.
+
+    dataset = instance_dataset(folder_dataset, cfg)       # every image captioned "a photo of sks dog"
+    data = with_class_images(data, cfg, conditioning, run_dir, dctx)   # + the class images (made once)
+    weights = loss_weights(cfg, captions, device)          # (B,) 1 or prior_loss_weight; None without a prior
+
+It is data and a per-sample loss weight, not a second loop: the network is the run's own (full
+fine-tuning or LoRA), and the step weights each sample's loss by what it was drawn from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from difftrain.data.sampler import split_key
+
+CLASS_RECORD = "class_images.json"  # beside the class images: the prompt and base they were made from
+
+
+class PromptedDataset(Dataset):
+    """The images of ``images`` (items ``(image, label)``), each captioned ``prompt``."""
+
+    captions = True
+
+    def __init__(self, images: Dataset, prompt: str):
+        self.images, self.prompt = images, prompt
+        self.resolution = getattr(images, "resolution", None)
+        self.channels = getattr(images, "channels", 3)
+        self.random_flip = getattr(images, "random_flip", False)
+        self.color_jitter = getattr(images, "color_jitter", 0.0)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key):
+        return self.images[key][0], self.prompt
+
+    def targets(self) -> list[str]:
+        return [self.prompt] * len(self)
+
+    def fingerprint(self) -> str:
+        from difftrain.data.latents import dataset_fingerprint
+
+        return f"{dataset_fingerprint(self.images)}:{self.prompt}"
+
+
+class PairedDataset(Dataset):
+    """Instance and class items interleaved: index 2k is instance item k, 2k + 1 class item k
+    (each modulo its length), ``2 * max`` of the lengths in all: half the stream is each kind,
+    as diffusers' DreamBooth pairs an instance with a class image."""
+
+    captions = True
+
+    def __init__(self, instance: Dataset, prior: Dataset):
+        self.instance, self.prior = instance, prior
+        for name in ("resolution", "channels", "random_flip", "color_jitter"):
+            setattr(self, name, getattr(instance, name, None))
+
+    def __len__(self) -> int:
+        return 2 * max(len(self.instance), len(self.prior))
+
+    def _item(self, index: int) -> tuple[Dataset, int]:
+        part = self.instance if index % 2 == 0 else self.prior
+        return part, (index // 2) % len(part)
+
+    def __getitem__(self, key):
+        index, seed = split_key(key)
+        part, inner = self._item(index % len(self))
+        return part[inner if seed is None else (inner, seed)]
+
+    def targets(self) -> list[str]:
+        return [self._item(i)[0].prompt for i in range(len(self))]
+
+    def fingerprint(self) -> str:
+        from difftrain.data.latents import dataset_fingerprint
+
+        return f"paired:{dataset_fingerprint(self.instance)}:{dataset_fingerprint(self.prior)}"
+
+
+def instance_dataset(images: Dataset, cfg) -> Dataset:
+    """The instance images (``data.path``, read without caption files) under the instance prompt."""
+    if len(images) == 0:
+        raise ValueError(f"dreambooth: the instance folder data.path {cfg.data.path} holds no usable images")
+    return PromptedDataset(images, cfg.dreambooth.instance_prompt)
+
+
+def loss_weights(cfg, captions, device: torch.device) -> torch.Tensor | None:
+    """(B,) per-sample loss weights of a micro-batch's captions (before caption dropout):
+    ``dreambooth.prior_loss_weight`` for a class image, 1 for the rest; None without prior
+    preservation (every weight 1)."""
+    db = cfg.dreambooth
+    if not db.class_prompt:
+        return None
+    is_class = torch.tensor([c == db.class_prompt for c in captions], device=device)
+    return torch.where(is_class, db.prior_loss_weight, 1.0).float()
+
+
+def class_dir(cfg, run_dir: Path) -> Path:
+    return Path(cfg.dreambooth.class_dir).expanduser() if cfg.dreambooth.class_dir else Path(run_dir) / "class_images"
+
+
+def _class_names(n: int) -> list[str]:
+    return [f"class_{i:05d}.png" for i in range(n)]
+
+
+def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> int:
+    """Write the missing ones of ``dreambooth.num_class_images`` class images into ``folder``,
+    sampled by the base network (``model.init_from``, before any training) from the class prompt
+    with DDIM; image i always from the same noise. Returns how many were made. A folder made for
+    another prompt or base is refused (one ValueError naming it)."""
+    from difftrain.diffusion.objective import build_objective
+    from difftrain.models.text import weights_digest
+    from difftrain.sampling import generate, initial_noise, save_png, to_uint8
+    from difftrain.training.state import _without_lora, build_network
+
+    db = cfg.dreambooth
+    folder.mkdir(parents=True, exist_ok=True)
+    names = _class_names(db.num_class_images)
+    missing = [i for i, name in enumerate(names) if not (folder / name).is_file()]
+    record_file = folder / CLASS_RECORD
+    record = {"prompt": db.class_prompt, "base": str(cfg.model.init_from), "resolution": cfg.data.resolution}
+    if record_file.is_file():
+        old = json.loads(record_file.read_text())
+        if {k: old.get(k) for k in ("prompt", "resolution")} != {k: record[k] for k in ("prompt", "resolution")}:
+            raise ValueError(f"dreambooth.class_dir {folder} holds class images of {old.get('prompt')!r} at "
+                             f"{old.get('resolution')} px, not of {db.class_prompt!r} at {cfg.data.resolution} px; "
+                             "set another dreambooth.class_dir")
+    if not missing:
+        return 0
+    print(f"difftrain: dreambooth: making {len(missing)} class images of {db.class_prompt!r} in {folder} "
+          f"(base {cfg.model.init_from}, DDIM {db.class_steps} steps, guidance {db.class_guidance_scale})")
+    net = build_network(_without_lora(cfg), conditioning, None, init_weights=True).to(device).eval()
+    record["base_digest"] = weights_digest(net)
+    channels, resolution = conditioning.network_shape()
+    seed = int(hashlib.sha256(f"{cfg.train.seed}:{db.class_prompt}".encode()).hexdigest()[:8], 16)
+    noise = initial_noise(db.num_class_images, (channels, resolution, resolution), seed)[missing]
+    condition = conditioning.prompts([db.class_prompt], device).cpu().expand(len(missing), -1, -1)
+    images = generate(net, objective=build_objective(cfg.diffusion), noise=noise, sampler="ddim", steps=db.class_steps,
+                      seed=seed, condition=condition, null_condition=conditioning.null(1, device),
+                      guidance_scale=db.class_guidance_scale, batch_size=db.class_batch_size, sample_ids=missing,
+                      decode=conditioning.decode if conditioning.codec is not None else None,
+                      clip=conditioning.codec is None)
+    for i, pixels in zip(missing, to_uint8(images)):
+        save_png(pixels, folder / names[i])
+    record_file.write_text(json.dumps(record, indent=1) + "\n")
+    del net
+    return len(missing)
+
+
+def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
+    """``data`` (``TrainingData``) with prior preservation's class images paired in: made once on
+    rank 0 (the other ranks wait), then read as a folder under the class prompt. Unchanged
+    without ``dreambooth.class_prompt``."""
+    if not cfg.dreambooth.class_prompt:
+        return data
+    from difftrain.data.prepare import dataset_from_config
+    from difftrain.runtime import distributed
+
+    folder = class_dir(cfg, run_dir)
+    distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device), dctx)
+    d = dataclasses.replace(cfg.data)
+    object.__setattr__(d, "captions", False)
+    images = dataset_from_config(d, str(folder))
+    prior = PromptedDataset(_first(images, cfg.dreambooth.num_class_images), cfg.dreambooth.class_prompt)
+    return dataclasses.replace(data, train=PairedDataset(data.train, prior))
+
+
+def _first(images: Dataset, n: int) -> Dataset:
+    """The folder's first ``n`` class images (a folder may hold more, from a larger earlier run)."""
+    files = images.files
+    if len(files) > n:
+        keep = set(_class_names(n))
+        images.drop({f for f in files if f not in keep})
+    return images

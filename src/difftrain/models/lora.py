@@ -1,0 +1,246 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") on a difftrain
+network, through ``peft``: W x + (alpha / r) B A x on the chosen layers, the base W frozen.
+
+    net = apply_lora(base, cfg.lora, base_source="sd-folder")   # a LoraNetwork around base
+    net.state_dict()            # the adapter alone: {"...to_q.lora_A.weight": (r, in), ...}
+    net.network_record()        # what rebuilds it: the base's record, its source and digest, the LoRA settings
+    net.set_scale(0.5)          # the adapter at half strength (sampling)
+    net.merged_base_state()     # the base's state dict with the adapter folded in (W + scale B A)
+
+The adapter's names are the base network's own state-dict names with peft's adapter name left
+out (``to_q.lora_A.default.weight`` -> ``to_q.lora_A.weight``): for a UNet2DConditionModel they
+are diffusers' names, so an export only adds diffusers' ``unet.`` prefix. peft is imported only
+when an adapter is built (``pip install 'difftrain[lora]'``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor, nn
+
+NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
+ADAPTER = "default"  # peft's adapter name; never in difftrain's names
+
+# The attention projections each network names (peft matches a module by its name's suffix).
+ATTENTION_TARGETS = {
+    "diffusers.UNet2DConditionModel": ("to_q", "to_k", "to_v", "to_out.0"),
+    "unet": ("q", "k", "v", "proj_out"),  # difftrain's UNet: self- and cross-attention
+}
+# The convolutions of the residual blocks (``lora.include_conv``); both networks name them so.
+CONV_TARGETS = ("conv1", "conv2")
+
+
+def import_peft():
+    """The ``peft`` module, or one ``MissingDependency`` line naming the extra that installs it."""
+    from difftrain.runtime.optional import require
+
+    require("peft.tuners.lora", "lora", "lora.rank > 0")
+    return require("peft", "lora", "lora.rank > 0")
+
+
+def target_modules(lora_cfg, base_kind: str) -> list[str]:
+    """The module-name suffixes LoRA adapts: ``lora.target_modules``, or the attention
+    projections of the base network, plus the residual convolutions with ``lora.include_conv``."""
+    targets = list(lora_cfg.target_modules) or list(ATTENTION_TARGETS[base_kind])
+    if lora_cfg.include_conv:
+        targets += [t for t in CONV_TARGETS if t not in targets]
+    return targets
+
+
+def _matches(name: str, targets: list[str]) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _check_targets(base: nn.Module, targets: list[str], rank: int) -> None:
+    """One ValueError naming the option when the targets match no layer, match a layer peft
+    cannot adapt, or the rank exceeds a matched layer's smaller dimension."""
+    matched = [(n, m) for n, m in base.named_modules() if n and _matches(n, targets)]
+    if not matched:
+        raise ValueError(f"lora.target_modules {targets} match no layer of this network "
+                         f"(its attention projections are named e.g. {_example_names(base)})")
+    sizes = []
+    for name, module in matched:
+        if isinstance(module, nn.Linear):
+            sizes.append((min(module.in_features, module.out_features), name, "Linear"))
+        elif isinstance(module, nn.Conv2d):
+            fan_in = module.in_channels * module.kernel_size[0] * module.kernel_size[1]
+            sizes.append((min(fan_in, module.out_channels), name, "Conv2d"))
+        else:
+            raise ValueError(f"lora.target_modules: {name} is a {type(module).__name__}; LoRA adapts Linear and "
+                             "Conv2d layers (name those)")
+    smallest, name, kind = min(sizes)
+    if rank > smallest:
+        raise ValueError(f"lora.rank={rank} is larger than the layer {name} ({kind}, smallest dimension {smallest}); "
+                         f"lower lora.rank to at most {smallest}")
+
+
+def _example_names(base: nn.Module) -> str:
+    names = [n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, nn.Linear)]
+    return ", ".join(list(dict.fromkeys(names))[:6])
+
+
+def base_digest(base: nn.Module) -> str:
+    """SHA-256 of the base network's weights (names, shapes, float32 bytes): what an adapter
+    records of the base it was trained on, and checks when it is loaded onto one."""
+    from difftrain.models.text import weights_digest
+
+    return weights_digest(base)
+
+
+class LoraNetwork(nn.Module):
+    """``net(x, t, cond)`` of the base network with LoRA layers injected; only they train.
+
+    ``state_dict`` / ``load_state_dict`` hold the adapter alone (the base is referenced by
+    ``base_source`` and ``base_digest``, never saved), under the base's names without peft's
+    adapter name. Attributes: ``base`` (the network, adapted in place), ``base_record`` (its
+    record as checkpoints keep it), ``base_source``, ``base_digest``, ``rank``, ``alpha``,
+    ``dropout``, ``targets``.
+    """
+
+    def __init__(self, base: nn.Module, *, base_record: dict, base_source: str, digest: str, rank: int,
+                 alpha: float, dropout: float, targets: list[str]):
+        super().__init__()
+        self.base = base
+        self.base_record, self.base_source, self.base_digest = base_record, base_source, digest
+        self.rank, self.alpha, self.dropout, self.targets = rank, alpha, dropout, list(targets)
+        for attr in ("num_classes", "context_dim", "in_channels", "out_channels"):
+            if hasattr(base, attr):
+                setattr(self, attr, getattr(base, attr))
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+        """The base network's call: x (B, C, H, W), t (B,), cond -> (B, C, H, W)."""
+        return self.base(x, t, cond)
+
+    # -- the adapter as the state dict ---------------------------------------------------------
+
+    def _adapter(self, keep_vars: bool = True) -> dict[str, Tensor]:
+        """Public name -> adapter tensor (peft's lora_A / lora_B of every adapted layer)."""
+        out = {}
+        for name, t in self.base.state_dict(keep_vars=keep_vars).items():
+            if f".{ADAPTER}." in name and (".lora_A." in name or ".lora_B." in name):
+                out[name.replace(f".{ADAPTER}.", ".")] = t
+        return out
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):  # noqa: D102
+        out = OrderedDict() if destination is None else destination
+        for name, t in self._adapter(keep_vars=True).items():
+            out[prefix + name] = t if keep_vars else t.detach()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: D102
+        own = self._adapter()
+        missing, extra = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if strict and (missing or extra):
+            raise RuntimeError(f"adapter weights do not fit this network: missing {missing[:3]}, unknown {extra[:3]}")
+        with torch.no_grad():
+            for name, t in state_dict.items():
+                if name in own:
+                    own[name].copy_(t)
+        return nn.modules.module._IncompatibleKeys(missing, extra)
+
+    # -- what rebuilds it, and what it does to the base ----------------------------------------
+
+    def settings(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+
+    def network_record(self) -> dict:
+        """The checkpoint's ``network``: kind "lora", the base's own record, where the base was
+        loaded from and its digest, and the LoRA settings."""
+        return {"kind": NETWORK_KIND, "base": self.base_record, "base_source": self.base_source,
+                "base_digest": self.base_digest, "lora": self.settings()}
+
+    def lora_layers(self) -> list[nn.Module]:
+        from peft.tuners.lora import LoraLayer
+
+        return [m for m in self.base.modules() if isinstance(m, LoraLayer)]
+
+    def set_scale(self, scale: float) -> None:
+        """Scale the adapter's contribution: 1 as trained, 0 the base alone."""
+        for layer in self.lora_layers():
+            layer.set_scale(ADAPTER, scale)
+
+    @torch.no_grad()
+    def merged_base_state(self) -> dict[str, Tensor]:
+        """The base network's state dict (its own names) with W + scale B A folded into every
+        adapted layer's weight; this network is left as it was."""
+        deltas = {}
+        for name, module in self.base.named_modules():
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+                deltas[name] = module.get_delta_weight(ADAPTER)
+        merged = {}
+        for key, t in self.base.state_dict().items():
+            if ".lora_" in key or ".lora_dropout" in key:
+                continue
+            merged[key.replace(".base_layer.", ".")] = t.detach().clone()
+        state_names = _state_names(self.base, deltas)
+        for module_name, delta in deltas.items():
+            weight = state_names[module_name] + ".weight"
+            merged[weight] = merged[weight] + delta.to(merged[weight].dtype)
+        return merged
+
+
+def _state_names(base: nn.Module, modules: dict) -> dict[str, str]:
+    """Module name -> the prefix its weight has in ``base.state_dict()`` (a wrapper's state-dict
+    hooks may rename, as ConditionUNet drops ``unet.``)."""
+    keys = set(base.state_dict())
+    out = {}
+    for name in modules:
+        for candidate in (name, name.split(".", 1)[-1]):
+            if f"{candidate}.base_layer.weight" in keys:
+                out[name] = candidate
+                break
+        else:
+            raise KeyError(f"no weight of the adapted layer {name} in the state dict")
+    return out
+
+
+def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str,
+               saved: dict | None = None, where: str = "checkpoint") -> LoraNetwork:
+    """Freeze ``base`` and inject LoRA layers of ``lora_cfg`` (``cfg.lora``) into it, in place.
+
+    base_record: the base's record (``state.network_record``), whose kind picks the default
+    targets; base_source: where its weights came from (``model.init_from``). The adapter starts
+    as peft starts it (A random from the global torch RNG, B zero: the network is the base).
+    saved: the LoRA record of a checkpoint or adapter file (``where``) to rebuild instead: its
+    rank, alpha and targets are used (a resume may change lora.dropout), and ``base`` must be
+    the base it was trained on (one ValueError if not).
+    """
+    peft = import_peft()
+    targets = target_modules(lora_cfg, base_record["kind"])
+    rank, alpha, dropout = lora_cfg.rank, lora_cfg.alpha or float(lora_cfg.rank), lora_cfg.dropout
+    if saved is not None:
+        s = saved["lora"]
+        targets, rank, alpha = list(s["targets"]), int(s["rank"]), float(s["alpha"])  # dropout: the config's
+    _check_targets(base, targets, rank)
+    digest = base_digest(base)
+    if saved is not None and digest != saved["base_digest"]:
+        raise ValueError(f"{where} is not the base this LoRA adapter was trained on: it was trained on "
+                         f"{saved['base_source']} (digest {saved['base_digest'][:12]}), and {base_source} holds "
+                         f"different weights (digest {digest[:12]}); point model.init_from (or --base) at that base")
+    base.requires_grad_(False)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                             init_lora_weights=True if lora_cfg.init == "default" else lora_cfg.init)
+    peft.inject_adapter_in_model(config, base)
+    return LoraNetwork(base, base_record=base_record, base_source=base_source, digest=digest, rank=rank,
+                       alpha=alpha, dropout=dropout, targets=targets)
+
+
+def resume_mismatch(lora_cfg, record: dict) -> str | None:
+    """Why a checkpoint's network (``record``) cannot continue under ``lora_cfg`` (``cfg.lora``):
+    a LoRA run resumed without LoRA or the reverse, or another rank, alpha or set of targets;
+    None when it can."""
+    was_lora = record.get("kind") == NETWORK_KIND
+    if was_lora != bool(lora_cfg.rank):
+        return ("it holds a LoRA adapter, but lora.rank is 0 (full fine-tuning)" if was_lora else
+                f"it is not a LoRA run, but lora.rank is {lora_cfg.rank}")
+    if not was_lora:
+        return None
+    saved = record["lora"]
+    now = {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha or float(lora_cfg.rank),
+           "targets": target_modules(lora_cfg, record["base"]["kind"])}
+    for key, value in now.items():
+        if saved[key] != value:
+            return f"its adapter has {key} {saved[key]!r}, this config {value!r} (lora.*)"
+    return None
