@@ -105,7 +105,7 @@ def _assert_same_run(first: Path, second: Path) -> None:
     for key in ("memorization/near_copy_share", "memorization/median_ratio", "diversity/vendi",
                 "fid_samples/memorization/median_ratio", "fid_samples/diversity/vendi"):
         assert logged["two"][key] == pytest.approx(logged["one"][key], rel=1e-2), key
-    assert (tmp_path / "two" / "samples" / "neighbours" / "step_00000004.png").is_file()
+    assert (second / "samples" / "neighbours" / "step_00000004.png").is_file()
     for grid in ("samples/step_00000004.png", "samples/raw/step_00000004.png"):
         a, b = (np.asarray(Image.open(run / grid), dtype=int) for run in (first, second))
         assert abs(a - b).max() <= 1 and (a != b).mean() < 0.01, grid  # the ddpm grid, to rounding
