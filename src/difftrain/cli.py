@@ -245,11 +245,17 @@ def _eval(args: argparse.Namespace) -> int:
         use_ema=not args.no_ema, ref=args.ref, ref_num=args.ref_num, batch_size=args.batch_size,
         device=args.device, inception_path=args.inception, kid=not args.no_kid, progress=True,
         guidance_scale=args.guidance_scale, captions=args.captions, text_encoder=args.text_encoder, vae=args.vae,
-        **options)
+        memorization=args.memorization, **options)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"difftrain: {describe(result)}" + (f"; written to {args.out}" if args.out else ""))
+    if "memorization" in result:
+        m = result["memorization"]
+        print(f"difftrain: {m['memorization/near_copy_share']:.1%} of the samples are near-copies of training images "
+              f"({m['memorization/space']} space; median ratio {m['memorization/median_ratio']:.3f}); diversity "
+              f"{m['diversity/ratio']:.0%} of the training data's (Vendi {m['diversity/vendi']:.1f} vs "
+              f"{m['diversity/vendi_data']:.1f})")
     return 0
 
 
@@ -422,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--captions", help="text models: a file of captions to sample with, one a line "
                                       "(default: the captions of the run's training data)")
     p.add_argument("--out", help="JSON file for the result")
+    p.add_argument("--memorization", choices=["pixels", "inception", "clip"],
+                   help="also each sample's nearest training image in this feature space: the near-copy share "
+                        "and median ratio, and the samples' diversity beside the data's (docs/monitoring.md)")
     _add_fid_options(p)
     p.set_defaults(func=_eval)
 

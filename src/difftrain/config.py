@@ -242,6 +242,15 @@ class ValidationConfig(_Section):
     heldout_weights: Literal["ema", "raw", "both"] = "both"  # weights the held-out loss is measured on
     heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
     heldout_batch_size: int = 100  # images per forward pass of the held-out loss
+    # Memorization and diversity of the validation images (and FID samples): feature space of the nearest
+    # training image search ("pixels": a copy-detection descriptor; "inception": FID's; "clip": evaluation.clip_model)
+    memorization: Literal["off", "pixels", "inception", "clip"] = "off"
+    near_copy_ratio: float = 0.5  # a sample is a near-copy below this x its nearest training image's own NN distance
+    memorization_pairs: int = 32  # sample / nearest-training-image pairs in samples/neighbours/ (nearest first)
+    warn_near_copy_share: float = 0.1  # warn when more than this share of the samples are near-copies
+    warn_diversity_ratio: float = 0.5  # warn when the samples' Vendi score falls below this x the data's
+    warn_fid_rises: int = 3  # warn when FID has risen this many evaluations in a row
+    warn_heldout_rises: int = 3  # warn when the held-out loss has risen this many validations in a row, loss falling
 
 
 @dataclass
@@ -652,6 +661,15 @@ def validate(cfg: Config) -> None:
     )
     _check(v.heldout_max_images >= 1, f"validation.heldout_max_images must be >= 1, got {v.heldout_max_images}")
     _check(v.heldout_batch_size >= 1, f"validation.heldout_batch_size must be >= 1, got {v.heldout_batch_size}")
+    _check(0 < v.near_copy_ratio <= 2, f"validation.near_copy_ratio must be in (0, 2], got {v.near_copy_ratio}")
+    _check(v.memorization_pairs >= 0, f"validation.memorization_pairs must be >= 0, got {v.memorization_pairs}")
+    _check(0 <= v.warn_near_copy_share <= 1,
+           f"validation.warn_near_copy_share must be in [0, 1], got {v.warn_near_copy_share}")
+    _check(v.warn_diversity_ratio >= 0, f"validation.warn_diversity_ratio must be >= 0, got {v.warn_diversity_ratio}")
+    for key in ("warn_fid_rises", "warn_heldout_rises"):
+        _check(getattr(v, key) >= 1, f"validation.{key} must be >= 1, got {getattr(v, key)}")
+    _check(v.memorization != "clip" or bool(cfg.evaluation.clip_model),
+           "validation.memorization='clip' needs evaluation.clip_model (a local CLIP folder)")
     _check_steps("validation.steps", v.steps, cfg)
     e = cfg.evaluation
     _check(e.fid_every_steps >= 0, f"evaluation.fid_every_steps must be >= 0 (0 = never), got {e.fid_every_steps}")

@@ -57,7 +57,8 @@ def _run(run_dir, nproc: int, batch: int, *extra: str, env_extra: dict | None = 
 # Validation, held-out loss and FID, each spread across the ranks.
 EVALUATION = ["data.heldout_fraction=0.05", "validation.heldout_max_images=5", "validation.sampler=ddpm",
               "evaluation.fid_every_steps=4", "evaluation.fid_num_samples=5", "evaluation.fid_batch_size=2",
-              "evaluation.fid_steps=2", "evaluation.fid_ref_num=8", "validation.raw_grid=true"]
+              "evaluation.fid_steps=2", "evaluation.fid_ref_num=8", "validation.raw_grid=true",
+              "validation.memorization=pixels"]
 
 
 def _weights(run_dir) -> dict[str, torch.Tensor]:
@@ -99,6 +100,12 @@ def _assert_same_run(first: Path, second: Path) -> None:
     logged = {name: {k: v for r in rows[name] for k, v in r.items()} for name in rows}
     for key in ("heldout/loss", "heldout_raw/loss", "fid"):
         assert logged["two"][key] == pytest.approx(logged["one"][key], rel=1e-3), key
+    # Memorization and diversity of the grid (rank 0, the gathered images) and of the FID samples (each rank
+    # its batches, gathered): equal to rounding.
+    for key in ("memorization/near_copy_share", "memorization/median_ratio", "diversity/vendi",
+                "fid_samples/memorization/median_ratio", "fid_samples/diversity/vendi"):
+        assert logged["two"][key] == pytest.approx(logged["one"][key], rel=1e-2), key
+    assert (second / "samples" / "neighbours" / "step_00000004.png").is_file()
     for grid in ("samples/step_00000004.png", "samples/raw/step_00000004.png"):
         a, b = (np.asarray(Image.open(run / grid), dtype=int) for run in (first, second))
         assert abs(a - b).max() <= 1 and (a != b).mean() < 0.01, grid  # the ddpm grid, to rounding

@@ -59,7 +59,7 @@ class TrainingFID:
     """
 
     def __init__(self, cfg: Config, objective, device: torch.device, ctx: DistContext | None = None,
-                 conditioning=None, dataset=None):
+                 conditioning=None, dataset=None, check=None):
         from difftrain.conditioning import Conditioning
 
         self.cfg, self.objective, self.device = cfg, objective, device
@@ -67,6 +67,7 @@ class TrainingFID:
         self.every = cfg.evaluation.fid_every_steps
         self.conditioning = conditioning or Conditioning(channels=cfg.data.channels, resolution=cfg.data.resolution)
         self.dataset = dataset
+        self.check = check  # a SampleCheck: memorization and diversity of the samples' features (Inception space)
         self._conditions: FIDConditions | None = None
         self._inception = None
         self._reference = None
@@ -102,10 +103,12 @@ class TrainingFID:
             self._setup()
         e = self.cfg.evaluation
         channels, size = self.conditioning.network_shape()
+        tap = self.check.tap(self._inception, self.ctx) if self.check is not None else None  # sees the images
         features = sharded_sample_features(
-            ema_model, self._inception, objective=self.objective, shape=(channels, size, size),
+            ema_model, tap or self._inception, objective=self.objective, shape=(channels, size, size),
             num=e.fid_num_samples, sampler=e.fid_sampler, steps=e.fid_steps, seed=e.fid_seed,
             batch_size=e.fid_batch_size, conditions=self._conditions, ctx=self.ctx)
+        checked = tap.result(self.ctx, prefix="fid_samples/") if tap is not None else {}
         if features is None:  # not rank 0
             return {}
         features, energies = features[:, :-1], features[:, -1]
@@ -116,7 +119,20 @@ class TrainingFID:
         result = fid_result(samples, self._reference, kid=False)
         record = self._conditions.record()
         extra = {"fid_confetti_share": result["confetti_share"]} if "confetti_share" in result else {}
-        return {**extra, "fid": result["fid"], "fid_num_samples": result["num_samples"],
+        if self.check is not None and tap is None:
+            checked = self.check.of_features(features)
+        return {**extra, **checked, "fid": result["fid"], "fid_num_samples": result["num_samples"],
                 "fid_num_reference": result["num_reference"], "fid_steps": e.fid_steps,
                 "fid_conditioned_on": record["conditioned_on"], "fid_guidance_scale": record["guidance_scale"],
                 "fid_seconds": time.perf_counter() - start}
+
+    def new_best(self, metrics: dict, ckpt_dir) -> float | None:
+        """The FID in ``metrics`` when it is lower than the run's best checkpoint's (so this step is
+        saved and becomes ``best``), else None; the same decision on every rank (rank 0 measures:
+        the others get NaN for the value, which only rank 0 writes). Every rank must call it."""
+        from difftrain.training.checkpoint import is_better
+
+        better = int("fid" in metrics and is_better(ckpt_dir, metrics["fid"]))
+        if not distributed.max_over_ranks(better, self.ctx):
+            return None
+        return float(metrics["fid"]) if better else float("nan")

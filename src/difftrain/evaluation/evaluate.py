@@ -245,6 +245,7 @@ def evaluate_checkpoint(
     captions: str | Path | None = None,
     text_encoder: str | None = None,
     vae: str | None = None,
+    memorization: str | None = None,
     **sampler_options,
 ) -> dict:
     """FID/KID of a checkpoint's samples against ``ref`` (an .npz or a folder), or, when ``ref``
@@ -254,7 +255,11 @@ def evaluate_checkpoint(
 
     A class-conditional model samples labels drawn uniformly; a text model the captions of its
     training data (``data.path`` of its config), or of ``captions`` (a file, one caption a line),
-    drawn uniformly; both guided by ``guidance_scale``. A latent model's samples are decoded by its VAE."""
+    drawn uniformly; both guided by ``guidance_scale``. A latent model's samples are decoded by its VAE.
+
+    ``memorization`` ("pixels", "inception" or "clip"): also each sample's nearest training image
+    in that space (the near-copy share, the median ratio) and the samples' diversity beside the
+    training data's (evaluation/memorization.py, diversity.py), as ``result["memorization"]``."""
     from difftrain.inference import load_model
     from difftrain.runtime.progress import CountProgress
 
@@ -273,16 +278,33 @@ def evaluate_checkpoint(
         reference, _, _ = reference_statistics(d.path, inception, resolution=d.resolution, channels=d.channels,
                                                num=ref_num, progress=progress)
         ref_source = f"{d.path} (training preprocessing, {d.resolution}px, {d.channels} channel(s))"
+    checked = _checked(inception, loaded, memorization)
     channels, size = loaded.conditioning.network_shape()
     samples = sample_statistics(
-        loaded.model, inception, objective=loaded.objective, shape=(channels, size, size), num=num,
+        loaded.model, checked or inception, objective=loaded.objective, shape=(channels, size, size), num=num,
         sampler=sampler, steps=steps, seed=seed, batch_size=batch_size, conditions=conditions,
         progress=CountProgress("eval: samples", num, enabled=progress), **sampler_options)
     return fid_result(
         samples, reference, kid=kid, sampler=sampler, steps=steps, nfe=loaded.objective.sampler_nfe[sampler](steps),
         sampler_options=sampler_options, ema=use_ema, seed=seed, batch_size=batch_size, **conditions.record(),
         checkpoint=loaded.path, checkpoint_step=loaded.step, reference=ref_source,
-        inception=inception.metadata, seconds=round(time.perf_counter() - start, 1))
+        inception=inception.metadata, seconds=round(time.perf_counter() - start, 1),
+        **({"memorization": {**checked.result(), "memorization/space": memorization}} if checked else {}))
+
+
+def _checked(inception: InceptionFeatures, loaded, space: str | None):
+    """The FID network checking each sample against the training images in ``space``; None for no check."""
+    if not space:
+        return None
+    import dataclasses
+
+    from difftrain.data.prepare import dataset_from_config
+
+    from .sample_check import CheckedInception, SampleCheck
+
+    cfg = dataclasses.replace(loaded.cfg, validation=dataclasses.replace(loaded.cfg.validation, memorization=space))
+    dataset = dataset_from_config(loaded.cfg.data, augment=False)
+    return CheckedInception(inception, SampleCheck(cfg, dataset, next(loaded.model.parameters()).device))
 
 
 def checkpoint_conditions(loaded, guidance_scale: float = 1.0, captions: str | Path | None = None) -> FIDConditions:

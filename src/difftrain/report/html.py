@@ -17,7 +17,7 @@ from pathlib import Path
 from PIL import Image
 
 from difftrain.report.plots import RAMP, svg_line_plot
-from difftrain.training.checkpoint import list_checkpoints
+from difftrain.training.checkpoint import list_checkpoints, read_best
 
 MAX_GRIDS = 12  # grids shown in the strip, evenly spread over the run
 GRID_WIDTH_PX = 320  # each grid is shown at this width: larger ones downscaled, smaller ones enlarged (pixelated)
@@ -119,6 +119,17 @@ def _plots(rows: dict[int, dict[str, float]]) -> str:
                       {f"bucket {k.rsplit('/', 1)[1]}": _series(rows, k) for k in train_buckets}, log_y=True,
                       colors=RAMP),
         *_score_plots(rows, keys),
+        "memorization/near_copy_share" in keys and svg_line_plot(
+            "near-copies of training images (share of the validation samples; lower is better)",
+            {"near-copy share": _series(rows, "memorization/near_copy_share"),
+             "FID samples": _series(rows, "fid_samples/memorization/near_copy_share")}),
+        "memorization/median_ratio" in keys and svg_line_plot(
+            "median distance to the nearest training image / its own nearest-neighbour distance",
+            {"validation samples": _series(rows, "memorization/median_ratio"),
+             "FID samples": _series(rows, "fid_samples/memorization/median_ratio")}),
+        "diversity/vendi" in keys and svg_line_plot(
+            "diversity (Vendi score) of the validation samples and of as many training images",
+            {"samples": _series(rows, "diversity/vendi"), "training images": _series(rows, "diversity/vendi_data")}),
         svg_line_plot("gradient norm (before clipping)", {"grad_norm": _series(rows, "grad_norm")}, log_y=True),
         svg_line_plot("learning rate", {"lr": _series(rows, "lr")}),
         svg_line_plot("throughput (images/s)", {"images/s": _series(rows, "images_per_s")}),
@@ -158,12 +169,40 @@ def _checkpoints(run_dir: Path) -> str:
     found = list_checkpoints(run_dir / "checkpoints")
     if not found:
         return "<p>no checkpoints</p>"
+    best = read_best(run_dir / "checkpoints")
+
+    def name(p: Path) -> str:
+        if best is None or p.name != best[0]:
+            return html.escape(p.name)
+        return f'{html.escape(p.name)} <b class="best">best FID {best[1]:.3f}</b> (RUN/best)'
+
     rows = "".join(
-        f"<tr><td>{s:,}</td><td>{html.escape(p.name)}</td><td>{p.stat().st_size / 2**20:.1f} MiB</td>"
+        f"<tr><td>{s:,}</td><td>{name(p)}</td><td>{p.stat().st_size / 2**20:.1f} MiB</td>"
         f"<td>{datetime.datetime.fromtimestamp(p.stat().st_mtime, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC</td></tr>"
         for s, p in found
     )
     return f"<table><tr><th>step</th><th>file</th><th>size</th><th>written</th></tr>{rows}</table>"
+
+
+def _read_warnings(path: Path) -> list[tuple[int, str]]:
+    """(step, text) of every ``warning`` line of ``metrics.jsonl`` (several may share a step)."""
+    found = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("warning"), str):
+            found.append((record.get("step", 0), record["warning"]))
+    return found
+
+
+def _warnings(warnings: list[tuple[int, str]]) -> str:
+    """The run's warnings (training/warnings.py), one line each; nothing when there were none."""
+    if not warnings:
+        return ""
+    items = "".join(f"<li>{html.escape(text)}</li>" for _, text in warnings)
+    return f'<h2>Warnings</h2><ul class="warnings">{items}</ul>'
 
 
 def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -179,6 +218,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     summary = f"{len(rows)} logged steps, last step {last_step:,}"
     if "loss" in last:
         summary += f"; loss {last['loss']:.4f}"
+    warnings = _read_warnings(run_dir / "metrics.jsonl")
     held = [r["heldout/loss"] for r in rows.values() if "heldout/loss" in r]
     if held:
         summary += f"; held-out loss {held[-1]:.4f} (best {min(held):.4f})"
@@ -188,9 +228,11 @@ def build_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 <h1>difftrain run: {html.escape(run_dir.name)}</h1>
 <p class="meta">{html.escape(summary)}. Written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC
 from {html.escape(str(run_dir.resolve()))}.</p>
-<h2>Curves</h2>{_plots(rows)}
+{_warnings(warnings)}<h2>Curves</h2>{_plots(rows)}
 {_strip("Validation grids (EMA weights, fixed noise)", _grids(run_dir / "samples"))}
 {_strip("Validation grids (raw weights)", _grids(run_dir / "samples" / "raw"))}
+{_strip("Each validation sample beside its nearest training image (nearest first; red bar: near-copy)",
+        _grids(run_dir / "samples" / "neighbours"))}
 <h2>Checkpoints</h2>{_checkpoints(run_dir)}
 <h2>Config</h2><pre>{html.escape(config)}</pre>
 <script>{_SCRIPT}</script>

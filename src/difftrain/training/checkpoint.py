@@ -10,6 +10,11 @@ file and the key when one is missing or wrong.
 Writes go to a temporary file in the same directory, are flushed and fsync'd, then renamed
 over the final name and the directory is fsync'd; the pointer is updated the same way. Old
 checkpoints are deleted only after the new one and the pointer are durable.
+
+``checkpoints/best`` (with ``evaluation.fid_every_steps``) names the checkpoint with the lowest
+FID and holds that FID on its second line; it is written the same way, after ``latest``, and
+rotation never removes the file it names. ``RUN/best`` (or ``RUN:best``) names that checkpoint
+wherever a checkpoint is read.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from difftrain.runtime.files import atomic_write, atomic_write_bytes, unlink_qui
 FORMAT = "difftrain-checkpoint-v4"  # v3: + posthoc_ema; v4: + network, frozen
 _OLDER_FORMATS = ("difftrain-checkpoint-v1", "difftrain-checkpoint-v2", "difftrain-checkpoint-v3")
 LATEST = "latest"
+BEST = "best"  # pointer to the checkpoint with the best (lowest) FID: "step_N.pt\nFID\n"
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 # Test hook for fault injection: seconds to pause between writing a checkpoint's temporary file
 # and renaming it, so that a kill can be aimed inside the write. Unset in normal use.
@@ -97,26 +103,53 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(
-    state: dict, ckpt_dir: Path, step: int, keep_last: int = 3, keep_every_steps: int = 0
+    state: dict, ckpt_dir: Path, step: int, keep_last: int = 3, keep_every_steps: int = 0,
+    best: float | None = None,
 ) -> Path:
     """Write ``state`` as the checkpoint of ``step``, point ``latest`` at it, then rotate.
 
-    Rotation keeps the newest ``keep_last`` files plus every file whose step is a multiple of
-    ``keep_every_steps`` (when > 0), for later evaluation.
+    ``best``: this checkpoint's FID, when it beats the ``best`` pointer's (see :func:`is_better`):
+    ``best`` then names it, written after ``latest``. Rotation keeps the newest ``keep_last``
+    files, every file whose step is a multiple of ``keep_every_steps`` (when > 0), for later
+    evaluation, and the file ``best`` names.
     """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / checkpoint_name(step)
     save_checkpoint_file(state, path)
     atomic_write_bytes(ckpt_dir / LATEST, (path.name + "\n").encode())
+    if best is not None and is_better(ckpt_dir, best):
+        atomic_write_bytes(ckpt_dir / BEST, f"{path.name}\n{best!r}\n".encode())
     for stale in ckpt_dir.glob(".step_*.pt.tmp"):  # left by a process killed mid-write
         unlink_quietly(stale)
     existing = list_checkpoints(ckpt_dir)
     newest = {p for _, p in existing[-keep_last:]}
+    kept_best = read_best(ckpt_dir)
     for s, p in existing:
         keep = p in newest or (keep_every_steps > 0 and s % keep_every_steps == 0)
-        if not keep:
+        if not keep and not (kept_best is not None and p.name == kept_best[0]):
             p.unlink(missing_ok=True)
     return path
+
+
+def read_best(ckpt_dir: Path) -> tuple[str, float] | None:
+    """(file name, FID) of the ``best`` pointer of ``ckpt_dir``; None when there is none, it is not
+    readable, or it names no checkpoint of this folder. Never raises."""
+    try:
+        lines = (Path(ckpt_dir) / BEST).read_bytes()[:1024].decode("utf-8").split()
+        name, score = lines[0], float(lines[1])
+    except (OSError, UnicodeDecodeError, IndexError, ValueError):
+        return None
+    if not _NAME.match(name) or not (Path(ckpt_dir) / name).is_file():
+        return None
+    return name, score
+
+
+def is_better(ckpt_dir: Path, score: float) -> bool:
+    """Whether FID ``score`` is finite and lower than the ``best`` pointer's (or there is none)."""
+    if not score == score or score in (float("inf"), float("-inf")):  # NaN or infinite
+        return False
+    current = read_best(ckpt_dir)
+    return current is None or score < current[1]
 
 
 def save_checkpoint_file(state: dict, path: Path) -> None:
@@ -142,7 +175,8 @@ def check_finite(state: dict) -> None:
 
 
 def save_or_report(
-    state: dict, ckpt_dir: Path, step: int, keep_last: int, keep_every_steps: int, on_write_error: str
+    state: dict, ckpt_dir: Path, step: int, keep_last: int, keep_every_steps: int, on_write_error: str,
+    best: float | None = None,
 ) -> Path | None:
     """:func:`save_checkpoint`, turning an OS error into a report naming the path and the error.
 
@@ -151,7 +185,7 @@ def save_or_report(
     way the partial temporary file is gone and the previous checkpoint is untouched.
     """
     try:
-        return save_checkpoint(state, ckpt_dir, step, keep_last, keep_every_steps)
+        return save_checkpoint(state, ckpt_dir, step, keep_last, keep_every_steps, best)
     except OSError as e:
         where = e.filename or ckpt_dir / checkpoint_name(step)
         reason = errno.errorcode.get(e.errno, "") if e.errno else ""
@@ -181,8 +215,14 @@ def find_checkpoint(path: str | Path) -> Path:
     holds the name of one of this folder's own checkpoints (``step_NNNNNNNN.pt``): a path, a
     ``..``, another run's checkpoint, bytes that are not UTF-8 or an over-long name are
     ignored with a warning, and the newest checkpoint of the folder is used instead.
+
+    ``RUN/best`` or ``RUN:best`` (RUN a run directory or its ``checkpoints/`` folder) is the
+    checkpoint the ``best`` pointer names, the one with the lowest FID.
     """
     path = Path(path)
+    best = _best_reference(path)
+    if best is not None:
+        return best
     if path.is_file():
         return path
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -199,6 +239,24 @@ def find_checkpoint(path: str | Path) -> Path:
     if not found:
         raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
     return found[-1][1]
+
+
+def _best_reference(path: Path) -> Path | None:
+    """The checkpoint ``RUN/best`` or ``RUN:best`` names; None when ``path`` is neither form.
+    Raises FileNotFoundError when the run has no best checkpoint."""
+    text = str(path)
+    if text.endswith(":best") and not path.exists():
+        run = Path(text[: -len(":best")])
+    elif path.name == BEST and not path.is_dir():  # RUN/best, or the pointer file RUN/checkpoints/best
+        run = path.parent
+    else:
+        return None
+    ckpt_dir = run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    found = read_best(ckpt_dir)
+    if found is None:
+        raise FileNotFoundError(f"no best checkpoint in {ckpt_dir}: the run has no {BEST} pointer to one of its "
+                                "checkpoints (it is written when evaluation.fid_every_steps measures a new lowest FID)")
+    return ckpt_dir / found[0]
 
 
 class _Pointer:

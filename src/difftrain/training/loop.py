@@ -18,6 +18,7 @@ from difftrain.data.prepare import prepare_training_data
 from difftrain.diffusion.objective import build_objective
 from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
+from difftrain.evaluation.sample_check import SampleCheck, plan_groups
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
 from difftrain.runtime.files import cache_dir_error
@@ -33,6 +34,7 @@ from difftrain.training.state import RunState, effective_batch, peak_lr, resume_
 from difftrain.training.step import CapturedStep, StepMetrics, train_step
 from difftrain.training.trackers import Trackers, build_trackers
 from difftrain.training.validation import ValidationScores, save_grids, validation_grids, validation_plan
+from difftrain.training.warnings import RunWarnings, WatchedTrackers
 
 
 class TrainingDiverged(RuntimeError):
@@ -68,6 +70,7 @@ def train(
     # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
     # and VAE (text and latent runs), whose latents of the images are cached once.
     data = prepare_training_data(cfg, run_dir)
+    check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
     conditioning = Conditioning.from_config(cfg, data.num_classes, device)
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
     source, resumed_from = resume_source(run_dir, resume), None
@@ -106,13 +109,15 @@ def train(
         device=device, rank=dctx.rank, world_size=dctx.world_size, prefetch_factor=d.prefetch_factor,
         worker_init_fn=leave_process_group,  # a SIGTERM to the group is the main process's to handle
     )
-    trackers = build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)) if is_main else Trackers([])
+    # Rank 0's trackers, watched for the signs of a run going wrong (training/warnings.py).
+    trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)),
+                               RunWarnings.resumed(cfg, run_dir / "metrics.jsonl", state.step)) if is_main else Trackers([])
     heldout = build_heldout(data.heldout, cfg, objective, device, dctx, conditioning)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
     plan = validation_plan(cfg, conditioning, data.train) if cfg.validation.every_steps else None
     scores = ValidationScores(cfg, device)  # CLIP score, Inception Score: no-ops unless configured
     # A no-op unless evaluation.fid_every_steps > 0; a text run's samples take captions of data.train.
-    fid = TrainingFID(cfg, objective, device, dctx, conditioning, data.train)
+    fid = TrainingFID(cfg, objective, device, dctx, conditioning, data.train, check)
     metrics = StepMetrics(device)  # running sums on the device, read at log steps only
     lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
@@ -172,12 +177,16 @@ def train(
                     heldout_metrics = heldout.evaluate(state.model, state.ema.model)
                     if is_main:
                         save_grids(grids, run_dir, step, trackers)
-                        trackers.log(step, {**heldout_metrics, **(scores(images, plan) if scores.enabled else {})})
+                        trackers.log(step, {**heldout_metrics, **(scores(images, plan) if scores.enabled else {}),
+                                            **check(step, images, plan_groups(plan), run_dir, trackers)})
 
-            # Measure FID of the EMA weights.
+            # Measure FID of the EMA weights; a new lowest FID is saved now and becomes checkpoints/best.
+            best_fid = None
             if not stopped_by and fid.due(step):
                 with _Timed(paused, "fid_s"):
-                    trackers.log(step, fid(step, state.ema.model))
+                    fid_metrics = fid(step, state.ema.model)
+                    trackers.log(step, fid_metrics)
+                    best_fid = fid.new_best(fid_metrics, run_dir / "checkpoints")
 
             # Snapshot the post-hoc EMAs, before the checkpoint of the same step: a checkpoint of step
             # N implies every snapshot up to N is on disk. Only at their interval and the last step,
@@ -191,14 +200,14 @@ def train(
 
             # Save: rank 0 writes, every rank gets its outcome (the path, None when
             # on_write_error="continue" let a failure pass, or the error to raise).
-            if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by:
+            if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by or best_fid is not None:
                 c = cfg.checkpoint
                 with _Timed(paused, "checkpoint_s"):
                     snapshot = state.state_dict()
                     snapshot["skipped_steps"] += int(metrics.skipped.item())  # this window's, not yet logged
                     saved_to = distributed.run_on_main(
                         lambda: ckpt.save_or_report(snapshot, run_dir / "checkpoints", step, c.keep_last,
-                                                    c.keep_every_steps, c.on_write_error),
+                                                    c.keep_every_steps, c.on_write_error, best=best_fid),
                         dctx,
                     )
                 last_saved = step if saved_to else last_saved

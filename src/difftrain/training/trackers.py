@@ -75,6 +75,9 @@ class TensorBoardTracker:
         """``image``: (H, W, C) uint8."""
         self._writer.add_image(name, image, step, dataformats="HWC")
 
+    def log_text(self, step: int, name: str, text: str) -> None:
+        self._writer.add_text(name, text, step)
+
     def close(self) -> None:
         self._writer.close()
 
