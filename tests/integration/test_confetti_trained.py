@@ -2,8 +2,11 @@
 
 Trains the tiny UNet on builtin:shapes with epsilon prediction on the linear schedule for 400
 steps (about 40 s on 2 quiet cores), then samples 200 images per deterministic sampler at 25 steps.
-Before the samplers kept their noise estimate the network's own (samplers._predict_clipped),
-about 20% of this model's DDIM samples were saturated pixel noise.
+A sample counts as confetti (saturated pixel noise) when its Laplacian energy is above three times
+the 99th percentile of the real shapes: the real shapes are flat, and a model this short-trained
+is grainier than they are with every sampler (DDPM ancestral too), which the plain percentile
+would count. Measured on such a model: 15-17.5% with the old samplers (DDIM, DPM-Solver++ 2M and
+3M, Heun), which re-derived the noise from the clamped x0; 0% with samplers._predict_clipped.
 """
 
 import numpy as np
@@ -28,7 +31,7 @@ def test_a_trained_epsilon_models_deterministic_samples_are_not_confetti(tmp_pat
           diffusion__loss_weighting="uniform", checkpoint__every_steps=400)
     loaded = load_model(tmp_path / "run", device="cpu")
     real = ShapesDataset(resolution=16)
-    threshold = confetti_threshold(torch.stack([real[i][0] for i in range(1000)]))
+    threshold = 3 * confetti_threshold(torch.stack([real[i][0] for i in range(1000)]))
     noise = initial_noise(200, (3, 16, 16), 0)
     for sampler in ("ddim", "dpmpp_2m", "dpmpp_3m", "heun"):
         with torch.no_grad():
