@@ -11,13 +11,15 @@ Each call does what the command of the same name does, with the same checks and 
 from __future__ import annotations
 
 import copy
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from difftrain.config import Config, ConfigError, _apply, check_environment, config_from_dict, load_config, validate
+from difftrain.config import (Config, ConfigError, _apply, _follow_objective, check_environment, config_from_dict, load_config,
+                              validate)
 
 
 def make_config(config_or_path: Config | str | Path | dict | None = None, **overrides: Any) -> Config:
@@ -42,6 +44,13 @@ def make_config(config_or_path: Config | str | Path | dict | None = None, **over
             raise ConfigError(f"override {name!r} must look like section__key=value (e.g. train__total_steps=10)")
         nested.setdefault(section, {})[key] = value
     _apply(cfg, nested, "the keyword overrides")
+    if "objective" in nested.get("diffusion", {}) and not isinstance(config_or_path, (Config, dict)):
+        # As with --set: samplers that neither the preset nor an override names follow the objective.
+        named = {f"{section}.{key}" for section, values in nested.items() for key in values}
+        if config_or_path is not None:
+            named |= {f"{section}.{key}" for section, values in
+                      tomllib.loads(Path(config_or_path).read_text(encoding="utf-8")).items() for key in values}
+        _follow_objective(cfg, named)
     validate(cfg)
     return cfg
 

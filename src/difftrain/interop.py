@@ -137,9 +137,9 @@ def scheduler_config(diffusion) -> dict:
     SNR by diffusers when ``diffusion.zero_terminal_snr``), prediction, x0 clipped to [-1, 1], the
     trailing timestep grid, and the posterior variance of ``ddpm_sample``.
 
-    DDIM matches difftrain's DDIM when the step count divides T (diffusers steps by T // steps),
-    with the pipeline's default ``use_clipped_model_output=False`` (both keep the network's own
-    noise estimate when x0 is clipped).
+    DDIM matches difftrain's DDIM when the step count divides T (diffusers steps by T // steps)
+    and the pipeline is called with ``use_clipped_model_output=True`` (difftrain derives the
+    noise estimate from the clipped x0).
     """
     if diffusion.objective != "ddpm":
         raise ValueError(f"export to diffusers supports ddpm-family models (diffusion.objective = 'ddpm'); "
@@ -180,7 +180,7 @@ x = torch.randn(len(labels), unet.config.in_channels, size, size, generator=torc
 with torch.no_grad():
     for t in scheduler.timesteps:
         out = unet(x, t, class_labels=labels).sample
-        x = scheduler.step(out, t, x).prev_sample
+        x = scheduler.step(out, t, x, use_clipped_model_output=True).prev_sample
 images = (x / 2 + 0.5).clamp(0, 1)  # (N, C, H, W) in [0, 1]
 '''
 

@@ -93,3 +93,19 @@ def test_train_from_an_exported_diffusers_folder_resumes_exactly(tmp_path, capsy
         "train.total_steps=1", "train.seed=7", f"model.init_from={tmp_path / 'w.safetensors'}"))
     after = load_checkpoint(first.checkpoint)["model"]
     assert 0 < (after["conv_in.weight"] - start["conv_in.weight"]).abs().max() < 2e-3
+
+
+def test_switching_the_objective_in_python_takes_one_keyword():
+    """As with --set: samplers that neither the preset nor a keyword names follow the objective."""
+    from pathlib import Path
+
+    from difftrain.api import make_config
+
+    preset = Path(__file__).parents[2] / "configs" / "tiny.toml"
+    cfg = make_config(preset, diffusion__objective="edm")
+    assert (cfg.validation.sampler, cfg.evaluation.fid_sampler) == ("heun", "heun")
+    assert make_config(None, diffusion__objective="flow").validation.sampler == "heun"
+    kept = make_config(preset, diffusion__objective="edm", validation__sampler="euler")
+    assert (kept.validation.sampler, kept.evaluation.fid_sampler) == ("euler", "heun")
+    with pytest.raises(ConfigError, match="validation.sampler='ddim'"):
+        make_config(preset, diffusion__objective="edm", validation__sampler="ddim")

@@ -52,8 +52,8 @@ def test_reference_statistics_record_the_threshold_of_their_images():
 
 
 def test_first_order_dpm_solver_with_clipping_is_ddim_with_clipping():
-    """Both keep the network's own noise estimate when x0 is clamped: the clamped-away part of x0
-    must not reach the next state through the data-prediction form either."""
+    """Clamping inside the sampler is one convention for both forms: first-order DPM-Solver++ (data
+    prediction) is DDIM, with x0 clamped alike."""
     alpha_bar = alpha_bar_schedule("linear", 1000)
 
     def eps_model(x, t):  # a poor epsilon network: x0 = (x - sqrt(1 - ab) eps) / sqrt(ab) leaves [-1, 1]

@@ -83,7 +83,7 @@ def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, prediction, 
     if sampler == "ddim":  # deterministic: the same seed gives the images of `difftrain sample`
         pipe = diffusers.DDIMPipeline.from_pretrained(folder)
         theirs = pipe(batch_size=n, generator=pipeline_generator(seed), num_inference_steps=steps,
-                      output_type="np").images
+                      use_clipped_model_output=True, output_type="np").images
         ours = generate(loaded, n, sampler="ddim", steps=steps, seed=seed)
     else:  # the pipeline draws x_T and then each step's noise from one generator
         pipe = diffusers.DDPMPipeline.from_pretrained(folder)
@@ -157,7 +157,7 @@ def test_zero_terminal_snr_exports_a_scheduler_that_samples_what_difftrain_sampl
     assert scheduler.alphas_cumprod[-1].item() == 0.0 and loaded.objective.alpha_bar[-1].item() == 0.0
     torch.testing.assert_close(scheduler.alphas_cumprod, loaded.objective.alpha_bar.float(), rtol=1e-4, atol=1e-6)
     pipe = diffusers.DDIMPipeline.from_pretrained(export(tmp_path, tmp_path / "pipe"))
-    theirs = pipe(batch_size=2, generator=pipeline_generator(3), num_inference_steps=5,
+    theirs = pipe(batch_size=2, generator=pipeline_generator(3), num_inference_steps=5, use_clipped_model_output=True,
                   output_type="np").images
     ours = ((generate(loaded, 2, sampler="ddim", steps=5, seed=3) + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).numpy()
     assert abs(ours - theirs).max() < 1e-4

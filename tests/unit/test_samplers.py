@@ -325,8 +325,8 @@ def test_ddim_matches_diffusers(spacing, prediction, eta, clip):
     # Conventions that make the two agree: set_alpha_to_one=True is our "last step returns x0_hat";
     # diffusers steps from t to t - T // steps, which is the next grid point only for "leading"
     # and for "trailing" with steps dividing T, so "linspace" is not compared here. With clip, the
-    # toy model's x0 leaves [-1, 1] at high noise; diffusers clamps it and keeps the model's own
-    # noise in the direction term (use_clipped_model_output=False), as ours does.
+    # toy model's x0 leaves [-1, 1] at high noise; both clamp it and form the noise from the
+    # clamped x0 (diffusers: use_clipped_model_output=True).
     diffusers = pytest.importorskip("diffusers")
     num_timesteps, steps = 1000, 50
     scheduler = diffusers.DDIMScheduler(
@@ -355,7 +355,8 @@ def test_ddim_matches_diffusers(spacing, prediction, eta, clip):
             last = i == steps - 1
             variance_noise = torch.zeros(SHAPE) if last else torch.randn(SHAPE, generator=generator)
         model_out = toy_model(x, t.expand(SHAPE[0]))
-        x = scheduler.step(model_out, t, x, eta=eta, variance_noise=variance_noise).prev_sample
+        x = scheduler.step(model_out, t, x, eta=eta, variance_noise=variance_noise,
+                           use_clipped_model_output=clip).prev_sample
 
     denoiser = make_x0_denoiser(toy_model, alpha_bar, prediction, clip=False)
     ours = ddim_sample(denoiser, x_T, timesteps, alpha_bar, torch.Generator().manual_seed(5), eta=eta, clip=clip)

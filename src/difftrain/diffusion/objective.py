@@ -150,7 +150,7 @@ class DDPMObjective:
         (Lin et al. 2024), except for "heun", which walks the timesteps nearest EDM's sigma grid
         capped at sigma_max (the trailing grid starts at sigma ~ 2e4 on the cosine schedule).
         ``clip``: clamp each x0 estimate to [-1, 1] (pixels; latents are not bounded so), inside the
-        sampler, which keeps its noise estimate the network's own (``samplers._predict_clipped``)."""
+        sampler (``samplers._predict_clipped``)."""
         if sampler not in self.samplers:
             raise ValueError(f"sampler must be one of {', '.join(self.samplers)} for ddpm models, got {sampler!r}")
         if sampler == "heun":
