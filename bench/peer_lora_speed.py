@@ -7,8 +7,8 @@ one core each; steps per second from each one's own log.
 
 Writes into ``--work``: ``sd/`` (the tiny random Stable Diffusion folder the tests use,
 tests/text_components.py), ``data/`` (``--images`` built-in shapes at ``--resolution`` px with a
-``metadata.jsonl`` of their captions), then runs diffusers' script pinned to core 0 and
-``difftrain train`` pinned to core 1 (``taskset``, one thread each), and prints both commands and
+``metadata.jsonl`` of their captions), then runs diffusers' script pinned to one core and
+``difftrain train`` to the other (``taskset``, one thread each), and prints both commands and
 the steady-state steps per second (steps ``--skip`` to the last, from each log's own
 timestamps: the peer's progress bar's elapsed time, difftrain's metrics.jsonl).
 
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,21 +56,25 @@ def write_inputs(work: Path, images: int, resolution: int) -> tuple[Path, Path]:
     return sd, data
 
 
-def peer_rate(log: str, skip: int) -> tuple[float, int]:
-    """(steps / s from step ``skip`` to the last, that last step) from tqdm's ``n/N [mm:ss<`` updates."""
-    seen = {}
-    for n, mm, ss in re.findall(r"(\d+)/\d+ \[(\d+):(\d+)<", log):
-        seen[int(n)] = 60 * int(mm) + int(ss)
-    last = max(seen)
-    return (last - skip) / (seen[last] - seen[skip]), last
+def rate(times: dict[int, float], skip: int) -> tuple[float, int, int]:
+    """(steps / s, first, last step) between the first logged step >= ``skip`` and the last."""
+    first, last = min(s for s in times if s >= skip), max(times)
+    return (last - first) / (times[last] - times[first]), first, last
 
 
-def difftrain_rate(run_dir: Path, skip: int) -> tuple[float, int]:
-    """(steps / s from step ``skip`` to the last, that last step) from metrics.jsonl's timestamps."""
+def peer_times(log: str) -> dict[int, float]:
+    """Step -> elapsed seconds (whole seconds), from the peer's ``Steps:`` progress bar (tqdm's
+    ``n/N [mm:ss<`` updates; the first update of each step)."""
+    times: dict[int, float] = {}
+    for n, mm, ss in re.findall(r"Steps:[^|]*\|[^|]*\| *(\d+)/\d+ \[(\d+):(\d+)<", log):
+        times.setdefault(int(n), 60 * int(mm) + int(ss))
+    return times
+
+
+def difftrain_times(run_dir: Path) -> dict[int, float]:
+    """Step -> time, from difftrain's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = {r["step"]: r["time"] for r in rows if "time" in r}
-    last = max(times)
-    return (last - skip) / (times[last] - times[skip]), last
+    return {r["step"]: r["time"] for r in rows if "time" in r}
 
 
 def main() -> int:
@@ -84,17 +89,19 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=20, help="steps left out of the rate (start-up, first steps)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--cores", default="0,1", help="the peer's core and difftrain's (swap them for a second run)")
     args = p.parse_args()
     work = Path(args.work)
     sd, data = write_inputs(work, args.images, args.resolution)
     peer_out, run_dir = work / "peer-out", work / "difftrain-run"
-    peer = ["taskset", "-c", "0", args.peer_python, args.peer_script, "--pretrained_model_name_or_path", str(sd),
+    peer_core, our_core = args.cores.split(",")
+    peer = ["taskset", "-c", peer_core, args.peer_python, args.peer_script, "--pretrained_model_name_or_path", str(sd),
             "--train_data_dir", str(data), "--caption_column", "text", "--resolution", str(args.resolution),
             "--random_flip", "--train_batch_size", str(args.batch), "--max_train_steps", str(args.steps),
             "--learning_rate", str(args.lr), "--lr_scheduler", "constant", "--lr_warmup_steps", "0",
             "--rank", str(args.rank), "--output_dir", str(peer_out), "--seed", "0",
             "--dataloader_num_workers", "0", "--checkpointing_steps", "100000"]
-    ours = ["taskset", "-c", "1", sys.executable, "-m", "difftrain", "train", "--run-dir", str(run_dir)]
+    ours = ["taskset", "-c", our_core, sys.executable, "-m", "difftrain", "train", "--run-dir", str(run_dir)]
     for o in [f"data.path={data}", "data.captions=true", f"data.resolution={args.resolution}", "data.random_flip=true",
               "data.num_workers=0", f"model.init_from={sd}", f"model.text_encoder={sd}", f"model.vae={sd}",
               f"lora.rank={args.rank}", f"optim.lr={args.lr}", "optim.lr_schedule=constant", "optim.warmup_steps=0",
@@ -107,8 +114,6 @@ def main() -> int:
                PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     for cmd in (peer, ours):
         print("$ OMP_NUM_THREADS=1 " + " ".join(cmd))
-    import shutil
-
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(peer_out, ignore_errors=True)
     with open(work / "peer.log", "w") as peer_log, open(work / "difftrain.log", "w") as our_log:
@@ -118,12 +123,12 @@ def main() -> int:
     if any(codes):
         print(f"exit codes: peer {codes[0]}, difftrain {codes[1]}; logs in {work}", file=sys.stderr)
         return 1
-    peer_sps, peer_last = peer_rate((work / "peer.log").read_text(), args.skip)
-    ours_sps, ours_last = difftrain_rate(run_dir, args.skip)
-    print(f"\n| program | steps / s (steps {args.skip}-{peer_last}) |\n|---|---:|")
-    print(f"| diffusers train_text_to_image_lora.py, core 0 | {peer_sps:.2f} |")
-    print(f"| difftrain train, lora.rank={args.rank}, core 1 | {ours_sps:.2f} |")
-    print(f"difftrain / diffusers: {ours_sps / peer_sps:.2f}x (difftrain's last step {ours_last})")
+    peer_sps, p0, p1 = rate(peer_times((work / "peer.log").read_text()), args.skip)
+    ours_sps, o0, o1 = rate(difftrain_times(run_dir), args.skip)
+    print("\n| program | steps timed | steps / s |\n|---|---|---:|")
+    print(f"| diffusers train_text_to_image_lora.py, core {peer_core} | {p0}-{p1} | {peer_sps:.2f} |")
+    print(f"| difftrain train, lora.rank={args.rank}, core {our_core} | {o0}-{o1} | {ours_sps:.2f} |")
+    print(f"difftrain / diffusers: {ours_sps / peer_sps:.2f}x")
     return 0
 
 
