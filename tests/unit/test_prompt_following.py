@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from difftrain.data.builtin import COLOUR_NAMES, SHAPE_CLASSES, describe_shape, draw_shape, shape_caption
+from difftrain.data.builtin import COLOUR_NAMES, SHAPE_CLASSES, describe_shape, draw_ring, draw_shape, shape_caption
 from difftrain.evaluation.prompt_following import judge_image, parse_prompt, prompt_following
 
 
@@ -65,3 +65,14 @@ def test_prompts_are_parsed_and_checked():
     with pytest.raises(ValueError, match="uint8"):
         prompt_following(images.astype(np.float32), prompts)
     assert set(SHAPE_CLASSES) == {"disc", "square", "triangle"}
+
+
+def test_the_judge_knows_a_ring_and_sees_none_in_the_data(resolution=16):  # the demo's size
+    rings = [draw_ring(i, resolution) for i in range(200)]
+    assert np.mean([judge_image(r)[0] == "ring" for r in rings]) >= 0.97
+    red = np.stack([draw_ring(i, resolution, hue_deg=(-10, 10), dark=True) for i in range(100)])
+    r = prompt_following(red, ["a red ring on a dark background"] * 100)
+    assert r["both_accuracy"] >= 0.97, r
+    images, _ = ground_truth(300, resolution)  # no disc, square or triangle is taken for a ring
+    assert not any(judge_image(image)[0] == "ring" for image in images)
+    assert parse_prompt("a sks ring, pink") == ("ring", "pink")

@@ -9,8 +9,9 @@ A classical judge, no network: an image of one shape on a plain background (the 
 - colour: ``colour_name`` (the function the captions use) of the median colour of the
   foreground's core, the pixels furthest from the background (antialiased edges are blends with
   the background, which would pull a mean toward gray);
-- shape: from how much of its bounding box the region fills: a square fills all of it, a disc
-  pi/4 (0.785), a triangle half.
+- shape: a ring (``NEW_SHAPES``, never in the data; taught by fine-tuning) when the middle of
+  the region's bounding box is background (its hole); else from how much of its bounding box
+  the region fills: a square fills all of it, a disc pi/4 (0.785), a triangle half.
 
 ``prompt_following`` scores a batch of images against their prompts and reports the chance
 levels beside the accuracies, so a score can be read against guessing.
@@ -23,11 +24,13 @@ import re
 
 import numpy as np
 
-from difftrain.data.builtin import COLOUR_NAMES, SHAPE_CLASSES, colour_name
+from difftrain.data.builtin import COLOUR_NAMES, NEW_SHAPES, SHAPE_CLASSES, colour_name
 
 _MIN_CONTRAST = 24  # foreground pixels differ from the background by more than this, in 8-bit levels
 _SQUARE_FILL = 0.89  # fill ratio above which a region is a square (a disc fills 0.785)
 _DISC_FILL = 0.64  # ... and above which a disc (a triangle fills 0.5)
+_HOLE = 0.16  # the middle of the bounding box this wide (a fraction of it) is looked at for a ring's hole
+JUDGED_SHAPES = SHAPE_CLASSES + NEW_SHAPES  # what judge_image can answer and a prompt can name
 
 
 def _largest_region(mask: np.ndarray) -> np.ndarray:
@@ -55,7 +58,7 @@ def _largest_region(mask: np.ndarray) -> np.ndarray:
 
 def judge_image(image: np.ndarray) -> tuple[str | None, str | None]:
     """(shape, colour) an RGB uint8 image (H, W, 3) of one shape on a plain background shows:
-    a name of ``SHAPE_CLASSES`` and one of ``COLOUR_NAMES``, or (None, None) when nothing stands
+    a name of ``JUDGED_SHAPES`` and one of ``COLOUR_NAMES``, or (None, None) when nothing stands
     out from the background."""
     a = np.asarray(image)
     if a.ndim != 3 or a.shape[2] != 3 or a.shape[0] < 4 or a.shape[1] < 4:
@@ -72,21 +75,31 @@ def judge_image(image: np.ndarray) -> tuple[str | None, str | None]:
     colour = colour_name(np.median(a[core if core.any() else mask], axis=0))
 
     ys, xs = np.nonzero(mask)
-    box = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
+    (y0, y1), (x0, x1) = (ys.min(), ys.max()), (xs.min(), xs.max())
+    box = (y1 - y0 + 1) * (x1 - x0 + 1)
     fill = len(ys) / box
+    middle = mask[_middle(y0, y1), _middle(x0, x1)]  # a disc, square or triangle covers it; a ring's hole does not
+    if middle.mean() < 0.5:
+        return "ring", colour
     shape = "square" if fill >= _SQUARE_FILL else "disc" if fill >= _DISC_FILL else "triangle"
     return shape, colour
 
 
+def _middle(lo: int, hi: int) -> slice:
+    """The pixels within ``_HOLE / 2`` of the span's centre (at least one)."""
+    centre, half = (lo + hi) / 2, _HOLE / 2 * (hi - lo + 1)
+    return slice(round(centre - half), max(round(centre + half), round(centre - half)) + 1)
+
+
 def parse_prompt(prompt: str) -> tuple[str, str]:
-    """(shape, colour) a prompt names: its first word of ``SHAPE_CLASSES`` and of ``COLOUR_NAMES``.
+    """(shape, colour) a prompt names: its first word of ``JUDGED_SHAPES`` and of ``COLOUR_NAMES``.
     Raises ValueError quoting the prompt when it names either none."""
     words = re.findall(r"[a-z]+", prompt.lower())
-    shape = next((w for w in words if w in SHAPE_CLASSES), None)
+    shape = next((w for w in words if w in JUDGED_SHAPES), None)
     colour = next((w for w in words if w in COLOUR_NAMES), None)
     if shape is None or colour is None:
         missing = "shape" if shape is None else "colour"
-        names = SHAPE_CLASSES if shape is None else COLOUR_NAMES
+        names = JUDGED_SHAPES if shape is None else COLOUR_NAMES
         raise ValueError(f"prompt {prompt!r} names no {missing} (one of {', '.join(names)})")
     return shape, colour
 
