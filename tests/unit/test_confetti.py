@@ -52,17 +52,18 @@ def test_reference_statistics_record_the_threshold_of_their_images():
 
 
 def test_first_order_dpm_solver_with_clipping_is_ddim_with_clipping():
-    """Clamping inside the sampler is one convention for both forms: first-order DPM-Solver++ (data
-    prediction) is DDIM, with x0 clamped alike."""
+    """One clipping convention for both forms: first-order DPM-Solver++ (data prediction) is DDIM,
+    with the denoiser's x0 clamped alike."""
     alpha_bar = alpha_bar_schedule("linear", 1000)
 
     def eps_model(x, t):  # a poor epsilon network: x0 = (x - sqrt(1 - ab) eps) / sqrt(ab) leaves [-1, 1]
         return 0.9 * torch.tanh(x) + 0.05 * torch.sin(3 * x)
 
-    denoiser = make_x0_denoiser(eps_model, alpha_bar, "epsilon", clip=False)
+    clipped = make_x0_denoiser(eps_model, alpha_bar, "epsilon", clip=True)
     x_T = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     timesteps = sampling_timesteps(1000, 20)
-    ddim = ddim_sample(denoiser, x_T, timesteps, alpha_bar, clip=True)
-    dpm1 = _dpmpp_multistep(denoiser, x_T, timesteps, alpha_bar, 1, False, clip=True)
+    ddim = ddim_sample(clipped, x_T, timesteps, alpha_bar)
+    dpm1 = _dpmpp_multistep(clipped, x_T, timesteps, alpha_bar, 1, False)
     torch.testing.assert_close(dpm1, ddim, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(ddim, ddim_sample(denoiser, x_T, timesteps, alpha_bar, clip=False), atol=1e-2)
+    unclipped = make_x0_denoiser(eps_model, alpha_bar, "epsilon", clip=False)
+    assert not torch.allclose(ddim, ddim_sample(unclipped, x_T, timesteps, alpha_bar), atol=1e-2)

@@ -358,8 +358,8 @@ def test_ddim_matches_diffusers(spacing, prediction, eta, clip):
         x = scheduler.step(model_out, t, x, eta=eta, variance_noise=variance_noise,
                            use_clipped_model_output=clip).prev_sample
 
-    denoiser = make_x0_denoiser(toy_model, alpha_bar, prediction, clip=False)
-    ours = ddim_sample(denoiser, x_T, timesteps, alpha_bar, torch.Generator().manual_seed(5), eta=eta, clip=clip)
+    denoiser = make_x0_denoiser(toy_model, alpha_bar, prediction, clip=clip)
+    ours = ddim_sample(denoiser, x_T, timesteps, alpha_bar, torch.Generator().manual_seed(5), eta=eta)
     torch.testing.assert_close(ours, x, rtol=1e-4, atol=1e-4)
 
 

@@ -149,8 +149,7 @@ class DDPMObjective:
         """x_0 (B, C, H, W) float32 from x_T by ``sampler`` over ``steps`` timesteps: trailing ones
         (Lin et al. 2024), except for "heun", which walks the timesteps nearest EDM's sigma grid
         capped at sigma_max (the trailing grid starts at sigma ~ 2e4 on the cosine schedule).
-        ``clip``: clamp each x0 estimate to [-1, 1] (pixels; latents are not bounded so), inside the
-        sampler (``samplers._predict_clipped``)."""
+        ``clip``: clamp each x0 estimate to [-1, 1] (pixels; latents are not bounded so)."""
         if sampler not in self.samplers:
             raise ValueError(f"sampler must be one of {', '.join(self.samplers)} for ddpm models, got {sampler!r}")
         if sampler == "heun":
@@ -159,8 +158,7 @@ class DDPMObjective:
             timesteps = sampling_timesteps(self.num_timesteps, steps)
         timesteps = timesteps.to(x_T.device)
         alpha_bar = self.alpha_bar.to(x_T.device)
-        return self.samplers[sampler](self.denoiser(network, alpha_bar, clip=False), x_T, timesteps, alpha_bar, generator,
-                                      clip=clip, **options)
+        return self.samplers[sampler](self.denoiser(network, alpha_bar, clip), x_T, timesteps, alpha_bar, generator, **options)
 
 
 def build_objective(diffusion) -> Objective:

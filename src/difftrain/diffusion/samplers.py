@@ -13,9 +13,7 @@ coefficients are formed in float64 and the last step returns the denoiser's x0_h
 Noise comes from torch.randn(..., generator=generator, device=x.device) (so the generator must
 live on x_T's device) and a seeded generator reproduces a sample exactly. ``generator`` may also
 be a sequence of B generators, one per row: row i's noise then comes from generator[i] alone, so
-a sample does not depend on which other samples share its batch. Every sampler takes
-``clip=True`` to clamp each x0_hat to the data range [-1, 1] itself (give it an unclamped
-denoiser; ``_predict_clipped`` says why the state is not moved). Call samplers under
+a sample does not depend on which other samples share its batch. Call samplers under
 torch.no_grad() unless gradients are wanted.
 """
 
@@ -140,25 +138,6 @@ def _predict_x0(denoiser: Denoiser, x: Tensor, t: int) -> Tensor:
     return x0_hat.to(torch.float32)
 
 
-def _predict_clipped(denoiser: Denoiser, x: Tensor, t: int, alpha_bar_t: float, clip: bool) -> tuple[Tensor, Tensor]:
-    """(x0_hat, x) at timestep t for the deterministic samplers, both (B, C, H, W) float32: with
-    ``clip``, x0_hat clamped to [-1, 1]; x as it was. The sampler then derives its noise estimate
-    from the clamped x0_hat, (x - sqrt(alpha_bar_t) x0_hat) / sqrt(1 - alpha_bar_t) (diffusers'
-    DDIM with ``use_clipped_model_output=True``).
-
-    Measured alternative, not taken (docs/quality.md): moving x by what the clamp removed, so the
-    noise estimate stays the network's own (diffusers' default), took an unguided epsilon model's
-    "confetti" from 25% to 0.5% of DDIM-50 samples, but its FID-1k went from 88.2 to 97.8 (every
-    sample grainy), DDIM-100 still had 19.5%, and a guided text model's prompt following fell from
-    65% to 45% (shape) and 48% to 16% (colour). The confetti comes from training epsilon models
-    (their x0 at high noise is error amplified up to 156x); the objectives that learn x0 there (v
-    with min-SNR, EDM, flow) have none with this sampler. ``alpha_bar_t`` is kept for that reason:
-    the one line that would move x.
-    """
-    x0_hat = _predict_x0(denoiser, x, t)
-    return (x0_hat.clamp(-1.0, 1.0) if clip else x0_hat), x
-
-
 def _noise_like(x: Tensor, generator: Generators) -> Tensor:
     """Standard normal noise shaped like x (B, ...) float32, drawn from ``generator``, or row i
     from ``generator[i]`` when it is a sequence of B generators."""
@@ -177,8 +156,6 @@ def ddpm_sample(
     timesteps: Tensor,
     alpha_bar: Tensor,
     generator: Generators = None,
-    *,
-    clip: bool = False,
 ) -> Tensor:
     """Ancestral sampling (DDPM, Ho et al. 2020, alg. 2) with the posterior variance beta-tilde.
 
@@ -188,16 +165,13 @@ def ddpm_sample(
                + sqrt(1 - beta) (1 - alpha_bar_s) / (1 - alpha_bar_t) x_t
         var  = beta (1 - alpha_bar_s) / (1 - alpha_bar_t)
     so any descending subsequence of [0, T) works. After the last timestep alpha_bar_s = 1, the
-    mean is x0_hat and the variance 0: the last step returns x0_hat. ``clip`` clamps x0_hat to
-    [-1, 1] in the posterior; x_t stays as it is (the posterior of the clamped x0, as in DDPM's code).
+    mean is x0_hat and the variance 0: the last step returns x0_hat.
 
     Shapes as in the module docstring; returns x_0, (B, C, H, W) float32.
     """
     x, steps, alpha_bars = _prepare(x_T, timesteps, alpha_bar)
     for i, t in enumerate(steps):
         x0_hat = _predict_x0(denoiser, x, t)
-        if clip:
-            x0_hat = x0_hat.clamp(-1.0, 1.0)
         if i == len(steps) - 1:
             return x0_hat
         ab_t, ab_s = alpha_bars[i], alpha_bars[i + 1]
@@ -217,7 +191,6 @@ def ddim_sample(
     generator: Generators = None,
     *,
     eta: float = 0.0,
-    clip: bool = False,
 ) -> Tensor:
     """DDIM (Song et al. 2021, eq. 12): from t to the next kept timestep s < t,
 
@@ -226,15 +199,19 @@ def ddim_sample(
         x_s     = sqrt(alpha_bar_s) x0_hat + sqrt(1 - alpha_bar_s - sigma^2) eps_hat + sigma z
 
     eta = 0 is deterministic (no noise is drawn); eta = 1 is DDPM ancestral sampling. The last
-    step returns x0_hat (alpha_bar_s = 1). ``clip`` clamps x0_hat to [-1, 1] before eps_hat is
-    formed from it (``_predict_clipped``). Shapes as in the module docstring; returns x_0,
+    step returns x0_hat (alpha_bar_s = 1). Shapes as in the module docstring; returns x_0,
     (B, C, H, W) float32.
+
+    eps_hat comes from the denoiser's x0_hat, clamped when the denoiser clamps (diffusers' DDIM with
+    ``use_clipped_model_output=True``). Keeping the network's own noise instead (diffusers' default)
+    was measured and not taken (docs/quality.md): it removed an epsilon model's "confetti" at 25-50
+    steps but cost FID (88.2 -> 97.8) and guided prompt following (shape 65% -> 45%).
     """
     if not 0.0 <= eta <= 1.0:
         raise ValueError(f"ddim eta must be in [0, 1], got {eta}")
     x, steps, alpha_bars = _prepare(x_T, timesteps, alpha_bar)
     for i, t in enumerate(steps):
-        x0_hat, x = _predict_clipped(denoiser, x, t, alpha_bars[i], clip)
+        x0_hat = _predict_x0(denoiser, x, t)
         if i == len(steps) - 1:
             return x0_hat
         ab_t, ab_s = alpha_bars[i], alpha_bars[i + 1]
@@ -254,8 +231,7 @@ def _log_snr_half(ab: float) -> float:
 
 
 def _dpmpp_multistep(
-    denoiser: Denoiser, x_T: Tensor, timesteps: Tensor, alpha_bar: Tensor, order: int, lower_order_final: bool,
-    clip: bool = False,
+    denoiser: Denoiser, x_T: Tensor, timesteps: Tensor, alpha_bar: Tensor, order: int, lower_order_final: bool
 ) -> Tensor:
     """DPM-Solver++ multistep of ``order`` 1, 2 or 3 in data prediction (Lu et al. 2022, "DPM-Solver++",
     alg. 2 and its third-order extension; the update formulas of the reference code).
@@ -269,13 +245,12 @@ def _dpmpp_multistep(
     after a step from alpha_bar = 0 (zero terminal SNR, lambda = -inf), which is first order. With
     ``lower_order_final`` and fewer than 15 timesteps the second-to-last update drops to order 2
     (as DPM-Solver++ and diffusers do, for stability at few steps). The last timestep returns x0_hat.
-    ``clip`` clamps each x0_hat to [-1, 1] (``_predict_clipped``).
     """
     x, steps, alpha_bars = _prepare(x_T, timesteps, alpha_bar)
     history: list[Tensor] = []  # x0_hat at the previous timesteps, newest last
     lambdas: list[float] = []
     for i, t in enumerate(steps):
-        x0_hat, x = _predict_clipped(denoiser, x, t, alpha_bars[i], clip)
+        x0_hat = _predict_x0(denoiser, x, t)
         if i == len(steps) - 1:
             return x0_hat
         ab_t, ab_s = alpha_bars[i], alpha_bars[i + 1]
@@ -312,13 +287,12 @@ def dpmpp_2m_sample(
     generator: Generators = None,
     *,
     lower_order_final: bool = True,
-    clip: bool = False,
 ) -> Tensor:
     """DPM-Solver++(2M) (Lu et al. 2022, alg. 2): a second-order multistep solver of the probability
     flow ODE in log-SNR time, one network evaluation per timestep. Deterministic (``generator`` is
     unused). See ``_dpmpp_multistep`` for the update; shapes as in the module docstring.
     """
-    return _dpmpp_multistep(denoiser, x_T, timesteps, alpha_bar, 2, lower_order_final, clip)
+    return _dpmpp_multistep(denoiser, x_T, timesteps, alpha_bar, 2, lower_order_final)
 
 
 def dpmpp_3m_sample(
@@ -329,12 +303,11 @@ def dpmpp_3m_sample(
     generator: Generators = None,
     *,
     lower_order_final: bool = True,
-    clip: bool = False,
 ) -> Tensor:
     """DPM-Solver++(3M): the third-order multistep variant (Lu et al. 2022), one network
     evaluation per timestep. Deterministic. See ``_dpmpp_multistep``; shapes as in the module docstring.
     """
-    return _dpmpp_multistep(denoiser, x_T, timesteps, alpha_bar, 3, lower_order_final, clip)
+    return _dpmpp_multistep(denoiser, x_T, timesteps, alpha_bar, 3, lower_order_final)
 
 
 def heun_sample(
@@ -343,8 +316,6 @@ def heun_sample(
     timesteps: Tensor,
     alpha_bar: Tensor,
     generator: Generators = None,
-    *,
-    clip: bool = False,
 ) -> Tensor:
     """Heun's second-order method on the probability flow ODE as in EDM (Karras et al. 2022, alg. 1,
     deterministic, no churn), on the discrete schedule.
@@ -363,24 +334,23 @@ def heun_sample(
     ``DDPMObjective`` walks it on ``karras_timesteps`` (EDM's sigma grid, capped at sigma_max),
     not on the trailing grid. Two network evaluations per step between timesteps, one at the last
     timestep, whose x0_hat is returned: 2N - 1 in all (2N - 2 when the grid starts at alpha_bar = 0,
-    sigma = inf, whose step is the Euler one alone). ``clip`` clamps each x0_hat to [-1, 1]
-    (``_predict_clipped``). Deterministic
-    (``generator`` is unused); shapes as in the module docstring.
+    sigma = inf, whose step is the Euler one alone). Deterministic (``generator`` is unused); shapes as in the module
+    docstring.
     """
     x, steps, alpha_bars = _prepare(x_T, timesteps, alpha_bar)
-    x0_hat, x = _predict_clipped(denoiser, x, steps[0], alpha_bars[0], clip)
+    x0_hat = _predict_x0(denoiser, x, steps[0])
     for i in range(len(steps) - 1):
         ab_t, ab_s = alpha_bars[i], alpha_bars[i + 1]
         sigma_t = math.sqrt((1.0 - ab_t) / ab_t) if ab_t > 0.0 else math.inf  # inf: zero terminal SNR
         sigma_s = math.sqrt((1.0 - ab_s) / ab_s)
         x_euler = math.sqrt((1.0 - ab_s) / (1.0 - ab_t)) * x + math.sqrt(ab_s) * (1.0 - sigma_s / sigma_t) * x0_hat
-        x0_next, x_euler = _predict_clipped(denoiser, x_euler, steps[i + 1], ab_s, clip)
+        x0_next = _predict_x0(denoiser, x_euler, steps[i + 1])
         if sigma_t == math.inf:  # from sigma = inf the Euler step is DDIM's and there is no trapezoid: keep it
             x, x0_hat = x_euler, x0_next
             continue
         correction = math.sqrt(ab_s) * (sigma_t - sigma_s) / (2.0 * sigma_s)
         x = x_euler + correction * (x0_next - x0_hat)
-        x0_hat, x = _predict_clipped(denoiser, x, steps[i + 1], ab_s, clip)
+        x0_hat = _predict_x0(denoiser, x, steps[i + 1])
     return x0_hat
 
 
