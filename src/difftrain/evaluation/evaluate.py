@@ -197,7 +197,7 @@ def fid_result(samples: FeatureStats, reference: FeatureStats, /, *, kid: bool =
     """FID (and KID) of ``samples`` against ``reference``, with counts and ``context`` attached."""
     scores = compare(samples, reference, kid=kid)
     result = {"fid": scores["fid"], "num_samples": scores["count_a"], "num_reference": scores["count_b"]}
-    share = share_against(getattr(samples, "energies", ()), reference.metadata)
+    share = share_against(samples.energies, reference.metadata)
     if share is not None:  # samples above the real images' 99th percentile of Laplacian energy
         result["confetti_share"] = share
     if "kid_mean" in scores:

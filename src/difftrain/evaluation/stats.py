@@ -36,6 +36,9 @@ class FeatureStats:
         self._m2 = np.zeros((dim, dim))  # sum of (x - mean)(x - mean)^T, float64
         self._kept: list[np.ndarray] = []  # chunks of (k, dim) float32, concatenated lazily
         self._rng = np.random.default_rng(seed)
+        # (N,) Laplacian energy of each image, for the confetti share (``confetti.share_against``);
+        # set for generated samples, not saved.
+        self.energies: np.ndarray = np.zeros(0)
 
     @property
     def count(self) -> int | None:
