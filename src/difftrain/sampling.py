@@ -117,10 +117,14 @@ def generate(
     return torch.cat(out)
 
 
+def quantize(images: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) in [-1, 1] -> (N, C, H, W) uint8 tensor, rounded as a PNG stores the image."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(N, C, H, W) in [-1, 1] -> (N, H, W, C) uint8."""
-    x = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return x.permute(0, 2, 3, 1).numpy()
+    """(N, C, H, W) in [-1, 1] -> (N, H, W, C) uint8 array."""
+    return quantize(images).permute(0, 2, 3, 1).cpu().numpy()
 
 
 def grid_columns(num_images: int) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.sampling import generate, initial_noise
+from difftrain.sampling import generate, initial_noise, quantize
 from difftrain.runtime.seeding import derive_seed
 
 from .confetti import laplacian_energy, share_against
@@ -155,7 +155,7 @@ def sample_features(
                           sampler=sampler, steps=steps, seed=derive_seed(seed, "fid-sampler", k),
                           condition=condition, null_condition=null,
                           batch_size=batch_size, **options, **sampler_options)
-        pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        pixels = quantize(images)
         if energies is not None:
             energies.append(laplacian_energy(pixels))
         yield inception(pixels)

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from difftrain.runtime.files import atomic_write, atomic_write_bytes, cache_dir
+from difftrain.sampling import quantize, to_uint8
 
 NEAR_COPY_RATIO = 0.5  # a sample is a near-copy when d(sample, NN) < this x d_train(NN)
 CHUNK_ROWS = 65_536  # training features per matrix product in the search
@@ -120,11 +121,6 @@ def feature_network(space: str, *, inception_path: str = "", clip_model: str = "
 FEATURE_SPACES = ("pixels", "inception", "clip")
 
 
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """Dataset images in [-1, 1] (B, C, H, W) -> uint8, as generated samples are rounded."""
-    return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-
-
 @dataclasses.dataclass
 class TrainingIndex:
     """The unit feature vectors of every training image: ``features`` (N, D) float16 (a memory
@@ -144,7 +140,7 @@ def build_features(dataset, net: FeatureNetwork, batch_size: int = 256, indices=
     out = np.empty((len(indices), net.dim), dtype=np.float16)
     for start in range(0, len(indices), batch_size):
         batch = torch.stack([dataset[int(i)][0] for i in indices[start:start + batch_size]])
-        out[start:start + len(batch)] = net(to_uint8(batch)).numpy().astype(np.float16)
+        out[start:start + len(batch)] = net(quantize(batch)).numpy().astype(np.float16)
     return out
 
 
@@ -251,7 +247,7 @@ def neighbour_grid(samples: np.ndarray, dataset, result: Memorization, max_pairs
     order = result.ratio.argsort()[:max_pairs]
     tiles = []
     for i in order.tolist():
-        train = to_uint8(dataset[int(result.neighbour[i])][0][None])[0].permute(1, 2, 0).numpy()
+        train = to_uint8(dataset[int(result.neighbour[i])][0][None])[0]
         sample = samples[i]
         if train.shape != sample.shape:  # a grayscale side, or another resolution
             train = np.broadcast_to(train, sample.shape) if train.shape[:2] == sample.shape[:2] else \

@@ -29,6 +29,7 @@ import torch
 
 from difftrain.runtime.files import atomic_write, cache_dir, files_fingerprint
 from difftrain.runtime.progress import CountProgress
+from difftrain.sampling import quantize
 
 from .fid import _ImageFiles, _same_size_runs, list_images, statistics_from_images
 from .inception import InceptionFeatures
@@ -65,7 +66,7 @@ def _dataset_batches(dataset, indices: np.ndarray, batch_size: int) -> Iterator[
     """Unaugmented dataset items as (B, C, H, W) uint8 batches."""
     for start in range(0, len(indices), batch_size):
         images = torch.stack([dataset[int(i)][0] for i in indices[start : start + batch_size]])
-        yield ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        yield quantize(images)
 
 
 def _source_description(data: str, resolution: int | None, channels: int | None) -> tuple[dict, object]:
