@@ -100,8 +100,8 @@ def loss_weights(cfg, captions, device: torch.device) -> torch.Tensor | None:
     db = cfg.dreambooth
     if not db.class_prompt:
         return None
-    is_class = torch.tensor([c == db.class_prompt for c in captions], device=device)
-    return torch.where(is_class, db.prior_loss_weight, 1.0).float()
+    weights = torch.tensor([db.prior_loss_weight if c == db.class_prompt else 1.0 for c in captions])
+    return weights.to(device, non_blocking=True)  # made on the host: no wait for the device per micro-batch
 
 
 def class_dir(cfg, run_dir: Path) -> Path:
@@ -116,9 +116,8 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     """Write the missing ones of ``dreambooth.num_class_images`` class images into ``folder``,
     sampled by the base network (``model.init_from``, before any training) from the class prompt
     with DDIM; image i always from the same noise. Returns how many were made. A folder made for
-    another prompt or base is refused (one ValueError naming it)."""
+    another prompt or resolution is refused (one ValueError naming it)."""
     from difftrain.diffusion.objective import build_objective
-    from difftrain.models.text import weights_digest
     from difftrain.sampling import generate, initial_noise, save_png, to_uint8
     from difftrain.training.state import _without_lora, build_network
 
@@ -139,7 +138,6 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     print(f"difftrain: dreambooth: making {len(missing)} class images of {db.class_prompt!r} in {folder} "
           f"(base {cfg.model.init_from}, DDIM {db.class_steps} steps, guidance {db.class_guidance_scale})")
     net = build_network(_without_lora(cfg), conditioning, None, init_weights=True).to(device).eval()
-    record["base_digest"] = weights_digest(net)
     channels, resolution = conditioning.network_shape()
     seed = int(hashlib.sha256(f"{cfg.train.seed}:{db.class_prompt}".encode()).hexdigest()[:8], 16)
     noise = initial_noise(db.num_class_images, (channels, resolution, resolution), seed)[missing]
@@ -166,7 +164,7 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
     from difftrain.runtime import distributed
 
     folder = class_dir(cfg, run_dir)
-    distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device), dctx)
+    distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device), dctx, long_wait=True)
     d = dataclasses.replace(cfg.data)
     object.__setattr__(d, "captions", False)
     images = dataset_from_config(d, str(folder))
