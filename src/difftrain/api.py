@@ -11,29 +11,19 @@ Each call does what the command of the same name does, with the same checks and 
 from __future__ import annotations
 
 import copy
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from difftrain.config import (Config, ConfigError, _apply, _follow_objective, check_environment, config_from_dict, load_config,
-                              validate)
+from difftrain.config import Config, ConfigError, _apply, check_environment, config_from_dict, load_config, validate
 
 
 def make_config(config_or_path: Config | str | Path | dict | None = None, **overrides: Any) -> Config:
     """A validated config from a :class:`Config` (copied, not changed), a TOML path, a nested
     dict or None (the defaults), with ``overrides`` applied: ``section__key=value`` (e.g.
     ``train__total_steps=10``), ``**{"section.key": value}``, or ``section={"key": value}``."""
-    if isinstance(config_or_path, Config):
-        cfg = copy.deepcopy(config_or_path)
-    elif isinstance(config_or_path, dict):
-        cfg = config_from_dict(config_or_path, source="the config dict")
-    elif config_or_path is None or isinstance(config_or_path, (str, Path)):
-        cfg = load_config(config_or_path)
-    else:
-        raise ConfigError(f"expected a Config, a TOML path, a dict or None, got {type(config_or_path).__name__}")
     nested: dict[str, dict[str, Any]] = {}
     for name, value in overrides.items():
         if isinstance(value, dict) and "." not in name and "__" not in name:
@@ -43,14 +33,16 @@ def make_config(config_or_path: Config | str | Path | dict | None = None, **over
         if not sep or not key:
             raise ConfigError(f"override {name!r} must look like section__key=value (e.g. train__total_steps=10)")
         nested.setdefault(section, {})[key] = value
-    _apply(cfg, nested, "the keyword overrides")
-    if "objective" in nested.get("diffusion", {}) and not isinstance(config_or_path, (Config, dict)):
+    if config_or_path is None or isinstance(config_or_path, (str, Path)):
         # As with --set: samplers that neither the preset nor an override names follow the objective.
-        named = {f"{section}.{key}" for section, values in nested.items() for key in values}
-        if config_or_path is not None:
-            named |= {f"{section}.{key}" for section, values in
-                      tomllib.loads(Path(config_or_path).read_text(encoding="utf-8")).items() for key in values}
-        _follow_objective(cfg, named)
+        return load_config(config_or_path, values=nested)
+    if isinstance(config_or_path, Config):
+        cfg = copy.deepcopy(config_or_path)
+    elif isinstance(config_or_path, dict):
+        cfg = config_from_dict(config_or_path, source="the config dict")
+    else:
+        raise ConfigError(f"expected a Config, a TOML path, a dict or None, got {type(config_or_path).__name__}")
+    _apply(cfg, nested, "the keyword overrides")
     validate(cfg)
     return cfg
 

@@ -428,8 +428,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Build a config from defaults, then a TOML file, then ``--set`` overrides; validate it."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), values: dict | None = None) -> Config:
+    """Build a config from defaults, then a TOML file, then ``--set`` overrides, then ``values``
+    ({section: {key: value}}, the Python API's keyword overrides); validate it."""
     cfg = Config()
     if path is not None:
         path = Path(path)
@@ -451,6 +452,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         section, key, value = parse_override(text)
         _apply(cfg, {section: {key: value}}, f"--set {text}")
         chosen.add(f"{section}.{key}")
+    if values:
+        _apply(cfg, values, "the keyword overrides")
+        chosen |= {f"{section}.{key}" for section, keys in values.items() for key in keys}
     _follow_objective(cfg, chosen)
     validate(cfg)
     return cfg
