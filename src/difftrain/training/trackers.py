@@ -103,6 +103,12 @@ class Trackers:
         for t in self.trackers:
             t.log_image(step, name, image)
 
+    def log_text(self, step: int, name: str, text: str) -> None:
+        """Text to the trackers that show it (TensorBoard); the others keep it as a metric."""
+        for t in self.trackers:
+            if hasattr(t, "log_text"):
+                t.log_text(step, name, text)
+
     def close(self) -> None:
         for t in self.trackers:
             t.close()

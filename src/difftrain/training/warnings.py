@@ -119,21 +119,19 @@ class WatchedTrackers:
     """The run's trackers, with every logged metric shown to :class:`RunWarnings`; a warning is
     printed to stderr and logged as the text ``warning`` (metrics.jsonl, TensorBoard text)."""
 
-    def __init__(self, trackers, warnings: RunWarnings, enabled: bool = True):
-        self.trackers, self.warnings, self.enabled = trackers, warnings, enabled
+    def __init__(self, trackers, warnings: RunWarnings):
+        self.trackers, self.warnings = trackers, warnings
         self.fired: list[tuple[int, str]] = []
 
     def log(self, step: int, metrics: dict) -> None:
         self.trackers.log(step, metrics)
-        if not self.enabled or not metrics:
+        if not metrics:
             return
         for line in self.warnings.observe(step, metrics):
             self.fired.append((step, line))
             print(f"difftrain: warning: {line}", file=sys.stderr, flush=True)
             self.trackers.log(step, {"warning": line})
-            for t in getattr(self.trackers, "trackers", []):
-                if hasattr(t, "log_text"):
-                    t.log_text(step, "warning", line)
+            self.trackers.log_text(step, "warning", line)
 
     def log_image(self, step: int, name: str, image) -> None:
         self.trackers.log_image(step, name, image)
