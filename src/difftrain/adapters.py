@@ -23,6 +23,7 @@ from pathlib import Path
 from torch import Tensor
 
 from difftrain.config import config_from_dict, config_to_toml
+from difftrain.models.lora import is_lora_record
 from difftrain.training.checkpoint import CheckpointError
 
 ADAPTER_FORMAT = "difftrain-lora-v1"
@@ -55,16 +56,10 @@ class Adapter:
         })}
 
 
-def _is_lora(state: dict) -> bool:
-    from difftrain.models.lora import NETWORK_KIND
-
-    return state["network"].get("kind") == NETWORK_KIND
-
-
 def adapter_of(state: dict, use_ema: bool = True) -> Adapter:
     """The EMA (or raw) adapter of a LoRA checkpoint read by ``load_checkpoint``; a ValueError for
     a checkpoint of a whole network."""
-    if not _is_lora(state):
+    if not is_lora_record(state["network"]):
         raise ValueError(f"{state['path']} is not a LoRA run (lora.rank = 0): it has no adapter to export; "
                          "export --format diffusers or safetensors")
     tensors = state["ema"]["model"] if use_ema else state["model"]

@@ -120,6 +120,7 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "dif
     folds it into the base first, for the whole-network formats."""
     from difftrain.adapters import export_lora, merged_state
     from difftrain.interop import export_diffusers, save_weights_file
+    from difftrain.models.lora import is_lora_record
     from difftrain.training.checkpoint import load_checkpoint
 
     if format not in ("diffusers", "safetensors", "lora"):
@@ -132,7 +133,7 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "dif
         return export_lora(state, out, use_ema=ema, layout=lora_layout)
     if merge:
         state = merged_state(state, use_ema=ema, text_encoder=text_encoder, vae=vae)
-    elif format == "diffusers" and state["network"].get("kind") == "lora":
+    elif format == "diffusers" and is_lora_record(state["network"]):
         raise ValueError(f"{state['path']} is a LoRA run: export --format lora writes the adapter, and --merge "
                          "the pipeline with the adapter folded into the UNet")
     if format == "safetensors":

@@ -64,7 +64,9 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
         tensors = state["ema"]["model"] if use_ema else state["model"]
     cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
     if base is not None:
-        if state.get("network", {}).get("kind") != "lora":
+        from difftrain.models.lora import is_lora_record
+
+        if not is_lora_record(state.get("network")):
             raise ValueError(f"--base given, but {state['path']} holds no LoRA adapter (--base is where an "
                              "adapter's base is now)")
         object.__setattr__(cfg.model, "init_from", base)  # where the adapter's base is now (checked by digest)

@@ -21,6 +21,11 @@ import torch
 from torch import Tensor, nn
 
 NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
+
+
+def is_lora_record(network: dict | None) -> bool:
+    """Whether a checkpoint's ``network`` record (or None) is a LoRA network's."""
+    return bool(network) and network.get("kind") == NETWORK_KIND
 ADAPTER = "default"  # peft's adapter name; never in difftrain's names
 
 # The attention projections each network names (peft matches a module by its name's suffix).
@@ -231,7 +236,7 @@ def resume_mismatch(lora_cfg, record: dict) -> str | None:
     """Why a checkpoint's network (``record``) cannot continue under ``lora_cfg`` (``cfg.lora``):
     a LoRA run resumed without LoRA or the reverse, or another rank, alpha or set of targets;
     None when it can."""
-    was_lora = record.get("kind") == NETWORK_KIND
+    was_lora = is_lora_record(record)
     if was_lora != bool(lora_cfg.rank):
         return ("it holds a LoRA adapter, but lora.rank is 0 (full fine-tuning)" if was_lora else
                 f"it is not a LoRA run, but lora.rank is {lora_cfg.rank}")

@@ -172,10 +172,10 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     injected (``models/lora.py``); a base whose digest differs from the record's is refused.
     """
     from difftrain.models.diffusers_unet import NETWORK_KIND, ConditionUNet, is_condition_unet_folder
-    from difftrain.models.lora import NETWORK_KIND as LORA_KIND
+    from difftrain.models.lora import is_lora_record
 
     init_from = cfg.model.init_from
-    saved_lora = network if network is not None and network.get("kind") == LORA_KIND else None
+    saved_lora = network if is_lora_record(network) else None
     if saved_lora is not None or (network is None and cfg.lora.rank):
         from difftrain.models.lora import apply_lora
 
