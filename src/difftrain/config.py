@@ -32,6 +32,7 @@ LRSchedule = Literal["cosine", "constant"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
 OnBadImage = Literal["skip", "fail"]
 OnWriteError = Literal["stop", "continue"]
+Parallel = Literal["ddp", "fsdp"]  # how torchrun's ranks share the model (runtime/distributed.py, runtime/fsdp.py)
 
 
 class ConfigError(ValueError):
@@ -207,6 +208,9 @@ class TrainConfig(_Section):
     cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: off; on: CUDA only, see docs/benchmarks.md)
     # torchrun: longer than any healthy wait (rank 0's checkpoint write, the slowest first compile)
     collective_timeout_s: float = 600.0  # seconds a rank waits for the others before a hung rank ends the run
+    # Under torchrun: ddp keeps a whole replica per rank; fsdp shards weights, gradients, optimizer
+    # state and EMA across ranks (FSDP2), for models whose replica does not fit. One process: no-op.
+    parallel: Parallel = "ddp"
 
 
 @dataclass
@@ -683,6 +687,19 @@ def validate(cfg: Config) -> None:
     _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
     _check_lora(cfg)
     _check_dreambooth(cfg)
+    _check_fsdp(cfg)
+
+
+def _check_fsdp(cfg: Config) -> None:
+    """What train.parallel='fsdp' does not combine with (yet)."""
+    if cfg.train.parallel != "fsdp":
+        return
+    t, why = cfg.train, "train.parallel='fsdp'"
+    _check(t.precision != "fp16", f"{why} trains in fp32 or bf16; train.precision='fp16' is not supported, use bf16")
+    _check(t.cuda_graphs != "on", f"{why} does not capture CUDA graphs; set train.cuda_graphs to 'auto' or 'off'")
+    _check(t.compile != "on", f"{why} runs eager (auto turns compile off); set train.compile to 'auto' or 'off'")
+    _check(not cfg.lora.rank, f"{why} does not train LoRA adapters (lora.rank > 0): an adapter is small, use ddp")
+    _check(not cfg.ema.posthoc_std, f"{why} does not track post-hoc EMAs (ema.posthoc_std); use ddp for them")
 
 
 def _check_lora(cfg: Config) -> None:

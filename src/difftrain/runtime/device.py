@@ -71,9 +71,12 @@ def compile_model(net: nn.Module, device: torch.device, mode: str) -> nn.Module:
     """``torch.compile(net)`` when ``mode`` resolves to on, else ``net``.
 
     Compile the DDP-wrapped module (if any) so that DDP's bucketed all-reduce overlaps the
-    compiled backward; save and average the unwrapped model, never this one.
+    compiled backward; save and average the unwrapped model, never this one. A model sharded by
+    FSDP (``runtime/fsdp.py``) runs eager: ``auto`` leaves it uncompiled (the config refuses ``on``).
     """
-    if not resolve_toggle(mode, device, "compile"):
+    from difftrain.runtime.fsdp import is_sharded
+
+    if not resolve_toggle(mode, device, "compile") or is_sharded(net):
         return net
     # Inductor's compiled kernels are kept in difftrain's cache folder, so a second run (or a
     # resume) of the same model loads them instead of compiling again.

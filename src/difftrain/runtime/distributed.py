@@ -159,11 +159,26 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
 
 def sync_gradients(net: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """Context for one micro-step's forward and backward: DDP's ``no_sync`` unless ``sync``,
-    so gradients are all-reduced once per optimizer step, on the last micro-step."""
+    so gradients are all-reduced once per optimizer step, on the last micro-step; under FSDP
+    its analogue, ``set_requires_gradient_sync(False)`` (unsharded gradients accumulate on each
+    rank and are reduce-scattered on the last micro-step)."""
+    from torch.distributed.fsdp import FSDPModule
+
     ddp = getattr(net, "_orig_mod", net)  # under torch.compile, the DDP module it wraps
+    if not sync and isinstance(ddp, FSDPModule):
+        return _fsdp_no_sync(ddp)
     if sync or not isinstance(ddp, DistributedDataParallel):
         return contextlib.nullcontext()
     return ddp.no_sync()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(net):
+    net.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        net.set_requires_gradient_sync(True)
 
 
 def rank_rows(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,6 +67,8 @@ class Precision:
         """
         self.scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else math.inf)
+        if isinstance(grad_norm, DTensor):  # sharded gradients (FSDP): the global norm, the same on every rank
+            grad_norm = grad_norm.full_tensor()
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         self.scaler.step(optimizer)
         self.scaler.update(None if self.dynamic else 1.0)

@@ -15,6 +15,9 @@ checkpoints are deleted only after the new one and the pointer are durable.
 FID and holds that FID on its second line; it is written the same way, after ``latest``, and
 rotation never removes the file it names. ``RUN/best`` (or ``RUN:best``) names that checkpoint
 wherever a checkpoint is read.
+
+An FSDP run writes a folder, ``checkpoints/step_XXXXXXXX.dcp/``, instead of a file
+(``training/sharded_checkpoint.py``): listed, pointed at, rotated and loaded like a file here.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,7 +39,7 @@ FORMAT = "difftrain-checkpoint-v4"  # v3: + posthoc_ema; v4: + network, frozen
 _OLDER_FORMATS = ("difftrain-checkpoint-v1", "difftrain-checkpoint-v2", "difftrain-checkpoint-v3")
 LATEST = "latest"
 BEST = "best"  # pointer to the checkpoint with the best (lowest) FID: "step_N.pt\nFID\n"
-_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+_NAME = re.compile(r"^step_(\d{8,})\.(?:pt|dcp)$")  # a file, or a sharded checkpoint's folder
 # Test hook for fault injection: seconds to pause between writing a checkpoint's temporary file
 # and renaming it, so that a kill can be aimed inside the write. Unset in normal use.
 PAUSE_ENV = "DIFFTRAIN_TEST_SAVE_PAUSE_S"
@@ -91,22 +95,45 @@ def _os_error_in(e: BaseException | None) -> OSError | None:
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoint files in ``ckpt_dir`` as (step, path), oldest first."""
+    """Complete checkpoints (files and sharded folders) in ``ckpt_dir`` as (step, path), oldest first."""
     if not ckpt_dir.is_dir():
         return []
     found = []
     for p in ckpt_dir.iterdir():
         m = _NAME.match(p.name)
-        if m:
+        if m and (p.is_file() or _is_sharded(p)):
             found.append((int(m.group(1)), p))
     return sorted(found)
 
 
+def _is_sharded(path: Path) -> bool:
+    from difftrain.training.sharded_checkpoint import is_sharded_checkpoint
+
+    return is_sharded_checkpoint(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or a sharded checkpoint's folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _write_file(state: dict, ckpt_dir: Path, step: int) -> Path:
+    path = ckpt_dir / checkpoint_name(step)
+    save_checkpoint_file(state, path)
+    return path
+
+
 def save_checkpoint(
     state: dict, ckpt_dir: Path, step: int, keep_last: int = 3, keep_every_steps: int = 0,
-    best: float | None = None,
+    best: float | None = None, write=_write_file,
 ) -> Path:
     """Write ``state`` as the checkpoint of ``step``, point ``latest`` at it, then rotate.
+
+    ``write(state, ckpt_dir, step)`` writes the checkpoint atomically and returns its path: one
+    file by default; a sharded checkpoint's last step (``training/sharded_checkpoint.py``).
 
     ``best``: this checkpoint's FID, when it beats the ``best`` pointer's (see :func:`is_better`):
     ``best`` then names it, written after ``latest``. Rotation keeps the newest ``keep_last``
@@ -114,20 +141,21 @@ def save_checkpoint(
     evaluation, and the file ``best`` names.
     """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    path = ckpt_dir / checkpoint_name(step)
-    save_checkpoint_file(state, path)
+    path = write(state, ckpt_dir, step)
     atomic_write_bytes(ckpt_dir / LATEST, (path.name + "\n").encode())
     if best is not None and is_better(ckpt_dir, best):
         atomic_write_bytes(ckpt_dir / BEST, f"{path.name}\n{best!r}\n".encode())
     for stale in ckpt_dir.glob(".step_*.pt.tmp"):  # left by a process killed mid-write
         unlink_quietly(stale)
+    for stale in ckpt_dir.glob(".step_*.dcp*.tmp"):  # a sharded save's, killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     existing = list_checkpoints(ckpt_dir)
     newest = {p for _, p in existing[-keep_last:]}
     kept_best = read_best(ckpt_dir)
     for s, p in existing:
         keep = p in newest or (keep_every_steps > 0 and s % keep_every_steps == 0)
         if not keep and not (kept_best is not None and p.name == kept_best[0]):
-            p.unlink(missing_ok=True)
+            _remove(p)
     return path
 
 
@@ -139,7 +167,7 @@ def read_best(ckpt_dir: Path) -> tuple[str, float] | None:
         name, score = lines[0], float(lines[1])
     except (OSError, UnicodeDecodeError, IndexError, ValueError):
         return None
-    if not _NAME.match(name) or not (Path(ckpt_dir) / name).is_file():
+    if not _NAME.match(name) or not (Path(ckpt_dir) / name).exists():
         return None
     return name, score
 
@@ -176,7 +204,7 @@ def check_finite(state: dict) -> None:
 
 def save_or_report(
     state: dict, ckpt_dir: Path, step: int, keep_last: int, keep_every_steps: int, on_write_error: str,
-    best: float | None = None,
+    best: float | None = None, write=_write_file,
 ) -> Path | None:
     """:func:`save_checkpoint`, turning an OS error into a report naming the path and the error.
 
@@ -185,19 +213,26 @@ def save_or_report(
     way the partial temporary file is gone and the previous checkpoint is untouched.
     """
     try:
-        return save_checkpoint(state, ckpt_dir, step, keep_last, keep_every_steps, best)
+        return save_checkpoint(state, ckpt_dir, step, keep_last, keep_every_steps, best, write)
     except OSError as e:
-        where = e.filename or ckpt_dir / checkpoint_name(step)
-        reason = errno.errorcode.get(e.errno, "") if e.errno else ""
-        message = (
-            f"cannot write the checkpoint of step {step} to {where}: {reason + ' ' if reason else ''}"
-            f"{e.strerror or e}; the previous checkpoint "
-            f"({_latest_name(ckpt_dir)}) is intact (checkpoint.on_write_error={on_write_error!r})"
-        )
-        if on_write_error == "stop":
-            raise CheckpointWriteError(message) from e
+        return report_write_error(e, ckpt_dir, step, on_write_error)
+
+
+def report_write_error(e: OSError, ckpt_dir: Path, step: int, on_write_error: str, quiet: bool = False) -> None:
+    """The outcome of a failed write: raise :class:`CheckpointWriteError` ("stop"), or print the
+    report (unless ``quiet``: another rank prints it) and return None ("continue")."""
+    where = e.filename or ckpt_dir / checkpoint_name(step)
+    reason = errno.errorcode.get(e.errno, "") if e.errno else ""
+    message = (
+        f"cannot write the checkpoint of step {step} to {where}: {reason + ' ' if reason else ''}"
+        f"{e.strerror or e}; the previous checkpoint "
+        f"({_latest_name(ckpt_dir)}) is intact (checkpoint.on_write_error={on_write_error!r})"
+    )
+    if on_write_error == "stop":
+        raise CheckpointWriteError(message) from e
+    if not quiet:
         print(f"difftrain: warning: {message}; training goes on", file=sys.stderr, flush=True)
-        return None
+    return None
 
 
 def _latest_name(ckpt_dir: Path) -> str:
@@ -223,7 +258,7 @@ def find_checkpoint(path: str | Path) -> Path:
     best = _best_reference(path)
     if best is not None:
         return best
-    if path.is_file():
+    if path.is_file() or _is_sharded(path):
         return path
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not ckpt_dir.is_dir():
@@ -362,7 +397,12 @@ def load_checkpoint(path: str | Path) -> dict:
     an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read."""
     path = find_checkpoint(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        if path.is_dir():
+            from difftrain.training.sharded_checkpoint import load_consolidated
+
+            state = load_consolidated(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named
         raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, *_OLDER_FORMATS):

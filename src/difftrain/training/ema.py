@@ -51,6 +51,11 @@ class EMA:
         self.warmup_power = warmup_power
         self.num_updates = 0
         self.model, self._trained = averaged_copy(model)
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Take the average's parameters and buffers anew, after something replaced them in
+        ``self.model`` (FSDP's ``fully_shard`` turns them into shards)."""
         self._ema_params = trainable(list(self.model.parameters()), self._trained)
         self._ema_buffers = list(self.model.buffers())
 

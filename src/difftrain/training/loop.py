@@ -23,6 +23,7 @@ from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
 from difftrain.runtime.files import cache_dir_error
 from difftrain.training import checkpoint as ckpt
+from difftrain.training import sharded_checkpoint as sharded
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.heldout import build_heldout
 from difftrain.training.lr_schedule import lr_at
@@ -91,8 +92,8 @@ def train(
         if is_main:
             print(f"difftrain: resumed from {saved['path']} at step {state.step} ({state.position:,} images seen)")
         del saved
-    # `state.net` runs forward and backward (DDP-wrapped, compiled); `state.model` is saved and averaged.
-    state.net = compile_model(distributed.wrap(state.model, dctx), device, tc.compile)
+    # `state.net` runs forward and backward (DDP-wrapped or FSDP-sharded, compiled); `state.model` is saved and averaged.
+    state.net = compile_model(state.parallelize(dctx), device, tc.compile)
     step_fn = _step_function(state, objective, dctx)
 
     # Run folder, loader, trackers and the evaluations.
@@ -173,8 +174,10 @@ def train(
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
                 with _Timed(paused, "validation_s"):
-                    grids, images = validation_grids(state.model, state.ema.model, cfg, plan, conditioning, objective, dctx)
-                    heldout_metrics = heldout.evaluate(state.model, state.ema.model)
+                    model, ema_model = state.evaluation_models()  # themselves; gathered whole under FSDP
+                    grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
+                    heldout_metrics = heldout.evaluate(model, ema_model)
+                    del model, ema_model
                     if is_main:
                         save_grids(grids, run_dir, step, trackers)
                         trackers.log(step, {**heldout_metrics, **(scores(images, plan) if scores.enabled else {}),
@@ -184,7 +187,7 @@ def train(
             best_fid = None
             if not stopped_by and fid.due(step):
                 with _Timed(paused, "fid_s"):
-                    fid_metrics = fid(step, state.ema.model)
+                    fid_metrics = fid(step, state.evaluation_models()[1])
                     trackers.log(step, fid_metrics)
                     best_fid = fid.new_best(fid_metrics, run_dir / "checkpoints")
 
@@ -198,18 +201,13 @@ def train(
                         dctx,
                     )
 
-            # Save: rank 0 writes, every rank gets its outcome (the path, None when
-            # on_write_error="continue" let a failure pass, or the error to raise).
+            # Save: rank 0 writes (under FSDP every rank its shards), every rank gets its outcome
+            # (the path, None when on_write_error="continue" let a failure pass, or the error to raise).
             if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by or best_fid is not None:
-                c = cfg.checkpoint
                 with _Timed(paused, "checkpoint_s"):
                     snapshot = state.state_dict()
                     snapshot["skipped_steps"] += int(metrics.skipped.item())  # this window's, not yet logged
-                    saved_to = distributed.run_on_main(
-                        lambda: ckpt.save_or_report(snapshot, run_dir / "checkpoints", step, c.keep_last,
-                                                    c.keep_every_steps, c.on_write_error, best=best_fid),
-                        dctx,
-                    )
+                    saved_to = _save(state, snapshot, run_dir / "checkpoints", step, best_fid, dctx)
                 last_saved = step if saved_to else last_saved
             if stopped_by:
                 break
@@ -262,6 +260,21 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
     built: dict = {}
     distributed.run_on_main(lambda: built.update(build()), dctx, long_wait=True)
     return dataclasses.replace(data, **(built or build()))
+
+
+def _save(state: RunState, snapshot: dict, ckpt_dir: Path, step: int, best_fid: float | None,
+          dctx: distributed.DistContext) -> Path | None:
+    """Rank 0 writes the checkpoint file (every rank gets its outcome), or, under FSDP, every rank
+    writes its shards of one checkpoint folder (training/sharded_checkpoint.py)."""
+    c = state.cfg.checkpoint
+    if state.template is not None:
+        return sharded.save_or_report(state, snapshot, ckpt_dir, step, c.keep_last, c.keep_every_steps,
+                                      c.on_write_error, dctx, best=best_fid)
+    return distributed.run_on_main(
+        lambda: ckpt.save_or_report(snapshot, ckpt_dir, step, c.keep_last, c.keep_every_steps, c.on_write_error,
+                                    best=best_fid),
+        dctx,
+    )
 
 
 def _step_function(state: RunState, objective, dctx: distributed.DistContext):

@@ -17,7 +17,9 @@ from torch import nn
 from difftrain.conditioning import Conditioning
 from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
 from difftrain.models import build_model  # noqa: F401 - also imported from here
+from difftrain.runtime import distributed, fsdp
 from difftrain.runtime.device import prepare_model
+from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
 from difftrain.training.checkpoint import load_weights
@@ -70,6 +72,7 @@ class RunState:
     position: int = 0  # images consumed by all ranks together: the global data position
     skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient, as of the last log
     net: nn.Module | None = None
+    template: nn.Module | None = None  # under FSDP: the model's structure on the meta device (runtime/fsdp.py)
 
     @classmethod
     def build(cls, cfg: Config, num_classes: int, device: torch.device, init_weights: bool = True,
@@ -91,6 +94,40 @@ class RunState:
         state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes, conditioning)
         state.net = model
         return state
+
+    def parallelize(self, dctx: DistContext) -> nn.Module:
+        """The network that runs forward and backward under torchrun, set up once before the loop:
+        ``model`` in DDP (``train.parallel = "ddp"``), or, with ``"fsdp"``, ``model`` and the EMA
+        sharded in place (``runtime/fsdp.py``; weights in the contiguous layout, train.channels_last
+        does not apply) and the optimizer built anew over the shards, with the state it had (a
+        resumed run's) carried over. In one process: ``model`` itself."""
+        if self.cfg.train.parallel != "fsdp" or not dctx.enabled:
+            return distributed.wrap(self.model, dctx)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
+        )
+
+        # FQN-keyed (not by parameter index), so it survives the parameters being replaced.
+        carried = get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else None
+        self.template = fsdp.meta_template(self.model)
+        for model in (self.model, self.ema.model):  # each rank averages its own shard of the EMA
+            model.to(memory_format=torch.contiguous_format)  # FSDP shards contiguous weights only: no channels_last
+            fsdp.shard_model(model, dctx, self.cfg.train.precision)
+        self.ema.rebind()
+        self.optimizer = build_optimizer(self.cfg, self.model, dctx.device)
+        if carried is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, carried, options=StateDictOptions(full_state_dict=True))
+        return self.model
+
+    def evaluation_models(self) -> tuple[nn.Module, nn.Module]:
+        """(model, EMA model) for evaluation: the run's own, or under FSDP plain copies whose
+        weights are gathered whole onto every rank (a collective: every rank calls this), so the
+        evaluations spread their own share of the work as under DDP."""
+        if self.template is None:
+            return self.model, self.ema.model
+        device = self.precision.device  # the run's device
+        model = fsdp.unsharded_copy(self.model, self.template, device)
+        return model, fsdp.unsharded_copy(self.ema.model, self.template, device)
 
     def state_dict(self) -> dict:
         """The checkpoint of this state (``checkpoint.SCHEMA``), with the global RNG states."""
@@ -118,7 +155,12 @@ class RunState:
         self.ema.load_state_dict(state["ema"])
         self.posthoc.load_state_dict(state["posthoc_ema"], path)
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("layout") == "sharded":  # FQN-keyed (training/sharded_checkpoint.py)
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
             raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
         self.precision.load_state_dict(state["scaler"])

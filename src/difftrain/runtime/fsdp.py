@@ -1,0 +1,106 @@
+"""Fully sharded data parallel (``train.parallel = "fsdp"``): PyTorch's FSDP2 ``fully_shard``
+applied once to a plain model, per UNet block and then to the root, after torchtitan's
+``apply_fsdp``. The model and the training step know nothing of it.
+
+Each rank keeps 1/W of every parameter, gradient and AdamW moment (a ``DTensor`` sharded on
+dim 0); a block's parameters are all-gathered just before its forward and backward and freed
+after, and gradients are reduce-scattered (averaged, as DDP averages them), so W ranks at batch
+B take the same steps as DDP, and as one process at batch W x B, to float rounding. With
+``train.precision = "bf16"`` the gathered parameters are bf16 for compute while the shards (the
+master weights) and the gradient reduction stay fp32.
+
+Evaluation during training (validation grids, held-out loss, FID) spreads its work across
+ranks, each rank running forward passes of its own count: a sharded model cannot do that (every
+forward is a collective), so :func:`unsharded_copy` gathers the whole weights onto every rank
+into a plain copy of the model for the evaluation, and drops it afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from difftrain.runtime.distributed import DistContext
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.precision -> dtype of the gathered weights
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """bf16 weights for compute under ``train.precision = "bf16"`` (else the fp32 weights as
+    they are); fp32 gradient reduction and fp32 shards (master weights) always.
+
+    The inputs of a block are not cast (autocast does that): a cast copies the list of skip
+    connections that the UNet's levels append to.
+    """
+    param_dtype = None if PARAM_DTYPES[precision] == torch.float32 else PARAM_DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The units sharded on their own, in forward order. difftrain's UNet: each ResBlock,
+    attention block and down- or upsampling of its levels, and the middle block (not a level as a
+    whole: a level appends to or pops from the list of skip connections it is passed, and FSDP's
+    hooks pass a module copies of its arguments). A diffusers UNet: its ``down_blocks``,
+    ``mid_block`` and ``up_blocks``. What is left (embeddings, the first and last convolutions)
+    belongs to the root's unit."""
+    unet = getattr(model, "unet", model)  # models/diffusers_unet.ConditionUNet wraps diffusers' UNet
+    if isinstance(getattr(unet, "down_blocks", None), nn.ModuleList):
+        mid = [unet.mid_block] if getattr(unet, "mid_block", None) is not None else []
+        return [*unet.down_blocks, *mid, *unet.up_blocks]
+    if not isinstance(getattr(unet, "down", None), nn.ModuleList):
+        return []
+    found: list[nn.Module] = []
+    for levels in (unet.down, [unet.mid], unet.up):
+        for level in levels:
+            parts = [level] if level is unet.mid else [
+                m for pair in zip(level.res, level.attn) for m in pair
+            ] + [getattr(level, "downsample", None) or getattr(level, "upsample", None)]
+            found += [m for m in parts if m is not None and next(m.parameters(), None) is not None]
+    return found
+
+
+def shard_model(model: nn.Module, ctx: DistContext, precision: str) -> nn.Module:
+    """Shard ``model`` in place across the ``ctx.world_size`` ranks (``fully_shard`` per block of
+    :func:`blocks`, then the root) and return it. Its parameters become ``DTensor`` shards of
+    dim 0; its buffers stay whole on every rank. Every rank must call this with the same model."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    policy = mixed_precision(precision)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether :func:`shard_model` sharded ``model``."""
+    return isinstance(model, FSDPModule)
+
+
+def meta_template(model: nn.Module) -> nn.Module:
+    """A copy of the (not yet sharded) ``model`` on the meta device: its structure without
+    storage, from which :func:`unsharded_copy` builds plain copies."""
+    return copy.deepcopy(model).to("meta")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or the whole tensor of a ``DTensor`` (a collective: every rank calls it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def unsharded_copy(model: nn.Module, template: nn.Module, device: torch.device) -> nn.Module:
+    """A plain (unsharded) copy of the sharded ``model`` on ``device``, in eval mode and frozen:
+    its weights all-gathered onto every rank (a collective: every rank calls it), its buffers
+    copied. ``template``: the model's :func:`meta_template`."""
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    plain = copy.deepcopy(template).to_empty(device=device)
+    plain.load_state_dict(whole)
+    for name, buf in model.named_buffers():  # non-persistent buffers too, which the state dict leaves out
+        plain.get_buffer(name).copy_(buf)
+    return plain.eval().requires_grad_(False)
