@@ -61,7 +61,9 @@ def _rank(rank: int, port: int, config: str | None, parallel: str, batch: int, s
         times.append(time.perf_counter() - start)
     # One more forward and backward, to count the gradients before the step frees them.
     x, _ = next(batches)
-    state.net(x, torch.full((batch,), 10)).square().mean().backward()
+    with state.precision.autocast():
+        loss = state.net(x, torch.full((batch,), 10)).float().square().mean()
+    loss.backward()
     row = {
         "params": sum(p.numel() for p in state.model.parameters()),
         "weights": _bytes(state.model.parameters()),
@@ -69,6 +71,7 @@ def _rank(rank: int, port: int, config: str | None, parallel: str, batch: int, s
         "adam": _bytes(v for s in state.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()),
         "ema": _bytes(state.ema.model.parameters()),
         "step_s": statistics.median(times),
+        "precision": cfg.train.precision,
     }
     if ctx.is_main:
         torch.save(row, Path(out) / f"{parallel}.pt")
@@ -94,7 +97,7 @@ def main() -> None:
             rows[parallel] = torch.load(Path(out) / f"{parallel}.pt")
     mib = 2**20
     print(f"{args.config or 'tiny preset'}: {rows['ddp']['params'] / 1e6:.2f}M parameters, 2 gloo CPU ranks, "
-          f"batch {args.batch} per rank, fp32")
+          f"batch {args.batch} per rank, {rows['ddp']['precision']}")
     print("| per rank | weights MiB | gradients MiB | AdamW moments MiB | EMA MiB | total MiB | step s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():

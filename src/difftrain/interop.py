@@ -463,7 +463,10 @@ def init_source_training(source: str | Path) -> dict:
     folder) or cannot be read. Reads no weights."""
     path = Path(source).expanduser()
     try:
-        if path.is_dir() and not (path / "checkpoints").is_dir() and not list(path.glob("step_*.pt")):
+        from difftrain.training.sharded_checkpoint import is_sharded_checkpoint
+
+        if (path.is_dir() and not (path / "checkpoints").is_dir() and not list(path.glob("step_*.pt"))
+                and not list(path.glob("step_*.dcp")) and not is_sharded_checkpoint(path)):
             for folder in (path, path.parent):
                 config = folder / "scheduler" / "scheduler_config.json"
                 if config.is_file() and (folder == path or path.name == "unet"):
@@ -476,8 +479,11 @@ def init_source_training(source: str | Path) -> dict:
                 diffusion = tomllib.loads((f.metadata() or {})["config"]).get("diffusion", {})
         else:
             from difftrain.training.checkpoint import find_checkpoint
+            from difftrain.training.sharded_checkpoint import RUN_STATE
 
-            saved = torch.load(find_checkpoint(path), map_location="cpu", weights_only=True, mmap=True)
+            found = find_checkpoint(path)  # a file, or a sharded checkpoint's folder (its config is in RUN_STATE)
+            saved = torch.load(found / RUN_STATE if found.is_dir() else found, map_location="cpu", weights_only=True,
+                               mmap=True)
             diffusion = saved["config"].get("diffusion", {})
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError):
         return {}

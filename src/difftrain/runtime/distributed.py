@@ -145,7 +145,8 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """``model`` in DistributedDataParallel when distributed, else ``model`` itself.
 
     Keep a reference to the unwrapped model: it is the one saved (no ``module.`` prefix) and
-    averaged by the EMA.
+    averaged by the EMA. ``train.parallel = "fsdp"`` shards the model instead, with its EMA and
+    optimizer: ``RunState.parallelize`` (training/state.py) calls this or ``runtime/fsdp.py``.
     """
     if not ctx.enabled:
         return model

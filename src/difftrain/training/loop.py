@@ -334,6 +334,8 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
     per_step = effective_batch(cfg, w)
     where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)
+    if w > 1 and tc.parallel == "fsdp":
+        where += " (FSDP: weights, gradients, optimizer state and EMA sharded)"
     return (f"{where}, {network}, {len(data.train):,} images{held}, "
             f"batch {tc.batch_size} x {tc.grad_accum_steps} accumulation x {w} processes = {per_step} per step, "
             f"steps {state.step:,} -> {tc.total_steps:,} ({tc.total_steps * per_step:,} images), {tc.precision}, "
