@@ -178,10 +178,15 @@ def _lr_find(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> int:
     from difftrain.tools.estimate import estimate, format_estimate
+    from difftrain.tools.parallel_memory import count_unet_config, format_counted
 
     cfg = load_config(args.config, args.set)
+    if args.unet_config:  # too large to build: counted on the meta device, no step
+        r = count_unet_config(cfg, args.unet_config, parallel=args.parallel, world_size=args.world_size)
+        print(json.dumps(r, indent=1) if args.json else format_counted(r))
+        return 0
     r = estimate(cfg, batch_size=args.batch_size, target_batch=args.target_batch, memory_gib=args.memory_gib,
-                 scale_lr=args.scale_lr)
+                 scale_lr=args.scale_lr, parallel=args.parallel, world_size=args.world_size)
     print(json.dumps(r, indent=1) if args.json else format_estimate(r))
     return 0
 
@@ -474,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch", type=int, help="effective batch wanted: gives grad_accum_steps")
     p.add_argument("--memory-gib", type=float, help="memory budget (default: free memory of the device)")
     p.add_argument("--scale-lr", action="store_true", help="scale optim.lr linearly from optim.base_batch")
+    p.add_argument("--parallel", choices=_parallelisms(),
+                   help="memory per rank under DDP (all of it on each rank) or FSDP (sharded) (default ddp)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks for --parallel (default 1)")
+    p.add_argument("--unet-config", metavar="PATH",
+                   help="a diffusers UNet2DConditionModel config.json (or its folder) to count on the meta device "
+                        "instead: weights, gradients, optimizer state and EMA per rank, no step, no activations")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_estimate)
 
@@ -505,6 +516,12 @@ def _frozen_part_options(p: argparse.ArgumentParser) -> None:
     folders moved since training (their digests must match the checkpoint's)."""
     p.add_argument("--text-encoder", help="the text encoder's folder now (default: the run's model.text_encoder)")
     p.add_argument("--vae", help="the VAE's folder now (default: the run's model.vae)")
+
+
+def _parallelisms() -> list[str]:
+    from difftrain.tools.parallel_memory import PARALLELISMS
+
+    return list(PARALLELISMS)
 
 
 def _lora_layouts() -> list[str]:

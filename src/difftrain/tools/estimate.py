@@ -6,6 +6,10 @@ pass, counted by storage as the forward pass saves them (``saved_tensors_hooks``
 batch sizes, so the per-image slope and the fixed part both come from measurement; on CUDA the
 peak allocated memory of the step is reported beside them. The largest batch that fits follows
 from the slope and the memory available on the device.
+
+Under ``--parallel`` and ``--world-size`` the weights, gradients, optimizer state and EMA are
+those one rank holds (``parallel_memory``: whole under DDP, sharded under FSDP), and the largest
+batch is per rank.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from difftrain.config import Config
 from difftrain.diffusion.objective import per_sample_loss
 from difftrain.runtime.distributed import DistContext
 from difftrain.tools.common import RandomImages, Setup, build_setup, fetch_batch
+from difftrain.tools.parallel_memory import format_per_rank, rank_memory, resolve_parallel
 from difftrain.training.step import StepMetrics, draw_micro_batch, train_step
 
 MiB = 2**20
@@ -63,6 +68,23 @@ def activation_bytes(setup: Setup, batch_size: int) -> tuple[int, int]:
     return sum(saved.values()), peak
 
 
+def state_after_one_step(setup: Setup, batch_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the optimizer's state tensors, the EMAs' weights) after one real optimizer step (the
+    training loop's ``train_step``, which creates the optimizer's state) at ``batch_size``.
+
+    The EMA and the power EMAs of ``ema.posthoc_std`` are one copy of the trained weights each;
+    a frozen base is shared with the model, not copied, and not among them.
+    """
+    batches = iter([fetch_batch(setup, batch_size, seed=1)] * setup.cfg.train.grad_accum_steps)
+    train_step(setup.state, setup.objective, batches, setup.cfg.optim.lr, StepMetrics(setup.device))
+    optimizer = setup.state.optimizer
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    own = {p.untyped_storage().data_ptr() for p in setup.model.parameters()}
+    ema = [p for m in (setup.state.ema.model, *setup.state.posthoc.models) for p in m.parameters()
+           if p.untyped_storage().data_ptr() not in own]
+    return state, ema
+
+
 def available_bytes(device: torch.device) -> int:
     """Free memory on ``device``: CUDA's free memory, or the host's MemAvailable."""
     if device.type == "cuda":
@@ -85,41 +107,42 @@ def estimate(
     memory_gib: float | None = None,
     scale_lr: bool = False,
     headroom: float = 0.9,
+    parallel: str | None = None,
+    world_size: int = 1,
 ) -> dict:
     """Measure the memory of ``cfg`` at ``batch_size`` (default ``train.batch_size``).
 
     ``target_batch``: the effective batch wanted; gives the gradient accumulation steps and,
     with ``scale_lr``, the learning rate scaled by the linear rule from ``optim.base_batch``.
     ``memory_gib``: the memory budget (default: what the device has free now); only
-    ``headroom`` of it is planned for. Returns a JSON-ready dict, sizes in MiB.
+    ``headroom`` of it is planned for. ``parallel`` (``"ddp"`` or ``"fsdp"``; default the
+    config's) and ``world_size``: what one rank holds, in ``per_rank``. Returns a JSON-ready
+    dict, sizes in MiB.
     """
     b = batch_size or cfg.train.batch_size
     if b < 1:
         raise ValueError(f"--batch-size must be >= 1, got {b}")
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    parallel = resolve_parallel(cfg, parallel)
     setup = build_setup(cfg, need_data=False)  # only shapes matter; random images stand in if data.path is absent
     model = setup.model
     params = _tensor_bytes(model.parameters())
     buffers = _tensor_bytes(model.buffers())
-    # One real optimizer step (the training loop's): creates the optimizer's state. Gradients
-    # take what the trained weights take (one per parameter, in its dtype; none for a LoRA
-    # run's frozen base).
-    batches = iter([fetch_batch(setup, min(b, 2), seed=1)] * cfg.train.grad_accum_steps)
-    train_step(setup.state, setup.objective, batches, cfg.optim.lr, StepMetrics(setup.device))
+    state_tensors, ema_tensors = state_after_one_step(setup, min(b, 2))
+    # Gradients take what the trained weights take (one per parameter, in its dtype; none for
+    # a LoRA run's frozen base).
     trained = [p for p in model.parameters() if p.requires_grad]
     grads = _tensor_bytes(trained)
-    optimizer = setup.state.optimizer
-    opt_state = _tensor_bytes(v for s in optimizer.state.values() for v in s.values())
-    # The EMA and the power EMAs of ema.posthoc_std: one copy of the trained weights each (a
-    # frozen base is shared with the model, not copied).
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    ema = _tensor_bytes(p for m in (setup.state.ema.model, *setup.state.posthoc.models) for p in m.parameters()
-                        if p.untyped_storage().data_ptr() not in own)
+    opt_state = _tensor_bytes(state_tensors)
+    ema = _tensor_bytes(ema_tensors)
+    rank = rank_memory(model, state_tensors, ema_tensors, parallel, world_size, cfg.train.precision)
     # Activations at b and 2b: the slope per image and the part that does not grow with b.
     act_b, peak_b = activation_bytes(setup, b)
     act_2b, _ = activation_bytes(setup, 2 * b)
     per_image = max(act_2b - act_b, 1) / b
     act_fixed = max(act_b - per_image * b, 0)
-    fixed = params + buffers + grads + opt_state + ema + act_fixed
+    fixed = buffers + rank.total + act_fixed  # what one rank holds (DDP on 1 rank: params + grads + opt_state + ema)
     budget = memory_gib * 2**30 if memory_gib else available_bytes(setup.device)
     max_batch = max(0, math.floor((headroom * budget - fixed) / per_image))
     result = {
@@ -141,6 +164,7 @@ def estimate(
         "max_batch_size": max_batch,
         "precision": cfg.train.precision,
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "per_rank": rank.as_mib(),
     }
     if target_batch:
         per_step = min(b, max_batch) if max_batch else b
@@ -168,8 +192,12 @@ def format_estimate(r: dict) -> str:
         ("EMA weights", f"{r['ema_mib']:.1f} MiB"),
         (f"activations @ {r['batch_size']}", f"{r['activations_mib']:.1f} MiB "
                                             f"({r['activations_per_image_mib']:.2f} MiB per image, measured)"),
-        ("total", f"{r['total_mib']:.1f} MiB"),
     ]
+    one_rank = (r["per_rank"]["parallel"], r["per_rank"]["world_size"]) == ("ddp", 1)
+    if not one_rank:
+        rows += format_per_rank(r)
+    rows.append(("total" if one_rank else "total per rank", f"{r['total_mib']:.1f} MiB"
+                 + ("" if one_rank else " (with activations and buffers)")))
     if r.get("cuda_step_peak_mib"):
         rows.append(("CUDA peak of a step", f"{r['cuda_step_peak_mib']:.1f} MiB above the weights"))
     rows.append(("largest batch", f"{r['max_batch_size']:,} (90% of {r['budget_mib']:,.0f} MiB)"))
