@@ -46,13 +46,19 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     """The units sharded on their own, in forward order. difftrain's UNet: each ResBlock,
     attention block and down- or upsampling of its levels, and the middle block (not a level as a
     whole: a level appends to or pops from the list of skip connections it is passed, and FSDP's
-    hooks pass a module copies of its arguments). A diffusers UNet: its ``down_blocks``,
-    ``mid_block`` and ``up_blocks``. What is left (embeddings, the first and last convolutions)
-    belongs to the root's unit."""
+    hooks pass a module copies of its arguments). A diffusers UNet: the ResNet, transformer and
+    resampling modules of its ``down_blocks``, ``mid_block`` and ``up_blocks`` (whole blocks are
+    too uneven: SDXL's ``up_blocks.0`` holds 1.2B of its 2.6B parameters, all gathered at once).
+    What is left (embeddings, the first and last convolutions) belongs to the root's unit."""
     unet = getattr(model, "unet", model)  # models/diffusers_unet.ConditionUNet wraps diffusers' UNet
     if isinstance(getattr(unet, "down_blocks", None), nn.ModuleList):
         mid = [unet.mid_block] if getattr(unet, "mid_block", None) is not None else []
-        return [*unet.down_blocks, *mid, *unet.up_blocks]
+        found = []
+        for block in [*unet.down_blocks, *mid, *unet.up_blocks]:
+            res, attn = list(getattr(block, "resnets", [])), list(getattr(block, "attentions", None) or [])
+            found += [m for i in range(max(len(res), len(attn))) for m in (res[i:i + 1] + attn[i:i + 1])]
+            found += [*(getattr(block, "downsamplers", None) or []), *(getattr(block, "upsamplers", None) or [])]
+        return [m for m in found if next(m.parameters(), None) is not None]
     if not isinstance(getattr(unet, "down", None), nn.ModuleList):
         return []
     found: list[nn.Module] = []

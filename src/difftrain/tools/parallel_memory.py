@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-# train.parallel's values; the first is the default.
-PARALLELISMS = ("ddp", "fsdp")
+from difftrain.config import Parallel
+
+PARALLELISMS = typing.get_args(Parallel)  # train.parallel's values; the first is the default
 # Bytes per element of the compute dtype of train.precision (FSDP's MixedPrecisionPolicy param_dtype).
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Unsharded copies of the largest FSDP unit alive at once: the block computed and the one prefetched.
@@ -33,8 +35,8 @@ MiB, GiB = 2**20, 2**30
 
 
 def resolve_parallel(cfg, parallel: str | None) -> str:
-    """``parallel`` if given, else the config's ``train.parallel`` (``"ddp"`` before that key exists)."""
-    parallel = parallel if parallel is not None else getattr(cfg.train, "parallel", PARALLELISMS[0])
+    """``parallel`` if given, else the config's ``train.parallel``."""
+    parallel = parallel if parallel is not None else cfg.train.parallel
     if parallel not in PARALLELISMS:
         raise ValueError(f"--parallel must be one of {', '.join(PARALLELISMS)}, got {parallel!r}")
     return parallel
@@ -42,28 +44,11 @@ def resolve_parallel(cfg, parallel: str | None) -> str:
 
 def fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules ``fully_shard`` wraps one by one before the root, as (qualified name, module):
-    difftrain's UNet's ``down.i``, ``mid`` and ``up.i``, or a diffusers UNet2DConditionModel's
-    ``down_blocks.i``, ``mid_block`` and ``up_blocks.i``, found anywhere inside ``model`` (so
-    through a ConditionUNet or a LoRA network). Empty for a model with neither: the root alone."""
-    from difftrain.models.unet import UNet
+    the units of ``runtime.fsdp.blocks``, which training shards. Empty: the root alone."""
+    from difftrain.runtime.fsdp import blocks
 
-    for prefix, m in model.named_modules():
-        if isinstance(m, UNet):
-            names = ("down", "mid", "up")
-        elif type(m).__name__ == "UNet2DConditionModel":
-            names = ("down_blocks", "mid_block", "up_blocks")
-        else:
-            continue
-        dot = f"{prefix}." if prefix else ""
-        blocks = []
-        for name in names:
-            child = getattr(m, name)
-            if isinstance(child, nn.ModuleList):
-                blocks += [(f"{dot}{name}.{i}", block) for i, block in enumerate(child)]
-            elif child is not None:
-                blocks.append((f"{dot}{name}", child))
-        return blocks
-    return []
+    names = {id(m): name for name, m in model.named_modules()}
+    return [(names[id(b)], b) for b in blocks(model)]
 
 
 def shard_numel(t: torch.Tensor, world_size: int) -> int:
