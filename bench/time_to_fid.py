@@ -1,7 +1,11 @@
-"""Time to FID: train each recipe for the same wall-clock budget, then FID/KID of its EMA samples.
+"""Time to FID: train each recipe for the same budget, then FID/KID of its EMA samples.
 
-    # CPU mode: tiny UNet on CIFAR-10 at 16 px, six ablation recipes, about 13 minutes on 2 cores
-    python bench/time_to_fid.py --cpu-mode --data /tmp/cifar10
+    # CPU mode, the ranking protocol: the tiny UNet on 16-px CIFAR-10 (bench/make_cifar16.py),
+    # 1,564 steps, two recipes at a time on one core each, the best two again on a second seed;
+    # 1,000 samples against 2,000 test images. About 25 minutes per pair of recipes on 2 cores.
+    python bench/time_to_fid.py --cpu-mode --data /tmp/cifar16 --recipes epsilon v-minsnr edm flow
+    # the 60-s smoke version (six ablation recipes, 200 samples; about 13 minutes)
+    python bench/time_to_fid.py --smoke --data /tmp/cifar16
     # the issue's H100 comparison (the short preset against diffusers' script), 318 s each;
     # the full command is in docs/quality.md
     python bench/time_to_fid.py --data /tmp/cifar10 --budget 318 --num-samples 10000 \\
@@ -25,6 +29,12 @@ the loop (imports, data scan, decode cache, model build) and not the first step 
 
 ``train.total_steps=@reached`` in a recipe's overrides is replaced by the steps that the
 first recipe reached in the budget, so that a decaying LR schedule ends when the budget does.
+With ``--total-steps N`` the budget is a step count instead (every recipe trains N steps, its
+schedule planned over them; a recipe may set its own ``train.total_steps``, for example at
+another batch size), and ``--concurrent K`` trains K recipes at a time, each pinned to its own
+CPU core with one thread, so that the machine's noise hits them alike. ``--seeds S`` trains the
+best two recipes again on ``train.seed`` 1 .. S-1 and prints how far apart their means are
+against the spread between seeds: how sure the ranking is.
 
 The diffusers peer (``--peer diffusers``) runs ``train_unconditional.py`` from
 ``--peer-dir`` (default ``../shared/peers``) through ``accelerate launch`` under ``timeout
@@ -37,10 +47,12 @@ accelerate and diffusers; where one is missing the table says so and the peer is
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import json
 import math
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -81,7 +93,10 @@ ABLATION = {
     "edm": _COSINE + ("diffusion.objective=edm", "validation.sampler=heun", "evaluation.fid_sampler=heun"),
     "flow": _COSINE + ("diffusion.objective=flow", "validation.sampler=heun", "evaluation.fid_sampler=heun"),
 }
-CPU_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
+SMOKE_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
+CPU_DEFAULT = ("epsilon", "v-minsnr", "edm", "flow")  # the objectives, ranked by the CPU mode
+# The CPU mode's protocol (issue 17): two epochs of 16-px CIFAR-10 at batch 64, 100 warm-up steps.
+PROTOCOL_STEPS, PROTOCOL_WARMUP = 1564, 100
 
 
 @dataclass
@@ -89,6 +104,7 @@ class Recipe:
     name: str
     config: str | None  # a TOML file; None for the peer
     overrides: list[str] = field(default_factory=list)
+    base: str | None = None  # the recipe this one repeats on another seed
 
 
 @dataclass
@@ -104,6 +120,8 @@ class Run:
     checkpoints: list[tuple[float, int, Path]] = field(default_factory=list)  # (seconds, step, path)
     skipped: str | None = None  # why the recipe did not run
     results: list[dict] = field(default_factory=list)
+    steps_per_s: float | None = None  # mean training rate over the metrics lines
+    core: int | None = None  # the CPU core it was pinned to
 
 
 def parse_recipe(text: str) -> Recipe:
@@ -147,9 +165,24 @@ def _settings(config: str, overrides: list[str]) -> tuple[int, int]:
     return cfg.train.log_every_steps, cfg.train.batch_size * cfg.train.grad_accum_steps
 
 
-def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path | None, grace_s: float = 300) -> Run:
-    """Train one recipe through the CLI until it ends or the budget passes (then SIGTERM)."""
-    run = Run(recipe, run_dir, budget_s)
+def _steps_per_s(metrics: Path, per_step: int) -> float | None:
+    """Mean training steps per second over the metrics lines (each covers log_every steps)."""
+    try:
+        rates = [json.loads(line).get("images_per_s") for line in metrics.read_text().splitlines()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    rates = [r for r in rates if r]
+    return sum(rates) / len(rates) / per_step if rates else None
+
+
+_LIVE: set[subprocess.Popen] = set()  # training processes running now (stopped if this script is)
+
+
+def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path | None, grace_s: float = 300,
+                 core: int | None = None) -> Run:
+    """Train one recipe through the CLI until it ends or the budget passes (then SIGTERM);
+    ``core``: pin the run (and its loader workers) to this CPU core, with one thread."""
+    run = Run(recipe, run_dir, budget_s, core=core)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     if warm_scan is not None and warm_scan.is_file():
@@ -159,12 +192,17 @@ def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path
     for o in recipe.overrides:
         cmd += ["--set", o]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    pin = None
+    if core is not None:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731 (runs in the child before exec)
     ckpt_dir, metrics = run_dir / "checkpoints", run_dir / "metrics.jsonl"
     seen: dict[str, float] = {}
     metrics_at = None
     log = open(run_dir / "train.log", "w")
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, preexec_fn=pin)
+    _LIVE.add(proc)
     signalled = None
     try:
         while True:
@@ -186,6 +224,7 @@ def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
+        _LIVE.discard(proc)
     run.wall_s = time.monotonic() - start
     run.exit_code = proc.returncode
     log.close()
@@ -197,8 +236,55 @@ def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path
         run.images_seen = run.steps * per_step
     if metrics_at is not None:
         run.first_step_s = _first_step_seconds(metrics, metrics_at, log_every, per_step)
+    run.steps_per_s = _steps_per_s(metrics, per_step)
     if proc.returncode not in (0, 75):
         run.skipped = f"train exited {proc.returncode}; see {run_dir / 'train.log'}"
+    return run
+
+
+def train_all(recipes: list[Recipe], work: Path, args, scan: Path | None) -> list[Run]:
+    """Train ``recipes``: one after another, or ``args.concurrent`` at a time, each on a core
+    of its own (a core is handed to the next recipe when its run ends). Runs in recipe order."""
+    if args.concurrent <= 1:
+        runs, reached = [], None
+        for r in recipes:
+            if any("@reached" in o for o in r.overrides):
+                if reached is None:
+                    raise SystemExit(f"recipe {r.name} uses @reached but no earlier recipe reached a step")
+                r.overrides = [o.replace("@reached", str(reached)) for o in r.overrides]
+            print(f"training {r.name} ({_budget_text(args)})", flush=True)
+            runs.append(_reported(train_recipe(r, work / r.name, args.budget, scan)))
+            reached = reached or (runs[-1].steps or None)
+        return runs
+    cores = queue.Queue()
+    for c in sorted(os.sched_getaffinity(0))[: args.concurrent]:
+        cores.put(c)
+
+    def one(r: Recipe) -> Run:
+        core = cores.get()
+        try:
+            print(f"training {r.name} on core {core} ({_budget_text(args)})", flush=True)
+            return _reported(train_recipe(r, work / r.name, args.budget, scan, core=core))
+        finally:
+            cores.put(core)
+
+    with concurrent.futures.ThreadPoolExecutor(args.concurrent) as pool:
+        try:
+            return list(pool.map(one, recipes))
+        except BaseException:  # Ctrl-C or SIGTERM: stop the runs, which save and exit
+            for proc in list(_LIVE):
+                proc.send_signal(signal.SIGTERM)
+            raise
+
+
+def _budget_text(args) -> str:
+    return f"{args.total_steps:,} steps" if args.total_steps else f"{args.budget:.0f} s"
+
+
+def _reported(run: Run) -> Run:
+    rate = f", {run.steps_per_s:.2f} steps/s" if run.steps_per_s else ""
+    print(f"  {run.recipe.name}: {run.steps} steps in {run.wall_s:.0f} s, exit {run.exit_code}, first step at "
+          f"{_fmt(run.first_step_s, '.1f')} s{rate}" + (f" ({run.skipped})" if run.skipped else ""), flush=True)
     return run
 
 
@@ -347,26 +433,71 @@ def _fmt(x, spec: str, missing: str = "n/a") -> str:
     return missing if x is None else format(x, spec)
 
 
+def best_runs(runs: list[Run], n: int) -> list[Run]:
+    """The ``n`` difftrain runs with the lowest final FID."""
+    scored = [r for r in runs if r.results and r.recipe.config is not None]
+    return sorted(scored, key=lambda r: r.results[-1]["fid"])[:n]
+
+
+def seed_groups(runs: list[Run]) -> dict[str, list[float]]:
+    """Final FID of every scored run, grouped by recipe (its repeats on other seeds included)."""
+    groups: dict[str, list[float]] = {}
+    for r in runs:
+        if r.results:
+            groups.setdefault(r.recipe.base or r.recipe.name, []).append(r.results[-1]["fid"])
+    return groups
+
+
+def how_sure(groups: dict[str, list[float]]) -> list[str]:
+    """The best two recipes with more than one seed: the gap between their mean FIDs against the
+    largest spread between one recipe's seeds (training noise and sampling noise together)."""
+    repeated = sorted((sum(v) / len(v), k, v) for k, v in groups.items() if len(v) > 1)
+    if len(repeated) < 2:
+        return []
+    (m1, a, va), (m2, b, vb) = repeated[:2]
+    spread = max(max(va) - min(va), max(vb) - min(vb))
+    verdict = ("apart by more than the spread between seeds" if m2 - m1 > spread
+               else "within the spread between seeds: not separated")
+    return [f"How sure: `{a}` (mean FID {m1:.2f} over {len(va)} seeds) against `{b}` ({m2:.2f} over {len(vb)}): "
+            f"a gap of {m2 - m1:.2f}, where one recipe's seeds differ by up to {spread:.2f}; {verdict}."]
+
+
 def tables(runs: list[Run], args, ref_count: int) -> str:
     n = args.num_samples
-    lines = [f"FID/KID: {n:,} EMA samples (DDIM {args.steps} steps, eta 0, seed {args.seed}) against "
-             f"{ref_count:,} reference images; budget counted from process start.", "",
-             "| recipe | budget s | steps | images seen | time to first step s | FID | KID |",
-             "|---|---|---|---|---|---|---|"]
+    budget = (f"{args.total_steps:,} steps per recipe (a recipe may set its own)" if args.total_steps
+              else "budget counted from process start")
+    pinned = f"; {args.concurrent} at a time, one CPU core each" if args.concurrent > 1 else ""
+    lines = [f"FID/KID: {n:,} EMA samples (about {args.steps} network evaluations, eta 0, seed {args.seed}) against "
+             f"{ref_count:,} reference images; {budget}{pinned}. Confetti: share of samples above the reference "
+             "images' 99th percentile of Laplacian energy (1% of real images).", "",
+             "| recipe | budget s | wall s | steps | images seen | steps/s | time to first step s | sampler (NFE) "
+             "| FID | KID | confetti |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r.skipped and not r.results:
-            lines.append(f"| {r.recipe.name} | {r.budget_s:.0f} | - | - | - | {r.skipped} | - |")
+            lines.append(f"| {r.recipe.name} | {r.budget_s:.0f} | - | - | - | - | - | - | {r.skipped} | - | - |")
             continue
         last = r.results[-1] if r.results else {}
         kid = f"{last['kid_mean']:.4f} ± {last['kid_std']:.4f}" if "kid_mean" in last else "n/a"
-        lines.append(f"| {r.recipe.name} | {r.budget_s:.0f} | {r.steps:,} | {r.images_seen:,} | "
-                     f"{_fmt(r.first_step_s, '.1f')} | {_fmt(last.get('fid'), '.2f')} | {kid} |")
-    lines += ["", "FID against minutes (the newest checkpoint at each point of the budget):", "",
-              "| recipe | minute | step | FID | KID |", "|---|---|---|---|---|"]
-    for r in runs:
-        for res in r.results:
-            lines.append(f"| {r.recipe.name} | {res['seconds'] / 60:.2f} | {res['step']:,} | "
-                         f"{res['fid']:.2f} | {res.get('kid_mean', float('nan')):.4f} |")
+        confetti = _fmt(100 * last["confetti_share"] if "confetti_share" in last else None, ".1f") + "%"
+        sampler = f"{last['sampler']} {last['sampler_steps']} ({last['nfe']})" if "nfe" in last else "n/a"
+        budget_s = "-" if args.total_steps else f"{r.budget_s:.0f}"
+        lines.append(f"| {r.recipe.name} | {budget_s} | {r.wall_s:.0f} | {r.steps:,} | {r.images_seen:,} | "
+                     f"{_fmt(r.steps_per_s, '.2f')} | {_fmt(r.first_step_s, '.1f')} | {sampler} | "
+                     f"{_fmt(last.get('fid'), '.2f')} | {kid} | {confetti} |")
+    groups = seed_groups(runs)
+    if any(len(v) > 1 for v in groups.values()):
+        lines += ["", "| recipe | FID per seed | mean |", "|---|---|---|"]
+        for name, fids in sorted(groups.items(), key=lambda kv: sum(kv[1]) / len(kv[1])):
+            lines.append(f"| {name} | {' / '.join(f'{f:.2f}' for f in fids)} | {sum(fids) / len(fids):.2f} |")
+        lines += [""] + how_sure(groups)
+    if args.curve_every > 0:
+        lines += ["", "FID against minutes (the newest checkpoint at each point of the budget):", "",
+                  "| recipe | minute | step | FID | KID |", "|---|---|---|---|---|"]
+        for r in runs:
+            for res in r.results:
+                lines.append(f"| {r.recipe.name} | {res['seconds'] / 60:.2f} | {res['step']:,} | "
+                             f"{res['fid']:.2f} | {res.get('kid_mean', float('nan')):.4f} |")
     lines += ["", "Overrides:", ""]
     for r in runs:
         if r.recipe.config:
@@ -381,8 +512,17 @@ def tables(runs: list[Run], args, ref_count: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-mode", action="store_true",
-                   help="tiny UNet on CIFAR-10 at 16 px (configs/cifar10-16px-cpu.toml), budget 60 s, "
-                        "200 samples, 500 reference images, the CPU_DEFAULT recipes")
+                   help="the ranking protocol: tiny UNet on CIFAR-10 at 16 px (configs/cifar10-16px-cpu.toml), "
+                        f"{PROTOCOL_STEPS:,} steps, two at a time on one core each, two seeds of the best two, "
+                        "1,000 samples, 2,000 reference images, the CPU_DEFAULT recipes (the objectives)")
+    p.add_argument("--smoke", action="store_true",
+                   help="the 60-s version of the CPU mode: budget 60 s, 200 samples, 500 reference images, "
+                        "one recipe at a time, the SMOKE_DEFAULT recipes")
+    p.add_argument("--total-steps", type=int, help="a step budget instead of a wall-clock one (CPU mode: "
+                   f"{PROTOCOL_STEPS})")
+    p.add_argument("--concurrent", type=int, help="recipes trained at a time, one CPU core each (CPU mode: 2)")
+    p.add_argument("--seeds", type=int, help="train the best two recipes again on this many seeds in all "
+                   "(CPU mode: 2)")
     p.add_argument("--data", default=os.environ.get(DATA_ENV),
                    help=f"folder with train/ and test/ (default ${DATA_ENV}); data.path = DATA/train")
     p.add_argument("--recipes", nargs="*", help=f"built-in recipes on --config: {', '.join(ABLATION)}")
@@ -416,18 +556,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind, stopping the child run
-    cpu = args.cpu_mode
-    args.budget = args.budget or (60.0 if cpu else 318.0)
-    args.num_samples = args.num_samples or (200 if cpu else 10_000)
-    args.ref_num = args.ref_num or (500 if cpu else None)
-    args.curve_every = args.curve_every if args.curve_every is not None else (0.0 if cpu else args.budget / 4)
-    args.checkpoint_every_steps = args.checkpoint_every_steps or (50 if cpu else 500)
+    cpu, smoke = args.cpu_mode, args.smoke
+    if cpu and smoke:
+        raise SystemExit("--cpu-mode and --smoke are two protocols: choose one")
+    if cpu:
+        args.total_steps = args.total_steps or PROTOCOL_STEPS
+        args.concurrent = args.concurrent or 2
+        args.seeds = args.seeds or 2
+    args.concurrent, args.seeds = args.concurrent or 1, args.seeds or 1
+    if args.total_steps and args.budget is None:
+        args.budget = 24 * 3600.0  # a step budget: the wall clock is only a safety stop
+    args.budget = args.budget or (60.0 if smoke else 318.0)
+    args.num_samples = args.num_samples or (200 if smoke else 1000 if cpu else 10_000)
+    args.ref_num = args.ref_num or (500 if smoke else 2000 if cpu else None)
+    args.curve_every = args.curve_every if args.curve_every is not None else (
+        0.0 if cpu or smoke or args.total_steps else args.budget / 4)
+    args.checkpoint_every_steps = args.checkpoint_every_steps or (50 if smoke else 400 if cpu else 500)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    base_config = args.config or (str(CPU_CONFIG) if cpu else None)
+    base_config = args.config or (str(CPU_CONFIG) if cpu or smoke else None)
 
     recipes = [parse_recipe(r) for r in args.recipe]
-    names = args.recipes if args.recipes is not None else (list(CPU_DEFAULT) if cpu and not recipes else [])
+    defaults = CPU_DEFAULT if cpu else SMOKE_DEFAULT if smoke else ()
+    names = args.recipes if args.recipes is not None else (list(defaults) if not recipes else [])
     for name in names:
         if name not in ABLATION:
             raise SystemExit(f"unknown recipe {name!r}; built in: {', '.join(ABLATION)}")
@@ -440,30 +591,25 @@ def main(argv: list[str] | None = None) -> int:
     every = args.checkpoint_every_steps
     common = [*data_sets, f"checkpoint.every_steps={every}", f"checkpoint.keep_every_steps={every}",
               "checkpoint.keep_last=1", "train.progress_bar=false"]
+    if cpu:
+        common += [f"optim.warmup_steps={PROTOCOL_WARMUP}", "data.num_workers=1"]
+    if args.total_steps:
+        common.append(f"train.total_steps={args.total_steps}")
     for r in recipes:
         r.config = str(Path(r.config).resolve())
         r.overrides = common + list(args.set) + r.overrides
+        if args.total_steps:  # a recipe's own step count (set after the common one) wins
+            r.overrides = [o.replace("@reached", str(args.total_steps)) for o in r.overrides]
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    print(f"time_to_fid: {len(recipes)} recipe(s), {args.budget:.0f} s each, {args.num_samples} samples, "
-          f"device {args.device}, torch {torch.__version__}, {os.cpu_count()} CPU(s)", flush=True)
+    print(f"time_to_fid: {len(recipes)} recipe(s), {_budget_text(args)} each, {args.concurrent} at a time, "
+          f"{args.num_samples} samples, device {args.device}, torch {torch.__version__}, {os.cpu_count()} CPU(s)",
+          flush=True)
 
-    # Train every recipe first, one at a time (evaluation would compete for the device).
+    # Train every recipe first (evaluation would compete for the device).
     scan = None if args.no_warm or not recipes else warm_up(recipes[0], work)
-    runs: list[Run] = []
-    reached = None
-    for r in recipes:
-        if any("@reached" in o for o in r.overrides):
-            if reached is None:
-                raise SystemExit(f"recipe {r.name} uses @reached but no earlier recipe reached a step")
-            r.overrides = [o.replace("@reached", str(reached)) for o in r.overrides]
-        print(f"training {r.name} for {args.budget:.0f} s", flush=True)
-        run = train_recipe(r, work / r.name, args.budget, scan)
-        print(f"  {run.steps} steps, exit {run.exit_code}, first step at {_fmt(run.first_step_s, '.1f')} s"
-              + (f" ({run.skipped})" if run.skipped else ""), flush=True)
-        reached = reached or (run.steps or None)
-        runs.append(run)
+    runs = train_all(recipes, work, args, scan)
     if args.peer:
         print(f"training the diffusers peer for {args.budget:.0f} s", flush=True)
         runs.append(train_peer(args, work, args.budget))
@@ -490,6 +636,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reference: {reference.count} images of {source} at {res} px"
               f"{' (cached)' if cached else ''} in {time.perf_counter() - t0:.0f} s", flush=True)
     evaluate([r for r in runs if not r.skipped or r.checkpoints], args, reference, inception)
+    if args.seeds > 1:  # the best two again on other seeds: how sure is their order?
+        again = [Recipe(f"{r.recipe.name}-seed{seed}", r.recipe.config, [*r.recipe.overrides, f"train.seed={seed}"],
+                        base=r.recipe.name) for seed in range(1, args.seeds) for r in best_runs(runs, 2)]
+        more = train_all(again, work, args, scan)
+        evaluate([r for r in more if not r.skipped or r.checkpoints], args, reference, inception)
+        runs += more
 
     text = tables(runs, args, reference.count)
     print("\n" + text)
@@ -498,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         record = [{"recipe": r.recipe.name, "config": r.recipe.config, "overrides": r.recipe.overrides,
                    "budget_s": r.budget_s, "wall_s": round(r.wall_s, 1), "exit_code": r.exit_code,
                    "steps": r.steps, "images_seen": r.images_seen, "first_step_s": r.first_step_s,
+                   "steps_per_s": r.steps_per_s, "core": r.core, "seed_of": r.recipe.base,
                    "skipped": r.skipped, "results": r.results} for r in runs]
         Path(args.out).with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     return 0

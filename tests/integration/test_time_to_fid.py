@@ -61,7 +61,7 @@ def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
     assert "| constant-lr | 7 |" in table and "| lr-decay | 7 |" in table and "| flow | 7 |" in table
     assert "FID against minutes" in table
     if peer_skipped:
-        assert "| diffusers (peer) | 7 | - | - | - | skipped: needs" in table
+        assert "| diffusers (peer) | 7 | - | - | - | - | - | - | skipped: needs" in table
     runs = {r["recipe"]: r for r in json.loads((tmp_path / "t.json").read_text())}
     first, second = runs["constant-lr"], runs["lr-decay"]
     assert first["exit_code"] == 75  # stopped by SIGTERM at the budget, checkpoint saved
@@ -74,3 +74,37 @@ def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
         final = run["results"][-1]
         assert final["step"] == run["steps"] and final["num_samples"] == 4 and final["num_reference"] == 4
         assert math.isfinite(final["fid"]) and math.isfinite(final["kid_mean"])
+
+
+def test_step_budget_pairs_on_one_core_each_and_the_best_two_on_a_second_seed(tmp_path, tiny_overrides):
+    """The CPU mode's shape on tiny settings: a step budget, two runs at a time pinned to their
+    own cores, then the best two again on seed 1, and the line that says how sure the order is."""
+    from difftrain.evaluation.inception import find_inception_weights
+
+    try:
+        find_inception_weights()
+    except FileNotFoundError as e:
+        pytest.skip(f"FID Inception weights not available: {e}")
+    bench = _bench()
+    sets = [o for o in tiny_overrides if not o.startswith(("train.total_steps", "checkpoint.", "validation."))]
+    args = ["--config", str(REPO / "configs" / "tiny.toml"), "--recipes", "constant-lr", "flow",
+            "--set", "data.path=builtin:shapes", "--set", "validation.every_steps=0",
+            "--total-steps", "3", "--concurrent", "2", "--seeds", "2", "--num-samples", "4", "--steps", "2",
+            "--batch-size", "4", "--ref", "builtin:shapes", "--ref-num", "4", "--no-warm",
+            "--work", str(tmp_path / "runs"), "--out", str(tmp_path / "t.md")]
+    for o in sets:
+        args += ["--set", o]
+    assert bench.main(args) == 0
+
+    runs = {r["recipe"]: r for r in json.loads((tmp_path / "t.json").read_text())}
+    assert set(runs) == {"constant-lr", "flow", "constant-lr-seed1", "flow-seed1"}
+    first = [runs["constant-lr"], runs["flow"]]
+    assert {r["core"] for r in first} == set(sorted(__import__("os").sched_getaffinity(0))[:2])
+    for name, run in runs.items():
+        assert run["exit_code"] == 0 and run["steps"] == 3, name  # ran to its step budget, not stopped
+        assert "train.total_steps=3" in run["overrides"] and run["steps_per_s"] > 0
+        assert run["results"][-1]["step"] == 3 and math.isfinite(run["results"][-1]["fid"])
+    assert "train.seed=1" in runs["flow-seed1"]["overrides"] and runs["flow-seed1"]["seed_of"] == "flow"
+    table = (tmp_path / "t.md").read_text()
+    assert "| recipe | FID per seed | mean |" in table and "How sure: `" in table
+    assert "FID against minutes" not in table  # a step budget has no curve by default
