@@ -16,9 +16,10 @@ per batch).
 The measurement spawns 1 and 2 gloo processes on the CPU, wraps ddpm-64 in DDP or in
 ``fully_shard`` (fp32, no mixed precision), takes one AdamW step at batch 1 and sums the local
 storage bytes (``DTensor.to_local()``) of weights, gradients, AdamW state and an EMA made as a
-copy of the local weights, on each rank. difftrain's UNet is sharded per ResBlock, attention
-block and resampler there, not per level: its levels push and pop a list of skip tensors, which
-FSDP2's forward hook copies (the shards do not depend on the grouping; only the transient does).
+copy of the local weights, on each rank. The units are training's (``runtime.fsdp.blocks``):
+difftrain's UNet per ResBlock, attention block and resampler, not per level (its levels push and
+pop a list of skip tensors, which FSDP2's forward hook copies); a diffusers UNet per ResNet,
+transformer and resampler. The shards do not depend on the grouping; only the transient does.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _measure_rank(rank: int, world_size: int, port: int, parallel: str, out_dir:
     from torch.nn.parallel import DistributedDataParallel
 
     from difftrain.models import build_unet
-    from difftrain.models.layers import AttentionBlock, Downsample, ResBlock, Upsample
+    from difftrain.runtime.fsdp import blocks
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -105,7 +106,7 @@ def _measure_rank(rank: int, world_size: int, port: int, parallel: str, out_dir:
     if parallel == "ddp":
         net = DistributedDataParallel(model)
     else:
-        for m in [m for m in model.modules() if isinstance(m, (ResBlock, AttentionBlock, Downsample, Upsample))]:
+        for m in blocks(model):  # the units training shards
             fully_shard(m)
         net = fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

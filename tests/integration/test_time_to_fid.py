@@ -22,6 +22,16 @@ def _bench():
     return module
 
 
+@pytest.fixture
+def inception_weights():
+    from difftrain.evaluation.inception import find_inception_weights
+
+    try:
+        return find_inception_weights()
+    except FileNotFoundError as e:
+        pytest.skip(f"FID Inception weights not available: {e}")
+
+
 def test_parse_recipe_keeps_bracketed_lists_whole():
     recipe = _bench().parse_recipe("short=configs/tiny.toml:optim.betas=[0.95,0.999],optim.lr=2e-4")
     assert recipe.name == "short" and recipe.config == "configs/tiny.toml"
@@ -35,13 +45,7 @@ def test_curve_points_take_the_newest_checkpoint_at_each_mark_and_the_last():
     assert [c[1] for c in _bench().curve_points(ckpts, 0.0)] == [20]
 
 
-def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
-    from difftrain.evaluation.inception import find_inception_weights
-
-    try:
-        find_inception_weights()
-    except FileNotFoundError as e:
-        pytest.skip(f"FID Inception weights not available: {e}")
+def test_time_to_fid_end_to_end(tmp_path, tiny_overrides, inception_weights):
     bench = _bench()
     sets = [o for o in tiny_overrides if not o.startswith(("train.total_steps", "checkpoint.", "validation."))]
     sets.append("validation.every_steps=0")
@@ -76,15 +80,10 @@ def test_time_to_fid_end_to_end(tmp_path, tiny_overrides):
         assert math.isfinite(final["fid"]) and math.isfinite(final["kid_mean"])
 
 
-def test_step_budget_pairs_on_one_core_each_and_the_best_two_on_a_second_seed(tmp_path, tiny_overrides):
+def test_step_budget_pairs_on_one_core_each_and_the_best_two_on_a_second_seed(tmp_path, tiny_overrides,
+                                                                              inception_weights):
     """The CPU mode's shape on tiny settings: a step budget, two runs at a time pinned to their
     own cores, then the best two again on seed 1, and the line that says how sure the order is."""
-    from difftrain.evaluation.inception import find_inception_weights
-
-    try:
-        find_inception_weights()
-    except FileNotFoundError as e:
-        pytest.skip(f"FID Inception weights not available: {e}")
     bench = _bench()
     sets = [o for o in tiny_overrides if not o.startswith(("train.total_steps", "checkpoint.", "validation."))]
     args = ["--config", str(REPO / "configs" / "tiny.toml"), "--recipes", "constant-lr", "flow",
