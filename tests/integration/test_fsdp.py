@@ -100,8 +100,8 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_exports_whole(runs, tmp
 def test_a_bad_parallel_value_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match=r"^train\.parallel must be one of 'ddp', 'fsdp', got 'zero3'$"):
         load_config(None, ["train.parallel=zero3"])
-    with pytest.raises(ConfigError, match=r"train\.parallel='fsdp'.*lora"):
-        load_config(None, ["train.parallel=fsdp", "lora.rank=4", "model.init_from=x"])
+    with pytest.raises(ConfigError, match=r"train\.parallel='fsdp'.*posthoc_std"):
+        load_config(None, ["train.parallel=fsdp", "ema.posthoc_std=[0.1]"])
 
 
 @pytest.mark.slow  # about 25 s: two ranks start, then one process resumes

@@ -9,6 +9,12 @@ B take the same steps as DDP, and as one process at batch W x B, to float roundi
 ``train.precision = "bf16"`` the gathered parameters are bf16 for compute while the shards (the
 master weights) and the gradient reduction stay fp32.
 
+A LoRA run (``models/lora.py``) is sharded the same way: the frozen base and the adapter
+share each unit (FSDP2 gathers both, and reduce-scatters the adapter's gradients alone), the
+optimizer holds the adapter's shards. Averages of the weights (the EMA, post-hoc EMAs) are not
+FSDP units but plain copies holding shards laid out as the model's (:func:`shard_like`): each
+rank averages its own shard, and a frozen base is the model's own shards, shared.
+
 Evaluation during training (validation grids, held-out loss, FID) spreads its work across
 ranks, each rank running forward passes of its own count: a sharded model cannot do that (every
 forward is a collective), so :func:`unsharded_copy` gathers the whole weights onto every rank
@@ -21,10 +27,9 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from difftrain.runtime.distributed import DistContext
 
@@ -50,6 +55,10 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     resampling modules of its ``down_blocks``, ``mid_block`` and ``up_blocks`` (whole blocks are
     too uneven: SDXL's ``up_blocks.0`` holds 1.2B of its 2.6B parameters, all gathered at once).
     What is left (embeddings, the first and last convolutions) belongs to the root's unit."""
+    from difftrain.models.lora import LoraNetwork
+
+    if isinstance(model, LoraNetwork):  # the adapted base's blocks (the adapter's layers lie inside them)
+        model = model.base
     unet = getattr(model, "unet", model)  # models/diffusers_unet.ConditionUNet wraps diffusers' UNet
     if isinstance(getattr(unet, "down_blocks", None), nn.ModuleList):
         mid = [unet.mid_block] if getattr(unet, "mid_block", None) is not None else []
@@ -83,6 +92,22 @@ def shard_model(model: nn.Module, ctx: DistContext, precision: str) -> nn.Module
     return model
 
 
+@torch.no_grad()
+def shard_like(average: nn.Module, model: nn.Module) -> None:
+    """Lay ``average`` (an EMA's copy of ``model``, not sharded) out as the sharded ``model``, in
+    place: each parameter that trains becomes a ``DTensor`` of this rank's shard, as ``model``'s;
+    each frozen one (a LoRA run's base) is replaced by ``model``'s own shard, shared (it never
+    changes). Buffers stay whole. Not a collective: each rank keeps its own slice."""
+    sharded = dict(model.named_parameters())
+    for name, p in list(average.named_parameters()):
+        s = sharded[name]
+        if s.requires_grad:
+            s = nn.Parameter(distribute_tensor(p.detach(), s.device_mesh, s.placements, src_data_rank=None),
+                             requires_grad=False)
+        owner, _, leaf = name.rpartition(".")
+        setattr(average.get_submodule(owner), leaf, s)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether :func:`shard_model` sharded ``model``."""
     return isinstance(model, FSDPModule)
@@ -101,12 +126,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def unsharded_copy(model: nn.Module, template: nn.Module, device: torch.device) -> nn.Module:
-    """A plain (unsharded) copy of the sharded ``model`` on ``device``, in eval mode and frozen:
-    its weights all-gathered onto every rank (a collective: every rank calls it), its buffers
-    copied. ``template``: the model's :func:`meta_template`."""
-    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    """A plain (unsharded) copy of the sharded ``model`` (or of an average laid out by
+    :func:`shard_like`) on ``device``, in eval mode and frozen: its weights all-gathered onto every
+    rank (a collective: every rank calls it), its buffers copied. ``template``: the model's
+    :func:`meta_template`. All the weights, a LoRA network's frozen base too (``nn.Module``'s own
+    state dict: a LoraNetwork's holds the adapter alone)."""
+    whole = {k: full_tensor(v) for k, v in nn.Module.state_dict(model).items()}  # the same order on every rank
     plain = copy.deepcopy(template).to_empty(device=device)
-    plain.load_state_dict(whole)
+    nn.Module.load_state_dict(plain, whole)
     for name, buf in model.named_buffers():  # non-persistent buffers too, which the state dict leaves out
         plain.get_buffer(name).copy_(buf)
     return plain.eval().requires_grad_(False)

@@ -97,9 +97,10 @@ class RunState:
 
     def parallelize(self, dctx: DistContext) -> nn.Module:
         """The network that runs forward and backward under torchrun, set up once before the loop:
-        ``model`` in DDP (``train.parallel = "ddp"``), or, with ``"fsdp"``, ``model`` and the EMA
-        sharded in place (``runtime/fsdp.py``; weights in the contiguous layout, train.channels_last
-        does not apply) and the optimizer built anew over the shards, with the state it had (a
+        ``model`` in DDP (``train.parallel = "ddp"``), or, with ``"fsdp"``, ``model`` sharded in place
+        and the averages (EMA, post-hoc EMAs) laid out as its shards (``runtime/fsdp.py``; weights in
+        the contiguous layout, train.channels_last does not apply), and the optimizer built anew over
+        the shards (a LoRA run's: the adapter's), with the state it had (a
         resumed run's) carried over. In one process: ``model`` itself."""
         if self.cfg.train.parallel != "fsdp" or not dctx.enabled:
             return distributed.wrap(self.model, dctx)
@@ -110,9 +111,10 @@ class RunState:
         # FQN-keyed (not by parameter index), so it survives the parameters being replaced.
         carried = get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else None
         self.template = fsdp.meta_template(self.model)
-        for model in (self.model, self.ema.model):  # each rank averages its own shard of the EMA
-            model.to(memory_format=torch.contiguous_format)  # FSDP shards contiguous weights only: no channels_last
-            fsdp.shard_model(model, dctx, self.cfg.train.precision)
+        self.model.to(memory_format=torch.contiguous_format)  # FSDP shards contiguous weights only: no channels_last
+        fsdp.shard_model(self.model, dctx, self.cfg.train.precision)
+        for average in (self.ema.model, *self.posthoc.models):  # each rank averages its own shard
+            fsdp.shard_like(average.to(memory_format=torch.contiguous_format), self.model)
         self.ema.rebind()
         self.optimizer = build_optimizer(self.cfg, self.model, dctx.device)
         if carried is not None:

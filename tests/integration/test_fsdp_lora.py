@@ -1,0 +1,91 @@
+"""LoRA under train.parallel='fsdp' on 2 gloo CPU processes: the adapter DDP trains (frozen base
+and adapter sharded together; tests/unit/test_fsdp_ranks.py checks the base stays as it was), a
+resume on 1 process and on 2, and the adapter's export."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from conftest import TINY_OVERRIDES  # noqa: E402
+from multiproc import run_ranks  # noqa: E402
+
+from difftrain.config import load_config  # noqa: E402
+from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.training.loop import train  # noqa: E402
+from tests.integration.test_lora import PROMPT, _sd_overrides  # noqa: E402
+
+# 2 processes x batch 2 x 2 micro-batches, clipped, validated at the end (the gathered copy of a
+# sharded LoRA network, base and adapter), on the tiny Stable Diffusion UNet and its captioned squares.
+RUN = ["train.total_steps=4", "train.device=cpu", "train.batch_size=2", "train.grad_accum_steps=2",
+       "train.channels_last=off", "optim.grad_clip=0.05", "validation.every_steps=4", "validation.num_images=2",
+       "validation.steps=2", f"validation.prompts=['{PROMPT}']", "tracking.tensorboard=false"]
+
+
+def _train(ctx, run_dir: str, overrides: list[str], stop_at_step: int | None) -> int:
+    return train(load_config(None, overrides), run_dir, stop_at_step=stop_at_step).step
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """DDP to step 4, and FSDP stopped at step 2 (``half``). About 25 s on a 2-core machine."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        ddp = _sd_overrides(root, list(TINY_OVERRIDES), *RUN)
+        fsdp = [*ddp, "train.parallel=fsdp"]
+        run_ranks(_train, 2, str(root / "ddp"), ddp, None)
+        run_ranks(_train, 2, str(root / "half"), fsdp, 2)
+        yield root, fsdp
+
+
+def test_fsdp_lora_resumes_on_one_process_as_ddp_trains_and_exports_the_same_adapter(runs, tmp_path):
+    """2 sharded steps, then 2 more on one process from the sharded checkpoint: DDP's adapter and
+    EMA to float rounding, the checkpoint holding the adapter alone, the same exported file."""
+    from safetensors.torch import load_file
+
+    from difftrain.api import export
+
+    root, fsdp = runs
+    half = ckpt.load_checkpoint(root / "half")
+    assert half["path"].endswith("step_00000002.dcp") and half["network"]["kind"] == "lora"
+    assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in half["model"])
+    assert len(half["optimizer"]["state"]) == len(half["model"])  # AdamW's moments: the adapter's alone
+    shutil.copytree(root / "half", tmp_path / "one")
+    assert train(load_config(None, [*fsdp, "train.batch_size=4"]), tmp_path / "one").step == 4  # the same global batch
+    ddp, one = ckpt.load_checkpoint(root / "ddp"), ckpt.load_checkpoint(tmp_path / "one")
+    _close(ddp["model"], one["model"])
+    _close(ddp["ema"]["model"], one["ema"]["model"])
+    assert any(t.abs().max() > 1e-3 for k, t in one["model"].items() if "lora_B" in k)  # B starts at 0: it trained
+    files = [load_file(export(run, tmp_path / run.name, format="lora") / "pytorch_lora_weights.safetensors")
+             for run in (root / "ddp", tmp_path / "one")]
+    assert files[0] and all(k.startswith("unet.") for k in files[0])
+    _close(*files)
+
+
+@pytest.mark.slow  # about 30 s: two more 2-rank runs
+def test_fsdp_lora_resume_on_two_ranks_is_exact_and_equals_ddp(runs, tmp_path):
+    """Resumed at step 2 on 2 ranks: bit for bit the uninterrupted FSDP run, DDP's to float
+    rounding, and validated on the gathered network (base and adapter)."""
+    root, fsdp = runs
+    shutil.copytree(root / "half", tmp_path / "resumed")
+    run_ranks(_train, 2, str(tmp_path / "resumed"), fsdp, None)
+    run_ranks(_train, 2, str(tmp_path / "straight"), fsdp, None)
+    straight, resumed = ckpt.load_checkpoint(tmp_path / "straight"), ckpt.load_checkpoint(tmp_path / "resumed")
+    for a, b in ((straight["model"], resumed["model"]), (straight["ema"]["model"], resumed["ema"]["model"])):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _close(ckpt.load_checkpoint(root / "ddp")["model"], resumed["model"])
+    assert (tmp_path / "resumed" / "samples" / "step_00000004.png").is_file()
