@@ -698,7 +698,6 @@ def _check_fsdp(cfg: Config) -> None:
     _check(t.precision != "fp16", f"{why} trains in fp32 or bf16; train.precision='fp16' is not supported, use bf16")
     _check(t.cuda_graphs != "on", f"{why} does not capture CUDA graphs; set train.cuda_graphs to 'auto' or 'off'")
     _check(t.compile != "on", f"{why} runs eager (auto turns compile off); set train.compile to 'auto' or 'off'")
-    _check(not cfg.ema.posthoc_std, f"{why} does not track post-hoc EMAs (ema.posthoc_std); use ddp for them")
 
 
 def _check_lora(cfg: Config) -> None:

@@ -24,10 +24,12 @@ from difftrain.training.loop import train  # noqa: E402
 from tests.integration.test_lora import PROMPT, _sd_overrides  # noqa: E402
 
 # 2 processes x batch 2 x 2 micro-batches, clipped, validated at the end (the gathered copy of a
-# sharded LoRA network, base and adapter), on the tiny Stable Diffusion UNet and its captioned squares.
+# sharded LoRA network, base and adapter), a post-hoc EMA of the adapter snapshotted at the end, on
+# the tiny Stable Diffusion UNet and its captioned squares.
 RUN = ["train.total_steps=4", "train.device=cpu", "train.batch_size=2", "train.grad_accum_steps=2",
        "train.channels_last=off", "optim.grad_clip=0.05", "validation.every_steps=4", "validation.num_images=2",
-       "validation.steps=2", f"validation.prompts=['{PROMPT}']", "tracking.tensorboard=false"]
+       "validation.steps=2", f"validation.prompts=['{PROMPT}']", "tracking.tensorboard=false",
+       "ema.posthoc_std=[0.1]"]
 
 
 def _train(ctx, run_dir: str, overrides: list[str], stop_at_step: int | None) -> int:
@@ -58,6 +60,7 @@ def test_fsdp_lora_resumes_on_one_process_as_ddp_trains_and_exports_the_same_ada
     from safetensors.torch import load_file
 
     from difftrain.api import export
+    from difftrain.training.power_ema import load_snapshot
 
     root, fsdp = runs
     half = ckpt.load_checkpoint(root / "half")
@@ -70,6 +73,8 @@ def test_fsdp_lora_resumes_on_one_process_as_ddp_trains_and_exports_the_same_ada
     _close(ddp["model"], one["model"])
     _close(ddp["ema"]["model"], one["ema"]["model"])
     assert any(t.abs().max() > 1e-3 for k, t in one["model"].items() if "lora_B" in k)  # B starts at 0: it trained
+    snapshot = "ema_snapshots/ema_0.1_00000004.pt"  # the adapter's post-hoc EMA, carried in the sharded checkpoint
+    _close(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "one" / snapshot)["model"])
     files = [load_file(export(run, tmp_path / run.name, format="lora") / "pytorch_lora_weights.safetensors")
              for run in (root / "ddp", tmp_path / "one")]
     assert files[0] and all(k.startswith("unet.") for k in files[0])
@@ -79,7 +84,9 @@ def test_fsdp_lora_resumes_on_one_process_as_ddp_trains_and_exports_the_same_ada
 @pytest.mark.slow  # about 30 s: two more 2-rank runs
 def test_fsdp_lora_resume_on_two_ranks_is_exact_and_equals_ddp(runs, tmp_path):
     """Resumed at step 2 on 2 ranks: bit for bit the uninterrupted FSDP run, DDP's to float
-    rounding, and validated on the gathered network (base and adapter)."""
+    rounding (its post-hoc EMA snapshot too), and validated on the gathered network (base and adapter)."""
+    from difftrain.training.power_ema import load_snapshot
+
     root, fsdp = runs
     shutil.copytree(root / "half", tmp_path / "resumed")
     run_ranks(_train, 2, str(tmp_path / "resumed"), fsdp, None)
@@ -88,4 +95,6 @@ def test_fsdp_lora_resume_on_two_ranks_is_exact_and_equals_ddp(runs, tmp_path):
     for a, b in ((straight["model"], resumed["model"]), (straight["ema"]["model"], resumed["ema"]["model"])):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     _close(ckpt.load_checkpoint(root / "ddp")["model"], resumed["model"])
+    snapshot = "ema_snapshots/ema_0.1_00000004.pt"  # gathered whole from the adapter's shards by rank 0
+    _close(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "resumed" / snapshot)["model"])
     assert (tmp_path / "resumed" / "samples" / "step_00000004.png").is_file()

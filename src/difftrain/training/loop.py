@@ -195,11 +195,8 @@ def train(
             # N implies every snapshot up to N is on disk. Only at their interval and the last step,
             # so a stop and resume leaves the same files.
             if state.posthoc.stds and (step % posthoc_every == 0 or step == tc.total_steps):
-                with _Timed(paused, "checkpoint_s"):
-                    distributed.run_on_main(
-                        lambda: save_snapshots(state.posthoc, run_dir, step, config_to_dict(cfg), data.num_classes),
-                        dctx,
-                    )
+                with _Timed(paused, "checkpoint_s"):  # rank 0 writes (gathered whole under FSDP)
+                    save_snapshots(state.posthoc, run_dir, step, config_to_dict(cfg), data.num_classes, dctx)
 
             # Save: rank 0 writes (under FSDP every rank its shards), every rank gets its outcome
             # (the path, None when on_write_error="continue" let a failure pass, or the error to raise).

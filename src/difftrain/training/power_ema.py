@@ -20,13 +20,17 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from difftrain.runtime import distributed
+from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.files import atomic_write
+from difftrain.runtime.fsdp import full_tensor
 from difftrain.training.checkpoint import load_weights
 from difftrain.training.ema import averaged_copy, foreach_lerp_, trainable
 
@@ -189,21 +193,30 @@ def snapshot_name(std: float, step: int) -> str:
     return f"ema_{std:g}_{step:08d}.pt"
 
 
-def save_snapshots(power_ema: PowerEMA, run_dir: Path, step: int, config: dict, num_classes: int) -> list[Path]:
-    """Write each tracked average at ``step`` as its own file (atomic; rank 0 calls this). The file
-    says what it is: std, gamma, step, and the config and classes to build the network from."""
+def save_snapshots(power_ema: PowerEMA, run_dir: Path, step: int, config: dict, num_classes: int,
+                   dctx: DistContext) -> list[Path]:
+    """Write each tracked average at ``step`` as its own file (atomic). Every rank calls this; rank 0
+    writes, and every rank gets its outcome (the paths, or its error). Under FSDP each average is
+    gathered whole first (a collective), one at a time, so the files are those of a DDP run. The
+    file says what it is: std, gamma, step, and the config and classes to build the network from."""
     folder = Path(run_dir) / SNAPSHOT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
     written = []
     for std, gamma, avg in zip(power_ema.stds, power_ema.gammas, power_ema.models):
-        path = folder / snapshot_name(std, step)
-        tensors = {k: v.detach().to("cpu", copy=True) for k, v in avg.state_dict().items()}
+        whole = {k: full_tensor(v) for k, v in avg.state_dict().items()}  # themselves, unless sharded
         record = {"format": SNAPSHOT_FORMAT, "std": std, "gamma": gamma, "step": step,
-                  "num_classes": num_classes, "config": config, "model": tensors}
-        with atomic_write(path) as f:
-            torch.save(record, f)
-        written.append(path)
+                  "num_classes": num_classes, "config": config, "model": whole}
+        path = folder / snapshot_name(std, step)
+        written.append(distributed.run_on_main(partial(_write_snapshot, path, record), dctx))
     return written
+
+
+def _write_snapshot(path: Path, record: dict) -> Path:
+    """Rank 0: ``record`` with its tensors copied to the CPU, to ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {**record, "model": {k: v.detach().to("cpu", copy=True) for k, v in record["model"].items()}}
+    with atomic_write(path) as f:
+        torch.save(record, f)
+    return path
 
 
 def list_snapshots(run_dir: str | Path) -> list[Snapshot]:

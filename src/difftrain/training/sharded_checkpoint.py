@@ -3,7 +3,7 @@ writes its shards into at once through ``torch.distributed.checkpoint`` (DCP); r
 world size, and in one process without a process group.
 
     step_XXXXXXXX.dcp/
-        .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: weights, EMA weights, AdamW's moments
+        .metadata, __0_0.distcp, __1_0.distcp, ...   DCP: weights, EMA weights, AdamW's moments, post-hoc EMAs
         run_state.pt    the rest (step, data position, RNG, config, scaler, optimizer settings...)
 
 The DCP part holds tensors only (AdamW's state keyed by parameter name, so that it reshards);
@@ -63,7 +63,8 @@ def save_or_report(state, snapshot: dict, ckpt_dir: Path, step: int, keep_last: 
     :func:`checkpoint.save_or_report` does; every rank returns its outcome (the path; None when
     ``on_write_error="continue"`` let a failure pass) or raises the same error."""
     optimizer = get_optimizer_state_dict(state.model, state.optimizer)
-    tensors = {"model": snapshot["model"], "ema": snapshot["ema"]["model"], "optimizer": optimizer["state"]}
+    tensors = {"model": snapshot["model"], "ema": snapshot["ema"]["model"], "optimizer": optimizer["state"],
+               "posthoc_ema": {str(k): m for k, m in enumerate(snapshot["posthoc_ema"]["models"])}}
     _check_finite(tensors, dctx)
     tmp = ckpt_dir / f".{sharded_name(step)}.tmp"
     try:
@@ -71,8 +72,9 @@ def save_or_report(state, snapshot: dict, ckpt_dir: Path, step: int, keep_last: 
         _save_shards(tensors, tmp)
     except OSError as e:
         return ckpt.report_write_error(e, ckpt_dir, step, on_write_error, quiet=not dctx.is_main)
-    rest = {k: v for k, v in snapshot.items() if k not in ("model", "optimizer", "ema")}
+    rest = {k: v for k, v in snapshot.items() if k not in ("model", "optimizer", "ema", "posthoc_ema")}
     rest["ema"] = {k: v for k, v in snapshot["ema"].items() if k != "model"}
+    rest["posthoc_ema"] = {k: v for k, v in snapshot["posthoc_ema"].items() if k != "models"}
     rest["optimizer_param_groups"] = optimizer["param_groups"]
     rest["world_size"] = dctx.world_size  # for the record: any world size reads it
     return distributed.run_on_main(
@@ -145,4 +147,6 @@ def load_consolidated(path: Path) -> dict:
     state["model"] = tensors["model"]
     state["ema"] = {**rest.get("ema", {}), "model": tensors.get("ema")}
     state["optimizer"] = {"state": tensors.get("optimizer", {}), "param_groups": rest.get("optimizer_param_groups")}
+    posthoc, averages = rest["posthoc_ema"], tensors.get("posthoc_ema", {})  # averages keyed by index, a string
+    state["posthoc_ema"] = {**posthoc, "models": [averages[str(k)] for k in range(len(posthoc["stds"]))]}
     return state
