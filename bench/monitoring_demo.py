@@ -40,6 +40,8 @@ def _sets(args, data: Path, heldout: Path, fid_ref: Path, flip: bool) -> list[st
     return [f"data.path={data}", f"data.heldout_path={heldout}", f"data.random_flip={str(flip).lower()}",
             f"train.total_steps={args.steps}", f"train.batch_size={args.batch}", "train.log_every_steps=50",
             "train.device=cpu", "train.progress_bar=false", f"optim.lr={args.lr}", "optim.lr_schedule=constant",
+            # the recipe this demo was measured with (the preset has since moved to EDM)
+            "diffusion.objective=ddpm", "diffusion.schedule=linear", "diffusion.prediction=epsilon",
             "optim.warmup_steps=30", "ema.decay=0.995", f"checkpoint.every_steps={args.steps}",
             f"validation.every_steps={every}", "validation.num_images=32", "validation.sampler=ddim",
             "validation.steps=25", "validation.heldout_max_images=200", "validation.memorization=pixels",

@@ -10,7 +10,7 @@ set -euo pipefail
 data=${1:?folder made by bench/make_cifar16.py}; out=${2:?output folder}; device=${3:-cuda}
 cd "$(dirname "$0")/.."
 common=(--config configs/cifar10-16px-cpu.toml --set data.path="$data/train" --set train.total_steps=1564
-        --set optim.warmup_steps=100 --set train.device="$device" --set train.compile=off --set train.cuda_graphs=off
+        --set optim.warmup_steps=100 --set train.batch_size=64 --set optim.lr=1e-3 --set train.device="$device" --set train.compile=off --set train.cuda_graphs=off
         --set checkpoint.every_steps=400 --set train.log_every_steps=100 --set data.num_workers=1)
 eps=(--set diffusion.objective=ddpm --set diffusion.schedule=linear --set diffusion.prediction=epsilon)
 v=(--set diffusion.objective=ddpm --set diffusion.schedule=linear --set diffusion.prediction=v --set diffusion.loss_weighting=min_snr)

@@ -83,7 +83,7 @@ def generate(
     model,
     n: int,
     *,
-    sampler: str = "ddim",
+    sampler: str | None = None,
     steps: int = 50,
     seed: int = 0,
     class_label: int | Sequence[int] | None = None,
@@ -96,13 +96,15 @@ def generate(
     writes for the same seed and settings. ``model``: what :func:`load` returns, or a path to
     load. ``class_label``: one class for all, one per image, or None (one class per grid row for
     a class-conditional model). ``prompt``: a text model's prompt, one for all or one per image.
-    ``sampler_options``: e.g. ``eta=0.5`` for DDIM."""
+    ``sampler``: None for the run's own (``validation.sampler``, as ``difftrain sample``: DDIM for
+    a DDPM model, Heun for EDM and flow). ``sampler_options``: e.g. ``eta=0.5`` for DDIM."""
     from difftrain.inference import LoadedModel, generate_images
 
     if not isinstance(model, LoadedModel):
         model = load(model)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    sampler = sampler or model.cfg.validation.sampler
     return generate_images(model, n, sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
                            class_label=class_label, prompt=prompt, guidance_scale=guidance_scale, **sampler_options)
 
