@@ -103,6 +103,8 @@ ABLATION = {
                                  "train.total_steps=2816", "optim.warmup_steps=200"),
     "edm-lr2e-3-b16": _COSINE + ("diffusion.objective=edm", "optim.lr=2e-3", "train.batch_size=16",
                                  "train.total_steps=5000", "optim.warmup_steps=400"),
+    "edm-lr2e-3-b8": _COSINE + ("diffusion.objective=edm", "optim.lr=2e-3", "train.batch_size=8",
+                                "train.total_steps=8000", "optim.warmup_steps=600"),
 }
 SMOKE_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
 # The CPU mode's recipes: the four objectives at the protocol's LR, then EDM's LR and batch.
