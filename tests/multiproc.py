@@ -64,3 +64,18 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0, collective_t
                     p.kill()
                 raise TimeoutError(f"{world_size} processes still running after {timeout_s:.0f} s: a hang")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def train_on_rank(ctx, run_dir: str, overrides: list[str], stop_at_step: int | None) -> int:
+    """A rank's part of ``difftrain train`` on the config of ``overrides`` (for :func:`run_ranks`)."""
+    from difftrain.config import load_config
+    from difftrain.training.loop import train
+
+    return train(load_config(None, overrides), run_dir, stop_at_step=stop_at_step).step
+
+
+def assert_close_dicts(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Two state dicts with the same keys and tensors equal to float tolerance."""
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=k)

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import TINY_OVERRIDES
-from multiproc import _worker, free_port, run_ranks
+from multiproc import _worker, assert_close_dicts, free_port, run_ranks, train_on_rank
 
 from difftrain.config import ConfigError, load_config
 from difftrain.training import checkpoint as ckpt
@@ -34,35 +34,25 @@ COMMON = TINY_OVERRIDES + [
 FSDP = COMMON + ["train.parallel=fsdp"]
 
 
-def _train(ctx, run_dir: str, overrides: list[str], stop_at_step: int | None) -> int:
-    return train(load_config(None, overrides), run_dir, stop_at_step=stop_at_step).step
-
-
-def _close(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
-
-
 @pytest.fixture(scope="module")
 def runs():
     """DDP and FSDP to step 4; FSDP stopped at step 2 (its step-2 checkpoint kept aside), then
     resumed to 4. About 45 s on a 2-core machine."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        run_ranks(_train, 2, str(root / "ddp"), COMMON, None)
-        run_ranks(_train, 2, str(root / "fsdp"), FSDP, None)
-        run_ranks(_train, 2, str(root / "resumed"), FSDP, 2)
+        run_ranks(train_on_rank, 2, str(root / "ddp"), COMMON, None)
+        run_ranks(train_on_rank, 2, str(root / "fsdp"), FSDP, None)
+        run_ranks(train_on_rank, 2, str(root / "resumed"), FSDP, 2)
         shutil.copytree(root / "resumed", root / "half")
-        run_ranks(_train, 2, str(root / "resumed"), FSDP, None)
+        run_ranks(train_on_rank, 2, str(root / "resumed"), FSDP, None)
         yield root
 
 
 def test_fsdp_equals_ddp_with_accumulation_and_clipping(runs):
     ddp, fsdp = ckpt.load_checkpoint(runs / "ddp"), ckpt.load_checkpoint(runs / "fsdp")
     assert fsdp["path"].endswith("step_00000004.dcp") and fsdp["step"] == 4 and fsdp["data_position"] == 32
-    _close(ddp["model"], fsdp["model"])
-    _close(ddp["ema"]["model"], fsdp["ema"]["model"])
+    assert_close_dicts(ddp["model"], fsdp["model"])
+    assert_close_dicts(ddp["ema"]["model"], fsdp["ema"]["model"])
     # Training moved the weights far more than the tolerance; clipping acted (the norm is logged before it).
     first = ckpt.load_checkpoint(ckpt.list_checkpoints(runs / "ddp" / "checkpoints")[0][1])["model"]
     assert max((ddp["model"][k] - first[k]).abs().max() for k in first) > 1e-3
@@ -85,7 +75,7 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_exports_whole(runs, tmp
     shutil.copytree(runs / "half", tmp_path / "one")
     one = load_config(None, [*FSDP, "train.batch_size=4"])  # the same global batch on one process
     assert train(one, tmp_path / "one").step == 4
-    _close(ckpt.load_checkpoint(runs / "fsdp")["model"], ckpt.load_checkpoint(tmp_path / "one")["model"])
+    assert_close_dicts(ckpt.load_checkpoint(runs / "fsdp")["model"], ckpt.load_checkpoint(tmp_path / "one")["model"])
 
     from safetensors.torch import load_file
 
@@ -96,7 +86,7 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_exports_whole(runs, tmp
     exported = load_file(str(written))
     assert exported.keys() == sharded["ema"]["model"].keys()
     assert all(torch.equal(exported[k], sharded["ema"]["model"][k]) for k in exported)
-    _close(exported, ckpt.load_checkpoint(runs / "ddp")["ema"]["model"])  # and what DDP trained
+    assert_close_dicts(exported, ckpt.load_checkpoint(runs / "ddp")["ema"]["model"])  # and what DDP trained
 
 
 def test_fsdp_posthoc_ema_snapshots_are_ddps_and_resume_exactly(runs, tmp_path):
@@ -111,7 +101,7 @@ def test_fsdp_posthoc_ema_snapshots_are_ddps_and_resume_exactly(runs, tmp_path):
         ddp, fsdp, resumed = (load_snapshot(runs / r / "ema_snapshots" / name) for r in ("ddp", "fsdp", "resumed"))
         same = ("format", "std", "gamma", "step", "num_classes")
         assert [fsdp[k] for k in same] == [ddp[k] for k in same]
-        _close(ddp["model"], fsdp["model"])
+        assert_close_dicts(ddp["model"], fsdp["model"])
         assert all(torch.equal(fsdp["model"][k], resumed["model"][k]) for k in fsdp["model"])
     straight, resumed = (ckpt.load_checkpoint(runs / r)["posthoc_ema"] for r in ("fsdp", "resumed"))
     assert straight["stds"] == [0.05, 0.1] and len(straight["models"]) == 2
@@ -120,7 +110,7 @@ def test_fsdp_posthoc_ema_snapshots_are_ddps_and_resume_exactly(runs, tmp_path):
     outs = [tmp_path / f"{r}.pt" for r in ("ddp", "fsdp")]
     for run, out in zip(("ddp", "fsdp"), outs):
         assert main(["posthoc-ema", str(runs / run), "--std", "0.07", "--out", str(out)]) == 0
-    _close(*(ckpt.load_checkpoint(out)["ema"]["model"] for out in outs))
+    assert_close_dicts(*(ckpt.load_checkpoint(out)["ema"]["model"] for out in outs))
 
 
 def test_a_bad_parallel_value_is_one_line_naming_the_key():
@@ -137,7 +127,7 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_resumable(r
     # before the rename: SIGKILL both ranks there.
     with pytest.MonkeyPatch.context() as env:
         env.setenv(ckpt.PAUSE_ENV, "60")
-        procs = mp.start_processes(_worker, (2, free_port(), _train, (str(run), FSDP, None), str(tmp_path), 600.0),
+        procs = mp.start_processes(_worker, (2, free_port(), train_on_rank, (str(run), FSDP, None), str(tmp_path), 600.0),
                                    nprocs=2, join=False, start_method="spawn")
     unfinished = ckpt_dir / ".step_00000004.dcp.tmp"
     deadline = time.monotonic() + 120
@@ -152,4 +142,4 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_resumable(r
     assert ckpt.load_checkpoint(run)["step"] == 2
     assert train(load_config(None, [*FSDP, "train.batch_size=4"]), run).step == 4  # resumes, on one process
     assert not unfinished.exists()  # the next save removed the unfinished folder
-    _close(ckpt.load_checkpoint(runs / "fsdp")["model"], ckpt.load_checkpoint(run)["model"])
+    assert_close_dicts(ckpt.load_checkpoint(runs / "fsdp")["model"], ckpt.load_checkpoint(run)["model"])

@@ -16,7 +16,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from conftest import TINY_OVERRIDES  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+from multiproc import assert_close_dicts, run_ranks, train_on_rank  # noqa: E402
 
 from difftrain.config import load_config  # noqa: E402
 from difftrain.training import checkpoint as ckpt  # noqa: E402
@@ -32,16 +32,6 @@ RUN = ["train.total_steps=4", "train.device=cpu", "train.batch_size=2", "train.g
        "ema.posthoc_std=[0.1]"]
 
 
-def _train(ctx, run_dir: str, overrides: list[str], stop_at_step: int | None) -> int:
-    return train(load_config(None, overrides), run_dir, stop_at_step=stop_at_step).step
-
-
-def _close(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
-
-
 @pytest.fixture(scope="module")
 def runs():
     """DDP to step 4, and FSDP stopped at step 2 (``half``). About 25 s on a 2-core machine."""
@@ -49,8 +39,8 @@ def runs():
         root = Path(tmp)
         ddp = _sd_overrides(root, list(TINY_OVERRIDES), *RUN)
         fsdp = [*ddp, "train.parallel=fsdp"]
-        run_ranks(_train, 2, str(root / "ddp"), ddp, None)
-        run_ranks(_train, 2, str(root / "half"), fsdp, 2)
+        run_ranks(train_on_rank, 2, str(root / "ddp"), ddp, None)
+        run_ranks(train_on_rank, 2, str(root / "half"), fsdp, 2)
         yield root, fsdp
 
 
@@ -70,15 +60,15 @@ def test_fsdp_lora_resumes_on_one_process_as_ddp_trains_and_exports_the_same_ada
     shutil.copytree(root / "half", tmp_path / "one")
     assert train(load_config(None, [*fsdp, "train.batch_size=4"]), tmp_path / "one").step == 4  # the same global batch
     ddp, one = ckpt.load_checkpoint(root / "ddp"), ckpt.load_checkpoint(tmp_path / "one")
-    _close(ddp["model"], one["model"])
-    _close(ddp["ema"]["model"], one["ema"]["model"])
+    assert_close_dicts(ddp["model"], one["model"])
+    assert_close_dicts(ddp["ema"]["model"], one["ema"]["model"])
     assert any(t.abs().max() > 1e-3 for k, t in one["model"].items() if "lora_B" in k)  # B starts at 0: it trained
     snapshot = "ema_snapshots/ema_0.1_00000004.pt"  # the adapter's post-hoc EMA, carried in the sharded checkpoint
-    _close(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "one" / snapshot)["model"])
+    assert_close_dicts(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "one" / snapshot)["model"])
     files = [load_file(export(run, tmp_path / run.name, format="lora") / "pytorch_lora_weights.safetensors")
              for run in (root / "ddp", tmp_path / "one")]
     assert files[0] and all(k.startswith("unet.") for k in files[0])
-    _close(*files)
+    assert_close_dicts(*files)
 
 
 @pytest.mark.slow  # about 30 s: two more 2-rank runs
@@ -89,12 +79,12 @@ def test_fsdp_lora_resume_on_two_ranks_is_exact_and_equals_ddp(runs, tmp_path):
 
     root, fsdp = runs
     shutil.copytree(root / "half", tmp_path / "resumed")
-    run_ranks(_train, 2, str(tmp_path / "resumed"), fsdp, None)
-    run_ranks(_train, 2, str(tmp_path / "straight"), fsdp, None)
+    run_ranks(train_on_rank, 2, str(tmp_path / "resumed"), fsdp, None)
+    run_ranks(train_on_rank, 2, str(tmp_path / "straight"), fsdp, None)
     straight, resumed = ckpt.load_checkpoint(tmp_path / "straight"), ckpt.load_checkpoint(tmp_path / "resumed")
     for a, b in ((straight["model"], resumed["model"]), (straight["ema"]["model"], resumed["ema"]["model"])):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    _close(ckpt.load_checkpoint(root / "ddp")["model"], resumed["model"])
+    assert_close_dicts(ckpt.load_checkpoint(root / "ddp")["model"], resumed["model"])
     snapshot = "ema_snapshots/ema_0.1_00000004.pt"  # gathered whole from the adapter's shards by rank 0
-    _close(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "resumed" / snapshot)["model"])
+    assert_close_dicts(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "resumed" / snapshot)["model"])
     assert (tmp_path / "resumed" / "samples" / "step_00000004.png").is_file()
