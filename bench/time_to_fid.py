@@ -278,7 +278,8 @@ def train_all(recipes: list[Recipe], work: Path, args, scan: Path | None) -> lis
     def one(r: Recipe) -> Run:
         core = cores.get()
         try:
-            print(f"training {r.name} on core {core} ({_budget_text(args, r)})", flush=True)
+            sys.stdout.write(f"training {r.name} on core {core} ({_budget_text(args, r)})\n")  # one write: threads
+            sys.stdout.flush()
             return _reported(train_recipe(r, work / r.name, args.budget, scan, core=core))
         finally:
             cores.put(core)
@@ -302,8 +303,9 @@ def _budget_text(args, recipe: Recipe | None = None) -> str:
 
 def _reported(run: Run) -> Run:
     rate = f", {run.steps_per_s:.2f} steps/s" if run.steps_per_s else ""
-    print(f"  {run.recipe.name}: {run.steps} steps in {run.wall_s:.0f} s, exit {run.exit_code}, first step at "
-          f"{_fmt(run.first_step_s, '.1f')} s{rate}" + (f" ({run.skipped})" if run.skipped else ""), flush=True)
+    sys.stdout.write(f"  {run.recipe.name}: {run.steps} steps in {run.wall_s:.0f} s, exit {run.exit_code}, first step "
+                     f"at {_fmt(run.first_step_s, '.1f')} s{rate}" + (f" ({run.skipped})" if run.skipped else "") + "\n")
+    sys.stdout.flush()
     return run
 
 
