@@ -85,6 +85,40 @@ def test_copies_of_training_images_are_near_copies_and_new_images_are_not(data):
     assert float(copies.ratio.median()) < 0.4 < 0.7 < float(new.ratio.median())
 
 
+def _noisy(x: torch.Tensor, std: float = 6.0, seed: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (x.float() + std * torch.randn(x.shape, generator=g)).clamp(0, 255).round().to(torch.uint8)
+
+
+@pytest.mark.parametrize("duplicate", ["exact", "mirrored", "re-saved"])
+def test_copies_of_duplicated_training_images_are_flagged_as_without_duplicates(data, duplicate):
+    """Issue 26: with the originals duplicated in the training set, their own nearest-neighbour
+    distance was 0 and the ratio exploded (noisy copies 100% -> 0% flagged, mirrored 100% -> 60%).
+    A duplicate (exact, mirrored: the pixel descriptor is flip-invariant, or re-saved as JPEG q=90
+    at 64 px) is the same image: the denominator is the nearest *distinct* training image."""
+    train, heldout = data
+    big = F.interpolate(train.float(), size=64, mode="bilinear", align_corners=False).round().to(torch.uint8)
+    twin = {"exact": big[:60], "mirrored": big[:60].flip(-1), "re-saved": _jpeg(big[:60], 90)}[duplicate]
+    net = mem.feature_network("pixels")
+    plain, duplicated = _index(net, big), _index(net, torch.cat([big, twin, twin]))  # each original 3 times
+    for queries in (_noisy(big[:60]), big[:60].flip(-1), _copies(train[:60])):
+        q = net.queries(queries)
+        without, with_duplicates = mem.memorization(q, plain), mem.memorization(q, duplicated)
+        assert float(without.near_copy.float().mean()) >= 0.95
+        assert torch.equal(with_duplicates.near_copy, without.near_copy)
+        torch.testing.assert_close(with_duplicates.ratio, without.ratio, rtol=0.02, atol=0.02)  # a twin may be the nearest
+    new = mem.memorization(net.queries(heldout), duplicated)
+    assert float(new.near_copy.float().mean()) <= 0.05
+
+
+def test_an_image_with_only_duplicates_in_the_training_set_is_judged_against_the_floor():
+    index = np.array([[1, 0], [1, 0], [1, 0], [0, 1]], dtype=np.float32)
+    d = mem.distinct_neighbour_distance(np.array([0, 3]), index)
+    assert float(d[0]) == pytest.approx(2 ** 0.5) and float(d[1]) == pytest.approx(2 ** 0.5)
+    alone = mem.distinct_neighbour_distance(np.array([0]), np.array([[1, 0]] * 20, dtype=np.float32))
+    assert float(alone[0]) == pytest.approx(mem.DUPLICATE_DISTANCE)
+
+
 def test_the_fid_network_space_separates_copies_too(data, tmp_path, monkeypatch):
     """The inception space through the FID stand-in (pooled pixels under a fixed random map):
     flips and JPEG copies are separated; shifts are not asked of it."""
