@@ -208,8 +208,40 @@ def test_a_missing_feature_network_is_one_line_naming_what_to_install(tmp_path, 
 
 
 def test_a_disabled_check_does_nothing(data):
+    cfg = load_config(None, ["validation.memorization=off"])
+    assert SampleCheck(cfg, _Dataset(data[0][:20]))(1, data[0].permute(0, 2, 3, 1).numpy()) == {}
+
+
+def test_by_default_small_training_sets_are_checked_in_pixels_and_large_ones_are_not(data):
+    """validation.memorization = "auto" (the default): the pixel check for 2 to
+    memorization_auto_max_images training images (a DreamBooth subject, a small folder), off above
+    (the built-in shapes' 20,000) and for a single image."""
+    from difftrain.data.builtin import ShapesDataset
+    from difftrain.evaluation.sample_check import resolve_space
+
     cfg = load_config(None, [])
-    assert SampleCheck(cfg, None)(1, data[0].permute(0, 2, 3, 1).numpy()) == {}
+    assert cfg.validation.memorization == "auto"
+    assert resolve_space(cfg, _Dataset(data[0][:20])) == "pixels"
+    assert resolve_space(cfg, ShapesDataset(16)) == "off"
+    assert resolve_space(cfg, _Dataset(data[0][:1])) == "off"
+    assert resolve_space(load_config(None, ["validation.memorization_auto_max_images=10"]), _Dataset(data[0][:20])) == "off"
+    assert resolve_space(load_config(None, ["validation.memorization=pixels"]), ShapesDataset(16)) == "pixels"
+
+
+def test_a_default_check_on_twenty_images_warns_about_near_copies(data, tmp_path):
+    """A DreamBooth-sized set (20 images) with no memorization option: copies among the samples
+    are counted and the run's warnings name them."""
+    from difftrain.training.warnings import RunWarnings
+
+    train, heldout = data
+    cfg = load_config(None, [f"data.cache_dir={tmp_path / 'cache'}"])
+    check = SampleCheck(cfg, _Dataset(train[:20]))
+    copies = check(5, _copies(train[:8]).permute(0, 2, 3, 1).numpy())
+    assert copies["memorization/near_copy_share"] >= 0.9
+    (line,) = RunWarnings(cfg).observe(5, copies)
+    assert "near-copies of training images" in line
+    new = check(6, heldout[:8].permute(0, 2, 3, 1).numpy())
+    assert new["memorization/near_copy_share"] <= 0.15 and not RunWarnings(cfg).observe(6, new)
 
 
 def test_eval_reports_the_samples_memorization_and_diversity(tmp_path, tiny_overrides, monkeypatch, capsys):
