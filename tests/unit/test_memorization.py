@@ -106,7 +106,8 @@ def test_copies_of_duplicated_training_images_are_flagged_as_without_duplicates(
         without, with_duplicates = mem.memorization(q, plain), mem.memorization(q, duplicated)
         assert float(without.near_copy.float().mean()) >= 0.95
         assert torch.equal(with_duplicates.near_copy, without.near_copy)
-        torch.testing.assert_close(with_duplicates.ratio, without.ratio, rtol=0.02, atol=0.02)  # a twin may be the nearest
+        # The same ratios, but where a twin is now the nearest image (within the floor).
+        torch.testing.assert_close(with_duplicates.ratio, without.ratio, rtol=0.02, atol=0.02)
     new = mem.memorization(net.queries(heldout), duplicated)
     assert float(new.near_copy.float().mean()) <= 0.05
 
@@ -224,7 +225,8 @@ def test_by_default_small_training_sets_are_checked_in_pixels_and_large_ones_are
     assert resolve_space(cfg, _Dataset(data[0][:20])) == "pixels"
     assert resolve_space(cfg, ShapesDataset(16)) == "off"
     assert resolve_space(cfg, _Dataset(data[0][:1])) == "off"
-    assert resolve_space(load_config(None, ["validation.memorization_auto_max_images=10"]), _Dataset(data[0][:20])) == "off"
+    lowered = load_config(None, ["validation.memorization_auto_max_images=10"])
+    assert resolve_space(lowered, _Dataset(data[0][:20])) == "off"
     assert resolve_space(load_config(None, ["validation.memorization=pixels"]), ShapesDataset(16)) == "pixels"
 
 
