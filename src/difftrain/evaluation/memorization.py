@@ -2,13 +2,27 @@
 compared with that training image's own nearest training neighbour.
 
 For a sample q with nearest training image j (distance d(q, j)), the **ratio** is
-``d(q, j) / d_train(j)``, where ``d_train(j)`` is the distance from j to its nearest *other*
+``d(q, j) / d_train(j)``, where ``d_train(j)`` is the distance from j to its nearest *distinct*
 training image. The denominator calibrates the threshold on the training set itself: a ratio of
 1 is as near as the data's own neighbours are to one another; a sample is a **near-copy** when
 its ratio is below ``NEAR_COPY_RATIO`` (0.5: twice as near as the data's own nearest
 neighbour). In the ``pixels`` space, held-out CIFAR-10 images (16 px) have a median ratio of 1.02
 (none below 0.5) and copies of training images a median of 0.00 (flipped, or shifted 2 px) to
 0.26 (JPEG q=75; 97% below 0.5); see docs/monitoring.md for the measurement and where it fails.
+
+**Duplicates.** Training sets hold duplicates (the same photo twice, an image and its mirror,
+a re-saved copy), and duplicates are where memorization concentrates. A duplicate of j is not a
+neighbour that says how dense the data is around j: it is j again, at distance ~0, and taking it
+as ``d_train(j)`` would make every copy of j look far (ratio -> infinity: never flagged). So
+training images within ``DUPLICATE_DISTANCE`` (0.03) of each other count as one image, and
+``d_train(j)`` is the distance from j to its nearest training image *farther than that*. 0.03 is
+1.5% of the unit sphere's diameter: above what makes one image's descriptors differ (float16
+storage <= 3e-4; a mirror 1e-6 in the flip-invariant ``pixels`` space; JPEG q >= 90 of an image
+of 64 px or more <= 0.024), below the nearest distinct neighbours of real data (CIFAR-10 at 16 px
+and smooth random images: >= 0.49 in 99.9% of images). Distinct images nearer than that are
+treated as one; copies of them are then judged against the next distinct neighbour. An image
+whose every training neighbour is such a duplicate (a data set of one picture) has no scale: its
+``d_train`` is the floor itself.
 
 Feature spaces (:data:`FEATURE_SPACES`), all L2-normalised so distances lie in [0, 2]:
 
@@ -21,10 +35,13 @@ Feature spaces (:data:`FEATURE_SPACES`), all L2-normalised so distances lie in [
 - ``clip``: the image tower of ``evaluation.clip_model``.
 
 The training features are computed once and cached (:func:`training_index`) under a key of the
-dataset (data/latents.py's fingerprint) and the feature network. The search is chunked matrix
-products over the float16 index read from a memory-mapped file: memory is bounded by
-``chunk x queries``, and the training images' own nearest-neighbour distances are searched only
-for the training images that are some sample's nearest neighbour (no N x N search).
+dataset (data/latents.py's fingerprint) and the feature network; a cache file that does not
+hold what the key promises (truncated, another shape, non-finite) is rebuilt with one line. The
+search is chunked matrix products over the float16 index read from a memory-mapped file: memory
+is bounded by ``chunk x queries``, and the training images' own nearest-neighbour distances are
+searched only for the training images that are some sample's nearest neighbour (no N x N search).
+The distances reported are recomputed from the rows found (float32), not from the similarities
+of the search (float16 on a GPU), so an exact copy is at distance ~0, below the floor.
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +65,8 @@ CHUNK_ROWS = 65_536  # training features per matrix product in the search
 PIXEL_SIZE = 8  # side of the pixel descriptor's image
 SHIFT_SIZE = 16  # side at which a query's shifted views are taken (images are area-resized to it first)
 MAX_SHIFT = 2  # pixels at SHIFT_SIZE: a query is also searched shifted by up to this in x and y
+DUPLICATE_DISTANCE = 0.03  # training images nearer than this are one image (exact, mirrored or re-saved duplicates)
+MAX_DUPLICATES = 4096  # duplicates of one image searched through for its nearest distinct neighbour
 
 
 def pixel_descriptor(images: torch.Tensor, offset: tuple[int, int] = (MAX_SHIFT, MAX_SHIFT)) -> torch.Tensor:
@@ -160,7 +180,10 @@ def training_index(dataset, net: FeatureNetwork, *, folder: str | Path | None = 
     key = index_key(dataset, net)
     path = cache_dir("memorization", folder) / f"{key}.npy"
     if path.is_file():
-        return TrainingIndex(np.load(path, mmap_mode="r"), net.name, path)
+        features, problem = load_index(path, len(dataset), net.dim)
+        if features is not None:
+            return TrainingIndex(features, net.name, path)
+        print(f"difftrain: warning: memorization index {path} {problem}; rebuilding it", file=sys.stderr)
     features = build_features(dataset, net, batch_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(path) as f:
@@ -170,13 +193,33 @@ def training_index(dataset, net: FeatureNetwork, *, folder: str | Path | None = 
     return TrainingIndex(np.load(path, mmap_mode="r"), net.name, path)
 
 
+def load_index(path: Path, num_images: int, dim: int, chunk: int = CHUNK_ROWS) -> tuple[np.ndarray | None, str]:
+    """(the memory-mapped (num_images, dim) float16 index of ``path``, "") when the file holds
+    exactly that, all finite; else (None, what is wrong with it). Never unpickles (numpy's
+    allow_pickle is off): a crafted, truncated or mis-sized file is a reason, not an exception."""
+    try:
+        features = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:  # truncated, a header that lies about the size, not a .npy
+        return None, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'})"
+    want = (num_images, dim)
+    if not isinstance(features, np.ndarray) or features.dtype != np.float16 or features.shape != want:
+        got = f"{features.dtype} {features.shape}" if isinstance(features, np.ndarray) else type(features).__name__
+        return None, f"holds {got}, not float16 {want}"
+    for start in range(0, num_images, chunk):
+        if not np.isfinite(features[start:start + chunk]).all():
+            return None, "holds non-finite values"
+    return features, ""
+
+
 @torch.no_grad()
 def nearest(queries: torch.Tensor, index: np.ndarray, k: int = 1, chunk: int = CHUNK_ROWS,
             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` nearest rows of ``index`` (N, D) for each of ``queries`` (Q, D), all unit vectors:
     (distances (Q, k) float32, indices (Q, k) int64), nearest first. Chunks of ``chunk`` rows of
-    the index at a time, so memory is O(chunk x Q) whatever N is."""
+    the index at a time, so memory is O(chunk x Q) whatever N is. The rows are ranked by cosine
+    similarity; their distances are then recomputed from the rows themselves in float32."""
     q = queries.to(device, torch.float32)
+    k = min(k, index.shape[0])
     best_sim = torch.full((q.shape[0], k), -2.0, device=device)
     best_idx = torch.zeros((q.shape[0], k), dtype=torch.int64, device=device)
     dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -188,8 +231,34 @@ def nearest(queries: torch.Tensor, index: np.ndarray, k: int = 1, chunk: int = C
         merged_idx = torch.cat([best_idx, top_idx + start], 1)
         best_sim, order = merged_sim.topk(k, dim=1)
         best_idx = merged_idx.gather(1, order)
-    distance = (2 - 2 * best_sim).clamp_min(0).sqrt()  # Euclidean distance of unit vectors
-    return distance.cpu(), best_idx.cpu()
+    best_idx = best_idx.cpu()
+    rows = torch.from_numpy(np.asarray(index[best_idx.flatten().numpy()], dtype=np.float32)).view(*best_idx.shape, -1)
+    distance = (queries.float().cpu()[:, None] - rows).norm(dim=-1)  # (Q, k): exact, not through the similarity
+    distance, order = distance.sort(dim=1)
+    return distance, best_idx.gather(1, order)
+
+
+def distinct_neighbour_distance(rows: np.ndarray, index: np.ndarray, floor: float = DUPLICATE_DISTANCE,
+                                chunk: int = CHUNK_ROWS, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(R,) float32: for each of the training rows ``rows`` (R,) int64, the distance to its nearest
+    row of ``index`` (N, D) farther than ``floor``: the rows within the floor (itself, its
+    duplicates) are skipped. The search starts at 8 neighbours and widens 8-fold for the rows
+    whose neighbours so far are all duplicates, up to MAX_DUPLICATES; a row with no distinct
+    neighbour within that gets ``floor``."""
+    own = torch.from_numpy(np.asarray(index[rows], dtype=np.float32))
+    out = torch.full((len(rows),), float(floor))
+    todo, k = torch.arange(len(rows)), 8
+    while todo.numel():
+        distance, _ = nearest(own[todo], index, k, chunk, device)
+        far = distance > floor
+        found = far.any(dim=1)
+        first = far.int().argmax(dim=1)  # the first neighbour beyond the floor (distances sorted)
+        out[todo[found]] = distance[found, first[found]]
+        todo = todo[~found]
+        if k >= min(index.shape[0], MAX_DUPLICATES):
+            break
+        k *= 8
+    return out
 
 
 @dataclasses.dataclass
@@ -214,13 +283,14 @@ class Memorization:
 
 
 def memorization(queries: torch.Tensor, index: np.ndarray, threshold: float = NEAR_COPY_RATIO,
-                 chunk: int = CHUNK_ROWS, device: torch.device | str = "cpu") -> Memorization:
+                 chunk: int = CHUNK_ROWS, device: torch.device | str = "cpu",
+                 duplicate_distance: float = DUPLICATE_DISTANCE) -> Memorization:
     """Nearest training image and ratio of each query against ``index`` (N, D), N >= 2.
 
     queries: (Q, D), or (Q, V, D) views of each query (shifts; the nearest view counts).
-    The denominators ``d_train(j)`` are searched for the distinct neighbours j only, with the
-    same number of views (the views of j itself: its shifts are not available from the index,
-    so j's row is used once per view and the nearest row other than j counts)."""
+    The denominators ``d_train(j)`` are searched for the distinct neighbours j only: the distance
+    from j's row to its nearest row farther than ``duplicate_distance`` (j itself and its
+    duplicates are one image; see the module's docstring)."""
     if index.shape[0] < 2:
         raise ValueError("the memorization check needs at least 2 training images")
     if queries.ndim == 2:
@@ -230,11 +300,7 @@ def memorization(queries: torch.Tensor, index: np.ndarray, threshold: float = NE
     distance, view = distance[:, 0].reshape(q, v).min(dim=1)
     idx = idx[:, 0].reshape(q, v).gather(1, view[:, None])[:, 0]
     unique, inverse = idx.unique(return_inverse=True)
-    own = torch.from_numpy(index[unique.numpy()].astype(np.float32))
-    own_distance, own_idx = nearest(own, index, 2, chunk, device)
-    # The nearest row other than j itself (a duplicate of j, at distance 0, counts as a neighbour).
-    other = torch.where(own_idx[:, 0] == unique, own_distance[:, 1], own_distance[:, 0])
-    d_train = other[inverse]
+    d_train = distinct_neighbour_distance(unique.numpy(), index, duplicate_distance, chunk, device)[inverse]
     ratio = distance / d_train.clamp_min(1e-6)
     return Memorization(idx, distance, ratio, threshold)
 

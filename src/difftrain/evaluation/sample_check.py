@@ -1,6 +1,12 @@
 """The memorization and diversity check of a run's validation images (and of its FID samples in the
 Inception space): called by the loop at each validation on rank 0, by ``difftrain eval``
 on its samples. A disabled one (``validation.memorization = "off"``) does nothing and loads nothing.
+
+The default, ``"auto"``, checks where it is cheap: in the ``pixels`` space when the training set
+holds at most ``validation.memorization_auto_max_images`` (5,000) images, off otherwise. Small
+sets (a DreamBooth subject, a fine-tuning folder) are where samples copy training images, and
+their index costs one decode per image, once; the built-in shapes (20,000 images) and large
+folders stay off unless asked for.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ class SampleCheck:
 
     def __init__(self, cfg: Config, dataset, device: torch.device | str = "cpu"):
         self.cfg, self.dataset, self.device = cfg, dataset, device
-        self.space = cfg.validation.memorization
+        self.space = resolve_space(cfg, dataset)
         self._net: FeatureNetwork | None = None
         self._index: TrainingIndex | None = None
         check_available(cfg)  # before training: a missing network is one line now, not at the first validation
@@ -145,6 +151,16 @@ class CheckedInception:
         out.update(diversity(features, data_features(self.check._index.features, len(features)),
                              prefix=f"{prefix}diversity"))
         return out
+
+
+def resolve_space(cfg: Config, dataset) -> str:
+    """The feature space ``validation.memorization`` names for the training set ``dataset``:
+    "auto" is "pixels" for 2 to ``validation.memorization_auto_max_images`` images, else "off"."""
+    v = cfg.validation
+    if v.memorization != "auto":
+        return v.memorization
+    n = len(dataset) if dataset is not None else 0
+    return "pixels" if 2 <= n <= v.memorization_auto_max_images else "off"
 
 
 def check_available(cfg: Config) -> None:
