@@ -3,7 +3,7 @@ pipeline folder, and the weights a run starts from (``model.init_from``).
 
     save_weights_file(state, "model.safetensors")   # EMA (or raw) weights + config in its metadata
     load_weights_file("model.safetensors")           # -> the fields load_model needs
-    export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder
+    export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder (EDM, flow: ode_export.py)
     export_stable_diffusion(net, objective_cfg=..., text_encoder_source=..., vae_source=..., out_dir=...)
                                                      # a fine-tuned UNet2DConditionModel -> StableDiffusionPipeline
     load_init_weights(model, "unet_folder/")         # a diffusers UNet2DModel folder, .safetensors or .pt
@@ -228,13 +228,18 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
     if cfg.model.vae:
         raise ValueError(f"{state['path']}: a latent model (model.vae) has no diffusers pixel pipeline; "
                          "export --format safetensors")
-    scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
     model = build_model(cfg, state["num_classes"])
     load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"],
                  "ema.model" if use_ema else "model")
     unet = UNet2DModel(**diffusers_config(model))
     unet.load_state_dict(to_diffusers_state_dict(model), strict=True)
     out = Path(out)
+    if cfg.diffusion.objective != "ddpm":  # EDM and flow: diffusers' own ODE schedulers (ode_export.py)
+        from difftrain.diffusion.objective import build_objective
+        from difftrain.ode_export import export_ode_diffusers
+
+        return export_ode_diffusers(unet, build_objective(cfg.diffusion), out, state["num_classes"])
+    scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
     DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
     if state["num_classes"]:
         snippet = CONDITIONAL_SNIPPET.format(folder=out, num_classes=state["num_classes"])
