@@ -242,6 +242,8 @@ class ValidationConfig(_Section):
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
     guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
+    guide: str = ""  # autoguidance of the grids and FID samples: a guide checkpoint or run (a weaker model); "" = none
+    guide_weight: float = 2.0  # autoguidance weight w: D_guide + w (D - D_guide); 2 network evaluations per step
     raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
     heldout_weights: Literal["ema", "raw", "both"] = "both"  # weights the held-out loss is measured on
     heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
@@ -578,6 +580,7 @@ def _check_text(cfg: Config) -> None:
     _check(len(v.prompts) <= v.num_images,
            f"validation.prompts holds {len(v.prompts)} prompts, more than validation.num_images={v.num_images}")
     _check(v.guidance_scale >= 0, f"validation.guidance_scale must be >= 0, got {v.guidance_scale}")
+    _check(v.guide_weight >= 0, f"validation.guide_weight must be >= 0, got {v.guide_weight}")
     _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
 
 
