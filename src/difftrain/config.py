@@ -28,7 +28,7 @@ LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 Precision = Literal["fp32", "bf16", "fp16"]
-LRSchedule = Literal["cosine", "constant"]
+LRSchedule = Literal["cosine", "constant", "inverse_sqrt"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
 OnBadImage = Literal["skip", "fail"]
 OnWriteError = Literal["stop", "continue"]
@@ -173,6 +173,9 @@ class DiffusionConfig(_Section):
     flow_logit_mean: float = 0.0  # mean of logit(t) in flow training (logit-normal, SD3)
     flow_logit_std: float = 1.0  # std of logit(t) in flow training
     flow_shift: float = 1.0  # flow sampling grid shift t' = s t / (1 + (s - 1) t); 1 = uniform
+    # EDM2's learned loss weighting (Karras et al. 2024, eq. 21): a small MLP on the noise level's
+    # Fourier features gives u, loss / e^u + u; its weights are the UNet's logvar.* (any objective)
+    uncertainty_weighting: bool = False
     noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 
@@ -185,8 +188,9 @@ class OptimConfig(_Section):
     scale_lr: bool = False  # linear scaling rule: lr * effective_batch / base_batch
     base_batch: int = 128  # the batch size at which lr is given, for scale_lr
     warmup_steps: int = 5000  # linear warm-up, in optimizer steps
-    lr_schedule: LRSchedule = "cosine"  # after warm-up: cosine decay or constant
+    lr_schedule: LRSchedule = "cosine"  # after warm-up: cosine decay, constant or inverse_sqrt (EDM2)
     min_lr_ratio: float = 0.0  # floor of the cosine decay, as a fraction of lr
+    lr_ref_steps: int = 5000  # inverse_sqrt (EDM2 eq. 17): lr / sqrt(max(step / lr_ref_steps, 1)), in optimizer steps
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
 
 
@@ -642,6 +646,7 @@ def validate(cfg: Config) -> None:
     _check(o.base_batch >= 1, f"optim.base_batch must be >= 1, got {o.base_batch}")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _check(o.lr_ref_steps > 0, f"optim.lr_ref_steps must be > 0, got {o.lr_ref_steps}")
     _check(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
     _check(t.total_steps >= 1, f"train.total_steps must be >= 1, got {t.total_steps}")
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")

@@ -394,7 +394,8 @@ def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Te
                              f"{theirs_cfg[key]!r}, this model {_normal(ours_cfg[key])!r}")
     tensors = _read_diffusers_weights(folder)
     own = model.state_dict()
-    names = {diffusers_name(k): k for k in own}
+    training_only = {k: t for k, t in own.items() if k.startswith("logvar.")}  # the loss weighting: kept as built
+    names = {diffusers_name(k): k for k in own if k not in training_only}
     for key in sorted(set(names) | set(tensors)):
         if key not in tensors or key not in names:
             where = "missing from the folder" if key not in tensors else "not in this model"
@@ -404,7 +405,7 @@ def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Te
             raise ValueError(f"model.init_from {folder}: the UNet does not match this model's architecture: "
                              f"first mismatched key {key!r} (shape {tuple(tensors[key].shape)} in the folder, "
                              f"{tuple(own[names[key]].shape)} in this model)")
-    return {names[k]: t for k, t in tensors.items()}
+    return {**training_only, **{names[k]: t for k, t in tensors.items()}}
 
 
 def load_init_network(source: str | Path) -> ConditionUNet:
