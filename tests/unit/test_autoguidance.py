@@ -83,6 +83,8 @@ def test_sample_cli_with_a_guide_step(run, tmp_path, capsys):
                      "--steps", "2", "--sampler", "euler", "--out", str(out)]) == 0
     said = capsys.readouterr().out
     assert "autoguided by" in said and "(step 2), weight 2.5" in said and (out / "000001.png").is_file()
+    assert cli.main(["sample", "--checkpoint", str(run), "--guide-step", "3", "--num", "2", "--out", str(out)]) == 2
+    assert "--guide-step 3: " in capsys.readouterr().err
 
 
 def test_training_validates_with_a_guide(run, tmp_path):
