@@ -560,6 +560,8 @@ def _check_objective(cfg: Config) -> None:
         _check(not on or dc.objective == "ddpm", f"diffusion.{key} is for diffusion.objective='ddpm', got {dc.objective!r}")
     _check(not (dc.zero_terminal_snr and dc.prediction == "epsilon"),
            "diffusion.zero_terminal_snr needs diffusion.prediction='v' (or 'x0'): epsilon has no x0 at SNR 0")
+    _check(not (dc.uncertainty_weighting and cfg.lora.rank), "diffusion.uncertainty_weighting trains a head of "
+           "difftrain's own UNet; a LoRA run (lora.rank > 0) trains the adapter alone")
     names = OBJECTIVE_SAMPLERS[dc.objective]
     samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
     bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message

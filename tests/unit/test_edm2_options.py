@@ -48,6 +48,8 @@ def test_uncertainty_head_trains_is_checkpointed_and_is_left_out_of_exports(tmp_
     model.load_state_dict(state["ema"]["model"])
     assert not any(k.startswith("logvar") for k in to_diffusers_state_dict(model))
     assert "logvar_channels" not in build_model(load_config(None, SMALL)).config  # off: the config is unchanged
+    with pytest.raises(ConfigError, match="uncertainty_weighting .*LoRA"):
+        load_config(None, SMALL + ["diffusion.uncertainty_weighting=true", "lora.rank=4"])
 
 
 def test_inverse_sqrt_lr_decay():
