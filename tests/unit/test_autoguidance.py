@@ -37,6 +37,21 @@ def test_guided_output_is_the_formula_and_its_ends_are_the_two_networks():
         AutoGuided(main, guide, -1.0)
 
 
+def test_autoguidance_composes_with_classifier_free_guidance():
+    from difftrain.sampling import guided_network
+
+    gen = torch.Generator().manual_seed(1)
+    x, t = torch.randn(2, 1, 2, 2, generator=gen), torch.rand(2, generator=gen)
+    labels, null = torch.tensor([0.5, -1.0]), torch.tensor(0.0)
+    main, guide = Affine(0.7, 0.3), Affine(-0.2, 1.1)
+
+    def auto(c):  # D_guide + w (D_main - D_guide), w = 2
+        return guide(x, t, c) + 2.0 * (main(x, t, c) - guide(x, t, c))
+
+    want = auto(null.expand(2)) + 3.0 * (auto(labels) - auto(null.expand(2)))  # CFG scale 3 on top
+    torch.testing.assert_close(guided_network(AutoGuided(main, guide, 2.0), labels, null, 3.0)(x, t), want)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A tiny EDM run with checkpoints at steps 2, 4 and 6."""
