@@ -67,16 +67,22 @@ def train(
 
 
 def load(run_or_checkpoint: str | Path | None = None, *, ema: bool = True, device: str = "auto",
-         lora: str | Path | None = None, lora_scale: float = 1.0, base: str | Path | None = None):
+         lora: str | Path | None = None, lora_scale: float = 1.0, base: str | Path | None = None,
+         guide: str | Path | None = None, guide_step: int | None = None, guide_weight: float = 2.0):
     """A trained model (``LoadedModel``: model, cfg, objective, num_classes, step, path) from a
     run directory, a checkpoint file or a ``.safetensors`` weights file, EMA weights unless
     ``ema`` is False. Or, with ``lora`` instead, an adapter from ``export(..., format="lora")``
     on the base it was trained on (``base``: where that base is now, if it moved).
-    ``lora_scale`` scales the adapter (of ``lora`` or of a LoRA run): 1 as trained, 0 none."""
+    ``lora_scale`` scales the adapter (of ``lora`` or of a LoRA run): 1 as trained, 0 none.
+    ``guide`` / ``guide_step``: autoguidance (Karras et al. 2024) by that checkpoint or run, or by
+    the checkpoint of that step of this run (or of ``guide``), weight ``guide_weight``: every
+    sample of ``generate`` then costs two network evaluations per step."""
+    from difftrain.autoguidance import with_guide
     from difftrain.inference import load_model
 
-    return load_model(run_or_checkpoint, use_ema=ema, device=device, lora=lora, lora_scale=lora_scale,
-                      base=None if base is None else str(base))
+    loaded = load_model(run_or_checkpoint, use_ema=ema, device=device, lora=lora, lora_scale=lora_scale,
+                        base=None if base is None else str(base))
+    return with_guide(loaded, guide, guide_weight, guide_step=guide_step, use_ema=ema)
 
 
 def generate(

@@ -82,6 +82,9 @@ def _sample(args: argparse.Namespace) -> int:
     loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device,
                         text_encoder=args.text_encoder, vae=args.vae, lora=args.lora, lora_scale=args.lora_scale,
                         base=args.base)
+    from difftrain.autoguidance import with_guide
+
+    loaded = with_guide(loaded, args.guide, args.guide_weight, guide_step=args.guide_step, use_ema=not args.no_ema)
     args.sampler = args.sampler or loaded.cfg.validation.sampler  # default: the run's own
     options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
     try:
@@ -105,6 +108,8 @@ def _sample(args: argparse.Namespace) -> int:
     print(
         f"difftrain: {args.num} images from {loaded.path} (step {loaded.step}, {weights} weights, "
         f"{args.sampler} {args.steps} steps, seed {args.seed}) in {args.out}; grid {grid}"
+        + (f"; autoguided by {loaded.guide} (step {loaded.guide_step}), weight {loaded.guide_weight:g}"
+           if loaded.guide else "")
     )
     return 0
 
@@ -250,7 +255,8 @@ def _eval(args: argparse.Namespace) -> int:
         use_ema=not args.no_ema, ref=args.ref, ref_num=args.ref_num, batch_size=args.batch_size,
         device=args.device, inception_path=args.inception, kid=not args.no_kid, progress=True,
         guidance_scale=args.guidance_scale, captions=args.captions, text_encoder=args.text_encoder, vae=args.vae,
-        memorization=args.memorization, **options)
+        memorization=args.memorization, guide=args.guide, guide_step=args.guide_step, guide_weight=args.guide_weight,
+        **options)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -391,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append",
                    help="text-conditioned models: the prompt of every image (given once), or of each image (given --num times)")
     p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale (labels or prompts)")
+    _guide_options(p)
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     _frozen_part_options(p)
     p.set_defaults(func=_sample)
@@ -430,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kid", action="store_true", help="skip KID")
     p.add_argument("--guidance-scale", type=float, default=1.0,
                    help="classifier-free guidance of the samples' labels or captions (1 = none)")
+    _guide_options(p)
     p.add_argument("--captions", help="text models: a file of captions to sample with, one a line "
                                       "(default: the captions of the run's training data)")
     p.add_argument("--out", help="JSON file for the result")
@@ -509,6 +517,17 @@ def build_parser() -> argparse.ArgumentParser:
     _frozen_part_options(p)
     p.set_defaults(func=_export)
     return parser
+
+
+def _guide_options(p: argparse.ArgumentParser) -> None:
+    """Autoguidance (Karras et al. 2024): a weaker model of the same task guides the samples."""
+    p.add_argument("--guide", help="autoguidance: a guide checkpoint or run (an earlier or smaller model of the "
+                                   "same task); with --guide-step, the run to take that step from")
+    p.add_argument("--guide-step", type=int, help="autoguidance by the checkpoint of this step of the run "
+                                                  "(--checkpoint's, or --guide's)")
+    p.add_argument("--guide-weight", type=float, default=2.0,
+                   help="autoguidance weight w: D_guide + w (D - D_guide); 1 = the model alone, 0 = the guide "
+                        "(2 network evaluations per step)")
 
 
 def _frozen_part_options(p: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 Precision = Literal["fp32", "bf16", "fp16"]
-LRSchedule = Literal["cosine", "constant"]
+LRSchedule = Literal["cosine", "constant", "inverse_sqrt"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
 OnBadImage = Literal["skip", "fail"]
 OnWriteError = Literal["stop", "continue"]
@@ -173,6 +173,9 @@ class DiffusionConfig(_Section):
     flow_logit_mean: float = 0.0  # mean of logit(t) in flow training (logit-normal, SD3)
     flow_logit_std: float = 1.0  # std of logit(t) in flow training
     flow_shift: float = 1.0  # flow sampling grid shift t' = s t / (1 + (s - 1) t); 1 = uniform
+    # EDM2's learned loss weighting (Karras et al. 2024, eq. 21): a small MLP on the noise level's
+    # Fourier features gives u, loss / e^u + u; its weights are the UNet's logvar.* (any objective)
+    uncertainty_weighting: bool = False
     noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 
@@ -185,8 +188,9 @@ class OptimConfig(_Section):
     scale_lr: bool = False  # linear scaling rule: lr * effective_batch / base_batch
     base_batch: int = 128  # the batch size at which lr is given, for scale_lr
     warmup_steps: int = 5000  # linear warm-up, in optimizer steps
-    lr_schedule: LRSchedule = "cosine"  # after warm-up: cosine decay or constant
+    lr_schedule: LRSchedule = "cosine"  # after warm-up: cosine decay, constant or inverse_sqrt (EDM2)
     min_lr_ratio: float = 0.0  # floor of the cosine decay, as a fraction of lr
+    lr_ref_steps: int = 5000  # inverse_sqrt (EDM2 eq. 17): lr / sqrt(max(step / lr_ref_steps, 1)), in optimizer steps
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
 
 
@@ -242,6 +246,8 @@ class ValidationConfig(_Section):
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
     guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
+    guide: str = ""  # autoguidance of the grids and FID samples: a guide checkpoint or run (a weaker model); "" = none
+    guide_weight: float = 2.0  # autoguidance weight w: D_guide + w (D - D_guide); 2 network evaluations per step
     raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
     heldout_weights: Literal["ema", "raw", "both"] = "both"  # weights the held-out loss is measured on
     heldout_max_images: int = 500  # cap on held-out images evaluated (the cost of one evaluation)
@@ -556,6 +562,8 @@ def _check_objective(cfg: Config) -> None:
         _check(not on or dc.objective == "ddpm", f"diffusion.{key} is for diffusion.objective='ddpm', got {dc.objective!r}")
     _check(not (dc.zero_terminal_snr and dc.prediction == "epsilon"),
            "diffusion.zero_terminal_snr needs diffusion.prediction='v' (or 'x0'): epsilon has no x0 at SNR 0")
+    _check(not (dc.uncertainty_weighting and cfg.lora.rank), "diffusion.uncertainty_weighting trains a head of "
+           "difftrain's own UNet; a LoRA run (lora.rank > 0) trains the adapter alone")
     names = OBJECTIVE_SAMPLERS[dc.objective]
     samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
     bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message
@@ -580,6 +588,7 @@ def _check_text(cfg: Config) -> None:
     _check(len(v.prompts) <= v.num_images,
            f"validation.prompts holds {len(v.prompts)} prompts, more than validation.num_images={v.num_images}")
     _check(v.guidance_scale >= 0, f"validation.guidance_scale must be >= 0, got {v.guidance_scale}")
+    _check(v.guide_weight >= 0, f"validation.guide_weight must be >= 0, got {v.guide_weight}")
     _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
 
 
@@ -641,6 +650,7 @@ def validate(cfg: Config) -> None:
     _check(o.base_batch >= 1, f"optim.base_batch must be >= 1, got {o.base_batch}")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _check(o.lr_ref_steps > 0, f"optim.lr_ref_steps must be > 0, got {o.lr_ref_steps}")
     _check(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
     _check(t.total_steps >= 1, f"train.total_steps must be >= 1, got {t.total_steps}")
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")

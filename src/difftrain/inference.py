@@ -29,6 +29,9 @@ class LoadedModel:
     path: str
     ema: bool
     conditioning: Conditioning  # labels or text, and the frozen text encoder and VAE
+    guide: str | None = None  # autoguidance (autoguidance.with_guide): the guide's checkpoint
+    guide_step: int | None = None  # its training step
+    guide_weight: float = 1.0  # w of D_guide + w (D_main - D_guide); 1 = unguided
 
 
 def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str = "auto", *,

@@ -3,7 +3,7 @@ pipeline folder, and the weights a run starts from (``model.init_from``).
 
     save_weights_file(state, "model.safetensors")   # EMA (or raw) weights + config in its metadata
     load_weights_file("model.safetensors")           # -> the fields load_model needs
-    export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder
+    export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder (EDM, flow: ode_export.py)
     export_stable_diffusion(net, objective_cfg=..., text_encoder_source=..., vae_source=..., out_dir=...)
                                                      # a fine-tuned UNet2DConditionModel -> StableDiffusionPipeline
     load_init_weights(model, "unet_folder/")         # a diffusers UNet2DModel folder, .safetensors or .pt
@@ -228,13 +228,18 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
     if cfg.model.vae:
         raise ValueError(f"{state['path']}: a latent model (model.vae) has no diffusers pixel pipeline; "
                          "export --format safetensors")
-    scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
     model = build_model(cfg, state["num_classes"])
     load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"],
                  "ema.model" if use_ema else "model")
     unet = UNet2DModel(**diffusers_config(model))
     unet.load_state_dict(to_diffusers_state_dict(model), strict=True)
     out = Path(out)
+    if cfg.diffusion.objective != "ddpm":  # EDM and flow: diffusers' own ODE schedulers (ode_export.py)
+        from difftrain.diffusion.objective import build_objective
+        from difftrain.ode_export import export_ode_diffusers
+
+        return export_ode_diffusers(unet, build_objective(cfg.diffusion), out, state["num_classes"])
+    scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
     DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
     if state["num_classes"]:
         snippet = CONDITIONAL_SNIPPET.format(folder=out, num_classes=state["num_classes"])
@@ -389,7 +394,8 @@ def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Te
                              f"{theirs_cfg[key]!r}, this model {_normal(ours_cfg[key])!r}")
     tensors = _read_diffusers_weights(folder)
     own = model.state_dict()
-    names = {diffusers_name(k): k for k in own}
+    training_only = {k: t for k, t in own.items() if k.startswith("logvar.")}  # the loss weighting: kept as built
+    names = {diffusers_name(k): k for k in own if k not in training_only}
     for key in sorted(set(names) | set(tensors)):
         if key not in tensors or key not in names:
             where = "missing from the folder" if key not in tensors else "not in this model"
@@ -399,7 +405,7 @@ def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Te
             raise ValueError(f"model.init_from {folder}: the UNet does not match this model's architecture: "
                              f"first mismatched key {key!r} (shape {tuple(tensors[key].shape)} in the folder, "
                              f"{tuple(own[names[key]].shape)} in this model)")
-    return {names[k]: t for k, t in tensors.items()}
+    return {**training_only, **{names[k]: t for k, t in tensors.items()}}
 
 
 def load_init_network(source: str | Path) -> ConditionUNet:

@@ -197,6 +197,7 @@ def per_sample_loss(
     noise: Tensor,
     autocast: contextlib.AbstractContextManager | None = None,
     input_noise: Tensor | None = None,
+    uncertainty: bool = False,
 ) -> Tensor:
     """The training loss of each sample, (B,) float32: ``net(input, cond, condition)`` (under
     ``autocast``, when given) regressed onto the objective's target with its weight.
@@ -204,8 +205,13 @@ def per_sample_loss(
     x0, noise: (B, C, H, W); condition: class labels (B,) long, text embeddings (B, L, D) or None;
     levels: (B,) from ``draw_levels``; input_noise: (B, C, H, W) with input perturbation (DDPM
     only: the input is noised with it, the target made from ``noise``), else None.
+    uncertainty: EDM2's learned weighting (Karras et al. 2024, eq. 21): the network also returns
+    the log-variance u (B,) of its noise level, and the loss is loss / e^u + u.
     """
     b = objective.noised(x0, levels, noise) if input_noise is None else objective.noised(x0, levels, noise, input_noise)
     with autocast or contextlib.nullcontext():
-        out = net(b.input, b.cond, condition)
-    return diffusion_loss(out, b.target, b.weight)
+        out = net(b.input, b.cond, condition, return_logvar=True) if uncertainty else net(b.input, b.cond, condition)
+    if not uncertainty:
+        return diffusion_loss(out, b.target, b.weight)
+    out, logvar = out
+    return diffusion_loss(out, b.target, b.weight) / logvar.float().exp() + logvar.float()

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from difftrain.autoguidance import ValidationGuide
 from difftrain.config import Config
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
@@ -69,6 +70,7 @@ class TrainingFID:
         self.dataset = dataset
         self.check = check  # a SampleCheck: memorization and diversity of the samples' features (Inception space)
         self._conditions: FIDConditions | None = None
+        self.guide = ValidationGuide(cfg, self.conditioning)  # autoguidance of the samples (validation.guide)
         self._inception = None
         self._reference = None
 
@@ -105,7 +107,7 @@ class TrainingFID:
         channels, size = self.conditioning.network_shape()
         tap = self.check.tap(self._inception, self.ctx) if self.check is not None else None  # sees the images
         features = sharded_sample_features(
-            ema_model, tap or self._inception, objective=self.objective, shape=(channels, size, size),
+            self.guide.wrap(ema_model), tap or self._inception, objective=self.objective, shape=(channels, size, size),
             num=e.fid_num_samples, sampler=e.fid_sampler, steps=e.fid_steps, seed=e.fid_seed,
             batch_size=e.fid_batch_size, conditions=self._conditions, ctx=self.ctx)
         checked = tap.result(self.ctx, prefix="fid_samples/") if tap is not None else {}

@@ -219,6 +219,8 @@ def describe(result: dict, a: str = "samples", b: str = "reference images") -> s
         text += f"; conditioned on {result['conditioned_on']}"
         if result["conditioned_on"] != "nothing (unconditional)":
             text += f", guidance {result['guidance_scale']:g}"
+    if "guide" in result:
+        text += f"; autoguided by {result['guide']} (step {result['guide_step']}), weight {result['guide_weight']:g}"
     if "confetti_share" in result:
         text += f"; confetti {100 * result['confetti_share']:.1f}% (real images: 1%)"
     if "checkpoint_step" in result:
@@ -246,6 +248,9 @@ def evaluate_checkpoint(
     text_encoder: str | None = None,
     vae: str | None = None,
     memorization: str | None = None,
+    guide: str | Path | None = None,
+    guide_step: int | None = None,
+    guide_weight: float = 2.0,
     **sampler_options,
 ) -> dict:
     """FID/KID of a checkpoint's samples against ``ref`` (an .npz or a folder), or, when ``ref``
@@ -259,12 +264,20 @@ def evaluate_checkpoint(
 
     ``memorization`` ("pixels", "inception" or "clip"): also each sample's nearest training image
     in that space (the near-copy share, the median ratio) and the samples' diversity beside the
-    training data's (evaluation/memorization.py, diversity.py), as ``result["memorization"]``."""
+    training data's (evaluation/memorization.py, diversity.py), as ``result["memorization"]``.
+
+    ``guide`` / ``guide_step``: autoguidance by that checkpoint or run, or by the checkpoint of that
+    step of this run, with weight ``guide_weight`` (autoguidance.py); the result names the guide,
+    and its ``nfe`` counts both networks."""
+    from difftrain.autoguidance import with_guide
     from difftrain.inference import load_model
     from difftrain.runtime.progress import CountProgress
 
     start = time.perf_counter()
     loaded = load_model(checkpoint, use_ema=use_ema, device=device, text_encoder=text_encoder, vae=vae)
+    loaded = with_guide(loaded, guide, guide_weight, guide_step=guide_step, use_ema=use_ema)
+    guided = {} if loaded.guide is None else {"guide": loaded.guide, "guide_step": loaded.guide_step,
+                                              "guide_weight": loaded.guide_weight}
     sampler = sampler or loaded.cfg.evaluation.fid_sampler
     d = loaded.cfg.data
     conditions = checkpoint_conditions(loaded, guidance_scale, captions)
@@ -285,7 +298,8 @@ def evaluate_checkpoint(
         sampler=sampler, steps=steps, seed=seed, batch_size=batch_size, conditions=conditions,
         progress=CountProgress("eval: samples", num, enabled=progress), **sampler_options)
     return fid_result(
-        samples, reference, kid=kid, sampler=sampler, steps=steps, nfe=loaded.objective.sampler_nfe[sampler](steps),
+        samples, reference, kid=kid, sampler=sampler, steps=steps, **guided,
+        nfe=loaded.objective.sampler_nfe[sampler](steps) * (2 if guided and loaded.guide_weight not in (0, 1) else 1),
         sampler_options=sampler_options, ema=use_ema, seed=seed, batch_size=batch_size, **conditions.record(),
         checkpoint=loaded.path, checkpoint_step=loaded.step, reference=ref_source,
         inception=inception.metadata, seconds=round(time.perf_counter() - start, 1),

@@ -57,6 +57,10 @@ def build_unet(
                 **kwargs)
 
 
+# Fourier features of the learned loss weighting's MLP (EDM2's logvar_channels).
+LOGVAR_CHANNELS = 128
+
+
 def build_model(
     cfg, num_classes: int = 0, *, context_dim: int = 0, in_channels: int | None = None, resolution: int | None = None
 ) -> UNet:
@@ -81,6 +85,7 @@ def build_model(
         num_classes=num_classes,
         context_dim=context_dim,
         gradient_checkpointing=m.gradient_checkpointing,
+        **({"logvar_channels": LOGVAR_CHANNELS} if cfg.diffusion.uncertainty_weighting else {}),
         **overrides,
     )
 

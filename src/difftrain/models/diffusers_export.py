@@ -114,4 +114,5 @@ def diffusers_config(model: UNet) -> dict:
 def to_diffusers_state_dict(model: UNet) -> dict[str, Tensor]:
     """`model`'s parameters under diffusers `UNet2DModel` names (tensors share storage with model)."""
     _check_exportable(model)
-    return {diffusers_name(name): tensor for name, tensor in model.state_dict().items()}
+    # The learned loss weighting (logvar.*) acts in training only: diffusers has no place for it.
+    return {diffusers_name(name): tensor for name, tensor in model.state_dict().items() if not name.startswith("logvar.")}

@@ -205,3 +205,26 @@ class Upsample(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class UncertaintyHead(nn.Module):
+    """EDM2's learned loss weighting (Karras et al. 2024, "Analyzing and improving the training
+    dynamics of diffusion models", eq. 21): u(t) = linear(fourier(t)), the log-variance of the
+    loss at noise conditioning t, (B,) -> (B,) float32. Random Fourier features cos(2 pi (x f +
+    phi)) sqrt(2) with f ~ N(0, 1), phi ~ U(0, 1) (fixed buffers, seeded: the same in every
+    build) of x = t / 250 (t in [0, 1000]: a span of 4, as EDM2's c_noise spans 2.7), and a
+    zero-initialised linear layer, so u = 0 (the plain loss) at the start."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.register_buffer("freqs", torch.randn(channels, generator=gen))
+        self.register_buffer("phases", torch.rand(channels, generator=gen))
+        self.linear = nn.Linear(channels, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, t: Tensor) -> Tensor:
+        x = t.float()[:, None] / 250.0
+        features = torch.cos(2 * math.pi * (x * self.freqs + self.phases)) * math.sqrt(2.0)
+        return self.linear(features).float().reshape(-1)

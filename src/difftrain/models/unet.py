@@ -21,6 +21,7 @@ from difftrain.models.layers import (
     NoAttention,
     ResBlock,
     TimestepEmbedding,
+    UncertaintyHead,
     Upsample,
     group_norm,
 )
@@ -128,6 +129,7 @@ class UNet(nn.Module):
         norm_groups: int = 32,
         gradient_checkpointing: bool = False,
         context_dim: int = 0,
+        logvar_channels: int = 0,
     ) -> None:
         super().__init__()
         channel_mult = tuple(channel_mult)
@@ -160,6 +162,9 @@ class UNet(nn.Module):
             norm_groups=norm_groups,
             gradient_checkpointing=gradient_checkpointing,
             context_dim=context_dim,
+            # EDM2's learned loss weighting (diffusion.uncertainty_weighting); only when on, so
+            # the configs of other runs are unchanged
+            **({"logvar_channels": logvar_channels} if logvar_channels else {}),
         )
         self.num_classes = num_classes
         self.context_dim = context_dim
@@ -214,6 +219,8 @@ class UNet(nn.Module):
         self.conv_out = nn.Conv2d(c_in, out_channels, 3, padding=1)
 
         self._init_weights()
+        # Built after the init (zeros of its own), so the other layers' initial weights do not depend on it.
+        self.logvar = UncertaintyHead(logvar_channels) if logvar_channels else None
         self.set_gradient_checkpointing(gradient_checkpointing)
 
     def _init_weights(self) -> None:
@@ -241,7 +248,7 @@ class UNet(nn.Module):
             if isinstance(module, (ResBlock, AttentionBlock)):
                 module.gradient_checkpointing = bool(enabled)
 
-    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, return_logvar: bool = False):
         """Predict the network target for noisy images.
 
         Args:
@@ -253,8 +260,10 @@ class UNet(nn.Module):
                 context_dim > 0: (B, L, context_dim) float text embeddings; required.
                 otherwise: None.
 
+            return_logvar: also the learned loss log-variance u(t), (B,) (``logvar_channels`` > 0).
+
         Returns:
-            (B, out_channels, H, W).
+            (B, out_channels, H, W); with ``return_logvar``, (that, (B,) float32).
         """
         emb = self.time_embed(t.expand(x.shape[0]))  # (B, 4 * base_channels)
         context = None
@@ -275,7 +284,13 @@ class UNet(nn.Module):
         h = self.mid(h, emb, context)
         for level in self.up:
             h = level(h, emb, skips, context)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        out = self.conv_out(F.silu(self.norm_out(h)))
+        if return_logvar:
+            if self.logvar is None:
+                raise ValueError("return_logvar needs a UNet built with logvar_channels > 0 "
+                                 "(diffusion.uncertainty_weighting = true)")
+            return out, self.logvar(t.expand(x.shape[0]))
+        return out
 
 
 def _check_context(cond: Tensor | None, batch: int, context_dim: int) -> Tensor:

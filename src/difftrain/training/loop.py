@@ -136,7 +136,7 @@ def train(
         while state.step < end:
             # One optimizer step: accumulate, clip, step, EMA (training/step.py).
             lr = lr_at(state.step, peak_lr=lr_peak, warmup_steps=cfg.optim.warmup_steps, total_steps=tc.total_steps,
-                       schedule=cfg.optim.lr_schedule, min_lr_ratio=cfg.optim.min_lr_ratio)
+                       schedule=cfg.optim.lr_schedule, min_lr_ratio=cfg.optim.min_lr_ratio, ref_steps=cfg.optim.lr_ref_steps)
             step_fn(state, objective, batches, lr, metrics, dctx)
             if first_step_s is None:
                 first_step_s = time.perf_counter() - started

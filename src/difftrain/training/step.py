@@ -152,7 +152,7 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     for micro, b in enumerate(batches):
         with distributed.sync_gradients(net, sync=micro == accum - 1):
             per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast(),
-                                         b.input_noise)
+                                         b.input_noise, uncertainty=state.cfg.diffusion.uncertainty_weighting)
             if b.weight is not None:
                 per_sample = per_sample * b.weight
             loss = per_sample.mean() / accum

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from difftrain.autoguidance import ValidationGuide
 from difftrain.conditioning import Conditioning
 from difftrain.config import Config, ConfigError
 from difftrain.runtime import distributed
@@ -29,6 +30,7 @@ class ValidationPlan:
     null: torch.Tensor | None  # the null condition (1,) or (1, L, D), for guidance
     ncols: int  # images per grid row
     prompts: list[str] | None  # a text model's prompt of each row
+    guide: ValidationGuide | None = None  # autoguidance (validation.guide); None = none
 
 
 def validation_plan(cfg: Config, conditioning: Conditioning, dataset=None) -> ValidationPlan:
@@ -39,7 +41,7 @@ def validation_plan(cfg: Config, conditioning: Conditioning, dataset=None) -> Va
     shape = conditioning.network_shape()
     shape = (shape[0], shape[1], shape[1])
     try:
-        return _plan(v, shape, conditioning, dataset)
+        return dataclasses.replace(_plan(v, shape, conditioning, dataset), guide=ValidationGuide(cfg, conditioning))
     except (MemoryError, RuntimeError) as e:  # the fixed noise of the grid lives through the run
         if not is_out_of_memory(e) or not _fits(cfg.train.batch_size, shape):
             raise  # a training batch of these images does not fit either: the batch or resolution's error
@@ -100,7 +102,7 @@ def sample_images(
     v = cfg.validation
     mine = distributed.shard(plan.noise.shape[0], ctx)
     images = generate(
-        model,
+        model if plan.guide is None else plan.guide.wrap(model),
         objective=objective,
         noise=plan.noise[mine],
         sampler=v.sampler,
