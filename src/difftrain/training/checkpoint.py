@@ -394,7 +394,10 @@ def check_schema(state: dict, path: str | Path) -> None:
 
 def load_checkpoint(path: str | Path) -> dict:
     """Load a checkpoint on the CPU with ``weights_only=True`` (never runs pickled code), upgrade
-    an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read."""
+    an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read.
+    A sharded checkpoint's folder is read by ``sharded_checkpoint.load_consolidated`` (its DCP
+    metadata through ``training/dcp_reader.py``). Every failure is one :class:`CheckpointError`
+    line naming the file."""
     path = find_checkpoint(path)
     try:
         if path.is_dir():
@@ -403,14 +406,27 @@ def load_checkpoint(path: str | Path) -> dict:
             state = load_consolidated(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named, in one line
+        raise CheckpointError(f"cannot load checkpoint {path}: {load_error(e)}") from e
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, *_OLDER_FORMATS):
         raise CheckpointError(f"{path} is not a difftrain checkpoint (format {FORMAT!r} expected)")
     state = _upgrade(state)
     check_schema(state, path)
     state["path"] = str(path)
     return state
+
+
+def load_error(e: BaseException) -> str:
+    """One line saying why ``torch.load(..., weights_only=True)`` (or a reader under it) failed:
+    torch's refusal of a pickle that names code is several lines of advice to load it anyway."""
+    import pickle
+
+    if isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower():
+        return "it holds pickled objects other than tensors and plain data (refused: loading never runs code)"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: str | Path, key: str) -> None:
