@@ -197,9 +197,17 @@ def check_finite(state: dict) -> None:
     for std, tensors in zip(posthoc.get("stds", []), posthoc.get("models", [])):
         groups[f"posthoc_ema[{std}]"] = tensors
     for group, tensors in groups.items():
-        for name, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise NonFiniteWeights(f"{group} weight {name} is not finite")
+        name = first_non_finite(tensors)
+        if name is not None:
+            raise NonFiniteWeights(f"{group} weight {name} is not finite")
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor of ``tensors`` holding NaN or infinity; None if none."""
+    for name, t in tensors.items():
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def save_or_report(
@@ -378,18 +386,28 @@ def _upgrade(state: dict) -> dict:
     return state
 
 
-def check_schema(state: dict, path: str | Path) -> None:
+def check_schema(state: dict, path: str | Path, keys=None, kind: str = "checkpoint") -> None:
     """Raise :class:`CheckpointError` naming ``path`` and the first missing or wrong key, or
-    the first model or EMA weight that is not finite."""
-    for key, (ok, what) in SCHEMA.items():
+    the first model or EMA weight that is not finite. ``keys``: the keys of :data:`SCHEMA` to
+    check (default all), for records that share a checkpoint's fields (an adapter's, a weights
+    file's: ``kind`` names them in the message)."""
+    for key in SCHEMA if keys is None else keys:
+        ok, what = SCHEMA[key]
         if key not in state:
-            raise CheckpointError(f"checkpoint {path} has no key {key!r} ({what} expected)")
+            raise CheckpointError(f"{kind} {path} has no key {key!r} ({what} expected)")
         if not ok(state[key]):
-            raise CheckpointError(f"checkpoint {path}: key {key!r} must be {what}, got {type(state[key]).__name__}")
+            raise CheckpointError(f"{kind} {path}: key {key!r} must be {what}, got {_shown(state[key])}")
     try:
         check_finite(state)
     except NonFiniteWeights as e:
-        raise CheckpointError(f"checkpoint {path}: {e}") from None
+        raise CheckpointError(f"{kind} {path}: {e}") from None
+
+
+def _shown(value) -> str:
+    """A short value as itself (``-5``), anything else as its type's name."""
+    if isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 40):
+        return repr(value)
+    return type(value).__name__
 
 
 def load_checkpoint(path: str | Path) -> dict:
