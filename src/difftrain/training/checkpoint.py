@@ -268,6 +268,8 @@ def find_checkpoint(path: str | Path) -> Path:
         return best
     if path.is_file() or _is_sharded(path):
         return path
+    if _NAME.match(path.name) and path.is_dir():  # step_N.dcp/ without the run state its save writes last
+        raise FileNotFoundError(f"{path} is not a finished sharded checkpoint: it has no run_state.pt")
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}: not a file or a directory")

@@ -142,7 +142,10 @@ def load_consolidated(path: Path) -> dict:
     """A sharded checkpoint read whole in this process (no process group needed), in the keys of
     a single-file checkpoint: whole CPU tensors, ``optimizer`` keyed by parameter name, and
     ``layout = "sharded"``. Not yet checked against ``checkpoint.SCHEMA`` (the caller does)."""
-    rest = torch.load(path / RUN_STATE, map_location="cpu", weights_only=True)
+    try:
+        rest = torch.load(path / RUN_STATE, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named, in one line
+        raise ckpt.CheckpointError(f"cannot load checkpoint {path / RUN_STATE}: {ckpt.load_error(e)}") from None
     if not isinstance(rest, dict) or not isinstance(rest.get("posthoc_ema"), dict):
         raise ckpt.CheckpointError(f"{path / RUN_STATE} is not a difftrain sharded checkpoint's run state")
     tensors: dict = {}  # filled with the checkpoint's own keys, as torch's format_utils.dcp_to_torch_save does
