@@ -137,6 +137,21 @@ def _first_tensor(m):
     return next(v for v in m.state_dict_metadata.values() if hasattr(v, "chunks"))
 
 
+def _all_on_the_same_bytes(m) -> None:
+    """Every tensor one chunk stored in the same (largest) byte range of the shard file: each entry
+    fits the file, together they claim far more than it holds."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    big = max(m.storage_data.values(), key=lambda info: info.length)
+    numel = big.length // 4 - 100
+    storage = {}
+    for fqn, item in m.state_dict_metadata.items():
+        item.size, item.properties.dtype = torch.Size([numel]), torch.float32
+        item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([numel]))]
+        storage[MetadataIndex(fqn, [0])] = big
+    m.storage_data = storage
+
+
 def _cut(path: Path, keep: float = 0.5) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
@@ -169,7 +184,9 @@ DAMAGE = {
     "metadata-path-escapes": (lambda f: _rewrite_metadata(f, lambda m: setattr(
                                   next(iter(m.storage_data.values())), "relative_path", "../../x.distcp")),
                               ".metadata", "not a .distcp file of this folder"),
-    "shard-truncated": (lambda f: _cut(f / "__0_0.distcp"), ".metadata", "__0_0.distcp, which holds"),
+    "metadata-chunks-share-bytes": (lambda f: _rewrite_metadata(f, _all_on_the_same_bytes), ".metadata",
+                                    "its shard files hold"),
+    "shard-truncated": (lambda f: _cut(f / "__0_0.distcp"), ".metadata", "of __0_0.distcp, which holds"),
     "shard-missing": (lambda f: (f / "__0_0.distcp").unlink(), ".metadata", "__0_0.distcp it names is missing"),
     "shard-damaged": (lambda f: _break_zip_header(f / "__0_0.distcp"), DCP, "cannot read the shards"),
     "run-state-crafted": (_crafted_run_state, "run_state.pt", "other than tensors"),

@@ -112,8 +112,9 @@ def _problem(m: Any, folder: Path) -> str | None:
             except OSError:
                 return f"the shard file {name} it names is missing"
         if not (_is_count(info.offset) and _is_count(info.length) and info.offset + info.length <= sizes[name]):
-            return (f"it places {index.fqn!r} at bytes {info.offset}..{info.offset + info.length} of {name}, "
-                    f"which holds {sizes[name]} (truncated, or sizes that lie)")
+            return (f"it places {index.fqn!r} at byte {info.offset!r}, length {info.length!r}, of {name}, "
+                    f"which holds {sizes[name]} bytes (truncated, or sizes that lie)")
+    claimed = 0  # bytes of all tensors: the shard files must hold at least that many
     for fqn, item in m.state_dict_metadata.items():
         if not isinstance(fqn, str):
             return "a key of its state_dict_metadata is not a string"
@@ -124,6 +125,9 @@ def _problem(m: Any, folder: Path) -> str | None:
         problem = _tensor_problem(fqn, item, m.storage_data)
         if problem:
             return problem
+        claimed += math.prod(item.size) * item.properties.dtype.itemsize
+    if claimed > sum(sizes.values()):
+        return f"its tensors claim {claimed} bytes, its shard files hold {sum(sizes.values())} (sizes that lie)"
     return None
 
 
