@@ -108,7 +108,8 @@ def load_weights_file(path: str | Path) -> dict:
         info["frozen"] = json.loads(metadata.get("frozen", "{}"))
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"weights file {path}: bad metadata ({e})") from None
-    check_schema({"config": config, **info}, path, ("config", "num_classes", "step", "network", "frozen"), "weights file")
+    check_schema({"config": config, **info}, path, ("config", "num_classes", "step", "network", "frozen"),
+                 "weights file")
     return {"path": str(path), "config": config, "weights": metadata.get("weights", "ema"), "tensors": tensors,
             **info}
 

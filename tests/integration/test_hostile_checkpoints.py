@@ -246,6 +246,7 @@ def test_a_weights_file_whose_record_lies_is_refused(tmp_path, capsys):
     with safe_open(str(weights), framework="pt") as f:
         metadata = f.metadata()
     save_file(load_file(str(weights)), str(weights), metadata={**metadata, "step": "-5"})
-    assert main(["sample", "--checkpoint", str(weights), "--num", "1", "--steps", "2", "--out", str(tmp_path / "s")]) == 2
+    args = ["sample", "--checkpoint", str(weights), "--num", "1", "--steps", "2", "--out", str(tmp_path / "s")]
+    assert main(args) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert str(weights) in line and "'step' must be an integer >= 0, got -5" in line, line

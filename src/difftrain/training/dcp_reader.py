@@ -48,7 +48,8 @@ _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # how torch.strided pickles: a lookup by name
-    *((m, n) for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+    *((m, n) for m in ("pathlib", "pathlib._local")
+      for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
     ("collections", "OrderedDict"),
     *(("builtins", n) for n in ("set", "frozenset", "complex", "bytearray")),
 }
@@ -103,6 +104,9 @@ def _problem(m: Any, folder: Path) -> str | None:
     for index, info in m.storage_data.items():
         if not (isinstance(index, md.MetadataIndex) and isinstance(info, filesystem._StorageInfo)):
             return "its storage_data holds something other than DCP's storage entries"
+        if info.transform_descriptors:  # DCP's experimental stream extensions (compression): difftrain writes none
+            return (f"it stores {index.fqn!r} through stream transforms {info.transform_descriptors!r}, "
+                    "which difftrain never writes")
         name = info.relative_path
         if not (isinstance(name, str) and _SHARD_NAME.match(name)):
             return f"it stores {index.fqn!r} in {name!r}, not a .distcp file of this folder"

@@ -153,7 +153,8 @@ def load_consolidated(path: Path) -> dict:
     try:
         _load_state_dict(tensors, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     except CheckpointException as e:  # a BaseException: a shard file DCP could not read
-        raise ckpt.CheckpointError(f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
+        raise ckpt.CheckpointError(
+            f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
     if not isinstance(tensors.get("model"), dict):
         raise ckpt.CheckpointError(f"sharded checkpoint {path} holds no model weights")
     state = {k: v for k, v in rest.items() if k != "optimizer_param_groups"}
