@@ -207,46 +207,73 @@ def test_a_damaged_sharded_checkpoint_is_one_line_naming_the_file(sharded_run, c
     assert not (folder / "marker").exists()
 
 
-# Weights files and checkpoint files with NaN weights: refused where read, naming the tensor.
+# Weights files and checkpoint files: NaN weights refused where read, naming the tensor; a weights
+# file crafted, truncated, lying or missing refused like a checkpoint.
 
 
-def test_non_finite_weights_are_refused_where_read(tmp_path, capsys):
-    from safetensors.torch import load_file, save_file
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny run at step 2 (a checkpoint file) and its EMA weights exported as a weights file."""
+    root = tmp_path_factory.mktemp("file_run")
+    train(load_config(None, RUN), root / "run")
+    assert main(["export", str(root / "run"), str(root / "m.safetensors"), "--format", "safetensors"]) == 0
+    return root / "run", root / "m.safetensors"
+
+
+def _rewrite_weights(path: Path, tensors=None, metadata=None) -> None:
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
-    run = tmp_path / "run"
-    train(load_config(None, RUN), run)
-    weights = tmp_path / "m.safetensors"
-    assert main(["export", str(run), str(weights), "--format", "safetensors"]) == 0
-    with safe_open(str(weights), framework="pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(str(weights))
-    name = sorted(tensors)[3]
-    tensors[name][0] = float("nan")
-    save_file(tensors, str(weights), metadata=metadata)
-    state = torch.load(run / "checkpoints" / "step_00000002.pt", weights_only=True)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    weights = load_file(str(path))
+    if tensors:
+        tensors(weights)
+    save_file(weights, str(path), metadata={**meta, **(metadata or {})})
+
+
+def _nan_in_fourth(weights: dict) -> None:
+    weights[sorted(weights)[3]][0] = float("nan")
+
+
+def _sample(source: Path, out: Path) -> int:
+    return main(["sample", "--checkpoint", str(source), "--num", "1", "--steps", "2", "--out", str(out)])
+
+
+def test_non_finite_checkpoint_weights_are_refused_where_read(file_run, tmp_path, capsys):
+    run, _ = _copy(file_run[0], tmp_path / "run")
+    path = run / "checkpoints" / "step_00000002.pt"
+    state = torch.load(path, weights_only=True)
+    name = sorted(state["ema"]["model"])[3]
     state["ema"]["model"][name][0] = float("inf")
-    torch.save(state, run / "checkpoints" / "step_00000002.pt")
-    for source in (weights, run):
-        code = main(["sample", "--checkpoint", str(source), "--num", "1", "--steps", "2", "--out", str(tmp_path / "s")])
-        line = _one_error_line(capsys.readouterr().err)
-        assert code == EXIT_BAD_INPUT and str(source if source == weights else run / "checkpoints") in line, line
-        assert name in line and "not finite" in line, line
+    torch.save(state, path)
+    code = _sample(run, tmp_path / "s")
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == EXIT_BAD_INPUT and str(path) in line and name in line and "not finite" in line, line
     assert not list((tmp_path / "s").glob("*.png"))
 
 
-def test_a_weights_file_whose_record_lies_is_refused(tmp_path, capsys):
-    from safetensors.torch import load_file, save_file
-    from safetensors import safe_open
+WEIGHTS_DAMAGE = {  # case -> (damage(path), what the line says)
+    "nan-weights": (lambda p: _rewrite_weights(p, tensors=_nan_in_fourth), "is not finite"),
+    "step-negative": (lambda p: _rewrite_weights(p, metadata={"step": "-5"}), "'step' must be an integer >= 0, got -5"),
+    "crafted-pickle": (lambda p: torch.save({"x": _Payload(p.parent / "marker")}, p), "cannot read weights file"),
+    "truncated": (lambda p: _cut(p, 0.001), "cannot read weights file"),
+    "header-claims-more-bytes": (lambda p: p.write_bytes(p.read_bytes()[:-64]), "cannot read weights file"),
+    "header-length-lies": (lambda p: p.write_bytes((2**40).to_bytes(8, "little") + p.read_bytes()[8:]),
+                           "cannot read weights file"),
+    "missing": (lambda p: p.unlink(), "no checkpoint at"),
+}
 
-    run = tmp_path / "run"
-    train(load_config(None, RUN), run)
-    weights = tmp_path / "m.safetensors"
-    assert main(["export", str(run), str(weights), "--format", "safetensors"]) == 0
-    with safe_open(str(weights), framework="pt") as f:
-        metadata = f.metadata()
-    save_file(load_file(str(weights)), str(weights), metadata={**metadata, "step": "-5"})
-    args = ["sample", "--checkpoint", str(weights), "--num", "1", "--steps", "2", "--out", str(tmp_path / "s")]
-    assert main(args) == 2
+
+@pytest.mark.parametrize("case", WEIGHTS_DAMAGE)
+def test_a_hostile_weights_file_is_one_line_naming_it(file_run, case, tmp_path, capsys):
+    damage, says = WEIGHTS_DAMAGE[case]
+    path = tmp_path / "m.safetensors"
+    shutil.copy(file_run[1], path)
+    damage(path)
+    code = _sample(path, tmp_path / "s")
     line = _one_error_line(capsys.readouterr().err)
-    assert str(weights) in line and "'step' must be an integer >= 0, got -5" in line, line
+    assert code == EXIT_BAD_INPUT and str(path) in line and says in line, line
+    assert not list((tmp_path / "s").glob("*.png")) and not (tmp_path / "marker").exists()
+    if case == "nan-weights":
+        assert sorted(torch.load(file_run[0] / "checkpoints" / "step_00000002.pt")["ema"]["model"])[3] in line
