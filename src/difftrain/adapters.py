@@ -24,12 +24,13 @@ from torch import Tensor
 
 from difftrain.config import config_from_dict, config_to_toml
 from difftrain.models.lora import is_lora_record
-from difftrain.training.checkpoint import CheckpointError
+from difftrain.training.checkpoint import CheckpointError, check_schema
 
 ADAPTER_FORMAT = "difftrain-lora-v1"
 ADAPTER_KEY = "difftrain_adapter"  # the metadata key of difftrain's record (JSON)
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LoraConfig of the file (r, lora_alpha, ...)
+_RECORD_KEYS = ("config", "network", "frozen", "step")  # of checkpoint.SCHEMA, checked in an adapter's record
 
 
 @dataclasses.dataclass
@@ -137,11 +138,15 @@ def read_adapter(path: str | Path) -> dict:
         record = json.loads(metadata[ADAPTER_KEY])
         assert record["format"] == ADAPTER_FORMAT and record["layout"] in _TO_DIFFTRAIN
         rename = _TO_DIFFTRAIN[record["layout"]]
-        return {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
-                "frozen": record["frozen"], "num_classes": 0, "step": int(record["step"]),
-                "tensors": {rename(k): t for k, t in tensors.items()}, "weights": record.get("weights", "ema")}
+        fields = {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
+                  "frozen": record["frozen"], "num_classes": 0, "step": record["step"],
+                  "tensors": {rename(k): t for k, t in tensors.items()}, "weights": record.get("weights", "ema")}
     except (AssertionError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"LoRA adapter {path}: bad difftrain metadata ({type(e).__name__} {e})") from None
+    check_schema(fields, path, _RECORD_KEYS, "LoRA adapter")  # the record, checked as a checkpoint's is
+    if not is_lora_record(fields["network"]):
+        raise CheckpointError(f"LoRA adapter {path}: its network record is not a LoRA adapter's")
+    return fields
 
 
 # ---------------------------------------------------------------------------------------------

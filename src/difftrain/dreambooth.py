@@ -165,9 +165,7 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
 
     folder = class_dir(cfg, run_dir)
     distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device), dctx, long_wait=True)
-    d = dataclasses.replace(cfg.data)
-    object.__setattr__(d, "captions", False)
-    images = dataset_from_config(d, str(folder))
+    images = dataset_from_config(cfg.data, str(folder), captions=False)  # the class prompt is their caption
     prior = PromptedDataset(_first(images, cfg.dreambooth.num_class_images), cfg.dreambooth.class_prompt)
     return dataclasses.replace(data, train=PairedDataset(data.train, prior))
 

@@ -72,7 +72,7 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
         if not is_lora_record(state.get("network")):
             raise ValueError(f"--base given, but {state['path']} holds no LoRA adapter (--base is where an "
                              "adapter's base is now)")
-        object.__setattr__(cfg.model, "init_from", base)  # where the adapter's base is now (checked by digest)
+        cfg.model.init_from = base  # where the adapter's base is now (checked by digest); validated like any change
     num_classes = state["num_classes"]
     device = resolve_device(device)
     conditioning = Conditioning.from_config(cfg, num_classes, device)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from difftrain.config import config_from_dict, config_to_toml
 from difftrain.diffusion.schedules import MAX_BETA, alpha_bar_schedule, betas_from_alpha_bar
-from difftrain.training.checkpoint import CheckpointError, load_checkpoint, load_weights
+from difftrain.training.checkpoint import CheckpointError, check_schema, first_non_finite, load_checkpoint, load_weights
 
 if TYPE_CHECKING:
     from difftrain.models.diffusers_unet import ConditionUNet
@@ -76,14 +76,19 @@ def save_weights_file(state: dict, out: str | Path, use_ema: bool = True) -> Pat
 
 def read_safetensors(path: Path, what: str) -> tuple[dict, dict]:
     """(metadata, tensors) of a .safetensors file, read on the CPU; one :class:`CheckpointError`
-    naming the file (as ``what``, e.g. "weights file") when it cannot be read."""
+    naming the file (as ``what``, e.g. "weights file") when it cannot be read or a weight is not
+    finite (naming the first such tensor)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+            metadata, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - re-raised with the file named
         raise CheckpointError(f"cannot read {what} {path}: {str(e).strip().splitlines()[0]}") from None
+    bad = first_non_finite(tensors)  # a NaN adapter or network samples black or noise images
+    if bad is not None:
+        raise CheckpointError(f"{what} {path}: weight {bad} is not finite (NaN or infinity)")
+    return metadata, tensors
 
 
 def load_weights_file(path: str | Path) -> dict:
@@ -103,6 +108,8 @@ def load_weights_file(path: str | Path) -> dict:
         info["frozen"] = json.loads(metadata.get("frozen", "{}"))
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"weights file {path}: bad metadata ({e})") from None
+    check_schema({"config": config, **info}, path, ("config", "num_classes", "step", "network", "frozen"),
+                 "weights file")
     return {"path": str(path), "config": config, "weights": metadata.get("weights", "ema"), "tensors": tensors,
             **info}
 

@@ -350,3 +350,84 @@ def test_lora_under_torchrun_matches_one_process(tmp_path, tiny_overrides):
     one, two = (ckpt.load_checkpoint(tmp_path / r)["model"] for r in ("one", "two"))
     assert set(one) == set(two) and all("lora_" in k for k in one)
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5  # float rounding of the all-reduce
+
+
+# Hostile adapter files (issue 26): each refused with one line naming the file, exit 2.
+
+
+@pytest.fixture(scope="module")
+def adapter_file(lora_run) -> "Path":
+    from difftrain.cli import main
+
+    assert main(["export", str(lora_run / "run"), str(lora_run / "adapter"), "--format", "lora"]) == 0
+    return lora_run / "adapter" / "pytorch_lora_weights.safetensors"
+
+
+def _rewritten(path, tensors=None, record=None) -> None:
+    """``path`` written again with ``tensors(dict)`` / ``record(dict)`` applied to its contents."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from difftrain.adapters import ADAPTER_KEY
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    weights = load_file(str(path))
+    if tensors:
+        tensors(weights)
+    if record:
+        fields = json.loads(metadata[ADAPTER_KEY])
+        record(fields)
+        metadata[ADAPTER_KEY] = json.dumps(fields)
+    save_file(weights, str(path), metadata=metadata)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _first_nan(weights) -> None:
+    weights[sorted(weights)[0]][0] = float("nan")
+
+
+def _cut(path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+ADAPTER_DAMAGE = {  # case -> (damage(path), what the line says)
+    "nan-weights": (lambda p: _rewritten(p, tensors=_first_nan), "is not finite"),
+    "step-negative": (lambda p: _rewritten(p, record=lambda r: r.update(step=-5)), "'step' must be an integer >= 0"),
+    "not-a-lora-record": (lambda p: _rewritten(p, record=lambda r: r.update(network={"kind": "unet"})),
+                          "not a LoRA adapter's"),
+    "crafted-pickle": (lambda p: torch.save({"x": _Payload(p.parent / "marker")}, p), "cannot read LoRA adapter"),
+    "truncated": (lambda p: _cut(p, 100), "cannot read LoRA adapter"),
+    "header-claims-more-bytes": (lambda p: _cut(p, p.stat().st_size - 64), "cannot read LoRA adapter"),
+    "header-length-lies": (lambda p: p.write_bytes((2**40).to_bytes(8, "little") + p.read_bytes()[8:]),
+                           "cannot read LoRA adapter"),
+    "missing": (lambda p: p.unlink(), "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", ADAPTER_DAMAGE)
+def test_a_hostile_adapter_is_one_line_naming_the_file(adapter_file, case, tmp_path, capsys):
+    import shutil
+
+    from difftrain.cli import main
+
+    damage, says = ADAPTER_DAMAGE[case]
+    path = tmp_path / adapter_file.name
+    shutil.copy(adapter_file, path)
+    damage(path)
+    out = tmp_path / "samples"
+    code = main(["sample", "--lora", str(path), "--num", "1", "--steps", "2", "--out", str(out), "--prompt", PROMPT])
+    line = _one_error_line(capsys)
+    assert code == 2 and str(path) in line and says in line, line
+    assert not list(out.glob("*.png")) and not (tmp_path / "marker").exists()
+    if case == "nan-weights":
+        assert "unet." in line  # the first bad tensor, by its name in the file

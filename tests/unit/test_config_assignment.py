@@ -59,3 +59,17 @@ def test_pickle_copy_replace_and_dict_round_trip():
         clone.validation.steps = 5000
     replaced = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=4))
     assert replaced.train.seed == 4 and cfg.train.seed == 3
+
+
+def test_no_module_changes_a_config_behind_the_validator():
+    """Every change to a config goes through validation (plain assignment) or is a derived value
+    passed as a parameter: ``object.__setattr__`` on a config is the config module's own business
+    (a frozen dataclass setting its own fields, ``object.__setattr__(self, ...)``, is not a config)."""
+    from pathlib import Path
+
+    import difftrain
+
+    root = Path(difftrain.__file__).parent
+    offenders = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py")) if p.name != "config.py"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if "object.__setattr__(" in line and "object.__setattr__(self," not in line]
+    assert offenders == []

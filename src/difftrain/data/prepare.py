@@ -22,9 +22,10 @@ class TrainingData:
     num_classes: int  # 0 when unconditional
 
 
-def dataset_from_config(d, path: str | None = None, augment: bool = True) -> Dataset:
+def dataset_from_config(d, path: str | None = None, augment: bool = True, captions: bool | None = None) -> Dataset:
     """The dataset at ``path`` (default ``data.path``) with the options of ``DataConfig`` ``d``;
-    without ``augment``, no flip or colour jitter."""
+    without ``augment``, no flip or colour jitter; ``captions`` False: caption files are not read
+    (default ``data.captions``; DreamBooth's images take their prompt instead)."""
     return build_dataset(
         d.path if path is None else path,
         resolution=d.resolution,
@@ -34,7 +35,7 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True) -> Dat
         class_conditional=d.class_conditional,
         image_column=d.image_column,
         label_column=d.label_column,
-        captions=d.captions,
+        captions=d.captions if captions is None else captions,
         caption_column=d.caption_column,
     )
 
@@ -48,10 +49,8 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
     """
     d = cfg.data
     dreambooth = bool(cfg.dreambooth.instance_prompt)
-    if dreambooth:  # the instance prompt is every image's caption: caption files are not read
-        d = dataclasses.replace(d)
-        object.__setattr__(d, "captions", False)
-    dataset = dataset_from_config(d)
+    captions = False if dreambooth else None  # the instance prompt is every image's caption: caption files are not read
+    dataset = dataset_from_config(d, captions=captions)
     if run_dir is not None:
         # The scan and the cache build decode in data.num_workers processes; both are reused by
         # later runs of the same folder (the scan keyed by its files, the cache by their contents).
@@ -60,7 +59,7 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
             dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
         except OSError as e:
             raise cache_dir_error(e, d.cache_dir, "decode") from e
-    train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False))
+    train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False, captions=captions))
     if dreambooth:
         from difftrain.dreambooth import instance_dataset
 

@@ -197,9 +197,17 @@ def check_finite(state: dict) -> None:
     for std, tensors in zip(posthoc.get("stds", []), posthoc.get("models", [])):
         groups[f"posthoc_ema[{std}]"] = tensors
     for group, tensors in groups.items():
-        for name, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise NonFiniteWeights(f"{group} weight {name} is not finite")
+        name = first_non_finite(tensors)
+        if name is not None:
+            raise NonFiniteWeights(f"{group} weight {name} is not finite")
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor of ``tensors`` holding NaN or infinity; None if none."""
+    for name, t in tensors.items():
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 def save_or_report(
@@ -260,6 +268,8 @@ def find_checkpoint(path: str | Path) -> Path:
         return best
     if path.is_file() or _is_sharded(path):
         return path
+    if _NAME.match(path.name) and path.is_dir():  # step_N.dcp/ without the run state its save writes last
+        raise FileNotFoundError(f"{path} is not a finished sharded checkpoint: it has no run_state.pt")
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}: not a file or a directory")
@@ -378,23 +388,36 @@ def _upgrade(state: dict) -> dict:
     return state
 
 
-def check_schema(state: dict, path: str | Path) -> None:
+def check_schema(state: dict, path: str | Path, keys=None, kind: str = "checkpoint") -> None:
     """Raise :class:`CheckpointError` naming ``path`` and the first missing or wrong key, or
-    the first model or EMA weight that is not finite."""
-    for key, (ok, what) in SCHEMA.items():
+    the first model or EMA weight that is not finite. ``keys``: the keys of :data:`SCHEMA` to
+    check (default all), for records that share a checkpoint's fields (an adapter's, a weights
+    file's: ``kind`` names them in the message)."""
+    for key in SCHEMA if keys is None else keys:
+        ok, what = SCHEMA[key]
         if key not in state:
-            raise CheckpointError(f"checkpoint {path} has no key {key!r} ({what} expected)")
+            raise CheckpointError(f"{kind} {path} has no key {key!r} ({what} expected)")
         if not ok(state[key]):
-            raise CheckpointError(f"checkpoint {path}: key {key!r} must be {what}, got {type(state[key]).__name__}")
+            raise CheckpointError(f"{kind} {path}: key {key!r} must be {what}, got {_shown(state[key])}")
     try:
         check_finite(state)
     except NonFiniteWeights as e:
-        raise CheckpointError(f"checkpoint {path}: {e}") from None
+        raise CheckpointError(f"{kind} {path}: {e}") from None
+
+
+def _shown(value) -> str:
+    """A short value as itself (``-5``), anything else as its type's name."""
+    if isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 40):
+        return repr(value)
+    return type(value).__name__
 
 
 def load_checkpoint(path: str | Path) -> dict:
     """Load a checkpoint on the CPU with ``weights_only=True`` (never runs pickled code), upgrade
-    an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read."""
+    an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read.
+    A sharded checkpoint's folder is read by ``sharded_checkpoint.load_consolidated`` (its DCP
+    metadata through ``training/dcp_reader.py``). Every failure is one :class:`CheckpointError`
+    line naming the file."""
     path = find_checkpoint(path)
     try:
         if path.is_dir():
@@ -403,14 +426,27 @@ def load_checkpoint(path: str | Path) -> dict:
             state = load_consolidated(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named, in one line
+        raise CheckpointError(f"cannot load checkpoint {path}: {load_error(e)}") from e
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, *_OLDER_FORMATS):
         raise CheckpointError(f"{path} is not a difftrain checkpoint (format {FORMAT!r} expected)")
     state = _upgrade(state)
     check_schema(state, path)
     state["path"] = str(path)
     return state
+
+
+def load_error(e: BaseException) -> str:
+    """One line saying why ``torch.load(..., weights_only=True)`` (or a reader under it) failed:
+    torch's refusal of a pickle that names code is several lines of advice to load it anyway."""
+    import pickle
+
+    if isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower():
+        return "it holds pickled objects other than tensors and plain data (refused: loading never runs code)"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: str | Path, key: str) -> None:

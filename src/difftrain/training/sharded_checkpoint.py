@@ -8,7 +8,9 @@ world size, and in one process without a process group.
 
 The DCP part holds tensors only (AdamW's state keyed by parameter name, so that it reshards);
 ``run_state.pt`` is written by rank 0 with ``torch.save`` and read with ``weights_only=True``.
-DCP's own ``.metadata`` is a pickle, as in every DCP checkpoint: read checkpoints you trust.
+DCP's own ``.metadata`` is a pickle, as in every DCP checkpoint: it is read through
+``training/dcp_reader.py`` (an allow-list unpickler, then checked against the shard files), so
+loading a sharded checkpoint never runs code either.
 
 Atomic like a single-file checkpoint (``training/checkpoint.py``): the ranks write into
 ``.step_XXXXXXXX.dcp.tmp/`` (DCP fsyncs each file); rank 0 then writes ``run_state.pt``,
@@ -42,6 +44,7 @@ from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.files import atomic_write, fsync_dir
 from difftrain.training import checkpoint as ckpt
+from difftrain.training.dcp_reader import SafeReader
 
 SUFFIX = ".dcp"
 RUN_STATE = "run_state.pt"
@@ -139,14 +142,34 @@ def load_consolidated(path: Path) -> dict:
     """A sharded checkpoint read whole in this process (no process group needed), in the keys of
     a single-file checkpoint: whole CPU tensors, ``optimizer`` keyed by parameter name, and
     ``layout = "sharded"``. Not yet checked against ``checkpoint.SCHEMA`` (the caller does)."""
-    rest = torch.load(path / RUN_STATE, map_location="cpu", weights_only=True)
+    try:
+        rest = torch.load(path / RUN_STATE, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named, in one line
+        raise ckpt.CheckpointError(f"cannot load checkpoint {path / RUN_STATE}: {ckpt.load_error(e)}") from None
+    if not isinstance(rest, dict) or not isinstance(rest.get("posthoc_ema"), dict):
+        raise ckpt.CheckpointError(f"{path / RUN_STATE} is not a difftrain sharded checkpoint's run state")
     tensors: dict = {}  # filled with the checkpoint's own keys, as torch's format_utils.dcp_to_torch_save does
-    _load_state_dict(tensors, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    reader = SafeReader(path)  # refuses a crafted or damaged .metadata before DCP reads anything
+    try:
+        _load_state_dict(tensors, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as e:  # a BaseException: a shard file DCP could not read
+        raise ckpt.CheckpointError(
+            f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
+    if not isinstance(tensors.get("model"), dict):
+        raise ckpt.CheckpointError(f"sharded checkpoint {path} holds no model weights")
     state = {k: v for k, v in rest.items() if k != "optimizer_param_groups"}
     state["model"] = tensors["model"]
     state["ema"] = {**rest.get("ema", {}), "model": tensors.get("ema")}
     state["optimizer"] = {"state": tensors.get("optimizer", {}), "param_groups": rest.get("optimizer_param_groups")}
     posthoc, averages = rest["posthoc_ema"], tensors.get("posthoc_ema", {})  # averages keyed by index, a string
-    state["posthoc_ema"] = {**posthoc, "models": [averages[str(k)] for k in range(len(posthoc["stds"]))]}
+    state["posthoc_ema"] = {**posthoc, "models": [averages.get(str(k)) for k in range(len(posthoc.get("stds", [])))]}
     return state
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """The first line of the first rank's error that DCP gathered into ``e``."""
+    for failure in e.failures.values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        text = str(error).strip()
+        return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    return str(e).strip().splitlines()[0]

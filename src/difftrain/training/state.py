@@ -252,7 +252,7 @@ def _without_lora(cfg: Config) -> Config:
     import copy
 
     base = copy.deepcopy(cfg)
-    object.__setattr__(base.lora, "rank", 0)
+    base.lora.rank = 0  # validated like any change
     return base
 
 

@@ -1,0 +1,279 @@
+"""Hostile sharded (DCP) checkpoints and weights files: no file difftrain opens runs code, and a
+crafted, truncated, lying or incomplete one is refused with one line naming it, exit 2.
+
+The sharded checkpoint is a real one, written in this process by the FSDP save path
+(``sharded_checkpoint.save_or_report`` without a process group: one shard file); 2-rank ones are
+read by tests/integration/test_fsdp.py through the same reader. The commands run in-process.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftrain.cli import EXIT_BAD_INPUT, main
+from difftrain.config import config_from_dict, load_config
+from difftrain.training import checkpoint as ckpt
+from difftrain.training.loop import train
+from tests.conftest import TINY_OVERRIDES
+
+RUN = TINY_OVERRIDES + ["train.total_steps=2", "validation.every_steps=0", "tracking.tensorboard=false"]
+DCP = "step_00000002.dcp"
+
+
+class _Payload:
+    """Unpickled by plain pickle, it creates the file ``marker``: the proof that code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _as_sharded(run: Path) -> Path:
+    """Replace the run's step-2 checkpoint file by the sharded folder an FSDP run writes."""
+    from difftrain.conditioning import Conditioning
+    from difftrain.runtime import distributed
+    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.training.state import RunState
+
+    saved = ckpt.load_checkpoint(run)
+    cfg, cpu = config_from_dict(saved["config"]), torch.device("cpu")
+    state = RunState.build(cfg, saved["num_classes"], cpu, init_weights=False, network=saved["network"],
+                           conditioning=Conditioning.from_config(cfg, saved["num_classes"], cpu))
+    state.load_state_dict(saved)
+    with pytest.warns(UserWarning, match="single process"):  # DCP without a process group
+        folder = sharded.save_or_report(state, state.state_dict(), run / "checkpoints", saved["step"], 3, 0,
+                                        "stop", distributed.setup(cpu, 60))
+    Path(saved["path"]).unlink()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory) -> Path:
+    """A tiny run at step 2 whose only checkpoint is a sharded folder (about 3 s)."""
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    train(load_config(None, RUN), run)
+    folder = _as_sharded(run)
+    assert folder.name == DCP and ckpt.find_checkpoint(run) == folder
+    return run
+
+
+def _copy(run: Path, to: Path) -> tuple[Path, Path]:
+    shutil.copytree(run, to)
+    return to, to / "checkpoints" / DCP
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_real_sharded_checkpoint_loads_and_resumes(sharded_run, tmp_path, capsys):
+    run, _ = _copy(sharded_run, tmp_path / "run")
+    assert main(["inspect", str(run)]) == 0
+    assert DCP in capsys.readouterr().out
+    assert train(load_config(None, RUN + ["train.total_steps=4"]), run).step == 4
+
+
+@pytest.fixture(scope="module")
+def crafted_run(sharded_run, tmp_path_factory) -> tuple[Path, Path]:
+    """A copy of ``sharded_run`` whose ``.metadata`` is a pickle that creates ``marker``: plain
+    ``pickle.load`` (what torch's DCP reader does) runs it."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("crafted")
+    run, folder = _copy(sharded_run, root / "run")
+    marker = root / "marker"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    dcp.FileSystemReader(folder).read_metadata()  # torch's own reader: the payload runs
+    assert marker.exists()
+    marker.unlink()
+    return run, marker
+
+
+def _train_args(run_dir: Path, *overrides: str) -> list[str]:
+    return ["train", "--run-dir", str(run_dir)] + [x for o in [*RUN, *overrides] for x in ("--set", o)]
+
+
+COMMANDS = {  # command -> its arguments, given (crafted run, scratch folder)
+    "sample": lambda run, out: ["sample", "--checkpoint", str(run), "--num", "1", "--steps", "2", "--out", str(out)],
+    "export": lambda run, out: ["export", str(run), str(out / "m.safetensors"), "--format", "safetensors"],
+    "eval": lambda run, out: ["eval", "--checkpoint", str(run), "--num", "2", "--steps", "2"],
+    "train-resume": lambda run, out: _train_args(run, "train.total_steps=4"),
+    "inspect": lambda run, out: ["inspect", str(run)],
+    "posthoc-ema": lambda run, out: ["posthoc-ema", str(run), "--std", "0.07", "--out", str(out / "p.pt")],
+    "diagnose": lambda run, out: ["diagnose", "--checkpoint", str(run), "--num-images", "2"],
+    "init_from": lambda run, out: _train_args(out / "new", f"model.init_from={run / 'checkpoints' / DCP}"),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_crafted_dcp_metadata_runs_no_code(crafted_run, command, tmp_path, capsys):
+    run, marker = crafted_run
+    code = main(COMMANDS[command](run, tmp_path))
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == EXIT_BAD_INPUT
+    assert str(run / "checkpoints" / DCP / ".metadata") in line and "never holds" in line, line
+    assert not marker.exists()
+
+
+def _rewrite_metadata(folder: Path, change) -> None:
+    """Unpickle the (test's own, trusted) metadata, ``change(metadata)``, write it back."""
+    path = folder / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def _first_tensor(m):
+    return next(v for v in m.state_dict_metadata.values() if hasattr(v, "chunks"))
+
+
+def _all_on_the_same_bytes(m) -> None:
+    """Every tensor one chunk stored in the same (largest) byte range of the shard file: each entry
+    fits the file, together they claim far more than it holds."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    big = max(m.storage_data.values(), key=lambda info: info.length)
+    numel = big.length // 4 - 100
+    storage = {}
+    for fqn, item in m.state_dict_metadata.items():
+        item.size, item.properties.dtype = torch.Size([numel]), torch.float32
+        item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([numel]))]
+        storage[MetadataIndex(fqn, [0])] = big
+    m.storage_data = storage
+
+
+def _cut(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _break_zip_header(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 64)
+
+
+def _crafted_run_state(folder: Path) -> None:
+    state = torch.load(folder / "run_state.pt", weights_only=True)
+    torch.save({**state, "extra": _Payload(folder / "marker")}, folder / "run_state.pt")
+
+
+# case -> (damage(folder), the file the line names, what it says)
+DAMAGE = {
+    "metadata-crafted": (lambda f: (f / ".metadata").write_bytes(pickle.dumps(_Payload(f / "marker"))),
+                         ".metadata", "a crafted file"),
+    "metadata-truncated": (lambda f: _cut(f / ".metadata"), ".metadata", "refused"),
+    "metadata-missing": (lambda f: (f / ".metadata").unlink(), ".metadata", "is missing"),
+    "metadata-foreign": (lambda f: (f / ".metadata").write_bytes(pickle.dumps({"a": 1})), ".metadata",
+                         "holds a dict"),
+    "metadata-size-lies": (lambda f: _rewrite_metadata(f, lambda m: setattr(_first_tensor(m), "size",
+                                                                            torch.Size([10**6, 10**6]))),
+                           ".metadata", "chunks of"),
+    "metadata-length-lies": (lambda f: _rewrite_metadata(f, lambda m: setattr(next(iter(m.storage_data.values())),
+                                                                              "length", 10**12)),
+                             ".metadata", "sizes that lie"),
+    "metadata-path-escapes": (lambda f: _rewrite_metadata(f, lambda m: setattr(
+                                  next(iter(m.storage_data.values())), "relative_path", "../../x.distcp")),
+                              ".metadata", "not a .distcp file of this folder"),
+    "metadata-chunks-share-bytes": (lambda f: _rewrite_metadata(f, _all_on_the_same_bytes), ".metadata",
+                                    "its shard files hold"),
+    "shard-truncated": (lambda f: _cut(f / "__0_0.distcp"), ".metadata", "of __0_0.distcp, which holds"),
+    "shard-missing": (lambda f: (f / "__0_0.distcp").unlink(), ".metadata", "__0_0.distcp it names is missing"),
+    "shard-damaged": (lambda f: _break_zip_header(f / "__0_0.distcp"), DCP, "cannot read the shards"),
+    "run-state-crafted": (_crafted_run_state, "run_state.pt", "other than tensors"),
+    "run-state-truncated": (lambda f: _cut(f / "run_state.pt"), "run_state.pt", "cannot load checkpoint"),
+    "run-state-missing": (lambda f: (f / "run_state.pt").unlink(), DCP, "no run_state.pt"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_sharded_checkpoint_is_one_line_naming_the_file(sharded_run, case, tmp_path, capsys):
+    damage, named, says = DAMAGE[case]
+    _, folder = _copy(sharded_run, tmp_path / "run")
+    damage(folder)
+    code = main(["inspect", str(folder)])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == EXIT_BAD_INPUT
+    assert str(folder if named == DCP else folder / named) in line and says in line, line
+    assert not (folder / "marker").exists()
+
+
+# Weights files and checkpoint files: NaN weights refused where read, naming the tensor; a weights
+# file crafted, truncated, lying or missing refused like a checkpoint.
+
+
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny run at step 2 (a checkpoint file) and its EMA weights exported as a weights file."""
+    root = tmp_path_factory.mktemp("file_run")
+    train(load_config(None, RUN), root / "run")
+    assert main(["export", str(root / "run"), str(root / "m.safetensors"), "--format", "safetensors"]) == 0
+    return root / "run", root / "m.safetensors"
+
+
+def _rewrite_weights(path: Path, tensors=None, metadata=None) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    weights = load_file(str(path))
+    if tensors:
+        tensors(weights)
+    save_file(weights, str(path), metadata={**meta, **(metadata or {})})
+
+
+def _nan_in_fourth(weights: dict) -> None:
+    weights[sorted(weights)[3]][0] = float("nan")
+
+
+def _sample(source: Path, out: Path) -> int:
+    return main(["sample", "--checkpoint", str(source), "--num", "1", "--steps", "2", "--out", str(out)])
+
+
+def test_non_finite_checkpoint_weights_are_refused_where_read(file_run, tmp_path, capsys):
+    run, _ = _copy(file_run[0], tmp_path / "run")
+    path = run / "checkpoints" / "step_00000002.pt"
+    state = torch.load(path, weights_only=True)
+    name = sorted(state["ema"]["model"])[3]
+    state["ema"]["model"][name][0] = float("inf")
+    torch.save(state, path)
+    code = _sample(run, tmp_path / "s")
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == EXIT_BAD_INPUT and str(path) in line and name in line and "not finite" in line, line
+    assert not list((tmp_path / "s").glob("*.png"))
+
+
+WEIGHTS_DAMAGE = {  # case -> (damage(path), what the line says)
+    "nan-weights": (lambda p: _rewrite_weights(p, tensors=_nan_in_fourth), "is not finite"),
+    "step-negative": (lambda p: _rewrite_weights(p, metadata={"step": "-5"}), "'step' must be an integer >= 0, got -5"),
+    "crafted-pickle": (lambda p: torch.save({"x": _Payload(p.parent / "marker")}, p), "cannot read weights file"),
+    "truncated": (lambda p: _cut(p, 0.001), "cannot read weights file"),
+    "header-claims-more-bytes": (lambda p: p.write_bytes(p.read_bytes()[:-64]), "cannot read weights file"),
+    "header-length-lies": (lambda p: p.write_bytes((2**40).to_bytes(8, "little") + p.read_bytes()[8:]),
+                           "cannot read weights file"),
+    "missing": (lambda p: p.unlink(), "no checkpoint at"),
+}
+
+
+@pytest.mark.parametrize("case", WEIGHTS_DAMAGE)
+def test_a_hostile_weights_file_is_one_line_naming_it(file_run, case, tmp_path, capsys):
+    damage, says = WEIGHTS_DAMAGE[case]
+    path = tmp_path / "m.safetensors"
+    shutil.copy(file_run[1], path)
+    damage(path)
+    code = _sample(path, tmp_path / "s")
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == EXIT_BAD_INPUT and str(path) in line and says in line, line
+    assert not list((tmp_path / "s").glob("*.png")) and not (tmp_path / "marker").exists()
+    if case == "nan-weights":
+        assert sorted(torch.load(file_run[0] / "checkpoints" / "step_00000002.pt")["ema"]["model"])[3] in line
