@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -131,3 +132,63 @@ def test_step_budget_pairs_on_one_core_each_and_the_best_two_on_a_second_seed(tm
     table = (tmp_path / "t.md").read_text()
     assert "| recipe | FID per seed | mean |" in table and "How sure: `" in table
     assert "FID against minutes" not in table  # a step budget has no curve by default
+
+
+def _doc_rows(heading: str) -> list[dict]:
+    """The rows of every table in docs/quality.md's section ``heading`` whose first cell names
+    a recipe in backticks: {"label", "name", "steps", "images"}."""
+    text = (REPO / "docs" / "quality.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows, columns = [], None
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if not cells:
+            columns = None
+        elif cells[0] == "recipe":
+            columns = cells
+        elif columns and "`" in cells[0]:
+            row = dict(zip(columns, cells))
+            rows.append({"label": cells[0], "name": re.search(r"`([^`]+)`", cells[0]).group(1),
+                         "steps": int(row["steps"].replace(",", "")), "images": int(row["images seen"].replace(",", ""))})
+    return rows
+
+
+def test_every_cpu_mode_row_of_quality_md_resolves_to_the_recipe_it_was_measured_with():
+    """Each named row of docs/quality.md's CPU-mode tables, resolved as ``--cpu-mode --recipes
+    NAME`` resolves it today: the steps, images seen (so the batch), LR and objective its label
+    and columns say, whatever configs/cifar10-16px-cpu.toml says now (batch 32 since b0da83b)."""
+    from difftrain.config import load_config
+
+    bench = _bench()
+    rows = _doc_rows("The CPU mode: recipes ranked on this CPU (issue 17)")
+    assert {r["name"] for r in rows} >= set(bench.CPU_DEFAULT) | {"edm-lr3e-3-b32", "edm-lr2e-3-b16", "edm-lr2e-3-b8"}
+    for row in rows:
+        label = row["label"]
+        (recipe,) = bench.build_recipes(bench.parse_args(["--cpu-mode", "--recipes", row["name"]]))
+        cfg = load_config(recipe.config, recipe.overrides)
+        t = cfg.train
+        lr = re.search(r"LR ([0-9.e-]+)", label)
+        batch = re.search(r"batch (\d+)", label)
+        objective = "edm" if "EDM" in label else "flow" if "flow" in label else "ddpm"
+        assert t.total_steps == row["steps"], label
+        assert t.batch_size * t.grad_accum_steps * t.total_steps == row["images"], label
+        assert t.batch_size == (int(batch.group(1)) if batch else bench.PROTOCOL_BATCH), label
+        assert cfg.optim.lr == (float(lr.group(1)) if lr else bench.PROTOCOL_LR), label
+        assert cfg.diffusion.objective == objective, label
+        assert (cfg.model.preset, cfg.data.resolution, cfg.optim.lr_schedule) == ("tiny", 16, "cosine"), label
+
+
+def test_the_smoke_mode_keeps_the_preset_its_tables_were_measured_with():
+    """--smoke's tables (docs/quality.md, "The CPU mode with every objective") trained batch 64,
+    DDPM epsilon on the linear schedule unless the recipe names another objective."""
+    from difftrain.config import load_config
+
+    bench = _bench()
+    for name in bench.SMOKE_DEFAULT:
+        (recipe,) = bench.build_recipes(bench.parse_args(["--smoke", "--recipes", name]))
+        cfg = load_config(recipe.config, [o.replace("@reached", "200") for o in recipe.overrides])
+        assert (cfg.train.batch_size, cfg.train.total_steps, cfg.optim.warmup_steps) == (64, 200, 30), name
+        own = {"v-minsnr": "ddpm", "edm": "edm", "flow": "flow"}.get(name, "ddpm")
+        assert cfg.diffusion.objective == own, name
+        if name not in ("v-minsnr", "edm", "flow"):
+            assert (cfg.diffusion.schedule, cfg.diffusion.prediction) == ("linear", "epsilon"), name
