@@ -7,8 +7,9 @@ in a fresh run directory while killing the process again and again with SIGKILL 
 some kills at a random moment (start-up, a step, validation, a save), some aimed inside a
 checkpoint write (the test hook ``DIFFTRAIN_TEST_SAVE_PAUSE_S`` holds the written temporary
 file open for a moment before its rename, and the kill lands when the file appears). After
-each kill it checks that the exit code is an expected one and that ``latest`` names a complete
-checkpoint that loads, then runs the same command again. When a run completes, its final model
+each kill it checks that the exit code is an expected one and that the checkpoint the next run
+resumes from (``latest``, or the newest complete one where the kill came between a checkpoint's
+rename and its ``latest`` update) loads, then runs the same command again. When a run completes, its final model
 and EMA digests must equal the reference's; then a new run starts, until ``--kills`` kills are
 done. Prints the kills, how many the runs survived, and anything lost; exits 1 on any loss.
 """
@@ -88,22 +89,38 @@ def digests(run_dir: Path) -> tuple[int, str, str]:
     return info["step"], info["model_sha256"], info["ema_sha256"]
 
 
-def check_latest(run_dir: Path) -> str | None:
-    """None when ``latest`` (if any) names a complete, loadable checkpoint; else the problem."""
-    from difftrain.training.checkpoint import LATEST, load_checkpoint
+def check_resumable(run_dir: Path) -> str | None:
+    """None when the checkpoint the next run resumes from is complete and loads (or no checkpoint
+    was completed yet); else the problem.
+
+    The next run resumes from what ``find_checkpoint`` picks: the checkpoint ``latest`` names, or
+    the newest complete one when ``latest`` is missing or names none of the folder's. So a kill
+    between a checkpoint's rename and the ``latest`` update loses nothing: the first checkpoint
+    has no pointer yet and resume takes it; a later one leaves the pointer at the previous
+    checkpoint, and resume redoes the steps since (the final digests, compared with the
+    reference's, show that the redone steps are the same).
+    """
+    from difftrain.training.checkpoint import LATEST, find_checkpoint, list_checkpoints, load_checkpoint
 
     ckpt_dir = run_dir / "checkpoints"
-    pointer = ckpt_dir / LATEST
-    if not pointer.exists():
-        return None if not list(ckpt_dir.glob("step_*.pt")) else "checkpoints without a latest pointer"
-    named = ckpt_dir / pointer.read_text().strip()
-    if not named.is_file():
-        return f"latest names {named.name}, which does not exist"
+    if not list_checkpoints(ckpt_dir):
+        return f"{LATEST} names a checkpoint, but none is complete" if (ckpt_dir / LATEST).exists() else None
+    chosen = find_checkpoint(run_dir)
     try:
-        load_checkpoint(named)
+        load_checkpoint(chosen)
     except Exception as e:  # noqa: BLE001 - any failure to load is a loss
-        return f"latest names {named.name}, which does not load: {e}"
+        return f"resume would read {chosen.name}, which does not load: {e}"
     return None
+
+
+def resume_point(run_dir: Path) -> str:
+    """The checkpoint the next run resumes from, or "-" when there is none yet."""
+    from difftrain.training.checkpoint import find_checkpoint
+
+    try:
+        return find_checkpoint(run_dir).name
+    except FileNotFoundError:
+        return "-"
 
 
 def _wait_for_tmp(proc: subprocess.Popen, ckpt_dir: Path, timeout_s: float) -> bool:
@@ -169,12 +186,12 @@ def campaign(kills: int, workdir: Path, total_steps: int = 12, seed: int = 0, lo
                 out.lost.append(f"{run_dir.name}: {sig.name} gave exit code {rc}: {err.strip()[-300:]}")
         elif rc != 0:
             out.lost.append(f"{run_dir.name}: unkilled process exited {rc}: {err.strip()[-300:]}")
-        problem = check_latest(run_dir)
+        problem = check_resumable(run_dir)
         if problem:
             out.lost.append(f"{run_dir.name} after {sig.name if killed else 'exit'}: {problem}")
         if killed:
             log(f"kill {out.kills}: {sig.name}{' in a write' if in_write else ''}, exit {rc}, "
-                f"latest {(run_dir / 'checkpoints' / 'latest').read_text().strip() if (run_dir / 'checkpoints' / 'latest').exists() else '-'}")
+                f"resumes from {resume_point(run_dir)}")
         if rc == 0 and not killed:  # this run is complete: judge it
             got = digests(run_dir)
             out.runs += 1

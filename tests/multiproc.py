@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0, collective_timeout_s: float = 600.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, collective_timeout_s: float = 600.0) -> list:
     """``fn(ctx, *args)`` on ``world_size`` spawned processes; their results in rank order.
 
     ``fn`` must be a module-level function and its result something ``torch.save`` can write.

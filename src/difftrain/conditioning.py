@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from difftrain.runtime.device import to_device_async
+
 
 class Conditioning:
     """The condition of a run's network and its frozen text encoder and VAE (either may be None).
@@ -40,6 +42,7 @@ class Conditioning:
         self.num_classes, self.text, self.codec = num_classes, text, codec
         self.channels, self.resolution = channels, resolution
         self._null_text: Tensor | None = None  # the empty caption's encoding (1, L, D), once
+        self._null_tokens: dict[str, Tensor] = {}  # the empty caption's token ids (1, L), once per device
         if codec is not None and resolution % codec.factor:
             raise ValueError(f"data.resolution={resolution} must be a multiple of the VAE's downsampling factor "
                              f"{codec.factor} (model.vae {codec.source})")
@@ -88,14 +91,22 @@ class Conditioning:
         (of "" where dropped), or None for an unconditional run.
         """
         if self.text is not None:
-            captions = list(second)
-            if drop is not None:
-                captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
-            return self.text.encode_ids(self.text.tokenize(captions).to(device))
+            ids = to_device_async(self.text.tokenize(list(second)), device)  # (B, L), made on the host
+            if drop is not None:  # the empty caption's tokens on the dropped rows, chosen on the device
+                ids = torch.where(drop[:, None], self._null_ids(device), ids)
+            return self.text.encode_ids(ids)
         if self.num_classes:
             labels = second.to(device, non_blocking=True)
             return labels if drop is None else torch.where(drop, torch.full_like(labels, self.num_classes), labels)
         return None
+
+    def _null_ids(self, device: torch.device) -> Tensor:
+        """(1, L) token ids of the empty caption on ``device``, tokenized and copied once (so a
+        step reads nothing back from the device to drop a caption)."""
+        key = str(device)  # as given: "cuda" and the tensor's "cuda:0" would never compare equal
+        if key not in self._null_tokens:
+            self._null_tokens[key] = to_device_async(self.text.tokenize([""]), device)
+        return self._null_tokens[key]
 
     def prompts(self, prompts: Sequence[str], device: torch.device | str = "cpu") -> Tensor:
         """(N, L, D) text embeddings of ``prompts`` (a text run only)."""

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from difftrain.data.sampler import split_key
+from difftrain.runtime.device import to_device_async
 
 CLASS_RECORD = "class_images.json"  # beside the class images: the prompt and base they were made from
 
@@ -101,7 +102,7 @@ def loss_weights(cfg, captions, device: torch.device) -> torch.Tensor | None:
     if not db.class_prompt:
         return None
     weights = torch.tensor([db.prior_loss_weight if c == db.class_prompt else 1.0 for c in captions])
-    return weights.to(device, non_blocking=True)  # made on the host: no wait for the device per micro-batch
+    return to_device_async(weights, device)  # made on the host: no wait for the device per micro-batch
 
 
 def class_dir(cfg, run_dir: Path) -> Path:

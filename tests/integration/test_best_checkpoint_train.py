@@ -102,7 +102,7 @@ def test_a_kill_inside_the_write_of_a_new_best_keeps_the_previous_best(tmp_path,
     cmd = [sys.executable, "-m", "difftrain", "train", "--run-dir", str(run), *sets]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ckpt_dir = run / "checkpoints"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not ((ckpt_dir / ckpt.BEST).exists() and any(ckpt_dir.glob(".step_*.tmp"))):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "timed out"

@@ -198,7 +198,7 @@ def _start_ranks(run_dir, overrides: list[str], world_size: int = 2, extra: list
     return procs
 
 
-def _finish(procs: list[subprocess.Popen], timeout_s: float = 120.0) -> list[tuple[int, str, str]]:
+def _finish(procs: list[subprocess.Popen], timeout_s: float = 300.0) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of each rank; a rank still running after ``timeout_s`` is a hang."""
     deadline, results = time.monotonic() + timeout_s, []
     try:
@@ -227,7 +227,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(tmp_p
     run = tmp_path / "run"
     procs = _start_ranks(run, ONE_RANK)
     metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # rank 0 logged 2 steps
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _finish(procs, 5)
         time.sleep(0.02)
@@ -267,7 +267,7 @@ def test_a_failed_checkpoint_write_on_rank_0_stops_every_rank_with_its_error(tmp
 
 def _wait_for_steps(run, procs, steps: int) -> None:
     metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().count("\n") >= steps):  # rank 0 logged `steps` steps
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, _finish(procs, 5)
         time.sleep(0.02)

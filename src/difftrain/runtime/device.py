@@ -38,6 +38,15 @@ def resolve_device(name: str) -> torch.device:
 AUTO_ON = {"channels_last": ("cpu",), "compile": ("cuda",), "cuda_graphs": ()}
 
 
+def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A tensor made on the host inside a step (token ids, loss weights) copied to ``device``
+    without waiting for the device: pinned first on CUDA, where a copy from pageable memory can
+    wait for the stream."""
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def resolve_toggle(value: str, device: torch.device, switch: str) -> bool:
     """``on`` / ``off``, or ``auto``: on for the device types in ``AUTO_ON[switch]``."""
     if value == "auto":
