@@ -147,7 +147,7 @@ def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *args) -> None
 class PromptEncoder(nn.Module):
     """The frozen text encoders and tokenizers of one family: captions -> a dict condition.
 
-    Attributes: ``source`` (the folder it came from), ``digest`` (SHA-256 of every encoder's weights
+    Attributes: ``dim`` (D, the width of ``prompt_embeds``), ``source`` (the folder it came from), ``digest`` (SHA-256 of every encoder's weights
     and every tokenizer's vocabulary: checkpoints name the source and check the digest, never save the
     weights). Frozen: no grad, stays in eval mode.
 
@@ -158,6 +158,7 @@ class PromptEncoder(nn.Module):
 
     source: str = ""
     digest: str = ""
+    dim: int = 0
 
     def __init__(self) -> None:
         super().__init__()

@@ -67,6 +67,7 @@ class SDXLPromptEncoder(PromptEncoder):
 
         vocab = b"".join(json.dumps(t.get_vocab(), sort_keys=True).encode() for t in tokenizers)
         self.digest = weights_digest(self.encoders, vocab)
+        self.dim = sum(int(e.config.hidden_size) for e in encoders)  # D of prompt_embeds
 
     @torch.no_grad()
     def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
