@@ -270,10 +270,11 @@ class Family(ABC):
     # -- files out and in ---------------------------------------------------------------------------
 
     @abstractmethod
-    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
+                        vae: Path | None = None) -> Path:
         """A pipeline folder the family's diffusers pipeline loads: ``denoiser``'s weights, the base's
-        frozen parts copied from ``base``, ``scheduler`` (a diffusers scheduler config, None: the
-        base's)."""
+        frozen parts copied from ``base`` (the VAE from ``vae`` when given: a run's ``model.vae`` elsewhere),
+        ``scheduler`` (a diffusers scheduler config, None: the base's)."""
 
     @abstractmethod
     def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
