@@ -132,16 +132,17 @@ def read_adapter(path: str | Path) -> dict:
     try:
         record = json.loads(metadata[ADAPTER_KEY])
         assert record["format"] == ADAPTER_FORMAT and record["layout"] in LORA_LAYOUTS
-        family = family_of_record(record["network"]["base"])
-        assert family is not None, "the base is no family's"
         fields = {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
-                  "frozen": record["frozen"], "num_classes": 0, "step": int(record["step"]),
+                  "frozen": record["frozen"], "num_classes": 0, "step": record["step"],
                   "weights": record.get("weights", "ema")}
     except (AssertionError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"LoRA adapter {path}: bad difftrain metadata ({type(e).__name__} {e})") from None
     check_schema(fields, path, _RECORD_KEYS, "LoRA adapter")  # the record, checked as a checkpoint's is
     if not is_lora_record(fields["network"]):
         raise CheckpointError(f"LoRA adapter {path}: its network record is not a LoRA adapter's")
+    family = family_of_record(fields["network"]["base"])
+    if family is None:
+        raise CheckpointError(f"LoRA adapter {path}: its base is a network of no base family")
     return {**fields, "tensors": family.read_lora(path)}
 
 
