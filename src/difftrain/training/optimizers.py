@@ -71,7 +71,9 @@ def _adamw8bit_bytes(shape: torch.Size) -> int:
 
 
 def _prodigy_bytes(shape: torch.Size) -> int:
-    return 16 * math.prod(shape)  # exp_avg, exp_avg_sq, s, p0 (the initial weights), fp32
+    # exp_avg, exp_avg_sq, s, p0 (the initial weights), fp32; p0 is one element for a weight all
+    # zero at the first step (zero-initialised layers of a fresh model), so this is the bound
+    return 16 * math.prod(shape)
 
 
 def _adafactor_bytes(shape: torch.Size) -> int:
