@@ -34,6 +34,7 @@ OnBadImage = Literal["skip", "fail"]
 OnWriteError = Literal["stop", "continue"]
 # training/optimizers.py's OPTIMIZERS; adamw8bit, prodigy and schedulefree need the optim extra
 OptimizerName = Literal["adamw", "adamw8bit", "prodigy", "adafactor", "schedulefree"]
+OPTIMIZER_PACKAGES = {"adamw8bit": "bitsandbytes", "prodigy": "prodigyopt", "schedulefree": "schedulefree"}  # the optim extra's
 Parallel = Literal["ddp", "fsdp"]  # how torchrun's ranks share the model (runtime/distributed.py, runtime/fsdp.py)
 
 
@@ -770,6 +771,13 @@ def check_environment(cfg: Config) -> None:
 
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'")
+    package = OPTIMIZER_PACKAGES.get(cfg.optim.name)
+    if package:
+        import importlib.util
+
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"optim.name={cfg.optim.name!r} needs the {package} package, which is not installed: "
+                              f"pip install 'difftrain[optim]'")
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path and not path.startswith("builtin:"):
             if path.rstrip().lower().endswith((".tar", ".parquet")):

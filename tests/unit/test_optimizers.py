@@ -8,7 +8,7 @@ import typing
 import pytest
 import torch
 
-from difftrain.config import ConfigError, OptimizerName, load_config
+from difftrain.config import OPTIMIZER_PACKAGES, ConfigError, OptimizerName, check_environment, load_config
 from difftrain.models import build_unet
 from difftrain.runtime.optional import MissingDependency
 from difftrain.tools.parallel_memory import optimizer_state
@@ -109,3 +109,31 @@ def test_a_missing_package_names_the_extra(tiny_overrides, monkeypatch, name, pa
 def test_options_that_do_not_combine_are_refused(tiny_overrides, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, tiny_overrides + overrides)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_PACKAGES))
+def test_a_missing_package_is_found_before_the_run_starts(tiny_overrides, monkeypatch, name):
+    import importlib.util
+
+    package = OPTIMIZER_PACKAGES[name]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == package else find_spec(n, *a))
+    with pytest.raises(ConfigError, match=rf"optim.name='{name}' needs the {package} package.*difftrain\[optim\]"):
+        check_environment(_cfg(tiny_overrides, name))
+
+
+def test_the_config_knows_each_optimizers_package():
+    assert {n for n, spec in OPTIMIZERS.items() if spec.extra} == set(OPTIMIZER_PACKAGES)
+
+
+def test_the_cli_says_one_line_and_exits_2_for_a_missing_package(tiny_overrides, monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from difftrain.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "prodigyopt" else find_spec(n, *a))
+    sets = [x for o in tiny_overrides + ["optim.name=prodigy"] for x in ("--set", o)]
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'difftrain[optim]'" in err[0]
