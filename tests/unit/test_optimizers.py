@@ -137,3 +137,16 @@ def test_the_cli_says_one_line_and_exits_2_for_a_missing_package(tiny_overrides,
     assert main(["train", "--run-dir", str(tmp_path / "run"), *sets]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'difftrain[optim]'" in err[0]
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
+def test_estimate_prints_the_configured_optimizers_state(tiny_overrides, name):
+    from difftrain.tools.estimate import MiB, estimate, format_estimate
+
+    from difftrain.tools.common import build_setup
+
+    cfg = _cfg(tiny_overrides, name)
+    r = estimate(cfg, batch_size=2)
+    model = build_setup(cfg, need_data=False).model  # the run's network, as estimate builds it
+    assert round(r["optimizer_mib"] * MiB) == state_bytes(name, [p.shape for p in model.parameters()])
+    assert {"adamw8bit": "8-bit AdamW", "adafactor": "Adafactor"}[name] in format_estimate(r)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from difftrain.config import Parallel
-from difftrain.training.optimizers import OPTIMIZERS
+from difftrain.training.optimizers import OPTIMIZERS, state_bytes
 
 PARALLELISMS = typing.get_args(Parallel)  # train.parallel's values; the first is the default
 # Bytes per element of the compute dtype of train.precision (FSDP's MixedPrecisionPolicy param_dtype).
@@ -171,7 +171,9 @@ def optimizer_state(trained: list[torch.Tensor], name: str, parallel: str) -> li
         return adamw_state(trained)
     if parallel == "fsdp" and not OPTIMIZERS[name].fsdp:
         raise ValueError(f"--parallel fsdp: optim.name={name!r} is not verified under FSDP (adamw is)")
-    return [torch.empty(OPTIMIZERS[name].state_bytes(p.shape), dtype=torch.uint8, device="meta") for p in trained]
+    per_tensor = [OPTIMIZERS[name].state_bytes(p.shape) for p in trained]
+    shared = state_bytes(name, [p.shape for p in trained]) - sum(per_tensor)  # bitsandbytes' quantization maps
+    return [torch.empty(n, dtype=torch.uint8, device="meta") for n in (*per_tensor, shared) if n]
 
 
 def counted_memory(model: nn.Module, cfg, parallel: str, world_size: int) -> RankMemory:

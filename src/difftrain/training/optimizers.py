@@ -66,8 +66,9 @@ def _adamw8bit_bytes(shape: torch.Size) -> int:
     n = math.prod(shape)
     if n < 4096:  # bitsandbytes' min_8bit_size: 32-bit moments; its step is a Python int
         return 8 * n
-    # two uint8 moments, two 256-entry float32 quantization maps, float32 absmax per 256-block
-    return 2 * n + 2 * 256 * 4 + 2 * 4 * math.ceil(n / 256)
+    # two uint8 moments and a float32 absmax per 256-element block of each (its two 256-entry
+    # quantization maps are shared by every tensor: ``state_bytes`` adds them once)
+    return 2 * n + 2 * 4 * math.ceil(n / 256)
 
 
 def _prodigy_bytes(shape: torch.Size) -> int:
@@ -114,13 +115,20 @@ def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torc
 
 def state_bytes(name: OptimizerName, shapes: list[torch.Size]) -> int:
     """Bytes of ``name``'s state (after its first step) over fp32 parameters of these shapes."""
-    return sum(OPTIMIZERS[name].state_bytes(torch.Size(s)) for s in shapes)
+    shapes = [torch.Size(s) for s in shapes]
+    shared = 2 * 256 * 4 if name == "adamw8bit" and any(math.prod(s) >= 4096 for s in shapes) else 0
+    return shared + sum(OPTIMIZERS[name].state_bytes(s) for s in shapes)
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors an optimizer's state holds now (its per-parameter state)."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+    """Bytes of the tensors an optimizer's state holds now, each storage once (bitsandbytes'
+    quantization maps are one pair shared by every parameter)."""
+    seen: dict[int, int] = {}
+    for s in optimizer.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def _schedule_free(optimizer: torch.optim.Optimizer) -> bool:
