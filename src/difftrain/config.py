@@ -32,6 +32,9 @@ LRSchedule = Literal["cosine", "constant", "inverse_sqrt"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
 OnBadImage = Literal["skip", "fail"]
 OnWriteError = Literal["stop", "continue"]
+# training/optimizers.py's OPTIMIZERS; adamw8bit, prodigy and schedulefree need the optim extra
+OptimizerName = Literal["adamw", "adamw8bit", "prodigy", "adafactor", "schedulefree"]
+OPTIMIZER_PACKAGES = {"adamw8bit": "bitsandbytes", "prodigy": "prodigyopt", "schedulefree": "schedulefree"}  # the optim extra's
 Parallel = Literal["ddp", "fsdp"]  # how torchrun's ranks share the model (runtime/distributed.py, runtime/fsdp.py)
 
 
@@ -185,10 +188,14 @@ class DiffusionConfig(_Section):
 
 @dataclass
 class OptimConfig(_Section):
-    lr: float = 2e-4  # peak learning rate (AdamW)
-    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
-    eps: float = 1e-8  # AdamW epsilon
+    # adamw (fused), adamw8bit (bitsandbytes), prodigy, adafactor (torch's), schedulefree (needs
+    # optim.lr_schedule = "constant"); docs/benchmarks.md has each one's state bytes per parameter
+    name: OptimizerName = "adamw"
+    lr: float = 2e-4  # peak learning rate (prodigy: a multiplier of its own estimate, 1.0)
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam betas (all but adafactor, which has no first moment)
+    eps: float = 1e-8  # Adam epsilon (all but adafactor)
     weight_decay: float = 0.0  # decoupled weight decay
+    prodigy_d_coef: float = 1.0  # prodigy: multiplies its step-size estimate d (< 1: smaller steps)
     scale_lr: bool = False  # linear scaling rule: lr * effective_batch / base_batch
     base_batch: int = 128  # the batch size at which lr is given, for scale_lr
     warmup_steps: int = 5000  # linear warm-up, in optimizer steps
@@ -679,6 +686,13 @@ def validate(cfg: Config) -> None:
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     _check(o.lr_ref_steps > 0, f"optim.lr_ref_steps must be > 0, got {o.lr_ref_steps}")
     _check(o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got {o.grad_clip}")
+    _check(o.prodigy_d_coef > 0, f"optim.prodigy_d_coef must be > 0, got {o.prodigy_d_coef}")
+    _check(o.name != "schedulefree" or o.lr_schedule == "constant",
+           "optim.name='schedulefree' averages its own iterates and takes no decay: set optim.lr_schedule = 'constant'")
+    _check(o.name == "adamw" or t.cuda_graphs != "on",
+           f"optim.name={o.name!r} is not captured in a CUDA graph (verified with adamw only): set train.cuda_graphs to 'auto' or 'off'")
+    _check(o.name == "adamw" or t.parallel != "fsdp",
+           f"optim.name={o.name!r} is not verified under train.parallel='fsdp' (adamw is): use adamw or train.parallel='ddp'")
     _check(t.total_steps >= 1, f"train.total_steps must be >= 1, got {t.total_steps}")
     _check(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
     _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps must be >= 1, got {t.grad_accum_steps}")
@@ -798,6 +812,13 @@ def check_environment(cfg: Config) -> None:
 
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'")
+    package = OPTIMIZER_PACKAGES.get(cfg.optim.name)
+    if package:
+        import importlib.util
+
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"optim.name={cfg.optim.name!r} needs the {package} package, which is not installed: "
+                              f"pip install 'difftrain[optim]'")
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path and not path.startswith("builtin:"):
             if path.rstrip().lower().endswith((".tar", ".parquet")):

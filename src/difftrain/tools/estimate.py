@@ -23,7 +23,8 @@ from difftrain.config import Config
 from difftrain.diffusion.objective import per_sample_loss
 from difftrain.runtime.distributed import DistContext
 from difftrain.tools.common import RandomImages, Setup, build_setup, fetch_batch
-from difftrain.tools.parallel_memory import format_per_rank, rank_memory, resolve_parallel
+from difftrain.tools.parallel_memory import format_per_rank, optimizer_note, rank_memory, resolve_parallel
+from difftrain.training.optimizers import OPTIMIZERS
 from difftrain.training.step import StepMetrics, draw_micro_batch, train_step
 
 MiB = 2**20
@@ -125,6 +126,8 @@ def estimate(
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     parallel = resolve_parallel(cfg, parallel)
+    if parallel == "fsdp" and not OPTIMIZERS[cfg.optim.name].fsdp:
+        raise ValueError(f"--parallel fsdp: optim.name={cfg.optim.name!r} is not verified under FSDP (adamw is)")
     setup = build_setup(cfg, need_data=False)  # only shapes matter; random images stand in if data.path is absent
     model = setup.model
     params = _tensor_bytes(model.parameters())
@@ -155,6 +158,7 @@ def estimate(
         "buffers_mib": buffers / MiB,
         "grads_mib": grads / MiB,
         "optimizer_mib": opt_state / MiB,
+        "optimizer": cfg.optim.name,
         "ema_mib": ema / MiB,
         "activations_mib": act_b / MiB,
         "activations_per_image_mib": per_image / MiB,
@@ -188,7 +192,7 @@ def format_estimate(r: dict) -> str:
                                                   if r["trained_parameters"] < r["parameters"] else "")),
         ("weights", f"{r['params_mib']:.1f} MiB (+ buffers {r['buffers_mib']:.1f})"),
         ("gradients", f"{r['grads_mib']:.1f} MiB"),
-        ("optimizer state", f"{r['optimizer_mib']:.1f} MiB (AdamW exp_avg, exp_avg_sq)"),
+        ("optimizer state", f"{r['optimizer_mib']:.1f} MiB ({optimizer_note(r['optimizer'])})"),
         ("EMA weights", f"{r['ema_mib']:.1f} MiB"),
         (f"activations @ {r['batch_size']}", f"{r['activations_mib']:.1f} MiB "
                                             f"({r['activations_per_image_mib']:.2f} MiB per image, measured)"),

@@ -1,4 +1,4 @@
-"""Per-rank memory of weights, gradients, AdamW state and EMA under DDP and FSDP, from tensor shapes.
+"""Per-rank memory of weights, gradients, optimizer state and EMA under DDP and FSDP, from tensor shapes.
 
 Under DDP every rank holds everything, and DDP's gradient buckets hold a second copy of the
 gradients (``gradient_as_bucket_view`` is off). Under FSDP2 (``fully_shard`` on each UNet block,
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from difftrain.config import Parallel
+from difftrain.training.optimizers import OPTIMIZERS, state_bytes
 
 PARALLELISMS = typing.get_args(Parallel)  # train.parallel's values; the first is the default
 # Bytes per element of the compute dtype of train.precision (FSDP's MixedPrecisionPolicy param_dtype).
@@ -162,13 +163,27 @@ def adamw_state(trained: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def optimizer_state(trained: list[torch.Tensor], name: str, parallel: str) -> list[torch.Tensor]:
+    """Meta stand-ins of ``optim.name``'s state for ``trained``: AdamW's own shapes (sharded as
+    FSDP shards them), or one byte tensor per parameter of the registry's exact count
+    (``training/optimizers.py``; those optimizers run under DDP only)."""
+    if name == "adamw":
+        return adamw_state(trained)
+    if parallel == "fsdp" and not OPTIMIZERS[name].fsdp:
+        raise ValueError(f"--parallel fsdp: optim.name={name!r} is not verified under FSDP (adamw is)")
+    per_tensor = [OPTIMIZERS[name].state_bytes(p.shape) for p in trained]
+    shared = state_bytes(name, [p.shape for p in trained]) - sum(per_tensor)  # bitsandbytes' quantization maps
+    return [torch.empty(n, dtype=torch.uint8, device="meta") for n in (*per_tensor, shared) if n]
+
+
 def counted_memory(model: nn.Module, cfg, parallel: str, world_size: int) -> RankMemory:
-    """:func:`rank_memory` of a model on any device (the meta device included), with AdamW's
-    state and ``cfg``'s EMAs (the EMA and each post-hoc EMA: a copy of the trained weights)
-    counted from the parameters' shapes rather than taken from a step."""
+    """:func:`rank_memory` of a model on any device (the meta device included), with
+    ``optim.name``'s state and ``cfg``'s EMAs (the EMA and each post-hoc EMA: a copy of the
+    trained weights) counted from the parameters' shapes rather than taken from a step."""
     trained = [p for p in model.parameters() if p.requires_grad]
     ema = trained * (1 + len(cfg.ema.posthoc_std))
-    return rank_memory(model, adamw_state(trained), ema, parallel, world_size, cfg.train.precision)
+    state = optimizer_state(trained, cfg.optim.name, parallel)
+    return rank_memory(model, state, ema, parallel, world_size, cfg.train.precision)
 
 
 def count_unet_config(cfg, unet_config: str | Path, parallel: str | None = None, world_size: int = 1) -> dict:
@@ -189,10 +204,18 @@ def count_unet_config(cfg, unet_config: str | Path, parallel: str | None = None,
         "params_mib": whole.params / MiB,
         "grads_mib": whole.grads / MiB,
         "optimizer_mib": whole.optimizer / MiB,
+        "optimizer": cfg.optim.name,
         "ema_mib": whole.ema / MiB,
         "precision": cfg.train.precision,
         "per_rank": rank.as_mib(),
     }
+
+
+def optimizer_note(name: str) -> str:
+    """What the optimizer state row counts, for ``optim.name``."""
+    return {"adamw": "AdamW exp_avg, exp_avg_sq", "adamw8bit": "8-bit AdamW moments, block scales",
+            "prodigy": "Prodigy exp_avg, exp_avg_sq, s, p0", "adafactor": "Adafactor factored second moments",
+            "schedulefree": "schedule-free z, exp_avg_sq"}[name]
 
 
 def format_per_rank(r: dict) -> list[tuple[str, str]]:
@@ -219,7 +242,7 @@ def format_counted(r: dict) -> str:
         ("parameters", f"{r['parameters']:,}"),
         ("weights", f"{r['params_mib']:.1f} MiB"),
         ("gradients", f"{r['grads_mib']:.1f} MiB"),
-        ("optimizer state", f"{r['optimizer_mib']:.1f} MiB (AdamW exp_avg, exp_avg_sq)"),
+        ("optimizer state", f"{r['optimizer_mib']:.1f} MiB ({optimizer_note(r['optimizer'])})"),
         ("EMA weights", f"{r['ema_mib']:.1f} MiB"),
         *format_per_rank(r),
         ("total per rank", f"{r['per_rank']['total_mib']:.1f} MiB"),

@@ -173,7 +173,7 @@ def train(
             # Validate: grids from fixed noise and the held-out loss, each rank its share.
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
-                with _Timed(paused, "validation_s"):
+                with _Timed(paused, "validation_s"), state.reading_weights():  # schedule-free: its average
                     model, ema_model = state.evaluation_models()  # themselves; gathered whole under FSDP
                     grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(model, ema_model)
@@ -186,7 +186,7 @@ def train(
             # Measure FID of the EMA weights; a new lowest FID is saved now and becomes checkpoints/best.
             best_fid = None
             if not stopped_by and fid.due(step):
-                with _Timed(paused, "fid_s"):
+                with _Timed(paused, "fid_s"), state.reading_weights():
                     fid_metrics = fid(step, state.evaluation_models()[1])
                     trackers.log(step, fid_metrics)
                     best_fid = fid.new_best(fid_metrics, run_dir / "checkpoints")
@@ -201,7 +201,7 @@ def train(
             # Save: rank 0 writes (under FSDP every rank its shards), every rank gets its outcome
             # (the path, None when on_write_error="continue" let a failure pass, or the error to raise).
             if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by or best_fid is not None:
-                with _Timed(paused, "checkpoint_s"):
+                with _Timed(paused, "checkpoint_s"), state.reading_weights():  # live tensors: written inside
                     snapshot = state.state_dict()
                     snapshot["skipped_steps"] += int(metrics.skipped.item())  # this window's, not yet logged
                     saved_to = _save(state, snapshot, run_dir / "checkpoints", step, best_fid, dctx)

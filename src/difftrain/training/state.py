@@ -24,18 +24,9 @@ from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
 from difftrain.training.checkpoint import load_weights
 from difftrain.training.ema import EMA
+from difftrain.training.optimizers import build_optimizer, reading_weights, to_training
+from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
 from difftrain.training.power_ema import PowerEMA
-
-
-def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the parameters that train (not a LoRA run's frozen base); the fused kernel
-    where it exists (CPU and CUDA), which skips a non-finite step on the device (see
-    ``runtime/precision.py``)."""
-    o = cfg.optim
-    return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-        fused=device.type in ("cuda", "cpu"),
-    )
 
 
 def effective_batch(cfg: Config, world_size: int = 1) -> int:
@@ -131,8 +122,14 @@ class RunState:
         model = fsdp.unsharded_copy(self.model, self.template, device)
         return model, fsdp.unsharded_copy(self.ema.model, self.template, device)
 
+    def reading_weights(self):
+        """A context in which ``model`` holds the weights to read (``training/optimizers.py``): a
+        schedule-free optimizer's average; every other optimizer's weights as they are."""
+        return reading_weights(self.optimizer)
+
     def state_dict(self) -> dict:
-        """The checkpoint of this state (``checkpoint.SCHEMA``), with the global RNG states."""
+        """The checkpoint of this state (``checkpoint.SCHEMA``), with the global RNG states; its
+        tensors are the live ones, so write it inside ``reading_weights()``."""
         return {
             "step": self.step,
             "data_position": self.position,  # global: resumes on any world size dividing it
@@ -163,6 +160,7 @@ class RunState:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
+            to_training(self.optimizer)  # schedule-free: saved as x in eval mode, trains as y
         except (ValueError, KeyError, RuntimeError) as e:
             raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
         self.precision.load_state_dict(state["scaler"])
@@ -190,7 +188,7 @@ class RunState:
         self.conditioning.check_references(state["frozen"], f"checkpoint {path}")
         from difftrain.models.lora import resume_mismatch
 
-        mismatch = resume_mismatch(self.cfg.lora, state["network"])
+        mismatch = resume_mismatch(self.cfg.lora, state["network"]) or optimizer_mismatch(state["config"], self.cfg)
         if mismatch:
             raise ValueError(f"cannot resume from {path}: {mismatch}")
         if state["data_position"] % world_size:

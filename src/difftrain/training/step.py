@@ -171,14 +171,15 @@ def _update(state: RunState, step_loss: torch.Tensor, metrics: StepMetrics,
     average takes in the same weights again): their profile needs one update per step.
     """
     grad_norm, finite = state.precision.step(state.optimizer, state.model.parameters(), state.cfg.optim.grad_clip, step_loss)
-    if captured is not None:  # the EMA weight is 0 between updates
-        ema_weight, posthoc_weights = captured
-        state.ema.lerp_(state.model, finite.float() * ema_weight)
-        state.posthoc.lerp_(state.model, posthoc_weights)
-    else:
-        if (state.step + 1) % state.cfg.ema.update_every_steps == 0:
-            state.ema.update(state.model, apply=finite.float())
-        state.posthoc.update(state.model, state.step + 1)
+    with state.reading_weights():  # the averages take in a schedule-free optimizer's x
+        if captured is not None:  # the EMA weight is 0 between updates
+            ema_weight, posthoc_weights = captured
+            state.ema.lerp_(state.model, finite.float() * ema_weight)
+            state.posthoc.lerp_(state.model, posthoc_weights)
+        else:
+            if (state.step + 1) % state.cfg.ema.update_every_steps == 0:
+                state.ema.update(state.model, apply=finite.float())
+            state.posthoc.update(state.model, state.step + 1)
     metrics.add_step(step_loss, grad_norm, finite)
 
 

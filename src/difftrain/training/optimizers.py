@@ -1,0 +1,182 @@
+"""The optimizer registry (``optim.name``): how each optimizer is built, the package it needs,
+what its state costs per parameter, and the schedule-free train/eval switch.
+
+    optimizer = build_optimizer(cfg, model, device)       # over the parameters that train
+    with reading_weights(optimizer):                      # schedule-free: the averaged weights x
+        model.state_dict()                                # (a no-op for every other optimizer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from difftrain.config import Config, OptimConfig, OptimizerName
+from difftrain.runtime.optional import require
+
+Params = list[torch.Tensor]
+
+
+def _adamw(params: Params, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    # The fused kernel where it exists (CPU and CUDA) skips a non-finite step on the device.
+    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                             fused=device.type in ("cuda", "cpu"))
+
+
+def _adamw8bit(params: Params, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    # bitsandbytes: block-wise 8-bit moments (Dettmers et al. 2022) for tensors of >= 4096
+    # elements, 32-bit below; plain uint8/float32 tensors in its state dict (weights_only loads).
+    bnb = require("bitsandbytes", "optim", "optim.name='adamw8bit'")
+    for p in params:  # its step makes each weight contiguous (no channels_last): at once, so a resume matches
+        p.data = p.data.contiguous()
+    return bnb.optim.AdamW8bit(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+def _prodigy(params: Params, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    # Prodigy (Mishchenko & Defazio 2023) estimates the step size d; optim.lr multiplies it (1.0).
+    prodigyopt = require("prodigyopt", "optim", "optim.name='prodigy'")
+    return prodigyopt.Prodigy(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                              d_coef=o.prodigy_d_coef, safeguard_warmup=o.warmup_steps > 0)
+
+
+def _adafactor(params: Params, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    # torch's Adafactor (Shazeer & Stern 2018): factored second moments, no first moment; betas unused.
+    return torch.optim.Adafactor(params, lr=o.lr, weight_decay=o.weight_decay)
+
+
+def _schedulefree(params: Params, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    # Schedule-free AdamW (Defazio et al. 2024): the parameters hold y while training and the
+    # average x while read (reading_weights); the run's warm-up is optim.warmup_steps.
+    schedulefree = require("schedulefree", "optim", "optim.name='schedulefree'")
+    optimizer = schedulefree.AdamWScheduleFree(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    optimizer.train()
+    return optimizer
+
+
+def _adam_bytes(shape: torch.Size) -> int:
+    return 8 * math.prod(shape) + 4  # exp_avg, exp_avg_sq (fp32) and a float32 step tensor
+
+
+def _adamw8bit_bytes(shape: torch.Size) -> int:
+    n = math.prod(shape)
+    if n < 4096:  # bitsandbytes' min_8bit_size: 32-bit moments; its step is a Python int
+        return 8 * n
+    # two uint8 moments and a float32 absmax per 256-element block of each (its two 256-entry
+    # quantization maps are shared by every tensor: ``state_bytes`` adds them once)
+    return 2 * n + 2 * 4 * math.ceil(n / 256)
+
+
+def _prodigy_bytes(shape: torch.Size) -> int:
+    # exp_avg, exp_avg_sq, s, p0 (the initial weights), fp32; p0 is one element for a weight all
+    # zero at the first step (zero-initialised layers of a fresh model), so this is the bound
+    return 16 * math.prod(shape)
+
+
+def _adafactor_bytes(shape: torch.Size) -> int:
+    if len(shape) < 2:  # unfactored: a full second moment
+        return 4 * math.prod(shape) + 4
+    # row variances (..., rows, 1) and column variances (..., 1, cols) of the last two dims
+    return 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) + 4
+
+
+def _schedulefree_bytes(shape: torch.Size) -> int:
+    return 8 * math.prod(shape)  # z and exp_avg_sq (fp32); y or x lives in the parameter itself
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One ``optim.name``: its builder, the extra with its package (None: torch's own), the
+    exact bytes of its state for one fp32 parameter of a shape, and whether FSDP was verified."""
+
+    build: Callable[[Params, OptimConfig, torch.device], torch.optim.Optimizer]
+    extra: str | None
+    state_bytes: Callable[[torch.Size], int]
+    fsdp: bool
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec(_adamw, None, _adam_bytes, fsdp=True),
+    "adamw8bit": OptimizerSpec(_adamw8bit, "optim", _adamw8bit_bytes, fsdp=False),
+    "prodigy": OptimizerSpec(_prodigy, "optim", _prodigy_bytes, fsdp=False),
+    "adafactor": OptimizerSpec(_adafactor, None, _adafactor_bytes, fsdp=False),
+    "schedulefree": OptimizerSpec(_schedulefree, "optim", _schedulefree_bytes, fsdp=False),
+}
+
+
+def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """``optim.name``'s optimizer over the parameters that train (not a LoRA run's frozen base)."""
+    return OPTIMIZERS[cfg.optim.name].build([p for p in model.parameters() if p.requires_grad], cfg.optim, device)
+
+
+def state_bytes(name: OptimizerName, shapes: list[torch.Size]) -> int:
+    """Bytes of ``name``'s state (after its first step) over fp32 parameters of these shapes."""
+    shapes = [torch.Size(s) for s in shapes]
+    shared = 2 * 256 * 4 if name == "adamw8bit" and any(math.prod(s) >= 4096 for s in shapes) else 0
+    return shared + sum(OPTIMIZERS[name].state_bytes(s) for s in shapes)
+
+
+def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer's state holds now, each storage once (bitsandbytes'
+    quantization maps are one pair shared by every parameter)."""
+    seen: dict[int, int] = {}
+    for s in optimizer.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _schedule_free(optimizer: torch.optim.Optimizer) -> bool:
+    return callable(getattr(optimizer, "eval", None)) and "train_mode" in optimizer.param_groups[0]
+
+
+@contextlib.contextmanager
+def reading_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While weights are read (EMA updates, validation, FID, checkpoints and so export), a
+    schedule-free optimizer's parameters hold its average x; a no-op for every other optimizer.
+
+    The training iterate y is kept as ``state[p]["y"]`` meanwhile and copied back afterwards
+    (recomputing it from x and z would not be bit-exact), so a checkpoint written inside holds x
+    as its weights and y in its optimizer state, and a resume continues exactly (``to_training``).
+    """
+    if not (_schedule_free(optimizer) and optimizer.param_groups[0]["train_mode"]):
+        yield
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        optimizer.state[p]["y"] = p.detach().clone()
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        to_training(optimizer)
+
+
+@torch.no_grad()
+def to_training(optimizer: torch.optim.Optimizer) -> None:
+    """A schedule-free optimizer back in train mode: its parameters the iterate y kept by
+    ``reading_weights`` (also one read from a checkpoint), else recomputed from x and z."""
+    if not _schedule_free(optimizer):
+        return
+    kept = [(p, optimizer.state[p].pop("y", None)) for g in optimizer.param_groups for p in g["params"]]
+    if any(y is None for _, y in kept):  # nothing kept (a fresh optimizer): y from x and z
+        optimizer.train()
+        return
+    for p, y in kept:
+        p.copy_(y)
+    for group in optimizer.param_groups:
+        group["train_mode"] = True
+
+
+def resume_mismatch(saved_config: dict, cfg: Config) -> str | None:
+    """Why a checkpoint written with another optimizer cannot continue this run, or None."""
+    saved = saved_config.get("optim", {}).get("name", "adamw")  # before optim.name: AdamW
+    if saved == cfg.optim.name:
+        return None
+    return (f"it was trained with optim.name={saved!r} and this run sets {cfg.optim.name!r}; "
+            f"an optimizer's state does not carry over to another: resume with optim.name={saved!r}")
