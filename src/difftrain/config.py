@@ -25,6 +25,7 @@ ObjectiveName = Literal["ddpm", "edm", "flow"]
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
+FlowTSampling = Literal["logit_normal", "mode", "uniform"]  # diffusion/flow.py T_SAMPLINGS
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -173,6 +174,15 @@ class DiffusionConfig(_Section):
     flow_logit_mean: float = 0.0  # mean of logit(t) in flow training (logit-normal, SD3)
     flow_logit_std: float = 1.0  # std of logit(t) in flow training
     flow_shift: float = 1.0  # flow sampling grid shift t' = s t / (1 + (s - 1) t); 1 = uniform
+    flow_t_sampling: FlowTSampling = "logit_normal"  # flow training t: logit_normal, mode (SD3 eq. 20) or uniform
+    flow_mode_scale: float = 1.29  # scale of "mode" t sampling, in [0, 1.75) (SD3, diffusers' scripts: 1.29)
+    flow_train_shift: float = 1.0  # shift of the training t, as flow_shift (SD3's scheduler: 3.0); 1 = none
+    flow_grid_end: float | None = None  # None: sampling grid linspace(1, 0, N+1); else linspace(1, end, N) then 0 (SD3)
+    flow_dynamic_shift: bool = False  # sample with Flux's shift mu from the latents' (h/2)(w/2) tokens (not flow_shift)
+    flow_base_shift: float = 0.5  # mu at flow_base_seq_len tokens (Flux's scheduler base_shift)
+    flow_max_shift: float = 1.15  # mu at flow_max_seq_len tokens (Flux's scheduler max_shift)
+    flow_base_seq_len: int = 256  # tokens of flow_base_shift (base_image_seq_len)
+    flow_max_seq_len: int = 4096  # tokens of flow_max_shift (max_image_seq_len)
     noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 
@@ -544,8 +554,15 @@ def _check_objective(cfg: Config) -> None:
     from difftrain.diffusion.objective import OBJECTIVE_SAMPLERS  # local, like MODEL_PRESETS
 
     dc = cfg.diffusion
-    for key in ("sigma_min", "edm_sigma_data", "edm_p_std", "flow_logit_std", "flow_shift", "rho"):
+    for key in ("sigma_min", "edm_sigma_data", "edm_p_std", "flow_logit_std", "flow_shift", "flow_train_shift", "rho"):
         _check(getattr(dc, key) > 0, f"diffusion.{key} must be > 0, got {getattr(dc, key)}")
+    _check(0 <= dc.flow_mode_scale < 1.75,
+           f"diffusion.flow_mode_scale must be in [0, 1.75) (above, mode sampling is not monotone), got {dc.flow_mode_scale}")
+    _check(dc.flow_grid_end is None or 0 < dc.flow_grid_end < 1,
+           f"diffusion.flow_grid_end must be in (0, 1) or unset, got {dc.flow_grid_end}")
+    _check(0 < dc.flow_base_seq_len < dc.flow_max_seq_len,
+           f"diffusion.flow_max_seq_len must be > diffusion.flow_base_seq_len > 0, got {dc.flow_base_seq_len} "
+           f"and {dc.flow_max_seq_len}")
     _check(dc.sigma_max > dc.sigma_min,
            f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
     for key in ("noise_offset", "input_perturbation"):
