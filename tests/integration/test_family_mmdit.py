@@ -100,3 +100,100 @@ def test_bad_input_gets_one_line(tmp_path, sd3_folder, flux_folder, which):
     with pytest.raises(ValueError, match="patches") as info:
         net(torch.zeros(1, 16, 7, 8), torch.tensor([500.0]), cond)
     assert "\n" not in str(info.value)
+
+
+def _lora(net, targets, seed=0):
+    """Random LoRA (rank 2, B non-zero) on the denoiser's transformer; its peft state dict."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets, init_lora_weights=False),
+                            net.transformer)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.transformer.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return get_peft_model_state_dict(net.transformer)
+
+
+def _merged(net):
+    """The denoiser with its LoRA merged into the base weights (peft's merge, adapters removed)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in net.transformer.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    state = {k.replace(".base_layer", ""): v for k, v in net.state_dict().items() if "lora_" not in k}
+    return state
+
+
+@pytest.mark.parametrize("which", ["sd3", "flux"])
+def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, sd3_folder, flux_folder, which):
+    """export --format lora -> Pipeline.load_lora_weights gives what the merged export gives (1e-4);
+    a file of the other family (or of another base) is refused in one line."""
+    family, folder, name = ((SD3Family(), sd3_folder, "StableDiffusion3Pipeline") if which == "sd3"
+                            else (FluxFamily(), flux_folder, "FluxPipeline"))
+    net = family.load_denoiser(folder)
+    state = _lora(net, family.lora_targets)
+    path = family.save_lora(state, tmp_path / "lora" / "pytorch_lora_weights.safetensors")
+    back = family.read_lora(path, denoiser=family.load_denoiser(folder))
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+    merged = family.load_denoiser(folder)
+    merged.load_state_dict(_merged(net))
+    out = family.export_pipeline(merged, folder, tmp_path / "export")
+    prompt = dict(prompt="a red circle", height=32, width=32, num_inference_steps=2, max_sequence_length=T5_LENGTH,
+                  output_type="latent")
+    with_lora = _pipe(name, folder)
+    with_lora.load_lora_weights(str(path))
+    a = with_lora(**prompt, generator=torch.Generator().manual_seed(1)).images
+    b = _pipe(name, out)(**prompt, generator=torch.Generator().manual_seed(1)).images
+    assert (a - b).abs().max() < 1e-4
+    plain = _pipe(name, folder)(**prompt, generator=torch.Generator().manual_seed(1)).images
+    assert (a - plain).abs().max() > 1e-3  # the LoRA changes the output
+    # another family's file
+    other_family, other_folder = (FluxFamily(), flux_folder) if which == "sd3" else (SD3Family(), sd3_folder)
+    other = other_family.load_denoiser(other_folder)
+    other_path = other_family.save_lora(_lora(other, other_family.lora_targets), tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="not a") as info:
+        family.read_lora(other_path, denoiser=family.load_denoiser(folder))
+    assert "\n" not in str(info.value) and str(other_path) in str(info.value)
+
+
+def _difftrain_sample(family, folder, x_T, steps, guidance_scale):
+    """x_0 latents (B, 16, h, w) as difftrain samples them: the flow objective with the family's
+    training defaults (grid, shift), Euler, the family's denoiser and prompt encoder, CFG on the
+    null condition encode([""]) when guidance_scale > 1."""
+    from difftrain.diffusion.flow import FlowObjective
+
+    d = family.training_defaults(folder)
+    obj = FlowObjective(shift=d["diffusion.flow_shift"], grid_end=d["diffusion.flow_grid_end"],
+                        dynamic_shift=d["diffusion.flow_dynamic_shift"])
+    enc, net = family.load_prompt_encoder(folder), family.load_denoiser(folder)
+    cond, null = enc.encode(["a red circle"]), enc.encode([""])
+
+    def network(x, t):
+        if guidance_scale <= 1:
+            return net(x, t, cond)
+        both = {k: torch.cat([null[k], cond[k]]) for k in cond}
+        uncond, text = net(torch.cat([x, x]), torch.cat([t, t]), both).chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    with torch.no_grad():
+        return obj.sample(network, x_T, "euler", steps, None, clip=False)
+
+
+@pytest.mark.parametrize("which", ["sd3", "flux"])
+def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, sd3_folder, flux_folder, which):
+    family, folder, name = ((SD3Family(), sd3_folder, "StableDiffusion3Pipeline") if which == "sd3"
+                            else (FluxFamily(), flux_folder, "FluxPipeline"))
+    out = family.export_pipeline(family.load_denoiser(folder), folder, tmp_path / "export")
+    pipe = _pipe(name, out)
+    x_T = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(3))
+    steps, scale = 4, (5.0 if which == "sd3" else 3.5)
+    ours = _difftrain_sample(family, folder, x_T, steps, scale if which == "sd3" else 1.0)
+    latents = x_T if which == "sd3" else pack(x_T)
+    theirs = pipe("a red circle", height=32, width=32, num_inference_steps=steps, guidance_scale=scale,
+                  max_sequence_length=T5_LENGTH, latents=latents, output_type="latent").images
+    if which == "flux":
+        theirs = unpack(theirs, 8, 8)
+    assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
