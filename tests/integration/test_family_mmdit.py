@@ -100,6 +100,13 @@ def test_bad_input_gets_one_line(tmp_path, sd3_folder, flux_folder, which):
     with pytest.raises(ValueError, match="patches") as info:
         net(torch.zeros(1, 16, 7, 8), torch.tensor([500.0]), cond)
     assert "\n" not in str(info.value)
+    family.check_resolution(folder, 32)
+    for bad in (30, 4):  # the tiny VAE's factor 4 x 2x2 patches: multiples of 8
+        with pytest.raises(ValueError, match="multiples of 8") as info:
+            family.check_resolution(folder, bad)
+        assert "\n" not in str(info.value) and str(folder) in str(info.value)
+    codec = family.load_codec(folder)
+    assert codec.latent_channels == 16 and codec.shift_factor != 0 and codec.factor == 4
 
 
 def _lora(net, targets, seed=0):

@@ -150,6 +150,14 @@ class FluxFamily:
                 "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096)),
                 "data.captions": True}
 
+    def load_codec(self, folder):
+        """The VAE with its scaling_factor and shift_factor."""
+        return mmdit.load_codec(folder)
+
+    def check_resolution(self, folder, resolution: int) -> None:
+        """A ValueError of one line for a resolution the VAE and the 2x2 patches cannot divide."""
+        mmdit.check_resolution(folder, self.name, resolution, 2, None)
+
     def load_denoiser(self, folder) -> FluxDenoiser:
         return FluxDenoiser(mmdit.load_part("diffusers", TRANSFORMER_CLASS, folder, "transformer",
                                             "transformer", torch_dtype=torch.float32).float())

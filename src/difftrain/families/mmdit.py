@@ -51,6 +51,36 @@ def load_part(library: str, class_name: str, folder: str | Path, sub: str, what:
         raise ValueError(f"cannot load the {what} ({class_name}) in {path}: {first_line(e)}") from None
 
 
+def part_config(folder: str | Path, sub: str) -> dict:
+    """The JSON config of a part (``sub``/config.json), or a ValueError naming the file."""
+    path = Path(folder).expanduser() / sub / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the {sub} config ({first_line(e)})") from None
+
+
+def check_resolution(folder: str | Path, family: str, resolution: int, patch: int, most_patches: int | None) -> None:
+    """A ValueError of one line unless ``resolution`` (pixels a side) divides into the VAE's factor
+    times the transformer's ``patch`` (and, given ``most_patches``, is within that many patches)."""
+    vae = part_config(folder, "vae")
+    factor = 2 ** (len(vae.get("block_out_channels", (0,))) - 1)
+    step = factor * patch
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < step or resolution % step:
+        raise ValueError(f"data.resolution={resolution!r} does not divide into the {family} base {folder}: images "
+                         f"must be multiples of {step} px (the VAE's factor {factor} x {patch}x{patch} patches)")
+    if most_patches is not None and resolution // step > most_patches:
+        raise ValueError(f"data.resolution={resolution} is larger than the {family} base {folder} takes: at most "
+                         f"{most_patches * step} px (its transformer's pos_embed_max_size {most_patches})")
+
+
+def load_codec(folder: str | Path):
+    """The base's VAE (``vae/``) as a LatentCodec: model space (z - shift_factor) * scaling_factor."""
+    from difftrain.models.vae import LatentCodec
+
+    return LatentCodec.from_path(str(folder))
+
+
 def frozen(module: nn.Module, device=None) -> nn.Module:
     """``module`` in eval mode, float32, without gradients, on ``device``."""
     module = module.float().eval().requires_grad_(False)

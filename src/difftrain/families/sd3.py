@@ -148,6 +148,15 @@ class SD3Family:
                 "diffusion.flow_grid_end": grid_end, "diffusion.flow_dynamic_shift": False,
                 "data.captions": True}
 
+    def load_codec(self, folder):
+        """The VAE with its scaling_factor and shift_factor."""
+        return mmdit.load_codec(folder)
+
+    def check_resolution(self, folder, resolution: int) -> None:
+        """A ValueError of one line for a resolution the VAE and the 2x2 patches cannot divide."""
+        cfg = mmdit.part_config(folder, "transformer")
+        mmdit.check_resolution(folder, self.name, resolution, int(cfg.get("patch_size", 2)), cfg.get("pos_embed_max_size"))
+
     def load_denoiser(self, folder) -> SD3Denoiser:
         return SD3Denoiser(mmdit.load_part("diffusers", TRANSFORMER_CLASS, folder, "transformer",
                                            "transformer", torch_dtype=torch.float32).float())
