@@ -204,3 +204,19 @@ def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, sd3_folder, 
     if which == "flux":
         theirs = unpack(theirs, 8, 8)
     assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize("family", [SD3Family(), FluxFamily()], ids=lambda f: f.name)
+def test_lora_of_a_unet_or_a_broken_file_is_refused_in_one_line(tmp_path, family):
+    from safetensors.torch import save_file
+
+    unet = tmp_path / "sd_lora.safetensors"
+    save_file({"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 8),
+               "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight": torch.zeros(8, 4)},
+              str(unet))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("junk")
+    for path, needle in ((unet, "weights of unet"), (junk, "not a"), (tmp_path / "missing.safetensors", "does not exist")):
+        with pytest.raises(ValueError, match=needle) as info:
+            family.read_lora(path)
+        assert "\n" not in str(info.value) and str(path) in str(info.value)
