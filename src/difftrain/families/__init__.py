@@ -1,0 +1,109 @@
+"""Base families (SD 1.x/2.x, SDXL, SD3, Flux...): the registry, and detection from a local folder.
+
+    from difftrain.families import FAMILIES, detect, family_named
+    family = detect("sdxl-folder")        # by model_index.json's _class_name -> FAMILIES["sdxl"]
+    family = family_named("sd")           # model.family = "sd"
+    family = family_of_record(record)     # a checkpoint's network record -> its family, or None
+
+Each family is one module of this package (``sd.py``, ``sdxl.py``, ...) that builds a
+:class:`~difftrain.families.base.Family` and registers it here; the interface lives in ``base.py``.
+Adding a family is adding one module and one line in :data:`_MODULES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from difftrain.families.base import RECORD_KIND, Denoiser, Family, PromptEncoder, drop_rows
+
+__all__ = ["FAMILIES", "Denoiser", "Family", "PromptEncoder", "detect", "drop_rows", "family_named",
+           "family_of_record", "register"]
+
+FAMILIES: dict[str, Family] = {}
+# The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
+_MODULES = ("sd", "sdxl", "sd3", "flux")
+# Records of checkpoints written before the families package: the SD UNet's kind.
+_LEGACY_KINDS = {"diffusers.UNet2DConditionModel": "sd"}
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to :data:`FAMILIES` under ``family.name`` (a family module calls this once)."""
+    if not family.name or family.name in FAMILIES and FAMILIES[family.name] is not family:
+        raise ValueError(f"family name {family.name!r} is empty or taken")
+    FAMILIES[family.name] = family
+    return family
+
+
+def _load_all() -> dict[str, Family]:
+    for module in _MODULES:
+        try:
+            importlib.import_module(f"difftrain.families.{module}")
+        except ModuleNotFoundError as e:  # a family file not written yet (on this branch)
+            if e.name != f"difftrain.families.{module}":
+                raise
+    return FAMILIES
+
+
+def family_named(name: str) -> Family:
+    """The registered family ``name`` (``model.family``), or one ValueError naming the choices."""
+    families = _load_all()
+    if name not in families:
+        raise ValueError(f"model.family must be one of {', '.join(sorted(families))} (or auto), got {name!r}")
+    return families[name]
+
+
+def _class_names(folder: Path) -> tuple[str | None, str | None]:
+    """(model_index.json's _class_name, config.json's _class_name) of ``folder`` (None where absent)."""
+    found = []
+    for name in ("model_index.json", "config.json"):
+        try:
+            found.append(json.loads((folder / name).read_text()).get("_class_name"))
+        except (OSError, ValueError, AttributeError):
+            found.append(None)
+    return found[0], found[1]
+
+
+def is_base_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder some family takes (a pipeline or a bare denoiser folder)."""
+    try:
+        detect(path)
+    except ValueError:
+        return False
+    return True
+
+
+def detect(path: str | Path) -> Family:
+    """The family of a local diffusers folder: by ``model_index.json``'s ``_class_name`` (the
+    pipeline), else by a bare denoiser folder's ``config.json`` (or ``unet/config.json``). One
+    ValueError naming the folder, the classes found and the families supported otherwise."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"base folder {folder} does not exist or is not a folder")
+    families = _load_all()
+    pipeline, model = _class_names(folder)
+    if model is None and pipeline is None:
+        model = _class_names(folder / "unet")[1]
+    for family in families.values():
+        if pipeline is not None and pipeline == family.pipeline_class:
+            return family
+    for family in families.values():
+        if pipeline is None and model is not None and model in family.model_classes:
+            return family
+    found = ", ".join(f"{f} {c}" for f, c in (("model_index.json", pipeline), ("config.json", model)) if c) or \
+        "no model_index.json nor config.json with a _class_name"
+    supported = ", ".join(f"{f.name} ({f.pipeline_class})" for f in families.values())
+    raise ValueError(f"{folder}: not a base folder of a known family (found {found}); supported: {supported}")
+
+
+def family_of_record(record: dict | None) -> Family | None:
+    """The family of a checkpoint's network record (:meth:`Denoiser.record`, or an SD UNet's record
+    from before this package), or None for difftrain's own networks."""
+    if not record:
+        return None
+    if record.get("kind") == RECORD_KIND:
+        return family_named(record["family"])
+    if record.get("kind") in _LEGACY_KINDS:
+        return family_named(_LEGACY_KINDS[record["kind"]])
+    return None

@@ -1,0 +1,320 @@
+"""The interface of a base family (SD 1.x/2.x, SDXL, SD3, Flux...): what differs between them, behind
+one object the loop, the step, checkpoints, export and the CLI ask instead of branching on a name.
+
+    family = detect("sdxl-folder")                 # families/__init__.py, from model_index.json
+    net = family.load_denoiser("sdxl-folder")      # a Denoiser: net(x, t, cond) -> out
+    text = family.load_prompt_encoder("sdxl-folder", device)
+    cond = text.encode(["a photo of a dog"], device) | family.image_conditions(geometry, (64, 64))
+    out = net(x, t, cond)                          # cond: dict of batch-first tensors
+
+Three objects, one file per family (families/sd.py, sdxl.py, sd3.py, flux.py):
+
+- :class:`Family`: a registered, stateless description (name, detection, parts, defaults, LoRA
+  targets, FSDP units, export, LoRA files).
+- :class:`Denoiser`: the trained network, an ``nn.Module`` wrapping the family's diffusers model;
+  ``forward(x, t, cond)`` with difftrain's 4-D latents and a dict condition.
+- :class:`PromptEncoder`: the frozen text encoders and tokenizers, captions -> a dict condition.
+
+Why a dict of batch-first tensors: caption dropout (:func:`drop_rows`, a ``torch.where`` per row, no
+host read), each rank's rows, the latent and text-embedding caches and CUDA-graph static buffers then
+treat every family alike.
+
+Lower layers (data, runtime, diffusion, models) never import this package; training/ and the commands
+do. diffusers and transformers are imported only when a part is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.models.text import check_loading_info, first_line, quiet_loading
+
+Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
+
+# The "kind" of a family network's record in checkpoints: {"kind": RECORD_KIND, "family": name, "config": {...}}.
+RECORD_KIND = "family"
+# The prefix of the wrapped diffusers model inside a Denoiser, hidden from state dicts.
+_PREFIX = "model."
+
+
+# ---------------------------------------------------------------------------------------------
+# The denoiser.
+
+
+class Denoiser(nn.Module):
+    """``net(x (B, C, h, w), t (B,), cond: dict[str, Tensor]) -> (B, C, h, w)``: a family's diffusers
+    denoiser (``self.model``) behind difftrain's call.
+
+    Contract every family keeps:
+
+    - ``x`` is the latent as difftrain holds it, 4-D, unchanged for every family (Flux packs 2x2
+      patches and makes ``txt_ids`` / ``img_ids`` inside ``forward``, and unpacks its output);
+    - ``t`` (B,) (a 0-d tensor is broadcast) is the objective's network condition (DDPM: the integer
+      timestep; flow: 1000 t); the family maps it to its model's convention (Flux takes t in [0, 1]);
+    - ``cond`` is what the family's :class:`PromptEncoder` and :meth:`Family.image_conditions` return
+      (e.g. SD ``{"prompt_embeds": (B, L, D)}``; SDXL adds ``"pooled"`` (B, 1280) and ``"time_ids"``
+      (B, 6)); a missing key is one ValueError naming it;
+    - its ``state_dict`` is the wrapped model's (diffusers names, no prefix), so a checkpoint's
+      weights load into the diffusers class as they are, and peft's adapter names are diffusers';
+    - :meth:`record` (JSON-able) rebuilds the architecture without the base folder
+      (:meth:`Family.denoiser_from_record`).
+
+    Subclasses set ``family`` (the registry name) and implement :meth:`forward`.
+    """
+
+    family: str = ""
+    num_classes = 0  # a text model: no class labels
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.register_state_dict_post_hook(_strip_prefix)
+        self.register_load_state_dict_pre_hook(_add_prefix)
+
+    @property
+    def config(self) -> dict:
+        """The wrapped model's diffusers config as a JSON-able dict (``from_config`` takes it)."""
+        return json.loads(json.dumps(dict(self.model.config)))
+
+    def record(self) -> dict:
+        """What rebuilds this network besides the run's config: ``{"kind": "family", "family": name,
+        "config": the diffusers config}``."""
+        return {"kind": RECORD_KIND, "family": self.family, "config": self.config}
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.model.config.in_channels)
+
+    @property
+    def out_channels(self) -> int:
+        return int(getattr(self.model.config, "out_channels", None) or self.in_channels)
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """diffusers' activation checkpointing of the model's blocks, on or off."""
+        if enabled:
+            self.model.enable_gradient_checkpointing()
+        else:
+            self.model.disable_gradient_checkpointing()
+
+    def forward(self, x: Tensor, t: Tensor, cond: Condition) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError(f"{type(self).__name__}.forward")
+
+
+def require_keys(cond: Condition | None, keys: tuple[str, ...], batch: int, family: str) -> Condition:
+    """``cond`` if it is a dict holding ``keys``, each with ``batch`` rows; else one ValueError naming
+    what is missing (a Denoiser's first line of ``forward``)."""
+    if not isinstance(cond, dict):
+        raise ValueError(f"the {family} denoiser takes its condition as a dict with {', '.join(keys)}; "
+                         f"got {'None' if cond is None else type(cond).__name__} (a text run needs captions)")
+    for key in keys:
+        if key not in cond:
+            raise ValueError(f"the {family} denoiser's condition lacks {key!r} (has {', '.join(cond) or 'nothing'})")
+        if cond[key].shape[0] != batch:
+            raise ValueError(f"the {family} denoiser's condition {key!r} has {cond[key].shape[0]} rows, x has {batch}")
+    return cond
+
+
+def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict post-hook: ``{prefix}model.name`` -> ``{prefix}name``, in place, order kept."""
+    for key in [k for k in state_dict if k.startswith(prefix + _PREFIX)]:
+        state_dict[prefix + key[len(prefix) + len(_PREFIX):]] = state_dict.pop(key)
+
+
+def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Load pre-hook: ``{prefix}name`` -> ``{prefix}model.name``, in place."""
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _PREFIX)]:
+        state_dict[prefix + _PREFIX + key[len(prefix):]] = state_dict.pop(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompt encoder.
+
+
+class PromptEncoder(nn.Module):
+    """The frozen text encoders and tokenizers of one family: captions -> a dict condition.
+
+    Attributes: ``source`` (the folder it came from), ``digest`` (SHA-256 of every encoder's weights
+    and every tokenizer's vocabulary: checkpoints name the source and check the digest, never save the
+    weights). Frozen: no grad, stays in eval mode.
+
+    The null (dropped) condition of caption dropout and guidance is ``encode([""])``, computed once
+    (:meth:`null`); each family documents what its diffusers pipeline does for the negative prompt
+    (SDXL and SD3 use zeros when ``force_zeros_for_empty_prompt``: their :meth:`null` says which).
+    """
+
+    source: str = ""
+    digest: str = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._null: Condition | None = None
+
+    @abstractmethod
+    def encode(self, captions: list[str], device: torch.device | str) -> Condition:  # pragma: no cover
+        """The condition of B captions on ``device``: a dict of float32 tensors, each (B, ...)."""
+
+    def null(self, n: int, device: torch.device | str) -> Condition:
+        """The null condition for ``n`` rows (expanded views of ``encode([""])``, encoded once per device)."""
+        device = torch.device(device)
+        if self._null is None or next(iter(self._null.values())).device != device:
+            self._null = self.encode([""], device)
+        return {k: v.expand(n, *v.shape[1:]) for k, v in self._null.items()}
+
+    def reference(self) -> dict:
+        """``{"source", "digest"}``: how checkpoints name these frozen parts."""
+        return {"source": self.source, "digest": self.digest}
+
+    def train(self, mode: bool = True) -> PromptEncoder:
+        """Frozen: stays in eval mode whatever a parent module asks."""
+        return super().train(False)
+
+
+def drop_rows(cond: Condition, null: Condition, drop: Tensor) -> Condition:
+    """``cond`` with the rows where ``drop`` (B,) bool is True replaced by ``null``'s (rows
+    broadcastable to B): caption dropout as one ``torch.where`` per tensor, no host read."""
+    out = {}
+    for key, value in cond.items():
+        mask = drop.to(value.device).view(-1, *([1] * (value.ndim - 1)))
+        out[key] = torch.where(mask, null[key].to(value.dtype), value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The family.
+
+
+class Family(ABC):
+    """One base family, registered by name (``families.register``) and detected from a folder.
+
+    Attributes:
+        name: the registry key and the value of ``model.family`` ("sd", "sdxl", "sd3", "flux").
+        pipeline_class: the ``model_index.json`` ``_class_name`` it is detected by.
+        model_classes: ``config.json`` ``_class_name`` values of a bare denoiser folder this family
+            takes (SD: ``UNet2DConditionModel``); empty for most.
+        lora_targets: peft ``target_modules`` of the denoiser (its attention projections), the
+            default of ``lora.target_modules``.
+
+    The methods are the only place a family's differences live; the loop, the step, checkpoints,
+    validation and the CLI call them and never test ``name``. A method a new family needs is added
+    here with a default, never as an ``if family == ...`` elsewhere.
+    """
+
+    name: str = ""
+    pipeline_class: str = ""
+    model_classes: tuple[str, ...] = ()
+    lora_targets: tuple[str, ...] = ()
+
+    # -- what the base decides ------------------------------------------------------------------
+
+    @abstractmethod
+    def training_defaults(self, folder: Path) -> dict[str, object]:
+        """Config values the base decides unless the user set them, as dotted keys: e.g.
+        ``{"diffusion.objective": "ddpm", "diffusion.schedule": ..., "diffusion.prediction": "v",
+        "model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True}``
+        (read from the folder's scheduler config)."""
+
+    # -- parts ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def load_denoiser(self, folder: Path) -> Denoiser:
+        """The base's denoiser, weights included, float32 on the CPU; one ValueError naming the folder."""
+
+    @abstractmethod
+    def denoiser_from_record(self, record: dict) -> Denoiser:
+        """The architecture of a checkpoint's network record (:meth:`Denoiser.record`), weights random."""
+
+    @abstractmethod
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> PromptEncoder:
+        """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming
+        the folder and the missing part."""
+
+    def load_codec(self, folder: Path, device: torch.device | str = "cpu"):
+        """The frozen VAE (``models.vae.LatentCodec``: scaling AND shift factor) of ``folder/vae``."""
+        from difftrain.models.vae import LatentCodec
+
+        return LatentCodec.from_path(str(folder)).to(device)
+
+    def image_conditions(self, geometry: Tensor | None, size: tuple[int, int], device: torch.device | str
+                         ) -> Condition:
+        """The condition the image itself adds (none by default). ``geometry`` (B, 4) long: each
+        sample's original (height, width) and the (top, left) of its crop in the resized image, as the
+        data side gives them (None: the image was the target size, uncropped); ``size``: the (H, W) in
+        pixels the network trains at. SDXL returns ``{"time_ids": (B, 6)}``."""
+        return {}
+
+    def image_side_multiple(self, codec) -> int:
+        """The multiple every image side must be: the VAE's downsampling (Flux: times its 2x2 packing)."""
+        return int(codec.factor)
+
+    # -- parallelism and adapters -------------------------------------------------------------------
+
+    @abstractmethod
+    def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
+        """The blocks ``fully_shard`` wraps one by one, in forward order (the root takes the rest)."""
+
+    # -- files out and in ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+        """A pipeline folder the family's diffusers pipeline loads: ``denoiser``'s weights, the base's
+        frozen parts copied from ``base``, ``scheduler`` (a diffusers scheduler config, None: the
+        base's)."""
+
+    @abstractmethod
+    def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
+                  metadata: dict[str, str] | None = None) -> Path:
+        """Write ``adapter`` (peft's names of the denoiser, ``...to_q.lora_A.weight``) through the
+        pipeline class's ``save_lora_weights``, with peft's ``LoraConfig`` fields ``lora_config`` and
+        difftrain's ``metadata``; returns the file, which ``load_lora_weights`` reads."""
+
+    @abstractmethod
+    def read_lora(self, path: Path) -> dict[str, Tensor]:
+        """The denoiser's adapter (peft's names, as :meth:`save_lora` takes them) of a LoRA file,
+        through the pipeline class's ``lora_state_dict``; a ValueError for a file of another family."""
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}: {self.pipeline_class}>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers of the family files.
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON file as a dict, or one ValueError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{what}: unreadable {path} ({first_line(e)})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: {path} does not hold a JSON object")
+    return value
+
+
+def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
+    """``cls.from_pretrained(folder/sub)`` (a diffusers or transformers class) in float32 on the CPU,
+    quiet, every weight checked; one ValueError naming the folder and the missing or broken part."""
+    path = Path(folder) / sub
+    if not path.is_dir():
+        raise ValueError(f"{folder}: no {sub}/ (the {what}); this base folder needs it")
+    module = cls.__module__.split(".")[0]
+    if module == "transformers":
+        from transformers.utils import logging
+    else:
+        from diffusers.utils import logging
+    is_tokenizer = "Tokenizer" in cls.__name__
+    try:
+        with quiet_loading(logging):
+            if is_tokenizer:
+                return cls.from_pretrained(str(path), **kwargs)
+            dtype = {"dtype": torch.float32} if module == "transformers" else {"torch_dtype": torch.float32}
+            part, info = cls.from_pretrained(str(path), **dtype, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+        raise ValueError(f"{folder}: cannot load the {what} in {sub}/: {first_line(e)}") from None
+    check_loading_info(info, what, path)
+    return part.float()
