@@ -80,6 +80,15 @@ def test_flux_prompt_encoder_and_denoiser_equal_the_pipelines(flux_folder):
     assert len(family.fsdp_units(net)) == 2
 
 
+def test_families_are_registered_and_detected(sd3_folder, flux_folder):
+    from difftrain.families import detect, family_named, family_of_record
+
+    assert isinstance(detect(sd3_folder), SD3Family) and isinstance(detect(flux_folder), FluxFamily)
+    assert family_named("sd3").name == "sd3" and family_named("flux").name == "flux"
+    record = FluxFamily().load_denoiser(flux_folder).record()
+    assert record["kind"] == "family" and family_of_record(record).name == "flux"
+
+
 def test_training_defaults_follow_the_schedulers(sd3_folder, flux_folder):
     sd3 = SD3Family().training_defaults(sd3_folder)
     assert sd3["diffusion.flow_train_shift"] == sd3["diffusion.flow_shift"] == 3.0
@@ -92,21 +101,17 @@ def test_training_defaults_follow_the_schedulers(sd3_folder, flux_folder):
 @pytest.mark.parametrize("which", ["sd3", "flux"])
 def test_bad_input_gets_one_line(tmp_path, sd3_folder, flux_folder, which):
     family, folder = (SD3Family(), sd3_folder) if which == "sd3" else (FluxFamily(), flux_folder)
-    with pytest.raises(ValueError, match="T5 sequence length 600") as info:
-        family.load_prompt_encoder(folder, t5_length=600)
+    with pytest.raises(ValueError, match="max_sequence_length=600") as info:
+        family.load_prompt_encoder(folder, max_sequence_length=600)
     assert "\n" not in str(info.value) and str(folder) in str(info.value)
     net = family.load_denoiser(folder)
     cond = family.load_prompt_encoder(folder).encode(["a"])
     with pytest.raises(ValueError, match="patches") as info:
         net(torch.zeros(1, 16, 7, 8), torch.tensor([500.0]), cond)
     assert "\n" not in str(info.value)
-    family.check_resolution(folder, 32)
-    for bad in (30, 4):  # the tiny VAE's factor 4 x 2x2 patches: multiples of 8
-        with pytest.raises(ValueError, match="multiples of 8") as info:
-            family.check_resolution(folder, bad)
-        assert "\n" not in str(info.value) and str(folder) in str(info.value)
     codec = family.load_codec(folder)
     assert codec.latent_channels == 16 and codec.shift_factor != 0 and codec.factor == 4
+    assert family.image_side_multiple(codec) == 8  # the tiny VAE's factor 4 x 2x2 patches
 
 
 def _lora(net, targets, seed=0):
@@ -114,20 +119,20 @@ def _lora(net, targets, seed=0):
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
     inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets, init_lora_weights=False),
-                            net.transformer)
+                            net.model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in net.transformer.named_parameters():
+        for name, p in net.model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return get_peft_model_state_dict(net.transformer)
+    return get_peft_model_state_dict(net.model)
 
 
 def _merged(net):
     """The denoiser with its LoRA merged into the base weights (peft's merge, adapters removed)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    for module in net.transformer.modules():
+    for module in net.model.modules():
         if isinstance(module, BaseTunerLayer):
             module.merge()
     state = {k.replace(".base_layer", ""): v for k, v in net.state_dict().items() if "lora_" not in k}
@@ -142,7 +147,8 @@ def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, sd
                             else (FluxFamily(), flux_folder, "FluxPipeline"))
     net = family.load_denoiser(folder)
     state = _lora(net, family.lora_targets)
-    path = family.save_lora(state, tmp_path / "lora" / "pytorch_lora_weights.safetensors")
+    path = family.save_lora(state, {"r": 2, "lora_alpha": 2, "target_modules": list(family.lora_targets)},
+                            tmp_path / "lora", {"difftrain": "test"})
     back = family.read_lora(path, denoiser=family.load_denoiser(folder))
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
     merged = family.load_denoiser(folder)
@@ -160,7 +166,7 @@ def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, sd
     # another family's file
     other_family, other_folder = (FluxFamily(), flux_folder) if which == "sd3" else (SD3Family(), sd3_folder)
     other = other_family.load_denoiser(other_folder)
-    other_path = other_family.save_lora(_lora(other, other_family.lora_targets), tmp_path / "other.safetensors")
+    other_path = other_family.save_lora(_lora(other, other_family.lora_targets), {}, tmp_path / "other")
     with pytest.raises(ValueError, match="not a") as info:
         family.read_lora(other_path, denoiser=family.load_denoiser(folder))
     assert "\n" not in str(info.value) and str(other_path) in str(info.value)
@@ -216,7 +222,7 @@ def test_lora_of_a_unet_or_a_broken_file_is_refused_in_one_line(tmp_path, family
               str(unet))
     junk = tmp_path / "junk.safetensors"
     junk.write_text("junk")
-    for path, needle in ((unet, "weights of unet"), (junk, "not a"), (tmp_path / "missing.safetensors", "does not exist")):
+    for path, needle in ((unet, "tensors of unet"), (junk, "not a"), (tmp_path / "missing.safetensors", "does not exist")):
         with pytest.raises(ValueError, match=needle) as info:
             family.read_lora(path)
         assert "\n" not in str(info.value) and str(path) in str(info.value)

@@ -43,18 +43,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from difftrain.families import mmdit
-from difftrain.families.sd3 import scheduler_config
+from difftrain.families import register
+from difftrain.families.base import Denoiser, PromptEncoder, load_part, require_keys
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, parts_digest, t5_length, token_ids
 
-PIPELINE_CLASS = "FluxPipeline"
-TRANSFORMER_CLASS = "FluxTransformer2DModel"
-DEFAULT_T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (and its most)
-DEFAULT_GUIDANCE = 3.5  # the script's --guidance_scale and the pipeline's guidance_scale default
-LORA_TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
-                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                "ff_context.net.2"]
-# Module names only SD3's transformer has: a file naming them is an SD3 LoRA.
-FOREIGN_MODULES = ("attn2", "pos_embed")  # SD3.5's second attention, SD3's position embedding
+DEFAULT_T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (and its most); diffusers' script: 512
+DEFAULT_GUIDANCE = 3.5  # diffusers' script's --guidance_scale and FluxPipeline's guidance_scale default
+KEYS = ("prompt_embeds", "pooled", "guidance")
 
 
 def pack(x: Tensor) -> Tensor:
@@ -76,7 +71,7 @@ def image_ids(h: int, w: int, device=None, dtype=torch.float32) -> Tensor:
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
 
 
-class FluxDenoiser(mmdit.TransformerDenoiser):
+class FluxDenoiser(TransformerDenoiser):
     """``net(x (B, 16, h, w), t (B,) = 1000 t, cond) -> (B, 16, h, w)`` velocity eps - x0: a
     FluxTransformer2DModel called as FluxPipeline calls it (packing, ids and t / 1000 inside).
     cond: {"prompt_embeds": (B, L_t5, joint_attention_dim), "pooled": (B, pooled_projection_dim),
@@ -84,101 +79,79 @@ class FluxDenoiser(mmdit.TransformerDenoiser):
 
     family = "flux"
 
-    def check_latent_size(self, h: int, w: int) -> None:
-        if h % 2 or w % 2:
-            raise ValueError(f"latents of {h}x{w} do not divide into Flux's 2x2 patches (h and w must be even)")
-
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         b, _, h, w = x.shape
+        require_keys(cond, KEYS, b, self.family)
         self.check_latent_size(h, w)
         text = cond["prompt_embeds"]
-        guidance = cond["guidance"].expand(b) if self.transformer.config.guidance_embeds else None
-        out = self.transformer(hidden_states=pack(x), timestep=t.expand(b).to(x.dtype) / 1000, guidance=guidance,
-                               pooled_projections=cond["pooled"], encoder_hidden_states=text,
-                               txt_ids=text.new_zeros(text.shape[1], 3), img_ids=image_ids(h, w, x.device, x.dtype),
-                               return_dict=False)[0]
+        guidance = cond["guidance"].to(x.dtype) if self.model.config.guidance_embeds else None
+        out = self.model(hidden_states=pack(x), timestep=t.expand(b).to(x.dtype) / 1000, guidance=guidance,
+                         pooled_projections=cond["pooled"], encoder_hidden_states=text,
+                         txt_ids=text.new_zeros(text.shape[1], 3), img_ids=image_ids(h, w, x.device, x.dtype),
+                         return_dict=False)[0]
         return unpack(out, h, w)
 
 
-class FluxPromptEncoder:
-    """CLIP and T5 of a Flux folder, frozen: ``encode(captions) -> {"prompt_embeds": (B, t5_length,
-    W_t5), "pooled": (B, W_clip), "guidance": (B,)}`` as FluxPipeline.encode_prompt (guidance: the
-    distilled guidance value every sample is trained and sampled with)."""
+class FluxPromptEncoder(PromptEncoder):
+    """CLIP and T5 of a Flux folder, frozen: ``encode(captions, device) -> {"prompt_embeds": (B, t5_length,
+    W_t5), "pooled": (B, W_clip), "guidance": (B,)}`` as FluxPipeline.encode_prompt; ``guidance`` is the
+    distilled guidance value every sample is trained and sampled with (the same in the null condition)."""
 
-    def __init__(self, folder: str | Path, device=None, t5_length: int | None = None,
-                 guidance: float = DEFAULT_GUIDANCE):
+    def __init__(self, folder: Path, max_sequence_length: int = 0, guidance: float = DEFAULT_GUIDANCE):
+        super().__init__()
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
         self.source = str(folder)
-        self.clip = mmdit.frozen(mmdit.load_part("transformers", "CLIPTextModel", folder, "text_encoder",
-                                                 "CLIP text encoder"), device)
-        self.t5 = mmdit.frozen(mmdit.load_part("transformers", "T5EncoderModel", folder, "text_encoder_2",
-                                               "T5 text encoder"), device)
-        self.tok_clip = mmdit.load_part("transformers", "CLIPTokenizer", folder, "tokenizer", "CLIP tokenizer")
-        self.tok_t5 = mmdit.load_part("transformers", "T5TokenizerFast", folder, "tokenizer_2", "T5 tokenizer")
-        length = min(DEFAULT_T5_LENGTH, int(self.tok_t5.model_max_length)) if t5_length is None else t5_length
-        self.t5_length = mmdit.check_t5_length(length, self.tok_t5, folder)
+        self.clip = frozen(load_part(folder, "text_encoder", CLIPTextModel, "CLIP text encoder"))
+        self.t5 = frozen(load_part(folder, "text_encoder_2", T5EncoderModel, "T5 text encoder"))
+        self.tok_clip = load_part(folder, "tokenizer", CLIPTokenizer, "CLIP tokenizer")
+        self.tok_t5 = load_part(folder, "tokenizer_2", T5TokenizerFast, "T5 tokenizer")
+        self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
         self.clip_length = int(self.tok_clip.model_max_length)
         self.guidance = float(guidance)
-        self.digest = mmdit.parts_digest([self.clip, self.t5], [self.tok_clip, self.tok_t5]) + f":t5={self.t5_length}"
+        self.digest = parts_digest([self.clip, self.t5], [self.tok_clip, self.tok_t5],
+                                   f"t5_length={self.t5_length}")
 
     @torch.no_grad()
-    def encode(self, captions: list[str], device=None) -> dict[str, Tensor]:
-        device = device if device is not None else self.t5.device
-        pooled = self.clip(mmdit.token_ids(self.tok_clip, captions, self.clip_length, self.clip.device),
+    def encode(self, captions: list[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        pooled = self.clip(token_ids(self.tok_clip, captions, self.clip_length, self.clip.device),
                            output_hidden_states=False).pooler_output
-        t5 = self.t5(mmdit.token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
+        t5 = self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
         return {"prompt_embeds": t5.float().to(device), "pooled": pooled.float().to(device),
                 "guidance": torch.full((len(captions),), self.guidance, device=device)}
 
 
-class FluxFamily:
+class FluxFamily(TransformerFamily):
     """Flux.1 (dev, schnell and their fine-tunes)."""
 
     name = "flux"
-    pipeline_class = PIPELINE_CLASS
-    lora_targets = LORA_TARGETS
+    pipeline_class = "FluxPipeline"
+    transformer_class = "FluxTransformer2DModel"
+    denoiser_class = FluxDenoiser
+    # diffusers' Flux script's default LoRA targets: attention projections and feed-forwards.
+    lora_targets = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+                    "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                    "ff_context.net.2")
+    foreign_modules = ("attn2", "pos_embed")  # SD3.5's second attention, SD3's position embedding
 
-    def training_defaults(self, folder) -> dict[str, object]:
-        """Rectified flow as diffusers' Flux script trains it: uniform, unshifted t; sampling with
-        the scheduler's resolution-dependent shift; captions on."""
-        sched = scheduler_config(folder)
-        return {"diffusion.objective": "flow", "diffusion.flow_t_sampling": "uniform",
+    def training_defaults(self, folder: Path) -> dict[str, object]:
+        """The base's parts, captions on, and rectified flow as diffusers' Flux script trains it:
+        uniform, unshifted t; sampling with the scheduler's resolution-dependent shift."""
+        sched = self.scheduler_config(folder)
+        return {**self._defaults(folder), "diffusion.flow_t_sampling": "uniform",
                 "diffusion.flow_train_shift": 1.0, "diffusion.flow_shift": 1.0, "diffusion.flow_grid_end": None,
                 "diffusion.flow_dynamic_shift": bool(sched.get("use_dynamic_shifting", True)),
                 "diffusion.flow_base_shift": float(sched.get("base_shift", 0.5)),
                 "diffusion.flow_max_shift": float(sched.get("max_shift", 1.15)),
                 "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
-                "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096)),
-                "data.captions": True}
+                "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096))}
 
-    def load_codec(self, folder):
-        """The VAE with its scaling_factor and shift_factor."""
-        return mmdit.load_codec(folder)
-
-    def check_resolution(self, folder, resolution: int) -> None:
-        """A ValueError of one line for a resolution the VAE and the 2x2 patches cannot divide."""
-        mmdit.check_resolution(folder, self.name, resolution, 2, None)
-
-    def load_denoiser(self, folder) -> FluxDenoiser:
-        return FluxDenoiser(mmdit.load_part("diffusers", TRANSFORMER_CLASS, folder, "transformer",
-                                            "transformer", torch_dtype=torch.float32).float())
-
-    def denoiser_from_record(self, record: dict) -> FluxDenoiser:
-        from diffusers import FluxTransformer2DModel
-
-        return FluxDenoiser(FluxTransformer2DModel.from_config(dict(record["config"])).float())
-
-    def load_prompt_encoder(self, folder, device=None, t5_length: int | None = None,
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu", max_sequence_length: int = 0,
                             guidance: float = DEFAULT_GUIDANCE) -> FluxPromptEncoder:
-        return FluxPromptEncoder(folder, device, t5_length, guidance)
+        return FluxPromptEncoder(Path(folder), max_sequence_length, guidance).to(device)
 
-    def fsdp_units(self, denoiser: FluxDenoiser) -> list[nn.Module]:
-        return [*denoiser.transformer.transformer_blocks, *denoiser.transformer.single_transformer_blocks]
+    def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
+        return [*denoiser.model.transformer_blocks, *denoiser.model.single_transformer_blocks]
 
-    def export_pipeline(self, denoiser: FluxDenoiser, folder_of_base, out) -> Path:
-        return mmdit.export_folder(denoiser.transformer, folder_of_base, out)
 
-    def save_lora(self, adapter_state_dict: dict, out) -> Path:
-        return mmdit.save_lora(PIPELINE_CLASS, adapter_state_dict, out)
-
-    def read_lora(self, path, denoiser: FluxDenoiser | None = None) -> dict:
-        return mmdit.read_lora(PIPELINE_CLASS, self.name, path, FOREIGN_MODULES, denoiser)
+FLUX = register(FluxFamily())

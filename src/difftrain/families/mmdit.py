@@ -1,8 +1,9 @@
 """What the transformer (MMDiT) families share: SD3 (sd3.py) and Flux (flux.py) wrap a diffusers
-transformer, load their parts from a pipeline folder, export by replacing the folder's
-``transformer/`` and keep LoRA files in the pipeline's own format (its ``save_lora_weights`` /
-``lora_state_dict``, the ``transformer.`` prefix). diffusers and transformers are imported only
-when a part is loaded.
+transformer (``Denoiser.model``), load their parts from a pipeline folder, are trained with
+rectified flow as their scheduler config says, export by replacing the folder's ``transformer/``,
+and keep LoRA files in their pipeline's own format (its ``save_lora_weights`` / ``lora_state_dict``,
+the ``transformer.`` prefix, peft's LoraConfig as metadata). diffusers and transformers are
+imported only when a part is loaded.
 """
 
 from __future__ import annotations
@@ -13,82 +14,17 @@ import shutil
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from difftrain.runtime.optional import require
+from difftrain.families.base import Denoiser, Family, load_part, read_json
+from difftrain.models.text import first_line
 
-_PREFIX = "transformer."  # the wrapped model's parameters inside a TransformerDenoiser, hidden from state dicts
-LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
+PATCH = 2  # the transformers' patch side (SD3's patch_size, Flux's 2x2 packing) in every released base
 
 
-def model_index(folder: str | Path) -> dict:
-    """The pipeline folder's model_index.json, or a ValueError naming the folder."""
-    path = Path(folder).expanduser() / "model_index.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read the pipeline's model_index.json ({first_line(e)})") from None
-
-
-def load_part(library: str, class_name: str, folder: str | Path, sub: str, what: str, **kwargs):
-    """``class_name.from_pretrained(folder/sub)`` from ``library`` ("diffusers" or "transformers"),
-    float32 for models; a ValueError of one line naming the folder and the missing part."""
-    require(library, "text", f"the {what} of {folder}")
-    import importlib
-
-    path = Path(folder).expanduser() / sub
-    if not path.is_dir():
-        raise ValueError(f"{folder} has no {sub}/ (the {what}, a {class_name}); a complete pipeline folder has one")
-    cls = getattr(importlib.import_module(library), class_name)
-    try:
-        return cls.from_pretrained(str(path), **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot load the {what} ({class_name}) in {path}: {first_line(e)}") from None
-
-
-def part_config(folder: str | Path, sub: str) -> dict:
-    """The JSON config of a part (``sub``/config.json), or a ValueError naming the file."""
-    path = Path(folder).expanduser() / sub / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read the {sub} config ({first_line(e)})") from None
-
-
-def check_resolution(folder: str | Path, family: str, resolution: int, patch: int, most_patches: int | None) -> None:
-    """A ValueError of one line unless ``resolution`` (pixels a side) divides into the VAE's factor
-    times the transformer's ``patch`` (and, given ``most_patches``, is within that many patches)."""
-    vae = part_config(folder, "vae")
-    factor = 2 ** (len(vae.get("block_out_channels", (0,))) - 1)
-    step = factor * patch
-    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < step or resolution % step:
-        raise ValueError(f"data.resolution={resolution!r} does not divide into the {family} base {folder}: images "
-                         f"must be multiples of {step} px (the VAE's factor {factor} x {patch}x{patch} patches)")
-    if most_patches is not None and resolution // step > most_patches:
-        raise ValueError(f"data.resolution={resolution} is larger than the {family} base {folder} takes: at most "
-                         f"{most_patches * step} px (its transformer's pos_embed_max_size {most_patches})")
-
-
-def load_codec(folder: str | Path):
-    """The base's VAE (``vae/``) as a LatentCodec: model space (z - shift_factor) * scaling_factor."""
-    from difftrain.models.vae import LatentCodec
-
-    return LatentCodec.from_path(str(folder))
-
-
-def frozen(module: nn.Module, device=None) -> nn.Module:
-    """``module`` in eval mode, float32, without gradients, on ``device``."""
-    module = module.float().eval().requires_grad_(False)
-    return module.to(device) if device is not None else module
-
-
-def parts_digest(models: list[nn.Module], tokenizers: list) -> str:
-    """SHA-256 (hex) of the models' float weights by sorted name and the tokenizers' vocabularies."""
+def parts_digest(models: list[nn.Module], tokenizers: list, extra: str = "") -> str:
+    """SHA-256 (hex) of the models' float weights by sorted name, the tokenizers' vocabularies and ``extra``."""
     h = hashlib.sha256()
     for i, model in enumerate(models):
         tensors = {n: t for n, t in model.state_dict().items() if t.is_floating_point()}
@@ -98,138 +34,158 @@ def parts_digest(models: list[nn.Module], tokenizers: list) -> str:
             h.update(t.numpy().tobytes())
     for tok in tokenizers:
         h.update(json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode())
+    h.update(extra.encode())
     return h.hexdigest()
 
 
-def token_ids(tokenizer, captions: list[str], length: int, device) -> torch.Tensor:
-    """(B, length) long: ``captions`` padded to ``length`` and truncated, as the pipelines do."""
-    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                    return_tensors="pt")
+def frozen(module: nn.Module) -> nn.Module:
+    """``module`` in eval mode, float32, without gradients."""
+    return module.float().eval().requires_grad_(False)
+
+
+def token_ids(tokenizer, captions: list[str], length: int, device) -> Tensor:
+    """(B, length) long: ``captions`` padded to ``length`` and truncated, as the pipelines tokenize."""
+    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
     return out.input_ids.to(device)
 
 
-def check_t5_length(length: int, tokenizer, folder, limit: int = 512) -> int:
-    """``length`` if the base's T5 tokenizer (its model_max_length) and the pipelines (<= 512)
-    take it; else a ValueError of one line."""
+def t5_length(requested: int, default: int, tokenizer, folder, limit: int = 512) -> int:
+    """The T5 sequence length: ``requested`` (0 = ``default`` capped by the tokenizer's
+    model_max_length) if the base's T5 tokenizer and pipeline (<= 512) take it; else one ValueError."""
     most = min(int(getattr(tokenizer, "model_max_length", limit)), limit)
+    length = min(default, most) if requested == 0 else requested
     if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= most:
-        raise ValueError(f"T5 sequence length {length!r} is not one the base {folder} can take: its T5 tokenizer "
-                         f"and pipeline take 1 to {most} tokens")
+        raise ValueError(f"model.max_sequence_length={requested!r}: the base {folder} cannot take it: its T5 "
+                         f"tokenizer and pipeline take 1 to {most} tokens")
     return length
 
 
-def _jsonable(config) -> dict:
-    return json.loads(json.dumps(dict(config)))
+class TransformerDenoiser(Denoiser):
+    """A diffusers transformer on (B, 16, h, w) latents; ``check_latent_size`` refuses sides the
+    patches cannot divide, in one line."""
+
+    def check_latent_size(self, h: int, w: int) -> None:
+        if h % PATCH or w % PATCH:
+            raise ValueError(f"latents of {h}x{w} do not divide into the {self.family} transformer's "
+                             f"{PATCH}x{PATCH} patches: image sides must be multiples of {PATCH} x the VAE's factor")
 
 
-class TransformerDenoiser(nn.Module):
-    """A diffusers transformer as a difftrain denoiser. Its state dict is the wrapped model's
-    (diffusers names, no prefix); subclasses define ``forward(x, t, cond)`` and ``family``."""
+class TransformerFamily(Family):
+    """The shared half of the SD3 and Flux families; subclasses set ``transformer_class``,
+    ``denoiser_class``, ``foreign_modules`` and write what differs."""
 
-    family = ""
-    num_classes = 0
+    transformer_class = ""
+    denoiser_class: type[TransformerDenoiser] = TransformerDenoiser
+    # Module names of the other transformer family: a LoRA file naming them is not this family's.
+    foreign_modules: tuple[str, ...] = ()
 
-    def __init__(self, transformer: nn.Module) -> None:
-        super().__init__()
-        self.transformer = transformer
-        self.register_state_dict_post_hook(_strip_prefix)
-        self.register_load_state_dict_pre_hook(_add_prefix)
+    @staticmethod
+    def scheduler_config(folder: Path) -> dict:
+        """The base's FlowMatchEulerDiscreteScheduler config (scheduler/scheduler_config.json)."""
+        return read_json(Path(folder) / "scheduler" / "scheduler_config.json", f"base {folder}")
 
-    @property
-    def config(self) -> dict:
-        """The wrapped transformer's config as a JSON-able dict (rebuilds the architecture)."""
-        return _jsonable(self.transformer.config)
+    def _defaults(self, folder: Path) -> dict[str, object]:
+        return {"model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True,
+                "diffusion.objective": "flow"}
 
-    @property
-    def in_channels(self) -> int:
-        return int(self.transformer.config.in_channels)
+    def load_denoiser(self, folder: Path) -> TransformerDenoiser:
+        import diffusers
 
-    def record(self) -> dict:
-        """What a checkpoint keeps to rebuild the architecture."""
-        return {"kind": "family", "family": self.family, "config": self.config}
+        return self.denoiser_class(load_part(folder, "transformer", getattr(diffusers, self.transformer_class),
+                                             f"{self.name} transformer"))
 
-    def set_gradient_checkpointing(self, enabled: bool) -> None:
-        """diffusers' activation checkpointing of the transformer blocks, on or off."""
-        if enabled:
-            self.transformer.enable_gradient_checkpointing()
-        else:
-            self.transformer.disable_gradient_checkpointing()
+    def denoiser_from_record(self, record: dict) -> TransformerDenoiser:
+        import diffusers
+
+        return self.denoiser_class(getattr(diffusers, self.transformer_class).from_config(dict(record["config"])).float())
+
+    def image_side_multiple(self, codec) -> int:
+        """The VAE's factor times the 2x2 patches."""
+        return int(codec.factor) * PATCH
+
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+        """``base`` copied (text encoders, tokenizers, VAE, scheduler, model_index.json) with
+        ``transformer/`` written from ``denoiser`` by diffusers' save_pretrained (safetensors, float32)
+        and, given ``scheduler``, that scheduler config."""
+        base, out = Path(base).expanduser(), Path(out).expanduser()
+        read_json(base / "model_index.json", f"base {base}")
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"export folder {out} exists and is not empty")
+        shutil.copytree(base, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
+        denoiser.model.save_pretrained(str(out / "transformer"), safe_serialization=True)
+        if scheduler is not None:
+            config = {**read_json(base / "scheduler" / "scheduler_config.json", f"base {base}"), **scheduler}
+            (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(config, indent=2))
+        return out
+
+    def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
+                  metadata: dict[str, str] | None = None) -> Path:
+        """``out``/pytorch_lora_weights.safetensors through the pipeline's save_lora_weights
+        (``transformer.`` + peft names, peft's LoraConfig as metadata), ``metadata`` added."""
+        import diffusers
+        from safetensors import safe_open
+        from safetensors.torch import save
+
+        from difftrain.runtime.files import atomic_write_bytes
+
+        out = Path(out)
+        tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
+        getattr(diffusers, self.pipeline_class).save_lora_weights(
+            str(out), transformer_lora_layers=tensors,
+            transformer_lora_adapter_metadata=dict(lora_config) if lora_config else None)
+        file = out / LORA_WEIGHT_NAME
+        if metadata:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                merged = {**(f.metadata() or {}), **metadata}
+                written = {k: f.get_tensor(k) for k in f.keys()}
+            atomic_write_bytes(file, save(written, metadata=merged))
+        return file
+
+    def read_lora(self, path: Path, denoiser: Denoiser | None = None) -> dict[str, Tensor]:
+        """The transformer's LoRA tensors (peft names) of a file the pipeline's lora_state_dict reads;
+        one ValueError for a file of another family (tensors outside ``transformer.``, module names of
+        the other transformer family, or, given ``denoiser``, a module it lacks or of another shape)."""
+        import diffusers
+
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ValueError(f"LoRA file {path} does not exist")
+        try:
+            state = getattr(diffusers, self.pipeline_class).lora_state_dict(str(path))
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file ({self.pipeline_class} cannot read "
+                             f"it: {first_line(e)})") from None
+        state = state[0] if isinstance(state, tuple) else state
+        outside = sorted({k.split(".")[0] for k in state if not k.startswith("transformer.")})
+        if outside or not state:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: it holds "
+                             f"{'tensors of ' + ', '.join(outside) if outside else 'no tensors'}, not the transformer's")
+        state = {k[len("transformer."):]: v for k, v in state.items()}
+        strange = sorted({name for k in state for name in self.foreign_modules if name in k.split(".")})
+        if strange:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: it names {', '.join(strange)} "
+                             f"(another family's transformer)")
+        if denoiser is not None:
+            check_lora_fits(state, denoiser.model, path, self.name)
+        return state
+
+    def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
+        return list(denoiser.model.transformer_blocks)
 
 
-def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix + _PREFIX)]:
-        state_dict[prefix + key[len(prefix) + len(_PREFIX):]] = state_dict.pop(key)
-
-
-def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _PREFIX)]:
-        state_dict[prefix + _PREFIX + key[len(prefix):]] = state_dict.pop(key)
-
-
-def export_folder(transformer: nn.Module, base: str | Path, out: str | Path) -> Path:
-    """A pipeline folder at ``out``: the base folder's parts (text encoders, tokenizers, VAE,
-    scheduler, model_index.json) copied as they are, ``transformer/`` written by diffusers'
-    ``save_pretrained`` from ``transformer`` (safetensors, float32)."""
-    base, out = Path(base).expanduser(), Path(out).expanduser()
-    model_index(base)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"export folder {out} exists and is not empty")
-    shutil.copytree(base, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
-    transformer.save_pretrained(str(out / "transformer"), safe_serialization=True)
-    return out
-
-
-def save_lora(pipeline_class: str, state: dict, out: str | Path) -> Path:
-    """Write ``state`` (peft's adapter state dict of the transformer: ``<module>.lora_A.weight``,
-    ...) as ``out`` (a .safetensors file) through ``pipeline_class.save_lora_weights``."""
-    require("diffusers", "text", "a LoRA file in diffusers' format")
-    import diffusers
-
-    out = Path(out).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    getattr(diffusers, pipeline_class).save_lora_weights(
-        str(out.parent), transformer_lora_layers={k: v.detach().cpu().contiguous() for k, v in state.items()},
-        weight_name=out.name, safe_serialization=True)
-    return out
-
-
-def read_lora(pipeline_class: str, family: str, path: str | Path, foreign: tuple[str, ...] = (),
-              denoiser: nn.Module | None = None) -> dict:
-    """The transformer's LoRA tensors (peft names, no ``transformer.`` prefix) of a file that
-    ``pipeline_class.lora_state_dict`` reads; a ValueError of one line for a file of another
-    family (keys outside ``transformer.``, or with a module name in ``foreign``, or, given the
-    ``denoiser``, naming a module it lacks or of another shape)."""
-    require("diffusers", "text", f"the LoRA file {path}")
-    import diffusers
-
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"LoRA file {path} does not exist")
-    try:
-        state = getattr(diffusers, pipeline_class).lora_state_dict(str(path))
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise ValueError(f"LoRA file {path} is not a {family} LoRA file ({pipeline_class}): {first_line(e)}") from None
-    state = state[0] if isinstance(state, tuple) else state
-    outside = sorted({k.split(".")[0] for k in state if not k.startswith(_PREFIX)})
-    if outside or not state:
-        raise ValueError(f"LoRA file {path} is not a {family} LoRA file: it holds "
-                         f"{'weights of ' + ', '.join(outside) if outside else 'no weights'}, not the transformer's")
-    state = {k[len(_PREFIX):]: v for k, v in state.items()}
-    strange = sorted({name for k in state for name in foreign if name in k.split(".")})
-    if strange:
-        raise ValueError(f"LoRA file {path} is not a {family} LoRA file: it names {', '.join(strange)}")
-    if denoiser is not None:
-        modules = dict(denoiser.transformer.named_modules())
-        for key, value in state.items():
-            owner = key.split(".lora_")[0]
-            base = modules.get(owner)
-            base = getattr(base, "base_layer", base)
-            if base is None or not hasattr(base, "weight"):
-                raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: it names {owner}, "
-                                 f"which the base's transformer lacks")
-            want = base.weight.shape[1] if ".lora_A." in key else base.weight.shape[0]
-            got = value.shape[1] if ".lora_A." in key else value.shape[0]
-            if want != got:
-                raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: {key} has shape "
-                                 f"{tuple(value.shape)}, the base's {owner} is {tuple(base.weight.shape)}")
-    return state
+def check_lora_fits(state: dict[str, Tensor], model: nn.Module, path, family: str) -> None:
+    """One ValueError unless every ``<module>.lora_A/B.weight`` of ``state`` names a module of
+    ``model`` with the matching in/out width."""
+    modules = dict(model.named_modules())
+    for key, value in state.items():
+        owner = key.split(".lora_")[0]
+        layer = modules.get(owner)
+        layer = getattr(layer, "base_layer", layer)
+        weight = getattr(layer, "weight", None)
+        if weight is None:
+            raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: it names {owner}, which the "
+                             f"base's transformer lacks")
+        want, got = (weight.shape[1], value.shape[1]) if ".lora_A." in key else (weight.shape[0], value.shape[0])
+        if want != got:
+            raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: {key} has shape "
+                             f"{tuple(value.shape)}, the base's {owner} is {tuple(weight.shape)}")
