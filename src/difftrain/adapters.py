@@ -6,7 +6,8 @@
 
 An export is :func:`adapter_of` (the checkpoint's adapter, its base's record and the run's config)
 followed by one writer of :data:`LORA_LAYOUTS`; another layout (kohya / ComfyUI names) is one more
-writer and one more entry in :data:`_TO_DIFFTRAIN`. Every layout keeps difftrain's record of the
+writer; the diffusers layout is each family's own (``Family.save_lora`` / ``read_lora``, through the
+pipeline's ``save_lora_weights`` / ``lora_state_dict``). Every layout keeps difftrain's record of the
 base (its source, digest and the LoRA settings) in the file's metadata, so ``difftrain sample
 --lora FILE`` finds the base again and refuses another one.
 """
@@ -28,8 +29,7 @@ from difftrain.training.checkpoint import CheckpointError
 
 ADAPTER_FORMAT = "difftrain-lora-v1"
 ADAPTER_KEY = "difftrain_adapter"  # the metadata key of difftrain's record (JSON)
-DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) reads
-DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LoraConfig of the file (r, lora_alpha, ...)
+DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
 
 
 @dataclasses.dataclass
@@ -72,32 +72,25 @@ def adapter_of(state: dict, use_ema: bool = True) -> Adapter:
 
 
 def write_diffusers(adapter: Adapter, out: Path) -> Path:
-    """``out/pytorch_lora_weights.safetensors`` in diffusers' layout: peft's names under ``unet.``
-    and diffusers' LoraConfig metadata (rank, alpha, targets), so that
-    ``StableDiffusionPipeline.load_lora_weights(out)`` on the base gives difftrain's network."""
-    from safetensors.torch import save
+    """``out/pytorch_lora_weights.safetensors`` in the layout of the base family's pipeline, written by
+    its ``save_lora_weights`` (``Family.save_lora``: diffusers' names and peft's LoraConfig metadata),
+    so that the pipeline's ``load_lora_weights(out)`` on the base gives difftrain's network."""
+    from difftrain.families import family_of_record
+    from difftrain.models.lora import import_peft
 
-    from difftrain.models.diffusers_unet import NETWORK_KIND
-    from difftrain.runtime.files import atomic_write_bytes
-
-    if adapter.record["base"]["kind"] != NETWORK_KIND:
+    family = family_of_record(adapter.record["base"])
+    if family is None:
         raise ValueError(f"{adapter.source}: the adapter is of difftrain's own UNet, which diffusers cannot load; "
                          "export --format safetensors --merge gives the adapted network as a difftrain weights file")
     s = adapter.record["lora"]
-    lora_config = {"r": s["rank"], "lora_alpha": s["alpha"], "lora_dropout": s["dropout"],
-                   "target_modules": s["targets"], "init_lora_weights": "gaussian"}
-    metadata = {"format": "pt", DIFFUSERS_METADATA_KEY: json.dumps({f"unet.{k}": v for k, v in lora_config.items()}),
-                **adapter.metadata("diffusers")}
-    tensors = {f"unet.{k}": t.detach().cpu().contiguous().clone() for k, t in adapter.tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / DIFFUSERS_WEIGHT_NAME, save(tensors, metadata=metadata))
+    lora_config = import_peft().LoraConfig(r=s["rank"], lora_alpha=s["alpha"], lora_dropout=s["dropout"],
+                                           target_modules=list(s["targets"]), init_lora_weights="gaussian")
+    family.save_lora(adapter.tensors, lora_config.to_dict(), out, adapter.metadata("diffusers"))
     return out
 
 
 # layout -> writer(adapter, out) -> what was written
 LORA_LAYOUTS: dict[str, Callable[[Adapter, Path], Path]] = {"diffusers": write_diffusers}
-# layout -> the file's tensor name -> difftrain's name (for reading a file back)
-_TO_DIFFTRAIN: dict[str, Callable[[str], str]] = {"diffusers": lambda name: name.removeprefix("unet.")}
 
 
 def export_lora(state: dict, out: str | Path, use_ema: bool = True, layout: str = "diffusers") -> Path:
@@ -125,23 +118,27 @@ def adapter_file(path: str | Path) -> Path:
 def read_adapter(path: str | Path) -> dict:
     """An adapter file written by :func:`export_lora`, as the fields ``load_model`` takes from a
     checkpoint: ``path``, ``config``, ``network`` (its LoRA record), ``frozen``, ``num_classes``,
-    ``step``, ``tensors`` (difftrain's names). One ValueError naming the file otherwise."""
+    ``step``, ``tensors`` (difftrain's names, read by the base family's ``read_lora``). One
+    ValueError naming the file otherwise."""
+    from difftrain.families import family_of_record
     from difftrain.interop import read_safetensors
 
     path = adapter_file(path)
-    metadata, tensors = read_safetensors(path, "LoRA adapter")
+    metadata, _ = read_safetensors(path, "LoRA adapter")
     if ADAPTER_KEY not in metadata:
         raise ValueError(f"LoRA adapter {path} carries no difftrain record of its base (written by another "
                          "program?); difftrain samples adapters it exported with export --format lora")
     try:
         record = json.loads(metadata[ADAPTER_KEY])
-        assert record["format"] == ADAPTER_FORMAT and record["layout"] in _TO_DIFFTRAIN
-        rename = _TO_DIFFTRAIN[record["layout"]]
-        return {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
-                "frozen": record["frozen"], "num_classes": 0, "step": int(record["step"]),
-                "tensors": {rename(k): t for k, t in tensors.items()}, "weights": record.get("weights", "ema")}
+        assert record["format"] == ADAPTER_FORMAT and record["layout"] in LORA_LAYOUTS
+        family = family_of_record(record["network"]["base"])
+        assert family is not None, "the base is no family's"
+        fields = {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
+                  "frozen": record["frozen"], "num_classes": 0, "step": int(record["step"]),
+                  "weights": record.get("weights", "ema")}
     except (AssertionError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"LoRA adapter {path}: bad difftrain metadata ({type(e).__name__} {e})") from None
+    return {**fields, "tensors": family.read_lora(path)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ pipeline folder, and the weights a run starts from (``model.init_from``).
     export_stable_diffusion(net, objective_cfg=..., text_encoder_source=..., vae_source=..., out_dir=...)
                                                      # a fine-tuned UNet2DConditionModel -> StableDiffusionPipeline
     load_init_weights(model, "unet_folder/")         # a diffusers UNet2DModel folder, .safetensors or .pt
-    load_init_network("sd_folder/")                  # a UNet2DConditionModel (or SD) folder -> ConditionUNet
+    load_init_network("sd_folder/")                  # a base folder -> its family's denoiser (difftrain.families)
 
 diffusers is needed only to write a pipeline folder; reading a diffusers UNet folder needs only
 ``safetensors`` (or torch for a ``.bin``).
@@ -16,7 +16,6 @@ diffusers is needed only to write a pipeline folder; reading a diffusers UNet fo
 from __future__ import annotations
 
 import json
-import shutil
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,7 +28,7 @@ from difftrain.diffusion.schedules import MAX_BETA, alpha_bar_schedule, betas_fr
 from difftrain.training.checkpoint import CheckpointError, load_checkpoint, load_weights
 
 if TYPE_CHECKING:
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.families.sd import ConditionUNet
 
 WEIGHTS_FORMAT = "difftrain-weights-v1"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -202,14 +201,13 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
                          "(or pip install diffusers)") from None
     from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
     from difftrain.models import build_model
-    from difftrain.models.diffusers_unet import NETWORK_KIND
-
     from difftrain.conditioning import moved_parts
+    from difftrain.families import family_of_record
 
     cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
-    if state["network"]["kind"] == NETWORK_KIND:  # a fine-tuned Stable Diffusion UNet
+    family = family_of_record(state["network"])
+    if family is not None:  # a fine-tuned base of a family
         from difftrain.conditioning import Conditioning
-        from difftrain.models.diffusers_unet import ConditionUNet
 
         frozen = Conditioning.from_config(cfg)
         frozen.check_references(state["frozen"], f"checkpoint {state['path']}")
@@ -217,7 +215,7 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
             raise ValueError(f"the VAE {cfg.model.vae} has a shift_factor ({frozen.codec.shift_factor}), which "
                              "StableDiffusionPipeline does not apply when it decodes; export --format safetensors")
 
-        unet = ConditionUNet.from_config(state["network"]["config"])
+        unet = family.denoiser_from_record(state["network"])
         load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],
                      "ema.model" if use_ema else "model")
         return export_stable_diffusion(unet, objective_cfg=cfg.diffusion, text_encoder_source=cfg.model.text_encoder,
@@ -262,65 +260,19 @@ def export_stable_diffusion(
     vae_source: str | None,
     out_dir: str | Path,
 ) -> Path:
-    """Write a ``StableDiffusionPipeline`` folder: ``unet/`` (the weights of ``unet``, a
-    :class:`~difftrain.models.diffusers_unet.ConditionUNet`), ``text_encoder/`` and
-    ``tokenizer/`` (from ``text_encoder_source``: a Stable Diffusion folder or one folder with
-    both), ``vae/`` (from ``vae_source``: an AutoencoderKL or Stable Diffusion folder),
-    ``scheduler/`` (:func:`scheduler_config` of ``objective_cfg``, the ``cfg.diffusion``
-    section, with x0 not clipped: StableDiffusionPipeline turns ``clip_sample`` off, as latents
-    are not confined to [-1, 1]) and ``model_index.json``; no safety checker. Returns ``out_dir``.
-    A text model of difftrain's own UNet, or a model without a VAE, raises a ValueError saying why.
+    """Write a ``StableDiffusionPipeline`` folder (``families.sd.write_pipeline``): ``unet``'s weights,
+    the text encoder and tokenizer of ``text_encoder_source``, the VAE of ``vae_source`` and a
+    ``scheduler/`` of :func:`scheduler_config` of ``objective_cfg`` (the ``cfg.diffusion`` section),
+    with x0 not clipped (StableDiffusionPipeline turns ``clip_sample`` off, as latents are not confined
+    to [-1, 1]). Returns ``out_dir``. A text model of difftrain's own UNet, or a model without a VAE,
+    raises a ValueError saying why.
     """
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.families.sd import write_pipeline
 
-    if not isinstance(unet, ConditionUNet):
-        raise ValueError("export to a Stable Diffusion pipeline needs a UNet2DConditionModel (a run with "
-                         "model.init_from naming one); difftrain's own text UNet has a different architecture, "
-                         "which StableDiffusionPipeline cannot load")
-    if vae_source is None:
-        raise ValueError("export to a Stable Diffusion pipeline needs a VAE (model.vae): StableDiffusionPipeline "
-                         "denoises latents, and this model has none")
-    try:
-        from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
-        from transformers import CLIPTextModel, CLIPTokenizer
-    except ImportError:
-        raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
-                         "pip install 'difftrain[text]'") from None
     # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
     # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
-    scheduler = DDPMScheduler(**{**scheduler_config(objective_cfg), "clip_sample": False, "steps_offset": 1})
-    from difftrain.models.text import text_model_folders
-    from difftrain.models.vae import vae_folder as find_vae_folder
-
-    text_folder, tokenizer_folder = text_model_folders(text_encoder_source)
-    vae_folder = find_vae_folder(vae_source)
-    try:
-        text_encoder = CLIPTextModel.from_pretrained(str(text_folder))
-        tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_folder))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"text encoder {text_encoder_source}: cannot load a CLIP text model and tokenizer "
-                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
-    try:
-        vae = AutoencoderKL.from_pretrained(str(vae_folder))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"VAE {vae_folder}: cannot load an AutoencoderKL "
-                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
-    if text_encoder.config.hidden_size != unet.context_dim:
-        raise ValueError(f"text encoder {text_encoder_source} has width {text_encoder.config.hidden_size}, the "
-                         f"UNet cross-attends to width {unet.context_dim}")
-    if vae.config.latent_channels != unet.in_channels:
-        raise ValueError(f"VAE {vae_folder} has {vae.config.latent_channels} latent channels, the UNet "
-                         f"takes {unet.in_channels}")
-    pipe = StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet.unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )
-    out = Path(out_dir)
-    pipe.save_pretrained(out, safe_serialization=True)
-    for name in ("vocab.json", "merges.txt"):  # what CLIPTokenizers of older transformers read
-        if (tokenizer_folder / name).is_file() and not (out / "tokenizer" / name).exists():
-            shutil.copyfile(tokenizer_folder / name, out / "tokenizer" / name)
-    return out
+    scheduler = {**scheduler_config(objective_cfg), "clip_sample": False, "steps_offset": 1}
+    return write_pipeline(unet, scheduler, text_encoder_source, vae_source, out_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,23 +354,25 @@ def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Te
     return {names[k]: t for k, t in tensors.items()}
 
 
-def load_init_network(source: str | Path) -> ConditionUNet:
-    """The :class:`~difftrain.models.diffusers_unet.ConditionUNet` (weights included) of a
-    ``model.init_from`` naming a UNet2DConditionModel folder or a Stable Diffusion folder; a
-    ValueError naming the folder otherwise. ``is_condition_unet_folder`` tells which it is."""
-    from difftrain.models.diffusers_unet import ConditionUNet
+def load_init_network(source: str | Path):
+    """The denoiser (weights included) of a ``model.init_from`` naming a base folder of a family
+    (``difftrain.families``: a Stable Diffusion folder or a bare UNet2DConditionModel folder, ...); a
+    ValueError naming the folder otherwise."""
+    from difftrain.families import detect
 
     try:
-        return ConditionUNet.from_folder(source)
+        return detect(source).load_denoiser(Path(source).expanduser())
     except ValueError as e:
         raise ValueError(f"model.init_from: {e}") from None
 
 
-def _load_condition_unet_weights(model: nn.Module, path: Path) -> None:
-    """Load the UNet2DConditionModel folder ``path`` into the ConditionUNet ``model``, or a
-    ValueError naming the folder and the first config key that differs."""
+def _load_denoiser_weights(model: nn.Module, path: Path) -> None:
+    """Load the base folder ``path`` into the family denoiser ``model``, or a ValueError naming the
+    folder and the first config key that differs."""
     loaded = load_init_network(path)
-    ours, theirs = model.unet_config, loaded.unet_config
+    ours, theirs = model.config, loaded.config
+    if type(loaded) is not type(model):
+        raise ValueError(f"model.init_from {path}: a {loaded.family} base, this network is a {model.family} denoiser")
     for key in sorted(set(ours) | set(theirs)):
         if not key.startswith("_") and ours.get(key) != theirs.get(key):
             raise ValueError(f"model.init_from {path}: the UNet does not match this model's architecture: first "
@@ -431,7 +385,7 @@ INIT_SOURCE_KEYS = ("objective", "prediction", "schedule", "num_timesteps", "zer
 _FROM_DIFFUSERS_PREDICTION = {v: k for k, v in DIFFUSERS_PREDICTION.items()}
 
 
-def _diffusers_training(scheduler: dict) -> dict:
+def diffusers_training(scheduler: dict) -> dict:
     """The diffusion.* values a diffusers scheduler config describes (diffusers' defaults where it
     is silent: SD 1.x's has no prediction_type, meaning epsilon); a schedule only when difftrain
     has the same one."""
@@ -470,7 +424,7 @@ def init_source_training(source: str | Path) -> dict:
             for folder in (path, path.parent):
                 config = folder / "scheduler" / "scheduler_config.json"
                 if config.is_file() and (folder == path or path.name == "unet"):
-                    return _diffusers_training(json.loads(config.read_text()))
+                    return diffusers_training(json.loads(config.read_text()))
             return {}
         if is_weights_file(path):
             from safetensors import safe_open
@@ -513,18 +467,19 @@ def load_init_weights(model: nn.Module, source: str | Path) -> None:
     folder), a difftrain weights file (``.safetensors``) or a checkpoint / run directory (its EMA
     weights); into a ``ConditionUNet``, a UNet2DConditionModel or Stable Diffusion folder.
     Weights only: no optimizer, step or data position."""
-    from difftrain.models.diffusers_unet import ConditionUNet, is_condition_unet_folder
+    from difftrain.families import Denoiser, is_base_folder
+    from difftrain.families.sd import is_condition_unet_folder
 
     path = Path(source).expanduser()
     if not path.exists():
         raise ValueError(f"model.init_from {path} does not exist")
-    if isinstance(model, ConditionUNet):
-        if not is_condition_unet_folder(path):
+    if isinstance(model, Denoiser):
+        if not is_base_folder(path):
             raise ValueError(f"model.init_from {path}: not a UNet2DConditionModel folder nor a Stable Diffusion "
-                             "folder, which this network (a UNet2DConditionModel) needs")
-        _load_condition_unet_weights(model, path)
+                             f"folder (a base folder of a family), which this network (a {model.family} denoiser) needs")
+        _load_denoiser_weights(model, path)
         return
-    if is_condition_unet_folder(path):
+    if is_condition_unet_folder(path) or is_base_folder(path):
         raise ValueError(f"model.init_from {path} is a UNet2DConditionModel (Stable Diffusion) UNet, not a "
                          "difftrain UNet or UNet2DModel: build the network with load_init_network")
     if path.is_dir() and ((path / "config.json").is_file() or (path / "unet" / "config.json").is_file()):

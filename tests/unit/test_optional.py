@@ -60,7 +60,7 @@ def _vae(tmp_path):
 
 
 def _condition_unet(tmp_path):
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.families.sd import ConditionUNet
 
     ConditionUNet.from_config({})
 

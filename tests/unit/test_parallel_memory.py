@@ -41,7 +41,7 @@ def _unet():
 
 
 def _condition_unet():
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.families.sd import ConditionUNet
 
     pytest.importorskip("diffusers")
     return ConditionUNet.from_config(TINY_CONDITION_UNET)
@@ -104,8 +104,8 @@ def test_fsdp_units_are_the_unets_blocks_and_the_root():
     assert units["root"] == sum(shard_numel(p, 3) * 3 for p in root)  # conv_in, embeddings, output norm and conv
     assert sum(units.values()) >= sum(p.numel() for p in model.parameters())
     names = [name for name, _ in fsdp_blocks(_condition_unet())]
-    assert names[:2] == ["unet.down_blocks.0.resnets.0", "unet.down_blocks.0.attentions.0"]
-    assert "unet.mid_block.attentions.0" in names and any(".downsamplers." in n for n in names)
+    assert names[:2] == ["model.down_blocks.0.resnets.0", "model.down_blocks.0.attentions.0"]
+    assert "model.mid_block.attentions.0" in names and any(".downsamplers." in n for n in names)
 
 
 def test_ddp_holds_everything_on_every_rank_and_fsdp_a_padded_share():

@@ -171,7 +171,7 @@ def sd_folder(tmp_path_factory):
 def test_condition_unet_folder_detection(sd_folder, tmp_path):
     from diffusers import UNet2DModel
 
-    from difftrain.models.diffusers_unet import ConditionUNet, is_condition_unet_folder
+    from difftrain.families.sd import ConditionUNet, is_condition_unet_folder
 
     plain = UNet2DModel(sample_size=8, block_out_channels=(8, 8), norm_num_groups=4,
                         down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2)
@@ -196,7 +196,7 @@ def test_condition_unet_is_the_diffusers_unet(sd_folder):
 
     from diffusers import UNet2DConditionModel
 
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.families.sd import ConditionUNet
 
     net = ConditionUNet.from_folder(sd_folder).eval()
     raw = UNet2DConditionModel.from_pretrained(str(sd_folder / "unet")).eval()
@@ -218,7 +218,7 @@ def test_condition_unet_is_the_diffusers_unet(sd_folder):
 
 
 def test_condition_unet_gradient_checkpointing_gives_same_grads(sd_folder):
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.families.sd import ConditionUNet
 
     plain = randomize_(ConditionUNet.from_folder(sd_folder))
     ckpt = randomize_(ConditionUNet.from_folder(sd_folder))
@@ -235,7 +235,7 @@ def test_condition_unet_gradient_checkpointing_gives_same_grads(sd_folder):
 
 def test_init_from_loads_a_condition_unet(sd_folder, tmp_path):
     from difftrain.interop import load_init_network, load_init_weights
-    from difftrain.models.diffusers_unet import ConditionUNet
+    from difftrain.families.sd import ConditionUNet
 
     net = load_init_network(sd_folder)
     fresh = ConditionUNet.from_config(net.unet_config)

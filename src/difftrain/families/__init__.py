@@ -24,6 +24,8 @@ __all__ = ["FAMILIES", "Denoiser", "Family", "PromptEncoder", "detect", "drop_ro
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
 _MODULES = ("sd", "sdxl", "sd3", "flux")
+# Folder classes difftrain's own network loads (interop.load_init_weights), not a family's.
+OWN_NETWORK_CLASSES = ("UNet2DModel",)
 # Records of checkpoints written before the families package: the SD UNet's kind.
 _LEGACY_KINDS = {"diffusers.UNet2DConditionModel": "sd"}
 
@@ -107,3 +109,26 @@ def family_of_record(record: dict | None) -> Family | None:
     if record.get("kind") in _LEGACY_KINDS:
         return family_named(_LEGACY_KINDS[record["kind"]])
     return None
+
+
+def family_of_config(cfg) -> Family | None:
+    """The family of a run's base: ``model.family`` by name, or with "auto" the family
+    :func:`detect` finds in ``model.init_from`` (None when it names no base folder: difftrain's own
+    networks, a weights file, a checkpoint); None with "" (difftrain's own networks)."""
+    name, init_from = getattr(cfg.model, "family", "auto"), cfg.model.init_from
+    if name == "":
+        return None
+    if name != "auto":
+        return family_named(name)
+    if not init_from or not Path(init_from).expanduser().is_dir():
+        return None
+    pipeline, model = _class_names(Path(init_from).expanduser())
+    if pipeline is None and model is None and not (Path(init_from).expanduser() / "unet").is_dir():
+        return None  # a run directory or a checkpoint folder: not a diffusers base
+    try:
+        return detect(init_from)
+    except ValueError:
+        unet = model or _class_names(Path(init_from).expanduser() / "unet")[1]
+        if unet in OWN_NETWORK_CLASSES:  # a UNet2DModel (DDPMPipeline) folder: difftrain's own UNet takes it
+            return None
+        raise

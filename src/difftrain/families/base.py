@@ -83,8 +83,11 @@ class Denoiser(nn.Module):
 
     def record(self) -> dict:
         """What rebuilds this network besides the run's config: ``{"kind": "family", "family": name,
-        "config": the diffusers config}``."""
-        return {"kind": RECORD_KIND, "family": self.family, "config": self.config}
+        "config": the diffusers config, "lora_targets": the family's default LoRA targets}``."""
+        from difftrain.families import family_named
+
+        return {"kind": RECORD_KIND, "family": self.family, "config": self.config,
+                "lora_targets": list(family_named(self.family).lora_targets)}
 
     @property
     def in_channels(self) -> int:
@@ -93,6 +96,12 @@ class Denoiser(nn.Module):
     @property
     def out_channels(self) -> int:
         return int(getattr(self.model.config, "out_channels", None) or self.in_channels)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The blocks FSDP shards one by one (``Family.fsdp_units``; ``runtime/fsdp.py`` calls this)."""
+        from difftrain.families import family_named
+
+        return family_named(self.family).fsdp_units(self)
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
         """diffusers' activation checkpointing of the model's blocks, on or off."""

@@ -1,5 +1,5 @@
 """The denoising networks: the DDPM UNet (unconditional, class- or text-conditional) and a registry
-of its presets; a wrapped diffusers UNet2DConditionModel lives in `diffusers_unet`."""
+of its presets; a base family's denoiser (a wrapped diffusers UNet2DConditionModel...) lives in `difftrain.families`."""
 
 import inspect
 
@@ -66,7 +66,7 @@ def build_model(
     ``in_channels`` and ``resolution`` default to ``data.channels`` and ``data.resolution``; a
     latent model passes its codec's latent channels and resolution / factor. ``context_dim`` > 0
     builds a text model cross-attending to (B, L, context_dim) embeddings. A ``model.init_from``
-    naming a UNet2DConditionModel folder is not built here: see ``difftrain.models.diffusers_unet``.
+    naming a UNet2DConditionModel folder is not built here: see ``difftrain.families``.
     """
     m = cfg.model
     overrides = {

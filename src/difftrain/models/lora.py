@@ -45,10 +45,12 @@ def import_peft():
     return require("peft", "lora", "lora.rank > 0")
 
 
-def target_modules(lora_cfg, base_kind: str) -> list[str]:
+def target_modules(lora_cfg, base_record: dict) -> list[str]:
     """The module-name suffixes LoRA adapts: ``lora.target_modules``, or the attention
-    projections of the base network, plus the residual convolutions with ``lora.include_conv``."""
-    targets = list(lora_cfg.target_modules) or list(ATTENTION_TARGETS[base_kind])
+    projections of the base network (its record's ``lora_targets``: a family's, see
+    ``difftrain.families``), plus the residual convolutions with ``lora.include_conv``."""
+    default = base_record.get("lora_targets") or ATTENTION_TARGETS[base_record["kind"]]
+    targets = list(lora_cfg.target_modules) or list(default)
     if lora_cfg.include_conv:
         targets += [t for t in CONV_TARGETS if t not in targets]
     return targets
@@ -205,7 +207,7 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
                saved: dict | None = None, where: str = "checkpoint") -> LoraNetwork:
     """Freeze ``base`` and inject LoRA layers of ``lora_cfg`` (``cfg.lora``) into it, in place.
 
-    base_record: the base's record (``state.network_record``), whose kind picks the default
+    base_record: the base's record (``state.network_record``), which picks the default
     targets; base_source: where its weights came from (``model.init_from``). The adapter starts
     as peft starts it (A random from the global torch RNG, B zero: the network is the base).
     saved: the LoRA record of a checkpoint or adapter file (``where``) to rebuild instead: its
@@ -213,7 +215,7 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     the base it was trained on (one ValueError if not).
     """
     peft = import_peft()
-    targets = target_modules(lora_cfg, base_record["kind"])
+    targets = target_modules(lora_cfg, base_record)
     rank, alpha, dropout = lora_cfg.rank, lora_cfg.alpha or float(lora_cfg.rank), lora_cfg.dropout
     if saved is not None:
         s = saved["lora"]
@@ -244,7 +246,7 @@ def resume_mismatch(lora_cfg, record: dict) -> str | None:
         return None
     saved = record["lora"]
     now = {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha or float(lora_cfg.rank),
-           "targets": target_modules(lora_cfg, record["base"]["kind"])}
+           "targets": target_modules(lora_cfg, record["base"])}
     for key, value in now.items():
         if saved[key] != value:
             return f"its adapter has {key} {saved[key]!r}, this config {value!r} (lora.*)"

@@ -51,23 +51,17 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     """The units sharded on their own, in forward order. difftrain's UNet: each ResBlock,
     attention block and down- or upsampling of its levels, and the middle block (not a level as a
     whole: a level appends to or pops from the list of skip connections it is passed, and FSDP's
-    hooks pass a module copies of its arguments). A diffusers UNet: the ResNet, transformer and
-    resampling modules of its ``down_blocks``, ``mid_block`` and ``up_blocks`` (whole blocks are
-    too uneven: SDXL's ``up_blocks.0`` holds 1.2B of its 2.6B parameters, all gathered at once).
+    hooks pass a module copies of its arguments). A base family's denoiser: its
+    ``fsdp_units()`` (the family's ``fsdp_units``; a diffusers UNet: the ResNet, transformer and
+    resampling modules of its blocks).
     What is left (embeddings, the first and last convolutions) belongs to the root's unit."""
     from difftrain.models.lora import LoraNetwork
 
     if isinstance(model, LoraNetwork):  # the adapted base's blocks (the adapter's layers lie inside them)
         model = model.base
-    unet = getattr(model, "unet", model)  # models/diffusers_unet.ConditionUNet wraps diffusers' UNet
-    if isinstance(getattr(unet, "down_blocks", None), nn.ModuleList):
-        mid = [unet.mid_block] if getattr(unet, "mid_block", None) is not None else []
-        found = []
-        for block in [*unet.down_blocks, *mid, *unet.up_blocks]:
-            res, attn = list(getattr(block, "resnets", [])), list(getattr(block, "attentions", None) or [])
-            found += [m for i in range(max(len(res), len(attn))) for m in (res[i:i + 1] + attn[i:i + 1])]
-            found += [*(getattr(block, "downsamplers", None) or []), *(getattr(block, "upsamplers", None) or [])]
-        return [m for m in found if next(m.parameters(), None) is not None]
+    if callable(getattr(model, "fsdp_units", None)):  # a base family's denoiser names its own (difftrain.families)
+        return list(model.fsdp_units())
+    unet = model
     if not isinstance(getattr(unet, "down", None), nn.ModuleList):
         return []
     found: list[nn.Module] = []

@@ -140,7 +140,7 @@ def rank_memory(
 def meta_condition_unet(unet_config: str | Path) -> nn.Module:
     """The ConditionUNet of a UNet2DConditionModel ``config.json`` (or a folder holding one, or
     its ``unet/``), built on the meta device: shapes and dtypes, no memory, no weights."""
-    from difftrain.models.diffusers_unet import ConditionUNet, unet_folder
+    from difftrain.families.sd import ConditionUNet, unet_folder
 
     path = Path(unet_config).expanduser()
     path = path if path.is_file() else unet_folder(path) / "config.json"

@@ -205,9 +205,9 @@ class RunState:
 def build_network(cfg: Config, conditioning: Conditioning, network: dict | None = None,
                   init_weights: bool = True) -> nn.Module:
     """The network of a run, on the CPU: difftrain's UNet at the conditioning's shape (latent
-    channels and resolution in a latent run, cross-attention in a text run), or a diffusers
-    UNet2DConditionModel when ``model.init_from`` names one (or a checkpoint's ``network`` record
-    says so: rebuilt from its config, without the original folder).
+    channels and resolution in a latent run, cross-attention in a text run), or a base family's
+    denoiser (``difftrain.families``) when ``model.init_from`` names a base folder (or a
+    checkpoint's ``network`` record says so: rebuilt from its config, without the folder).
 
     With ``model.init_from`` and ``init_weights``, the weights it names are loaded.
 
@@ -215,7 +215,7 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     from ``model.init_from`` (checkpoints hold the adapter alone), frozen, with LoRA layers
     injected (``models/lora.py``); a base whose digest differs from the record's is refused.
     """
-    from difftrain.models.diffusers_unet import NETWORK_KIND, ConditionUNet, is_condition_unet_folder
+    from difftrain.families import family_of_config, family_of_record
     from difftrain.models.lora import is_lora_record
 
     init_from = cfg.model.init_from
@@ -225,18 +225,22 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
 
         base = build_network(_without_lora(cfg), conditioning,
                              saved_lora["base"] if saved_lora else None, init_weights=True)
-        if saved_lora is not None and saved_lora["base"].get("kind") == NETWORK_KIND:  # its config, weights from init_from
+        if saved_lora is not None and family_of_record(saved_lora["base"]) is not None:  # its config, weights from init_from
             from difftrain.interop import load_init_weights
 
             load_init_weights(base, init_from)
         return apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
                           saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})")
-    if network is not None and network.get("kind") == NETWORK_KIND:
-        return ConditionUNet.from_config(network["config"])
-    if network is None and init_from and is_condition_unet_folder(init_from):
-        from difftrain.interop import load_init_network
-
-        return load_init_network(init_from)
+    family = family_of_record(network) if network is not None else family_of_config(cfg)
+    if family is not None and network is not None:
+        return family.denoiser_from_record(network)
+    if family is not None:
+        if not init_from:
+            raise ValueError(f"model.family={family.name} needs model.init_from: the base folder to fine-tune")
+        try:
+            return family.load_denoiser(init_from)
+        except ValueError as e:
+            raise ValueError(f"model.init_from: {e}") from None
     channels, resolution = conditioning.network_shape()
     model = build_model(cfg, conditioning.num_classes, context_dim=conditioning.context_dim,
                         in_channels=channels, resolution=resolution)
@@ -257,15 +261,15 @@ def _without_lora(cfg: Config) -> Config:
 
 
 def network_record(model: nn.Module) -> dict:
-    """What rebuilds ``model`` besides the config: {"kind": "unet"} for difftrain's UNet, the
-    diffusers config of a UNet2DConditionModel, the LoRA record of a LoraNetwork."""
-    from difftrain.models.diffusers_unet import NETWORK_KIND, ConditionUNet
+    """What rebuilds ``model`` besides the config: {"kind": "unet"} for difftrain's UNet, a
+    family denoiser's record (its family and diffusers config), the LoRA record of a LoraNetwork."""
+    from difftrain.families import Denoiser
     from difftrain.models.lora import LoraNetwork
 
     if isinstance(model, LoraNetwork):
         return model.network_record()
-    if isinstance(model, ConditionUNet):
-        return {"kind": NETWORK_KIND, "config": model.unet_config}
+    if isinstance(model, Denoiser):
+        return model.record()
     return {"kind": "unet"}
 
 

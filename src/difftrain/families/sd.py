@@ -1,0 +1,341 @@
+"""Stable Diffusion 1.x / 2.x (``StableDiffusionPipeline``): a UNet2DConditionModel cross-attending
+to one CLIP text encoder's last hidden states, epsilon or v prediction on the base's DDPM schedule.
+
+    family = FAMILIES["sd"]                            # or families.detect("sd-folder")
+    net = family.load_denoiser("sd-folder")            # ConditionUNet: the folder or its unet/
+    out = net(x, t, {"prompt_embeds": emb})            # (B, C, H, W); emb (B, L, D)
+    rebuilt = family.denoiser_from_record(net.record())   # the architecture, random weights
+
+Its ``state_dict`` is the wrapped UNet's (diffusers names, no prefix), so a checkpoint's weights
+load into ``UNet2DConditionModel`` as they are. diffusers is imported only when a network is built.
+The negative prompt of ``StableDiffusionPipeline`` is the empty caption's encoding, as difftrain's
+null condition.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.families import register
+from difftrain.families.base import Denoiser, Family, PromptEncoder, read_json, require_keys
+from difftrain.runtime.optional import require
+
+CONDITION_UNET_CLASS = "UNet2DConditionModel"
+# The "kind" of the network record checkpoints kept of a ConditionUNet before the families package.
+LEGACY_KIND = "diffusers.UNet2DConditionModel"
+
+
+def _config_file(path: Path) -> Path | None:
+    """The config.json of the UNet in ``path`` (itself, or its ``unet/``), or None."""
+    for folder in (path, path / "unet"):
+        if (folder / "config.json").is_file():
+            return folder / "config.json"
+    return None
+
+
+def _is_condition_config(config: dict) -> bool:
+    name = config.get("_class_name")
+    return name == CONDITION_UNET_CLASS or (name is None and "cross_attention_dim" in config)
+
+
+def is_condition_unet_folder(path: str | Path) -> bool:
+    """True when ``path`` is a UNet2DConditionModel folder or a pipeline folder whose ``unet/``
+    is one (a Stable Diffusion folder); False for anything else, a UNet2DModel folder included."""
+    config_file = _config_file(Path(path).expanduser()) if Path(path).expanduser().is_dir() else None
+    if config_file is None:
+        return False
+    try:
+        return _is_condition_config(json.loads(config_file.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def unet_folder(path: str | Path) -> Path:
+    """The UNet2DConditionModel folder of ``path`` (itself or its ``unet/``), or a ValueError
+    naming ``path`` and what it lacks."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"UNet2DConditionModel folder {path} does not exist or is not a folder")
+    config_file = _config_file(path)
+    if config_file is None:
+        raise ValueError(f"{path} is not a UNet2DConditionModel folder nor a Stable Diffusion folder "
+                         "(no config.json, nor unet/config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_file}: unreadable UNet config ({e})") from None
+    if not _is_condition_config(config):
+        raise ValueError(f"{config_file} describes a {config.get('_class_name', 'model without _class_name')}, "
+                         f"not a {CONDITION_UNET_CLASS}")
+    return config_file.parent
+
+
+class ConditionUNet(Denoiser):
+    """``net(x (B, C, H, W), t (B,), cond) -> (B, C, H, W)``: a diffusers UNet2DConditionModel
+    called with ``encoder_hidden_states=cond["prompt_embeds"]`` (B, L, D) (a bare (B, L, D) tensor
+    is taken too).
+
+    Attributes: ``unet`` (the wrapped model), ``unet_config`` (its config as a JSON-able dict),
+    ``context_dim`` (its cross_attention_dim D), ``in_channels``, ``out_channels``,
+    ``num_classes`` (0: it is a text model).
+    """
+
+    family = "sd"
+
+    @property
+    def unet(self) -> nn.Module:
+        return self.model
+
+    @property
+    def unet_config(self) -> dict:
+        """The wrapped UNet's config, as ``from_config`` takes it and a checkpoint can store it."""
+        return self.config
+
+    @property
+    def context_dim(self) -> int:
+        dim = self.unet.config.cross_attention_dim
+        return int(dim if isinstance(dim, int) else dim[0])
+
+    @classmethod
+    def from_config(cls, config: dict) -> ConditionUNet:
+        """The architecture of a UNet2DConditionModel config (``unet_config``), weights random,
+        in float32."""
+        require("diffusers", "text", "a checkpoint of a diffusers UNet2DConditionModel")
+        from diffusers import UNet2DConditionModel
+
+        return cls(UNet2DConditionModel.from_config(dict(config)).float())
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ConditionUNet:
+        """The UNet2DConditionModel of a UNet folder or of a Stable Diffusion folder (its
+        ``unet/``), weights included, in float32; a ValueError naming the folder if it is not one
+        or its weights do not load."""
+        require("diffusers", "text", f"model.init_from={path} (a diffusers UNet2DConditionModel)")
+        from diffusers import UNet2DConditionModel
+
+        folder = unet_folder(path)
+        try:
+            unet = UNet2DConditionModel.from_pretrained(str(folder), torch_dtype=torch.float32)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"cannot load the UNet2DConditionModel in {folder}: {first}") from None
+        return cls(unet.float())
+
+    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor] | Tensor | None = None) -> Tensor:
+        """x: (B, in_channels, H, W), t: (B,) timesteps (a 0-d tensor is broadcast), cond:
+        ``{"prompt_embeds": (B, L, context_dim)}`` or that tensor (required) -> (B, out_channels, H, W)."""
+        if isinstance(cond, dict):
+            cond = require_keys(cond, ("prompt_embeds",), x.shape[0], self.family)["prompt_embeds"]
+        if cond is None or cond.ndim != 3 or cond.shape[0] != x.shape[0] or cond.shape[2] != self.context_dim:
+            got = "None" if cond is None else f"shape {tuple(cond.shape)}"
+            raise ValueError(f"cond of this UNet2DConditionModel must be text embeddings "
+                             f"({x.shape[0]}, L, {self.context_dim}); got {got}")
+        return self.unet(x, t.expand(x.shape[0]), encoder_hidden_states=cond, return_dict=False)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompt encoder: one CLIP text encoder, its last hidden state.
+
+
+class SDPromptEncoder(PromptEncoder):
+    """Stable Diffusion's frozen CLIP text encoder: captions -> ``{"prompt_embeds": (B, L, D)}``, the
+    last hidden state (as ``StableDiffusionPipeline.encode_prompt`` with ``clip_skip`` None).
+
+    ``text``: a ``models.text.TextEncoder`` (its source and digest are this encoder's, so checkpoints
+    keep the reference they always kept)."""
+
+    def __init__(self, text) -> None:
+        super().__init__()
+        self.text = text
+        self.source, self.digest = text.source, text.digest
+
+    @property
+    def dim(self) -> int:
+        return self.text.dim
+
+    def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
+        return {"prompt_embeds": self.text.encode_ids(self.text.tokenize(list(captions)).to(device))}
+
+
+# ---------------------------------------------------------------------------------------------
+# The family.
+
+
+def scheduler_training(scheduler: dict) -> dict[str, object]:
+    """The ``diffusion.*`` values (dotted keys) a diffusers DDPM-style scheduler config describes
+    (``interop.diffusers_training``: diffusers' defaults where it is silent)."""
+    from difftrain.interop import diffusers_training
+
+    return {f"diffusion.{k}": v for k, v in diffusers_training(scheduler).items()}
+
+
+def write_pipeline(unet: ConditionUNet, scheduler: dict, text_encoder_source: str, vae_source: str | None,
+                   out_dir: str | Path) -> Path:
+    """Write a ``StableDiffusionPipeline`` folder: ``unet/`` (``unet``'s weights), ``text_encoder/`` and
+    ``tokenizer/`` (from ``text_encoder_source``: a Stable Diffusion folder or one folder with both),
+    ``vae/`` (from ``vae_source``), ``scheduler/`` (a DDPMScheduler of the config ``scheduler``) and
+    ``model_index.json``; no safety checker. One ValueError saying why a network cannot be one."""
+    if not isinstance(unet, ConditionUNet):
+        raise ValueError("export to a Stable Diffusion pipeline needs a UNet2DConditionModel (a run with "
+                         "model.init_from naming one); difftrain's own text UNet has a different architecture, "
+                         "which StableDiffusionPipeline cannot load")
+    if vae_source is None:
+        raise ValueError("export to a Stable Diffusion pipeline needs a VAE (model.vae): StableDiffusionPipeline "
+                         "denoises latents, and this model has none")
+    try:
+        from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
+        from transformers import CLIPTextModel, CLIPTokenizer
+    except ImportError:
+        raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
+                         "pip install 'difftrain[text]'") from None
+    from difftrain.models.text import first_line, text_model_folders
+    from difftrain.models.vae import vae_folder as find_vae_folder
+
+    text_folder, tokenizer_folder = text_model_folders(text_encoder_source)
+    vae_folder = find_vae_folder(vae_source)
+    try:
+        text_encoder = CLIPTextModel.from_pretrained(str(text_folder))
+        tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"text encoder {text_encoder_source}: cannot load a CLIP text model and tokenizer "
+                         f"({first_line(e)})") from None
+    try:
+        vae = AutoencoderKL.from_pretrained(str(vae_folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"VAE {vae_folder}: cannot load an AutoencoderKL ({first_line(e)})") from None
+    if text_encoder.config.hidden_size != unet.context_dim:
+        raise ValueError(f"text encoder {text_encoder_source} has width {text_encoder.config.hidden_size}, the "
+                         f"UNet cross-attends to width {unet.context_dim}")
+    if vae.config.latent_channels != unet.in_channels:
+        raise ValueError(f"VAE {vae_folder} has {vae.config.latent_channels} latent channels, the UNet "
+                         f"takes {unet.in_channels}")
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet.unet,
+        scheduler=DDPMScheduler(**scheduler), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    out = Path(out_dir)
+    pipe.save_pretrained(out, safe_serialization=True)
+    for name in ("vocab.json", "merges.txt"):  # what CLIPTokenizers of older transformers read
+        if (tokenizer_folder / name).is_file() and not (out / "tokenizer" / name).exists():
+            shutil.copyfile(tokenizer_folder / name, out / "tokenizer" / name)
+    return out
+
+
+def save_pipeline_lora(pipeline_class: str, denoiser_name: str, adapter: dict[str, Tensor], lora_config: dict,
+                       out: Path, metadata: dict[str, str] | None) -> Path:
+    """``pipeline_class.save_lora_weights(out, <denoiser_name>_lora_layers=adapter, ...)`` (diffusers
+    adds its prefix and peft's LoraConfig as metadata), then ``metadata`` added to the file's; returns
+    the file. Shared by the families whose pipeline has a LoRA loader mixin."""
+    import diffusers
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from difftrain.runtime.files import atomic_write_bytes
+
+    cls = getattr(diffusers, pipeline_class)
+    out = Path(out)
+    tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
+    cls.save_lora_weights(str(out), **{f"{denoiser_name}_lora_layers": tensors,
+                                       f"{denoiser_name}_lora_adapter_metadata": dict(lora_config)})
+    file = out / LORA_WEIGHT_NAME
+    if metadata:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            merged = {**(f.metadata() or {}), **metadata}
+            written = {k: f.get_tensor(k) for k in f.keys()}
+        atomic_write_bytes(file, save(written, metadata=merged))
+    return file
+
+
+def read_pipeline_lora(pipeline_class: str, denoiser_name: str, path: Path) -> dict[str, Tensor]:
+    """The denoiser's adapter (peft's names) of a LoRA file, read by ``pipeline_class.lora_state_dict``;
+    a ValueError naming the file when it holds no tensor of ``denoiser_name`` (another family's)."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class)
+    try:
+        state = cls.lora_state_dict(str(path))
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        from difftrain.models.text import first_line
+
+        raise ValueError(f"LoRA adapter {path}: {pipeline_class} cannot read it ({first_line(e)})") from None
+    state = state[0] if isinstance(state, tuple) else state
+    prefix = denoiser_name + "."
+    ours = {k[len(prefix):]: t for k, t in state.items() if k.startswith(prefix)}
+    if not ours or len(ours) != len(state):
+        others = sorted({k.split(".")[0] for k in state if not k.startswith(prefix)})
+        raise ValueError(f"LoRA adapter {path} is not a {pipeline_class} adapter of the {denoiser_name}: it holds "
+                         f"{'tensors of ' + ', '.join(others) if others else 'no tensors'} (a file for another family?)")
+    return ours
+
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
+
+
+class SDFamily(Family):
+    """Stable Diffusion 1.x / 2.x."""
+
+    name = "sd"
+    pipeline_class = "StableDiffusionPipeline"
+    model_classes = (CONDITION_UNET_CLASS,)
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def training_defaults(self, folder: Path) -> dict[str, object]:
+        """The base's text encoder and VAE, captions on, and what its ``scheduler/`` config says it was
+        trained with (schedule, prediction, T, zero terminal SNR). A bare UNet folder decides nothing."""
+        folder = Path(folder)
+        if not (folder / "model_index.json").is_file():
+            return {}
+        out: dict[str, object] = {"model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True}
+        scheduler = folder / "scheduler" / "scheduler_config.json"
+        if scheduler.is_file():
+            out.update(scheduler_training(read_json(scheduler, f"base {folder}")))
+        return out
+
+    def load_denoiser(self, folder: Path) -> ConditionUNet:
+        return ConditionUNet.from_folder(folder)
+
+    def denoiser_from_record(self, record: dict) -> ConditionUNet:
+        return ConditionUNet.from_config(record["config"])
+
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> SDPromptEncoder:
+        from difftrain.models.text import TextEncoder
+
+        return SDPromptEncoder(TextEncoder.from_path(str(folder)).to(device))
+
+    def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
+        return unet_blocks(denoiser.model)
+
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+        if scheduler is None:
+            scheduler = read_json(Path(base) / "scheduler" / "scheduler_config.json", f"base {base}")
+            scheduler = {k: v for k, v in scheduler.items() if not k.startswith("_")}
+        return write_pipeline(denoiser, scheduler, str(base), str(base), out)
+
+    def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
+                  metadata: dict[str, str] | None = None) -> Path:
+        return save_pipeline_lora(self.pipeline_class, "unet", adapter, lora_config, out, metadata)
+
+    def read_lora(self, path: Path) -> dict[str, Tensor]:
+        return read_pipeline_lora(self.pipeline_class, "unet", path)
+
+
+def unet_blocks(unet: nn.Module) -> list[nn.Module]:
+    """FSDP units of a diffusers UNet2DConditionModel, in forward order: the ResNet, transformer and
+    resampling modules of its ``down_blocks``, ``mid_block`` and ``up_blocks`` (whole blocks are too
+    uneven: SDXL's ``up_blocks.0`` holds 1.2B of its 2.6B parameters). The rest goes to the root."""
+    mid = [unet.mid_block] if getattr(unet, "mid_block", None) is not None else []
+    found: list[nn.Module] = []
+    for block in [*unet.down_blocks, *mid, *unet.up_blocks]:
+        res, attn = list(getattr(block, "resnets", [])), list(getattr(block, "attentions", None) or [])
+        found += [m for i in range(max(len(res), len(attn))) for m in (res[i:i + 1] + attn[i:i + 1])]
+        found += [*(getattr(block, "downsamplers", None) or []), *(getattr(block, "upsamplers", None) or [])]
+    return [m for m in found if next(m.parameters(), None) is not None]
+
+
+SD = register(SDFamily())
