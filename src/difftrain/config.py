@@ -147,6 +147,7 @@ class ModelConfig(_Section):
     # its latents cached once. "" = train on pixels
     vae: str = ""
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    max_sequence_length: int = 0  # T5 tokens per prompt of an SD3 / Flux base; 0 = its pipeline's default (256 / 512)
     # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
     # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers
     # UNet2DConditionModel folder (or a Stable Diffusion folder) makes the network that UNet, to fine-tune
@@ -565,6 +566,8 @@ def _check_objective(cfg: Config) -> None:
            f"and {dc.flow_max_seq_len}")
     _check(dc.sigma_max > dc.sigma_min,
            f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
+    _check(cfg.model.max_sequence_length >= 0,
+           f"model.max_sequence_length must be >= 0 (0 = the base's default), got {cfg.model.max_sequence_length}")
     for key in ("noise_offset", "input_perturbation"):
         _check(getattr(dc, key) >= 0, f"diffusion.{key} must be >= 0 (0 = off), got {getattr(dc, key)}")
     for key, on in (("zero_terminal_snr", dc.zero_terminal_snr), ("input_perturbation", dc.input_perturbation > 0)):
