@@ -89,6 +89,22 @@ def test_families_are_registered_and_detected(sd3_folder, flux_folder):
     assert record["kind"] == "family" and family_of_record(record).name == "flux"
 
 
+@pytest.mark.parametrize("which", ["sd3", "flux"])
+def test_the_flow_scheduler_of_the_base_defaults_is_the_bases(sd3_folder, flux_folder, which):
+    """Export's scheduler from difftrain's flow keys, set by the family's defaults, is the base's own."""
+    import json
+
+    from difftrain.config import load_config
+
+    family, folder = (SD3Family(), sd3_folder) if which == "sd3" else (FluxFamily(), flux_folder)
+    keys = {k: v for k, v in family.training_defaults(folder).items() if k.startswith("diffusion.")}
+    cfg = load_config(overrides=[f"{k}={'none' if v is None else v}" for k, v in keys.items()])
+    ours = family.flow_scheduler(cfg.diffusion)
+    base = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    assert {k: base[k] for k in ours if k in base} == {k: v for k, v in ours.items() if k in base}
+    assert ours["use_dynamic_shifting"] == (which == "flux")
+
+
 def test_training_defaults_follow_the_schedulers(sd3_folder, flux_folder):
     sd3 = SD3Family().training_defaults(sd3_folder)
     assert sd3["diffusion.flow_train_shift"] == sd3["diffusion.flow_shift"] == 3.0

@@ -103,6 +103,21 @@ class TransformerFamily(Family):
         """The VAE's factor times the 2x2 patches."""
         return int(codec.factor) * PATCH
 
+    @staticmethod
+    def flow_scheduler(diffusion) -> dict:
+        """FlowMatchEulerDiscreteScheduler settings of difftrain's flow keys (``cfg.diffusion``), for
+        :meth:`export_pipeline`: ``shift``, or ``use_dynamic_shifting`` with the base/max shift and
+        sequence lengths, so that the exported pipeline samples on difftrain's grid (SD3's grid end
+        follows from the shift, as ``training_defaults`` sets it)."""
+        if diffusion.objective != "flow":
+            raise ValueError(f"a transformer base exports a flow model; diffusion.objective is {diffusion.objective!r}")
+        if not diffusion.flow_dynamic_shift:
+            return {"shift": float(diffusion.flow_shift), "use_dynamic_shifting": False}
+        return {"use_dynamic_shifting": True,  # the scheduler then ignores its shift
+                "base_shift": float(diffusion.flow_base_shift), "max_shift": float(diffusion.flow_max_shift),
+                "base_image_seq_len": int(diffusion.flow_base_seq_len),
+                "max_image_seq_len": int(diffusion.flow_max_seq_len)}
+
     def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
         """``base`` copied (text encoders, tokenizers, VAE, scheduler, model_index.json) with
         ``transformer/`` written from ``denoiser`` by diffusers' save_pretrained (safetensors, float32)
