@@ -152,6 +152,10 @@ class ModelConfig(_Section):
     # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers
     # UNet2DConditionModel folder (or a Stable Diffusion folder) makes the network that UNet, to fine-tune
     init_from: str | None = None
+    # the base family of model.init_from (difftrain.families: "sd", "sdxl", ...): "auto" = detected from the
+    # folder's model_index.json, which then decides the text encoder, VAE, captions and diffusion.* unless set;
+    # "" = difftrain's own networks only
+    family: str = "auto"
 
 
 @dataclass
@@ -470,9 +474,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), value
     if values:
         _apply(cfg, values, "the keyword overrides")
         chosen |= {f"{section}.{key}" for section, keys in values.items() for key in keys}
+    _follow_base(cfg, chosen)
     _follow_objective(cfg, chosen)
     validate(cfg)
     return cfg
+
+
+def _follow_base(cfg: Config, chosen: set[str]) -> None:
+    """Give the keys a base folder decides (``Family.training_defaults``: its text encoder and VAE,
+    captions, the schedule and prediction of its scheduler config) the base's values, where the preset
+    and the ``--set`` options (``chosen``) do not name them: a base fine-tunes as it was trained."""
+    from difftrain.families import family_of_config  # local: the families load diffusers lazily
+
+    try:
+        family = family_of_config(cfg)
+    except ValueError as e:
+        raise ConfigError(f"model.init_from: {e}" if cfg.model.family == "auto" else str(e)) from None
+    if family is None or not cfg.model.init_from:
+        return
+    try:
+        defaults = family.training_defaults(Path(cfg.model.init_from).expanduser())
+    except ValueError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    for dotted, value in defaults.items():
+        if dotted not in chosen:
+            section, key = dotted.split(".")
+            _apply(cfg, {section: {key: value}}, f"the base model.init_from={cfg.model.init_from}")
 
 
 # Keys whose default is the objective's: DDPM's samplers are not EDM's or flow's.

@@ -62,7 +62,7 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
             raise cache_dir_error(e, d.cache_dir, "decode") from e
     train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False))
     if dreambooth:
-        from difftrain.dreambooth import instance_dataset
+        from .prompted import instance_dataset
 
         train = instance_dataset(train, cfg)
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0

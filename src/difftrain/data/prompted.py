@@ -1,0 +1,82 @@
+"""Datasets whose every image has one prompt (DreamBooth's instance and class images), and their pairing.
+
+    PromptedDataset(images, "a photo of sks dog")    # items (image, prompt)
+    PairedDataset(instance, prior)                   # instance and class items interleaved
+    instance_dataset(images, cfg)                    # data.path's images under dreambooth.instance_prompt
+
+Data-layer pieces of ``difftrain.dreambooth``, here so that ``data/prepare.py`` needs nothing above
+the data layer.
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import Dataset
+
+from .sampler import split_key
+
+
+class PromptedDataset(Dataset):
+    """The images of ``images`` (items ``(image, label)``), each captioned ``prompt``."""
+
+    captions = True
+
+    def __init__(self, images: Dataset, prompt: str):
+        self.images, self.prompt = images, prompt
+        self.resolution = getattr(images, "resolution", None)
+        self.channels = getattr(images, "channels", 3)
+        self.random_flip = getattr(images, "random_flip", False)
+        self.color_jitter = getattr(images, "color_jitter", 0.0)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key):
+        return self.images[key][0], self.prompt
+
+    def targets(self) -> list[str]:
+        return [self.prompt] * len(self)
+
+    def fingerprint(self) -> str:
+        from difftrain.data.latents import dataset_fingerprint
+
+        return f"{dataset_fingerprint(self.images)}:{self.prompt}"
+
+
+class PairedDataset(Dataset):
+    """Instance and class items interleaved: index 2k is instance item k, 2k + 1 class item k
+    (each modulo its length), ``2 * max`` of the lengths in all: half the stream is each kind,
+    as diffusers' DreamBooth pairs an instance with a class image."""
+
+    captions = True
+
+    def __init__(self, instance: Dataset, prior: Dataset):
+        self.instance, self.prior = instance, prior
+        for name in ("resolution", "channels", "random_flip", "color_jitter"):
+            setattr(self, name, getattr(instance, name, None))
+
+    def __len__(self) -> int:
+        return 2 * max(len(self.instance), len(self.prior))
+
+    def _item(self, index: int) -> tuple[Dataset, int]:
+        part = self.instance if index % 2 == 0 else self.prior
+        return part, (index // 2) % len(part)
+
+    def __getitem__(self, key):
+        index, seed = split_key(key)
+        part, inner = self._item(index % len(self))
+        return part[inner if seed is None else (inner, seed)]
+
+    def targets(self) -> list[str]:
+        return [self._item(i)[0].prompt for i in range(len(self))]
+
+    def fingerprint(self) -> str:
+        from difftrain.data.latents import dataset_fingerprint
+
+        return f"paired:{dataset_fingerprint(self.instance)}:{dataset_fingerprint(self.prior)}"
+
+
+def instance_dataset(images: Dataset, cfg) -> Dataset:
+    """The instance images (``data.path``, read without caption files) under the instance prompt."""
+    if len(images) == 0:
+        raise ValueError(f"dreambooth: the instance folder data.path {cfg.data.path} holds no usable images")
+    return PromptedDataset(images, cfg.dreambooth.instance_prompt)
