@@ -18,10 +18,33 @@ run or a sampler that loads it checks that the parts it finds are the same.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+# A network's condition: labels (B,), text embeddings (B, L, D), a base family's dict of batch-first
+# tensors (difftrain.families: {"prompt_embeds", "pooled", "time_ids", ...}), or None.
+Condition = Tensor | dict[str, Tensor] | None
+
+
+def map_condition(fn: Callable[[Tensor], Tensor], c: Condition) -> Condition:
+    """``fn`` applied to the condition's tensor, or to each tensor of a dict condition (None stays None)."""
+    if c is None:
+        return None
+    if isinstance(c, dict):
+        return {k: fn(v) for k, v in c.items()}
+    return fn(c)
+
+
+def condition_rows(c: Condition, start: int, stop: int) -> Condition:
+    """Rows ``start:stop`` of every tensor of a condition (batch-first)."""
+    return map_condition(lambda t: t[start:stop], c)
+
+
+def expand_rows(c: Condition, n: int) -> Condition:
+    """A one-row (or broadcastable) condition expanded to ``n`` rows (views)."""
+    return map_condition(lambda t: t.expand(n, *t.shape[1:]) if t.ndim else t.expand(n), c)
 
 
 class Conditioning:
@@ -40,6 +63,7 @@ class Conditioning:
         self.num_classes, self.text, self.codec = num_classes, text, codec
         self.channels, self.resolution = channels, resolution
         self._null_text: Tensor | None = None  # the empty caption's encoding (1, L, D), once
+        self.family = None  # a base family's text (difftrain.families): text is then its PromptEncoder
         if codec is not None and resolution % codec.factor:
             raise ValueError(f"data.resolution={resolution} must be a multiple of the VAE's downsampling factor "
                              f"{codec.factor} (model.vae {codec.source})")
@@ -48,8 +72,16 @@ class Conditioning:
     def from_config(cls, cfg, num_classes: int = 0, device: torch.device | str = "cpu") -> Conditioning:
         """The conditioning of ``cfg``: loads ``model.text_encoder`` and ``model.vae`` (local folders,
         frozen) onto ``device``."""
-        text = codec = None
-        if cfg.model.text_encoder:
+        text = codec = family = None
+        if cfg.model.text_encoder and cfg.model.init_from and cfg.model.family != "":
+            from difftrain.families import family_of_config  # a base family encodes its own prompts
+
+            family = family_of_config(cfg)
+        if cfg.model.text_encoder and family is not None:
+            from pathlib import Path
+
+            text = family.load_prompt_encoder(Path(cfg.model.text_encoder).expanduser(), device)
+        elif cfg.model.text_encoder:
             from difftrain.models.text import TextEncoder
 
             text = TextEncoder.from_path(cfg.model.text_encoder).to(device)
@@ -57,7 +89,9 @@ class Conditioning:
             from difftrain.models.vae import LatentCodec
 
             codec = LatentCodec.from_path(cfg.model.vae).to(device)
-        return cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution)
+        made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution)
+        made.family = family
+        return made
 
     # -- what the network is -------------------------------------------------------------------
 
@@ -68,8 +102,8 @@ class Conditioning:
 
     @property
     def context_dim(self) -> int:
-        """D of the text embeddings the network cross-attends to; 0 without text."""
-        return self.text.dim if self.text is not None else 0
+        """D of the text embeddings the network cross-attends to; 0 without text (or a family's own)."""
+        return getattr(self.text, "dim", 0) if self.text is not None else 0
 
     def network_shape(self) -> tuple[int, int]:
         """(channels, resolution) of what the network denoises: the VAE's latents or the images."""
@@ -87,6 +121,13 @@ class Conditioning:
         Returns labels (B,) long (the null label where dropped), text embeddings (B, L, D) float32
         (of "" where dropped), or None for an unconditional run.
         """
+        if self.family is not None:  # a base family's dict; dropped rows take the null's, no host read
+            from difftrain.families import drop_rows
+
+            cond = self.text.encode(list(second), device)
+            if drop is not None:
+                cond = drop_rows(cond, self.text.null(1, device), drop)
+            return cond | self._image_conditions(len(second), device)
         if self.text is not None:
             captions = list(second)
             if drop is not None:
@@ -101,11 +142,15 @@ class Conditioning:
         """(N, L, D) text embeddings of ``prompts`` (a text run only)."""
         if self.text is None:
             raise ValueError("prompts need a text-conditioned model (model.text_encoder)")
+        if self.family is not None:
+            return self.text.encode(list(prompts), device) | self._image_conditions(len(prompts), device)
         return self.text.encode_ids(self.text.tokenize(list(prompts)).to(device))
 
     def null(self, n: int, device: torch.device | str = "cpu") -> Tensor | None:
         """The null condition for ``n`` rows: the null label (n,), the empty caption's embedding
         (n, L, D), or None for an unconditional run."""
+        if self.family is not None:
+            return self.text.null(n, device) | self._image_conditions(n, device)
         if self.text is not None:
             if self._null_text is None or self._null_text.device != torch.device(device):
                 self._null_text = self.text.encode_ids(self.text.tokenize([""]).to(device))
@@ -113,6 +158,11 @@ class Conditioning:
         if self.num_classes:
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
         return None
+
+    def _image_conditions(self, n: int, device) -> dict[str, Tensor]:
+        """The family's per-image condition of ``n`` rows at the run's size, uncropped (SDXL's time_ids)."""
+        size = (self.resolution, self.resolution)
+        return expand_rows(self.family.image_conditions(None, size, device), n)
 
     # -- latents -------------------------------------------------------------------------------
 

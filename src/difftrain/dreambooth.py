@@ -74,7 +74,10 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     channels, resolution = conditioning.network_shape()
     seed = int(hashlib.sha256(f"{cfg.train.seed}:{db.class_prompt}".encode()).hexdigest()[:8], 16)
     noise = initial_noise(db.num_class_images, (channels, resolution, resolution), seed)[missing]
-    condition = conditioning.prompts([db.class_prompt], device).cpu().expand(len(missing), -1, -1)
+    from difftrain.conditioning import expand_rows, map_condition
+
+    condition = expand_rows(map_condition(lambda t: t.cpu(), conditioning.prompts([db.class_prompt], device)),
+                            len(missing))
     images = generate(net, objective=build_objective(cfg.diffusion), noise=noise, sampler="ddim", steps=db.class_steps,
                       seed=seed, condition=condition, null_condition=conditioning.null(1, device),
                       guidance_scale=db.class_guidance_scale, batch_size=db.class_batch_size, sample_ids=missing,

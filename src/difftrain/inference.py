@@ -135,7 +135,9 @@ def generate_images(
     noise = initial_noise(num, (channels, resolution, resolution), seed)
     device = next(loaded.model.parameters()).device
     if c.kind == "text":
-        condition = c.prompts(prompts_for(num, prompt), device).cpu()
+        from difftrain.conditioning import map_condition
+
+        condition = map_condition(lambda t: t.cpu(), c.prompts(prompts_for(num, prompt), device))
     else:
         if prompt is not None:
             raise ValueError("--prompt given, but the model is not text-conditioned")

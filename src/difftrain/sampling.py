@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from difftrain.conditioning import condition_rows, expand_rows, map_condition
 from difftrain.diffusion.objective import Objective
 from difftrain.runtime.seeding import derive_seed
 
@@ -35,10 +36,10 @@ def guided_network(
     """
 
     def network(x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        c = None if condition is None else condition[: x.shape[0]]
+        c = condition_rows(condition, 0, x.shape[0])
         out = model(x, cond, c).float()
         if c is not None and guidance_scale != 1.0:
-            uncond = model(x, cond, null_condition.expand_as(c)).float()
+            uncond = model(x, cond, expand_rows(null_condition, x.shape[0])).float()
             out = uncond + guidance_scale * (out - uncond)
         return out
 
@@ -98,8 +99,8 @@ def generate(
     try:
         for i, start in enumerate(range(0, noise.shape[0], batch_size)):
             x_T = noise[start : start + batch_size].to(device)
-            c = None if condition is None else condition[start : start + batch_size].to(device)
-            null = None if null_condition is None else null_condition.to(device)
+            c = map_condition(lambda t: t.to(device), condition_rows(condition, start, start + batch_size))
+            null = map_condition(lambda t: t.to(device), null_condition)
             network = guided_network(model, c, null, guidance_scale)
             if sample_ids is None:
                 gen = torch.Generator(device=device).manual_seed(derive_seed(seed, "sampler", i))

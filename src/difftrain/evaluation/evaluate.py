@@ -93,7 +93,11 @@ class FIDConditions:
         if c.kind == "text":
             device = next(c.text.parameters()).device
             rows = torch.randint(len(self.captions), (n,), generator=gen).tolist()
-            return c.prompts([self.captions[i] for i in rows], device).cpu(), c.null(1, device).cpu()
+            from difftrain.conditioning import map_condition
+
+            cpu = lambda t: t.cpu()  # noqa: E731
+            return (map_condition(cpu, c.prompts([self.captions[i] for i in rows], device)),
+                    map_condition(cpu, c.null(1, device)))
         return None, None
 
     def generate_options(self) -> dict:

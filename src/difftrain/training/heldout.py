@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from difftrain.conditioning import Conditioning
+from difftrain.conditioning import Conditioning, condition_rows
 from difftrain.config import Config
 from difftrain.diffusion.objective import Objective, per_sample_loss
 from difftrain.runtime import distributed
@@ -84,7 +84,7 @@ class HeldOutLoss:
         try:
             for s in range(0, self.x0.shape[0], self.batch_size):
                 x0, t, noise = (a[s : s + self.batch_size] for a in (self.x0, self.t, self.noise))
-                c = None if self.condition is None else self.condition[s : s + self.batch_size]
+                c = condition_rows(self.condition, s, s + self.batch_size)
                 out.append(per_sample_loss(self.objective, model, x0, c, t, noise))
         finally:
             model.train(was_training)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.conditioning import Conditioning
+from difftrain.conditioning import Conditioning, map_condition
 from difftrain.config import Config, ConfigError
 from difftrain.runtime import distributed
 from difftrain.runtime.device import is_out_of_memory
@@ -66,8 +66,9 @@ def _plan(v, shape: tuple[int, int, int], conditioning: Conditioning, dataset) -
         ncols = max(1, v.num_images // len(prompts))
         noise = initial_noise(ncols, shape, v.seed).repeat(len(prompts), 1, 1, 1)
         device = next(conditioning.text.parameters()).device
-        condition = conditioning.prompts([p for p in prompts for _ in range(ncols)], device).cpu()
-        return ValidationPlan(noise, condition, conditioning.null(1, device).cpu(), ncols, prompts)
+        cpu = lambda t: t.cpu()  # noqa: E731
+        condition = map_condition(cpu, conditioning.prompts([p for p in prompts for _ in range(ncols)], device))
+        return ValidationPlan(noise, condition, map_condition(cpu, conditioning.null(1, device)), ncols, prompts)
     noise = initial_noise(v.num_images, shape, v.seed)
     labels = grid_class_labels(v.num_images, conditioning.num_classes)
     null = conditioning.null(1) if labels is not None else None
@@ -106,7 +107,7 @@ def sample_images(
         sampler=v.sampler,
         steps=v.steps,
         seed=v.seed,
-        condition=None if plan.condition is None else plan.condition[mine],
+        condition=map_condition(lambda t: t[mine], plan.condition),
         null_condition=plan.null,
         guidance_scale=v.guidance_scale,
         sample_ids=range(plan.noise.shape[0])[mine],

@@ -1,0 +1,168 @@
+"""SDXL (``StableDiffusionXLPipeline``): a UNet2DConditionModel with ``addition_embed_type = "text_time"``,
+cross-attending to two CLIP text encoders' penultimate hidden states (concatenated), and conditioned on
+the second encoder's projected pooled embedding and six size numbers (Podell et al. 2023, "SDXL", sec. 2.2:
+original size, crop top-left, target size).
+
+    family = FAMILIES["sdxl"]                      # or families.detect("sdxl-folder")
+    net = family.load_denoiser("sdxl-folder")      # SDXLUNet
+    text = family.load_prompt_encoder("sdxl-folder")
+    cond = text.encode(captions, device) | family.image_conditions(geometry, (H, W), device)
+    out = net(x, t, cond)    # cond: prompt_embeds (B, L, D1 + D2), pooled (B, P), time_ids (B, 6)
+
+Facts from diffusers' ``StableDiffusionXLPipeline.encode_prompt`` and ``_get_add_time_ids``: each
+tokenizer pads to its ``model_max_length``; ``hidden_states[-2]`` of each encoder, concatenated on the
+last axis; the pooled embedding is the second encoder's ``text_embeds``; ``time_ids`` = (orig_h, orig_w,
+crop_top, crop_left, target_h, target_w) in pixels. Its negative prompt is zeros (prompt_embeds and
+pooled) when the folder's ``force_zeros_for_empty_prompt`` (the default), else the encoded "": this
+family's :meth:`SDXLPromptEncoder.null` does the same, so difftrain's guidance is the pipeline's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.families import register
+from difftrain.families.base import Denoiser, Family, PromptEncoder, load_part, read_json, require_keys
+from difftrain.families.sd import read_pipeline_lora, save_pipeline_lora, scheduler_training, unet_blocks
+from difftrain.models.text import weights_digest
+from difftrain.runtime.optional import require
+
+KEYS = ("prompt_embeds", "pooled", "time_ids")
+
+
+class SDXLUNet(Denoiser):
+    """``net(x (B, 4, h, w), t (B,), cond) -> (B, 4, h, w)``: SDXL's UNet with ``encoder_hidden_states =
+    cond["prompt_embeds"]`` (B, L, D) and ``added_cond_kwargs = {"text_embeds": cond["pooled"] (B, P),
+    "time_ids": cond["time_ids"] (B, 6)}``."""
+
+    family = "sdxl"
+
+    @classmethod
+    def from_config(cls, config: dict) -> SDXLUNet:
+        require("diffusers", "text", "an SDXL UNet")
+        from diffusers import UNet2DConditionModel
+
+        return cls(UNet2DConditionModel.from_config(dict(config)).float())
+
+    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        cond = require_keys(cond, KEYS, x.shape[0], self.family)
+        added = {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}
+        return self.model(x, t.expand(x.shape[0]), encoder_hidden_states=cond["prompt_embeds"],
+                          added_cond_kwargs=added, return_dict=False)[0]
+
+
+class SDXLPromptEncoder(PromptEncoder):
+    """SDXL's two frozen CLIP text encoders: captions -> ``{"prompt_embeds": (B, L, D1 + D2), "pooled":
+    (B, P)}``, as ``StableDiffusionXLPipeline.encode_prompt`` (clip_skip None) makes them; the null
+    condition is zeros when ``force_zeros_for_empty_prompt`` (the pipeline's negative prompt)."""
+
+    def __init__(self, encoders: list[nn.Module], tokenizers: list, source: str, force_zeros: bool) -> None:
+        super().__init__()
+        self.encoders = nn.ModuleList(e.eval().requires_grad_(False) for e in encoders)
+        self.tokenizers, self.source, self.force_zeros = tokenizers, source, force_zeros
+        import json
+
+        vocab = b"".join(json.dumps(t.get_vocab(), sort_keys=True).encode() for t in tokenizers)
+        self.digest = weights_digest(self.encoders, vocab)
+
+    @torch.no_grad()
+    def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
+        hidden, pooled = [], None
+        for tokenizer, encoder in zip(self.tokenizers, self.encoders):
+            ids = tokenizer(list(captions), padding="max_length", max_length=tokenizer.model_max_length,
+                            truncation=True, return_tensors="pt").input_ids
+            out = encoder(ids.to(device), output_hidden_states=True)
+            if out[0].ndim == 2:  # CLIPTextModelWithProjection: text_embeds
+                pooled = out[0]
+            hidden.append(out.hidden_states[-2])
+        return {"prompt_embeds": torch.cat(hidden, dim=-1).float(), "pooled": pooled.float()}
+
+    def null(self, n: int, device: torch.device | str) -> dict[str, Tensor]:
+        if not self.force_zeros:
+            return super().null(n, device)
+        one = super().null(1, device)
+        return {k: torch.zeros_like(v).expand(n, *v.shape[1:]) for k, v in one.items()}
+
+
+def time_ids(geometry: Tensor | None, size: tuple[int, int], batch: int, device) -> Tensor:
+    """(B, 6) float32: (orig_h, orig_w, crop_top, crop_left, target_h, target_w) of each sample, from
+    ``geometry`` (B, 4) (original size and crop in pixels; None: uncropped at ``size``)."""
+    target = torch.tensor([size[0], size[1]], dtype=torch.float32, device=device).expand(batch, 2)
+    if geometry is None:
+        geometry = torch.tensor([size[0], size[1], 0, 0], device=device).expand(batch, 4)
+    return torch.cat([geometry.to(device, torch.float32), target], dim=1)
+
+
+class SDXLFamily(Family):
+    """SDXL (base 1.0 and its fine-tunes)."""
+
+    name = "sdxl"
+    pipeline_class = "StableDiffusionXLPipeline"
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def training_defaults(self, folder: Path) -> dict[str, object]:
+        folder = Path(folder)
+        out: dict[str, object] = {"model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True}
+        scheduler = folder / "scheduler" / "scheduler_config.json"
+        if scheduler.is_file():
+            out.update(scheduler_training(read_json(scheduler, f"base {folder}")))
+        return out
+
+    def load_denoiser(self, folder: Path) -> SDXLUNet:
+        require("diffusers", "text", f"the SDXL base {folder}")
+        from diffusers import UNet2DConditionModel
+
+        return SDXLUNet(load_part(Path(folder), "unet", UNet2DConditionModel, "SDXL UNet"))
+
+    def denoiser_from_record(self, record: dict) -> SDXLUNet:
+        return SDXLUNet.from_config(record["config"])
+
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> SDXLPromptEncoder:
+        require("transformers", "text", f"the SDXL base {folder}")
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+        folder = Path(folder)
+        encoders = [load_part(folder, "text_encoder", CLIPTextModel, "first text encoder (CLIP-L)"),
+                    load_part(folder, "text_encoder_2", CLIPTextModelWithProjection, "second text encoder (CLIP-G)")]
+        tokenizers = [load_part(folder, "tokenizer", CLIPTokenizer, "first tokenizer"),
+                      load_part(folder, "tokenizer_2", CLIPTokenizer, "second tokenizer")]
+        index = read_json(folder / "model_index.json", f"base {folder}")
+        force_zeros = bool(index.get("force_zeros_for_empty_prompt", True))
+        return SDXLPromptEncoder(encoders, tokenizers, str(folder), force_zeros).to(device)
+
+    def image_conditions(self, geometry: Tensor | None, size: tuple[int, int], device) -> dict[str, Tensor]:
+        batch = 1 if geometry is None else geometry.shape[0]
+        return {"time_ids": time_ids(geometry, size, batch, device)}
+
+    def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
+        return unet_blocks(denoiser.model)
+
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+        """A StableDiffusionXLPipeline folder: the base's parts with ``denoiser``'s UNet (and ``scheduler``,
+        a diffusers scheduler config of the base's class, when given)."""
+        require("diffusers", "text", "export of an SDXL pipeline")
+        from diffusers import StableDiffusionXLPipeline
+
+        from difftrain.models.text import first_line
+
+        try:
+            pipe = StableDiffusionXLPipeline.from_pretrained(str(base), unet=denoiser.model, torch_dtype=torch.float32)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"export: cannot load the SDXL base {base}: {first_line(e)}") from None
+        if scheduler is not None:
+            pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **scheduler})
+        pipe.save_pretrained(Path(out), safe_serialization=True)
+        return Path(out)
+
+    def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
+                  metadata: dict[str, str] | None = None) -> Path:
+        return save_pipeline_lora(self.pipeline_class, "unet", adapter, lora_config, out, metadata)
+
+    def read_lora(self, path: Path) -> dict[str, Tensor]:
+        return read_pipeline_lora(self.pipeline_class, "unet", path)
+
+
+SDXL = register(SDXLFamily())
