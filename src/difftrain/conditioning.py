@@ -80,7 +80,8 @@ class Conditioning:
         if cfg.model.text_encoder and family is not None:
             from pathlib import Path
 
-            text = family.load_prompt_encoder(Path(cfg.model.text_encoder).expanduser(), device)
+            text = family.load_prompt_encoder(Path(cfg.model.text_encoder).expanduser(), device,
+                                              **family.prompt_options(cfg))
         elif cfg.model.text_encoder:
             from difftrain.models.text import TextEncoder
 

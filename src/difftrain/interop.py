@@ -388,7 +388,9 @@ _FROM_DIFFUSERS_PREDICTION = {v: k for k, v in DIFFUSERS_PREDICTION.items()}
 def diffusers_training(scheduler: dict) -> dict:
     """The diffusion.* values a diffusers scheduler config describes (diffusers' defaults where it
     is silent: SD 1.x's has no prediction_type, meaning epsilon); a schedule only when difftrain
-    has the same one."""
+    has the same one; a FlowMatchEulerDiscreteScheduler (SD3, Flux) says flow."""
+    if scheduler.get("_class_name") == "FlowMatchEulerDiscreteScheduler":  # SD3, Flux: rectified flow
+        return {"objective": "flow"}
     out = {"objective": "ddpm", "zero_terminal_snr": bool(scheduler.get("rescale_betas_zero_snr", False))}
     if scheduler.get("prediction_type", "epsilon") in _FROM_DIFFUSERS_PREDICTION:
         out["prediction"] = _FROM_DIFFUSERS_PREDICTION[scheduler.get("prediction_type", "epsilon")]

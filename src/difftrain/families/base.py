@@ -242,6 +242,11 @@ class Family(ABC):
         """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming
         the folder and the missing part."""
 
+    def prompt_options(self, cfg) -> dict[str, object]:
+        """Keyword arguments of :meth:`load_prompt_encoder` the run's config gives (none by default;
+        SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
+        return {}
+
     def load_codec(self, folder: Path, device: torch.device | str = "cpu"):
         """The frozen VAE (``models.vae.LatentCodec``: scaling AND shift factor) of ``folder/vae``."""
         from difftrain.models.vae import LatentCodec

@@ -112,6 +112,11 @@ class FluxPromptEncoder(PromptEncoder):
         self.digest = parts_digest([self.clip, self.t5], [self.tok_clip, self.tok_t5],
                                    f"t5_length={self.t5_length}")
 
+    @property
+    def dim(self) -> int:
+        """The width of ``prompt_embeds`` (T5's d_model)."""
+        return int(self.t5.config.d_model)
+
     @torch.no_grad()
     def encode(self, captions: list[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
         pooled = self.clip(token_ids(self.tok_clip, captions, self.clip_length, self.clip.device),

@@ -93,6 +93,11 @@ class SD3PromptEncoder(PromptEncoder):
         self.digest = parts_digest([self.clip_l, self.clip_g, self.t5], [self.tok_l, self.tok_g, self.tok_t5],
                                    f"t5_length={self.t5_length}")
 
+    @property
+    def dim(self) -> int:
+        """The width of ``prompt_embeds`` (T5's d_model)."""
+        return int(self.t5.config.d_model)
+
     @torch.no_grad()
     def encode(self, captions: list[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
         embeds, pooled = [], []
