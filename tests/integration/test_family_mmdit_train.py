@@ -56,3 +56,29 @@ def test_steps_run_and_resume_exactly(tmp_path, bases, name, mode):
         assert any(t.abs().sum() > 0 for n, t in state["model"].items() if "lora_B" in n)  # it trained
     else:
         assert any(n.startswith("transformer_blocks.0.") for n in names)  # diffusers' names, no prefix
+    if mode == "lora":
+        _lora_export_loads_in_the_pipeline(tmp_path, bases, name)
+
+
+def _lora_export_loads_in_the_pipeline(tmp_path, bases, name):
+    """``export --format lora`` of the run -> the pipeline's load_lora_weights: its transformer gives
+    what difftrain's adapted network gives (1e-4) on the same input."""
+    import diffusers
+    import torch
+
+    from difftrain.cli import main
+    from difftrain.families import family_named
+    from difftrain.inference import load_model
+
+    assert main(["export", str(tmp_path / "straight"), str(tmp_path / "lora"), "--format", "lora"]) == 0
+    family = family_named(name)
+    pipe = getattr(diffusers, family.pipeline_class).from_pretrained(str(bases[name]))
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    ours = load_model(tmp_path / "straight", device="cpu").model.eval()
+    cond = family.load_prompt_encoder(bases[name], max_sequence_length=T5_LENGTH).encode(["a red square"])
+    x, t = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([700.0])
+    theirs = family.denoiser_class(pipe.transformer)  # the pipeline's transformer behind difftrain's call
+    with torch.no_grad():
+        assert (ours(x, t, cond) - theirs(x, t, cond)).abs().max() < 1e-4
+        plain = family.load_denoiser(bases[name])
+        assert (plain(x, t, cond) - theirs(x, t, cond)).abs().max() > 1e-6  # the adapter is in
