@@ -218,8 +218,12 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
         unet = family.denoiser_from_record(state["network"])
         load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],
                      "ema.model" if use_ema else "model")
-        return export_stable_diffusion(unet, objective_cfg=cfg.diffusion, text_encoder_source=cfg.model.text_encoder,
-                                       vae_source=cfg.model.vae or None, out_dir=out)
+        # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
+        # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
+        scheduler = {**scheduler_config(cfg.diffusion), "clip_sample": False, "steps_offset": 1}
+        base = Path(cfg.model.text_encoder).expanduser()
+        vae_folder = Path(cfg.model.vae).expanduser() if cfg.model.vae else None
+        return family.export_pipeline(unet, base, Path(out), scheduler, vae=vae_folder if vae_folder != base else None)
     if cfg.model.text_encoder:
         raise ValueError(f"{state['path']}: difftrain's own text UNet has no diffusers pipeline (a Stable Diffusion "
                          "pipeline needs a UNet2DConditionModel, from model.init_from); export --format safetensors")

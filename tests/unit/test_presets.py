@@ -22,7 +22,7 @@ def _lr(cfg, step: int) -> float:
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_preset_lr_decays_to_near_zero_by_total_steps(path):
-    cfg = load_config(path)
+    cfg = load_config(path, ["model.init_from=base-folder/"] if path.stem.endswith("-lora") else [])
     assert cfg.optim.lr_schedule == "cosine", f"{path.name}: a constant LR never anneals"
     assert cfg.optim.warmup_steps < cfg.train.total_steps
     # Near zero: at most a tenth of the peak (tiny.toml keeps a 0.1 floor for its quickstart).

@@ -147,7 +147,7 @@ def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *args) -> None
 class PromptEncoder(nn.Module):
     """The frozen text encoders and tokenizers of one family: captions -> a dict condition.
 
-    Attributes: ``source`` (the folder it came from), ``digest`` (SHA-256 of every encoder's weights
+    Attributes: ``dim`` (D, the width of ``prompt_embeds``), ``source`` (the folder it came from), ``digest`` (SHA-256 of every encoder's weights
     and every tokenizer's vocabulary: checkpoints name the source and check the digest, never save the
     weights). Frozen: no grad, stays in eval mode.
 
@@ -158,6 +158,7 @@ class PromptEncoder(nn.Module):
 
     source: str = ""
     digest: str = ""
+    dim: int = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -274,10 +275,11 @@ class Family(ABC):
     # -- files out and in ---------------------------------------------------------------------------
 
     @abstractmethod
-    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
+                        vae: Path | None = None) -> Path:
         """A pipeline folder the family's diffusers pipeline loads: ``denoiser``'s weights, the base's
-        frozen parts copied from ``base``, ``scheduler`` (a diffusers scheduler config, None: the
-        base's)."""
+        frozen parts copied from ``base`` (the VAE from ``vae`` when given: a run's ``model.vae`` elsewhere),
+        ``scheduler`` (a diffusers scheduler config, None: the base's)."""
 
     @abstractmethod
     def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,

@@ -311,11 +311,12 @@ class SDFamily(Family):
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return unet_blocks(denoiser.model)
 
-    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
+                        vae: Path | None = None) -> Path:
         if scheduler is None:
             scheduler = read_json(Path(base) / "scheduler" / "scheduler_config.json", f"base {base}")
             scheduler = {k: v for k, v in scheduler.items() if not k.startswith("_")}
-        return write_pipeline(denoiser, scheduler, str(base), str(base), out)
+        return write_pipeline(denoiser, scheduler, str(base), str(vae or base), out)
 
     def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
                   metadata: dict[str, str] | None = None) -> Path:

@@ -67,6 +67,7 @@ class SDXLPromptEncoder(PromptEncoder):
 
         vocab = b"".join(json.dumps(t.get_vocab(), sort_keys=True).encode() for t in tokenizers)
         self.digest = weights_digest(self.encoders, vocab)
+        self.dim = sum(int(e.config.hidden_size) for e in encoders)  # D of prompt_embeds
 
     @torch.no_grad()
     def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
@@ -140,7 +141,8 @@ class SDXLFamily(Family):
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return unet_blocks(denoiser.model)
 
-    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
+                        vae: Path | None = None) -> Path:
         """A StableDiffusionXLPipeline folder: the base's parts with ``denoiser``'s UNet (and ``scheduler``,
         a diffusers scheduler config of the base's class, when given)."""
         require("diffusers", "text", "export of an SDXL pipeline")
@@ -148,8 +150,15 @@ class SDXLFamily(Family):
 
         from difftrain.models.text import first_line
 
+        parts = {"unet": denoiser.model}
+        if vae is not None:
+            from diffusers import AutoencoderKL
+
+            from difftrain.models.vae import vae_folder
+
+            parts["vae"] = load_part(vae_folder(str(vae)).parent, vae_folder(str(vae)).name, AutoencoderKL, "VAE")
         try:
-            pipe = StableDiffusionXLPipeline.from_pretrained(str(base), unet=denoiser.model, torch_dtype=torch.float32)
+            pipe = StableDiffusionXLPipeline.from_pretrained(str(base), **parts, torch_dtype=torch.float32)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ValueError(f"export: cannot load the SDXL base {base}: {first_line(e)}") from None
         if scheduler is not None:

@@ -1,0 +1,102 @@
+"""SDXL end to end on a tiny random base (tests/family_bases.py): `difftrain train --set
+model.init_from=SDXL --set lora.rank=4 --set data.path=DIR` with nothing else about the base, an exact
+resume, and the exported LoRA file loaded by StableDiffusionXLPipeline.load_lora_weights sampling
+what difftrain samples (DDIM, classifier-free guidance, same initial noise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from difftrain.config import load_config  # noqa: E402
+from difftrain.inference import generate_images, load_model  # noqa: E402
+from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.training.loop import train  # noqa: E402
+from tests.family_bases import write_tiny_sdxl_folder  # noqa: E402
+from tests.integration.test_text_train import _captioned_folder  # noqa: E402
+
+PROMPT = "a red square on a dark background"
+RES = 32
+
+
+def _overrides(root, *extra):
+    return [f"model.init_from={root / 'sdxl'}", "lora.rank=4", f"data.path={root / 'data'}",
+            f"data.resolution={RES}", "data.num_workers=0", "train.batch_size=4", "train.total_steps=4",
+            "optim.lr=1e-2", "validation.every_steps=0", "train.log_every_steps=1", *extra]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sdxl_train")
+    write_tiny_sdxl_folder(root / "sdxl")
+    _captioned_folder(root / "data", n=8, size=RES)
+    return root
+
+
+def _digests(run):
+    state = ckpt.load_checkpoint(run)
+    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
+
+
+def test_sdxl_lora_trains_from_the_bare_command_and_resumes_exactly(root):
+    cfg = load_config(None, _overrides(root))
+    assert cfg.model.text_encoder == str(root / "sdxl") and cfg.diffusion.schedule == "scaled_linear"
+    train(cfg, root / "straight")
+    train(cfg, root / "resumed", stop_at_step=2)
+    assert train(cfg, root / "resumed").step == 4
+    assert _digests(root / "straight") == _digests(root / "resumed")
+    state = ckpt.load_checkpoint(root / "straight")
+    assert state["network"]["base"]["family"] == "sdxl"
+    assert any(t.abs().sum() > 0 for n, t in state["model"].items() if "lora_B" in n)
+
+
+def test_sdxl_lora_export_loads_in_the_pipeline_and_samples_as_difftrain(root, tmp_path):
+    from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionXLPipeline
+
+    from difftrain import api
+    from difftrain.interop import scheduler_config
+    from difftrain.sampling import initial_noise
+
+    if not (root / "straight" / "checkpoints").exists():
+        train(load_config(None, _overrides(root)), root / "straight")
+    out = api.export(root / "straight", tmp_path / "adapter", format="lora")
+    ours = load_model(root / "straight", device="cpu")
+    steps, guidance = 4, 3.0
+    expected = generate_images(ours, 2, sampler="ddim", steps=steps, seed=3, prompt=PROMPT, guidance_scale=guidance)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(root / "sdxl"))
+    ddpm = DDPMScheduler(**{**scheduler_config(ours.cfg.diffusion), "clip_sample": False, "steps_offset": 1})
+    pipe.scheduler = DDIMScheduler.from_config(ddpm.config)
+    pipe.load_lora_weights(str(out))
+    noise = initial_noise(2, (4, RES // 2, RES // 2), 3)
+    theirs = pipe([PROMPT] * 2, latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance, eta=0.0,
+                  output_type="pt", height=RES, width=RES).images * 2 - 1
+    assert theirs.shape == expected.shape
+    assert (theirs - expected).abs().max() < 1e-4
+
+
+def test_sdxl_full_fine_tune_exports_a_pipeline_folder_that_samples_as_difftrain(root, tmp_path):
+    """Full fine-tuning (lora.rank 0) of the tiny SDXL base, then export: StableDiffusionXLPipeline loads the
+    folder and, with difftrain's DDIM settings, samples difftrain's images to 1e-3 (measured: 5e-4 at guidance 2;
+    the LoRA file above matches to 1e-4; the cause of the gap is not traced yet)."""
+    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
+
+    from difftrain import api
+    from difftrain.sampling import initial_noise
+
+    cfg = load_config(None, _overrides(root, "lora.rank=0", "train.total_steps=2", "optim.lr=1e-4"))
+    train(cfg, tmp_path / "full")
+    state = ckpt.load_checkpoint(tmp_path / "full")
+    assert state["network"]["family"] == "sdxl" and any("add_embedding" in k for k in state["model"])
+    out = api.export(tmp_path / "full", tmp_path / "pipe")
+    ours = load_model(tmp_path / "full", device="cpu")
+    expected = generate_images(ours, 2, sampler="ddim", steps=3, seed=5, prompt=PROMPT, guidance_scale=2.0)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(out))
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    noise = initial_noise(2, (4, RES // 2, RES // 2), 5)
+    theirs = pipe([PROMPT] * 2, latents=noise.clone(), num_inference_steps=3, guidance_scale=2.0, eta=0.0,
+                  output_type="pt", height=RES, width=RES).images * 2 - 1
+    assert (theirs - expected).abs().max() < 1e-3
