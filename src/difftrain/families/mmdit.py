@@ -108,6 +108,11 @@ class TransformerFamily(Family):
         """The VAE's factor times the 2x2 patches."""
         return int(codec.factor) * PATCH
 
+    applies_shift_factor = True  # the pipelines decode latents / scaling + shift
+
+    def export_scheduler(self, diffusion) -> dict:
+        return self.flow_scheduler(diffusion)
+
     @staticmethod
     def flow_scheduler(diffusion) -> dict:
         """FlowMatchEulerDiscreteScheduler settings of difftrain's flow keys (``cfg.diffusion``), for
@@ -123,16 +128,22 @@ class TransformerFamily(Family):
                 "base_image_seq_len": int(diffusion.flow_base_seq_len),
                 "max_image_seq_len": int(diffusion.flow_max_seq_len)}
 
-    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None) -> Path:
+    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
+                        vae: Path | None = None) -> Path:
         """``base`` copied (text encoders, tokenizers, VAE, scheduler, model_index.json) with
-        ``transformer/`` written from ``denoiser`` by diffusers' save_pretrained (safetensors, float32)
-        and, given ``scheduler``, that scheduler config."""
+        ``transformer/`` written from ``denoiser`` by diffusers' save_pretrained (safetensors, float32),
+        given ``scheduler``, that scheduler config, and given ``vae``, that VAE folder (or a folder's vae/)."""
         base, out = Path(base).expanduser(), Path(out).expanduser()
         read_json(base / "model_index.json", f"base {base}")
         if out.exists() and any(out.iterdir()):
             raise ValueError(f"export folder {out} exists and is not empty")
         shutil.copytree(base, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
         denoiser.model.save_pretrained(str(out / "transformer"), safe_serialization=True)
+        if vae is not None:
+            from difftrain.models.vae import vae_folder
+
+            shutil.rmtree(out / "vae", ignore_errors=True)
+            shutil.copytree(vae_folder(str(vae)), out / "vae")
         if scheduler is not None:
             config = {**read_json(base / "scheduler" / "scheduler_config.json", f"base {base}"), **scheduler}
             (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(config, indent=2))
