@@ -131,3 +131,18 @@ def test_the_preset_command_trains_and_validates(tmp_path, bases, name):
     assert main(args) == 0
     assert ckpt.load_checkpoint(tmp_path / "run")["step"] == 2
     assert list((tmp_path / "run" / "samples").glob("*.png"))  # the validation grid
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, bases, name, capsys):
+    """A T5 length the base cannot take, a resolution the VAE and 2x2 patches cannot divide."""
+    from difftrain.cli import main
+
+    for setting, needle in ((f"model.max_sequence_length={T5_LENGTH + 1}", "model.max_sequence_length"),
+                            ("data.resolution=28", "data.resolution=28 must be a multiple of 8")):
+        args = ["train", "--run-dir", str(tmp_path / setting.split("=")[0])]
+        for s in _overrides(bases, name, setting):
+            args += ["--set", s]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert needle in err[-1] and str(bases[name]) in err[-1], err
