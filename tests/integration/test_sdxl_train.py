@@ -100,3 +100,16 @@ def test_sdxl_full_fine_tune_exports_a_pipeline_folder_that_samples_as_difftrain
     theirs = pipe([PROMPT] * 2, latents=noise.clone(), num_inference_steps=3, guidance_scale=2.0, eta=0.0,
                   output_type="pt", height=RES, width=RES).images * 2 - 1
     assert (theirs - expected).abs().max() < 1e-3
+
+
+def test_sdxl_dreambooth_with_prior_preservation_resumes_exactly(root, tmp_path):
+    """DreamBooth (LoRA) with class images made once by the SDXL base (dict conditions through generate)."""
+    prior = ["dreambooth.instance_prompt=a photo of sks square", "dreambooth.class_prompt=a photo of a square",
+             "dreambooth.num_class_images=2", "dreambooth.class_steps=2", "dreambooth.class_batch_size=2",
+             f"dreambooth.class_dir={tmp_path / 'cls'}"]
+    cfg = load_config(None, _overrides(root, *prior))
+    train(cfg, tmp_path / "straight")
+    assert sorted(p.name for p in (tmp_path / "cls").glob("*.png")) == ["class_00000.png", "class_00001.png"]
+    train(cfg, tmp_path / "resumed", stop_at_step=2)
+    assert train(cfg, tmp_path / "resumed").step == 4
+    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")

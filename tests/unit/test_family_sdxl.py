@@ -91,3 +91,18 @@ def test_lora_file_round_trips_and_loads_in_the_pipeline(sdxl, pipe, tmp_path):
         save_file({"transformer.a.lora_A.weight": torch.zeros(2, 2)}, str(tmp_path / "other.safetensors"))
         read_pipeline_lora("StableDiffusionXLPipeline", "unet", tmp_path / "other.safetensors")
     assert FAMILIES["sdxl"] is family
+
+
+def test_a_missing_part_is_one_line_naming_the_folder_and_the_part(sdxl, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(sdxl, broken)
+    shutil.rmtree(broken / "tokenizer_2")
+    with pytest.raises(ValueError) as info:
+        detect(broken).load_prompt_encoder(broken)
+    message = str(info.value)
+    assert "\n" not in message and str(broken) in message and "tokenizer_2/" in message
+    shutil.rmtree(broken / "text_encoder")
+    with pytest.raises(ValueError, match=r"no text_encoder/ \(the first text encoder"):
+        detect(broken).load_prompt_encoder(broken)
