@@ -146,3 +146,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, bases, name, capsys):
         assert main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert needle in err[-1] and str(bases[name]) in err[-1], err
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_dreambooth_with_prior_preservation_resumes_exactly(tmp_path, bases, name):
+    """DreamBooth (LoRA) with class images made once by the base (its flow sampler and grid)."""
+    prior = ["dreambooth.instance_prompt=a photo of sks square", "dreambooth.class_prompt=a photo of a square",
+             "dreambooth.num_class_images=2", "dreambooth.class_steps=2", "dreambooth.class_batch_size=2",
+             f"dreambooth.class_dir={tmp_path / 'cls'}", "lora.rank=4"]
+    cfg = load_config(None, _overrides(bases, name, *prior))
+    train(cfg, tmp_path / "straight")
+    assert sorted(p.name for p in (tmp_path / "cls").glob("*.png")) == ["class_00000.png", "class_00001.png"]
+    train(cfg, tmp_path / "resumed", stop_at_step=2)
+    assert train(cfg, tmp_path / "resumed").step == 4
+    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
