@@ -82,7 +82,8 @@ class Conditioning:
         if cfg.model.text_encoder and family is not None:
             from pathlib import Path
 
-            text = family.load_prompt_encoder(Path(cfg.model.text_encoder).expanduser(), device)
+            text = family.load_prompt_encoder(Path(cfg.model.text_encoder).expanduser(), device,
+                                              **family.prompt_options(cfg))
         elif cfg.model.text_encoder:
             from difftrain.models.text import TextEncoder
 
@@ -93,6 +94,10 @@ class Conditioning:
             codec = LatentCodec.from_path(cfg.model.vae).to(device)
         made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution)
         made.family = family
+        if family is not None and codec is not None and cfg.data.resolution % family.image_side_multiple(codec):
+            raise ValueError(f"data.resolution={cfg.data.resolution} must be a multiple of "
+                             f"{family.image_side_multiple(codec)} for the {family.name} base {cfg.model.init_from} "
+                             f"(its VAE's factor {codec.factor} and its denoiser's patches)")
         return made
 
     # -- what the network is -------------------------------------------------------------------

@@ -25,6 +25,7 @@ ObjectiveName = Literal["ddpm", "edm", "flow"]
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
+FlowTSampling = Literal["logit_normal", "mode", "uniform"]  # diffusion/flow.py T_SAMPLINGS
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -149,6 +150,7 @@ class ModelConfig(_Section):
     # its latents cached once. "" = train on pixels
     vae: str = ""
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    max_sequence_length: int = 0  # T5 tokens per prompt of an SD3 / Flux base; 0 = its pipeline's default (256 / 512)
     # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
     # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers
     # UNet2DConditionModel folder (or a Stable Diffusion folder) makes the network that UNet, to fine-tune
@@ -183,6 +185,15 @@ class DiffusionConfig(_Section):
     # EDM2's learned loss weighting (Karras et al. 2024, eq. 21): a small MLP on the noise level's
     # Fourier features gives u, loss / e^u + u; its weights are the UNet's logvar.* (any objective)
     uncertainty_weighting: bool = False
+    flow_t_sampling: FlowTSampling = "logit_normal"  # flow training t: logit_normal, mode (SD3 eq. 20) or uniform
+    flow_mode_scale: float = 1.29  # scale of "mode" t sampling, in [0, 1.75) (SD3, diffusers' scripts: 1.29)
+    flow_train_shift: float = 1.0  # shift of the training t, as flow_shift (SD3's scheduler: 3.0); 1 = none
+    flow_grid_end: float | None = None  # None: sampling grid linspace(1, 0, N+1); else linspace(1, end, N) then 0 (SD3)
+    flow_dynamic_shift: bool = False  # sample with Flux's shift mu from the latents' (h/2)(w/2) tokens (not flow_shift)
+    flow_base_shift: float = 0.5  # mu at flow_base_seq_len tokens (Flux's scheduler base_shift)
+    flow_max_shift: float = 1.15  # mu at flow_max_seq_len tokens (Flux's scheduler max_shift)
+    flow_base_seq_len: int = 256  # tokens of flow_base_shift (base_image_seq_len)
+    flow_max_seq_len: int = 4096  # tokens of flow_max_shift (max_image_seq_len)
     noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 
@@ -586,10 +597,19 @@ def _check_objective(cfg: Config) -> None:
     from difftrain.diffusion.objective import OBJECTIVE_SAMPLERS  # local, like MODEL_PRESETS
 
     dc = cfg.diffusion
-    for key in ("sigma_min", "edm_sigma_data", "edm_p_std", "flow_logit_std", "flow_shift", "rho"):
+    for key in ("sigma_min", "edm_sigma_data", "edm_p_std", "flow_logit_std", "flow_shift", "flow_train_shift", "rho"):
         _check(getattr(dc, key) > 0, f"diffusion.{key} must be > 0, got {getattr(dc, key)}")
+    _check(0 <= dc.flow_mode_scale < 1.75,
+           f"diffusion.flow_mode_scale must be in [0, 1.75) (above, mode sampling is not monotone), got {dc.flow_mode_scale}")
+    _check(dc.flow_grid_end is None or 0 < dc.flow_grid_end < 1,
+           f"diffusion.flow_grid_end must be in (0, 1) or unset, got {dc.flow_grid_end}")
+    _check(0 < dc.flow_base_seq_len < dc.flow_max_seq_len,
+           f"diffusion.flow_max_seq_len must be > diffusion.flow_base_seq_len > 0, got {dc.flow_base_seq_len} "
+           f"and {dc.flow_max_seq_len}")
     _check(dc.sigma_max > dc.sigma_min,
            f"diffusion.sigma_max must be > diffusion.sigma_min={dc.sigma_min}, got {dc.sigma_max}")
+    _check(cfg.model.max_sequence_length >= 0,
+           f"model.max_sequence_length must be >= 0 (0 = the base's default), got {cfg.model.max_sequence_length}")
     for key in ("noise_offset", "input_perturbation"):
         _check(getattr(dc, key) >= 0, f"diffusion.{key} must be >= 0 (0 = off), got {getattr(dc, key)}")
     for key, on in (("zero_terminal_snr", dc.zero_terminal_snr), ("input_perturbation", dc.input_perturbation > 0)):

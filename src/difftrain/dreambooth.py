@@ -51,7 +51,7 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     sampled by the base network (``model.init_from``, before any training) from the class prompt
     with DDIM; image i always from the same noise. Returns how many were made. A folder made for
     another prompt or resolution is refused (one ValueError naming it)."""
-    from difftrain.diffusion.objective import build_objective
+    from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
     from difftrain.sampling import generate, initial_noise, save_png, to_uint8
     from difftrain.training.state import _without_lora, build_network
 
@@ -70,7 +70,7 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     if not missing:
         return 0
     print(f"difftrain: dreambooth: making {len(missing)} class images of {db.class_prompt!r} in {folder} "
-          f"(base {cfg.model.init_from}, DDIM {db.class_steps} steps, guidance {db.class_guidance_scale})")
+          f"(base {cfg.model.init_from}, {DEFAULT_SAMPLERS[cfg.diffusion.objective]} {db.class_steps} steps, guidance {db.class_guidance_scale})")
     net = build_network(_without_lora(cfg), conditioning, None, init_weights=True).to(device).eval()
     channels, resolution = conditioning.network_shape()
     seed = int(hashlib.sha256(f"{cfg.train.seed}:{db.class_prompt}".encode()).hexdigest()[:8], 16)
@@ -79,7 +79,8 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
 
     condition = expand_rows(map_condition(lambda t: t.cpu(), conditioning.prompts([db.class_prompt], device)),
                             len(missing))
-    images = generate(net, objective=build_objective(cfg.diffusion), noise=noise, sampler="ddim", steps=db.class_steps,
+    sampler = DEFAULT_SAMPLERS[cfg.diffusion.objective]  # DDIM for DDPM bases; the flow bases' ODE solver
+    images = generate(net, objective=build_objective(cfg.diffusion), noise=noise, sampler=sampler, steps=db.class_steps,
                       seed=seed, condition=condition, null_condition=conditioning.null(1, device),
                       guidance_scale=db.class_guidance_scale, batch_size=db.class_batch_size, sample_ids=missing,
                       decode=conditioning.decode if conditioning.codec is not None else None,

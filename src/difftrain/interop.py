@@ -218,7 +218,7 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
 
         frozen = Conditioning.from_config(cfg)
         frozen.check_references(state["frozen"], f"checkpoint {state['path']}")
-        if frozen.codec is not None and frozen.codec.shift_factor:
+        if frozen.codec is not None and frozen.codec.shift_factor and not family.applies_shift_factor:
             raise ValueError(f"the VAE {cfg.model.vae} has a shift_factor ({frozen.codec.shift_factor}), which "
                              "StableDiffusionPipeline does not apply when it decodes; export --format safetensors")
 
@@ -227,7 +227,8 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
                      "ema.model" if use_ema else "model")
         # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
         # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
-        scheduler = {**scheduler_config(cfg.diffusion), "clip_sample": False, "steps_offset": 1}
+        scheduler = family.export_scheduler(cfg.diffusion) or {**scheduler_config(cfg.diffusion), "clip_sample": False,
+                                                                "steps_offset": 1}
         base = Path(cfg.model.text_encoder).expanduser()
         vae_folder = Path(cfg.model.vae).expanduser() if cfg.model.vae else None
         return family.export_pipeline(unet, base, Path(out), scheduler, vae=vae_folder if vae_folder != base else None)
@@ -405,7 +406,9 @@ _FROM_DIFFUSERS_PREDICTION = {v: k for k, v in DIFFUSERS_PREDICTION.items()}
 def diffusers_training(scheduler: dict) -> dict:
     """The diffusion.* values a diffusers scheduler config describes (diffusers' defaults where it
     is silent: SD 1.x's has no prediction_type, meaning epsilon); a schedule only when difftrain
-    has the same one."""
+    has the same one; a FlowMatchEulerDiscreteScheduler (SD3, Flux) says flow."""
+    if scheduler.get("_class_name") == "FlowMatchEulerDiscreteScheduler":  # SD3, Flux: rectified flow
+        return {"objective": "flow"}
     out = {"objective": "ddpm", "zero_terminal_snr": bool(scheduler.get("rescale_betas_zero_snr", False))}
     if scheduler.get("prediction_type", "epsilon") in _FROM_DIFFUSERS_PREDICTION:
         out["prediction"] = _FROM_DIFFUSERS_PREDICTION[scheduler.get("prediction_type", "epsilon")]

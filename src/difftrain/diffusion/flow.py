@@ -7,22 +7,40 @@ a_t = 1 - t, b_t = t; Liu et al. eq. 1):
 
     x_t = (1 - t) x0 + t eps,     v = dx_t/dt = eps - x0
 
-The network regresses v with weight 1 (the conditional flow matching loss, Lipman et al. eq. 9).
-Training t is logit-normal: logit(t) ~ N(m, s^2) (SD3 eq. 19). Sampling integrates
-dx/dt = v(x, t) from t = 1 (x_T ~ N(0, I)) to t = 0 on a uniform grid, optionally shifted
-(SD3 eq. 23). The denoised image is x0_hat = x_t - t v.
+The network regresses v with weight 1 (the conditional flow matching loss, Lipman et al. eq. 9;
+diffusers' compute_loss_weighting_for_sd3 "none"/"logit_normal"/"mode": ones). Training t is
+drawn by one of (``t_sampling``; SD3 sec. 3.1, diffusers' compute_density_for_timestep_sampling
+from the same draws):
+
+    logit_normal  t = sigmoid(m + s z), z ~ N(0, 1)                            (SD3 eq. 19)
+    mode          t = 1 - u - c (cos^2(pi u / 2) - 1 + u), u ~ U(0, 1)         (SD3 eq. 20)
+    uniform       t = u
+
+then optionally shifted, t' = k t / (1 + (k - 1) t) (``train_shift``; SD3 eq. 23): diffusers'
+SD3 script indexes the scheduler's sigmas, which FlowMatchEulerDiscreteScheduler has already
+shifted by its ``shift`` (3.0 for SD3); with ``use_dynamic_shifting`` (Flux) they are not, and
+diffusers' Flux script trains on unshifted t. (The scripts take sigma = 1 - u on a 1000-level
+grid: the same distribution for logit_normal with mean 0, for mode and for uniform, both being
+symmetric about 1/2; a logit mean m there means -m here, where t = 1 is noise as in the paper.)
+
+Sampling integrates dx/dt = v(x, t) from t = 1 (x_T ~ N(0, I)) to t = 0 on a uniform grid
+(``grid_end`` None: linspace(1, 0, N + 1), FluxPipeline's sigmas; a value: linspace(1, end, N)
+then 0, what FlowMatchEulerDiscreteScheduler.set_timesteps makes for SD3), shifted by ``shift``,
+or, with ``dynamic_shift`` (Flux), by e^mu with mu from the image's token count (h / 2)(w / 2)
+of its latents (diffusers' calculate_shift). The denoised image is x0_hat = x_t - t v.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from difftrain.diffusion.interface import Network, Noised
-from difftrain.diffusion.ode_samplers import ODE_SOLVERS, flow_times
+from difftrain.diffusion.ode_samplers import ODE_SOLVERS, flow_times, image_seq_shift, shift_times
 
 # The UNet embeds its conditioning with DDPM's sinusoids, made for timesteps in [0, 1000)
 # (models/layers.py); t in (0, 1) would leave all but the fastest few nearly constant. The
@@ -35,12 +53,32 @@ def _view(v: Tensor, like: Tensor) -> Tensor:
     return v.reshape(-1, *([1] * (like.ndim - 1))).to(device=like.device, dtype=like.dtype)
 
 
+T_SAMPLINGS = ("logit_normal", "mode", "uniform")
+
+
+def mode_times(u: Tensor, scale: float) -> Tensor:
+    """SD3's mode sampling (eq. 20): t = 1 - u - scale (cos^2(pi u / 2) - 1 + u) of u in [0, 1]
+    (any shape, float64 kept); decreasing in u for 0 <= scale < 1 / (pi / 2 - 1) ~ 1.75."""
+    return 1.0 - u - scale * (torch.cos(math.pi * u / 2) ** 2 - 1.0 + u)
+
+
+def _unshift(t: Tensor, shift: float) -> Tensor:
+    """The inverse of t' = k t / (1 + (k - 1) t): t = t' / (k - (k - 1) t')."""
+    return t / (shift - (shift - 1.0) * t)
+
+
 class FlowObjective:
     """Rectified flow with a velocity target. Levels are t, (B,) float32 in (0, 1).
 
     Args:
-        logit_mean, logit_std: logit(t) ~ N(logit_mean, logit_std^2) in training.
+        logit_mean, logit_std: logit(t) ~ N(logit_mean, logit_std^2) in training (logit_normal).
         shift: sampling grid shift (1 = uniform in t; > 1 more steps at high noise).
+        t_sampling: training t distribution, "logit_normal", "mode" or "uniform".
+        mode_scale: c of "mode" sampling, in [0, 1.75) (1.29 in SD3 and diffusers' scripts).
+        train_shift: shift of the training t (1 = none; SD3: 3.0 as diffusers' scheduler).
+        grid_end: None = the sampling grid linspace(1, 0, N + 1); else linspace(1, end, N) then 0.
+        dynamic_shift: sample with Flux's resolution-dependent shift (ignores ``shift``) from
+            the latents' token count (h / 2)(w / 2) through base/max shift at base/max seq len.
     """
 
     family = "flow"
@@ -50,8 +88,17 @@ class FlowObjective:
     # Network evaluations per sampler for N steps (reported with FID).
     sampler_nfe = {"euler": lambda n: n, "heun": lambda n: 2 * n, "midpoint": lambda n: 2 * n}
 
-    def __init__(self, logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0):
+    def __init__(self, logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0,
+                 t_sampling: str = "logit_normal", mode_scale: float = 1.29, train_shift: float = 1.0,
+                 grid_end: float | None = None, dynamic_shift: bool = False, base_shift: float = 0.5,
+                 max_shift: float = 1.15, base_seq_len: int = 256, max_seq_len: int = 4096):
+        if t_sampling not in T_SAMPLINGS:
+            raise ValueError(f"t_sampling must be one of {', '.join(T_SAMPLINGS)}, got {t_sampling!r}")
         self.logit_mean, self.logit_std, self.shift = logit_mean, logit_std, shift
+        self.t_sampling, self.mode_scale, self.train_shift = t_sampling, mode_scale, train_shift
+        self.grid_end, self.dynamic_shift = grid_end, dynamic_shift
+        self.seq_shift = dict(base_shift=base_shift, max_shift=max_shift, base_seq_len=base_seq_len,
+                              max_seq_len=max_seq_len)
 
     def to(self, device: torch.device) -> FlowObjective:
         """Nothing lives on a device; returns self."""
@@ -61,13 +108,47 @@ class FlowObjective:
         """What the network is conditioned on: 1000 t, (B,) float32."""
         return (t * COND_SCALE).float()
 
+    def _shifted(self, t: Tensor) -> Tensor:
+        """The training shift of t (returned unchanged, bit for bit, when it is 1)."""
+        return t if self.train_shift == 1.0 else shift_times(t, self.train_shift)
+
     def quantile(self, u: Tensor) -> Tensor:
-        """The t at probability u in (0, 1) of the training distribution: sigmoid(m + s Phi^-1(u))."""
-        return torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(u.double())).float()
+        """The t at probability u in (0, 1) of the training distribution (logit_normal:
+        sigmoid(m + s Phi^-1(u)); mode: mode_times(1 - u); uniform: u; then the training shift)."""
+        u = u.double()
+        if self.t_sampling == "logit_normal":
+            t = torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(u))
+        elif self.t_sampling == "mode":
+            t = mode_times(1.0 - u, self.mode_scale)
+        else:
+            t = u
+        return self._shifted(t).float()
+
+    def cdf(self, t: Tensor) -> Tensor:
+        """P(T <= t) of the training distribution, float64, t (any shape) in (0, 1)."""
+        t = t.double()
+        if self.train_shift != 1.0:
+            t = _unshift(t, self.train_shift)
+        if self.t_sampling == "logit_normal":
+            return torch.special.ndtr((torch.logit(t) - self.logit_mean) / self.logit_std)
+        if self.t_sampling == "uniform":
+            return t.clamp(0.0, 1.0)
+        lo, hi = torch.zeros_like(t), torch.ones_like(t)  # mode: bisect u with mode_times(1 - u) = t
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            below = mode_times(1.0 - mid, self.mode_scale) < t
+            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+        return (lo + hi) / 2
 
     def draw_levels(self, n: int, generator: torch.Generator, device: torch.device) -> Tensor:
-        """(n,) float32 t, logit-normal (SD3 eq. 19)."""
-        return torch.sigmoid(torch.randn(n, device=device, generator=generator) * self.logit_std + self.logit_mean)
+        """(n,) float32 t from the training distribution (t = 1 is noise). From the same generator
+        state, the unshifted t equal diffusers' compute_density_for_timestep_sampling."""
+        if self.t_sampling == "logit_normal":
+            t = torch.sigmoid(torch.randn(n, device=device, generator=generator) * self.logit_std + self.logit_mean)
+        else:
+            u = torch.rand(n, device=device, generator=generator)
+            t = mode_times(u, self.mode_scale) if self.t_sampling == "mode" else u
+        return self._shifted(t)
 
     def stratified_levels(self, n: int, generator: torch.Generator) -> Tensor:
         """(n,) float32 t on the CPU, one inside each of n slices of equal probability, ascending."""
@@ -76,9 +157,15 @@ class FlowObjective:
 
     def bucket(self, levels: Tensor, num_buckets: int) -> Tensor:
         """(n,) long: bucket i holds the t with CDF in [i / k, (i + 1) / k); 0 = least noise."""
-        logit = torch.logit(levels.double())
-        u = torch.special.ndtr((logit - self.logit_mean) / self.logit_std)
-        return (u * num_buckets).floor().long().clamp_(0, num_buckets - 1)
+        return (self.cdf(levels) * num_buckets).floor().long().clamp_(0, num_buckets - 1)
+
+    def grid(self, steps: int, latent_hw: tuple[int, int]) -> Tensor:
+        """The sampling grid (steps + 1,) float64 from 1 to 0 for latents of ``latent_hw`` = (h, w):
+        shifted by ``shift`` or, with ``dynamic_shift``, by Flux's mu of (h / 2)(w / 2) tokens."""
+        mu = None
+        if self.dynamic_shift:
+            mu = image_seq_shift((latent_hw[0] // 2) * (latent_hw[1] // 2), **self.seq_shift)
+        return flow_times(steps, self.shift, self.grid_end, mu)
 
     def noised(self, x0: Tensor, levels: Tensor, noise: Tensor) -> Noised:
         """x_t = (1 - t) x0 + t eps, cond 1000 t, target v = eps - x0, weight 1.
@@ -103,8 +190,9 @@ class FlowObjective:
     def sample(self, network: Network, x_T: Tensor, sampler: str, steps: int, generator, clip: bool = True,
                **options) -> Tensor:
         """x_0 (B, C, H, W) float32: integrate dx/dt = v from t = 1 (x_T, unit noise) to t = 0 with
-        ``sampler`` over ``steps`` steps of the (shifted) uniform grid."""
+        ``sampler`` over ``steps`` steps of :meth:`grid`."""
         if sampler not in self.samplers:
             raise ValueError(f"sampler must be one of {', '.join(self.samplers)} for flow models, got {sampler!r}")
-        x0 = self.samplers[sampler](self.velocity(network), x_T, flow_times(steps, self.shift), generator, **options)
+        grid = self.grid(steps, tuple(x_T.shape[-2:]))
+        x0 = self.samplers[sampler](self.velocity(network), x_T, grid, generator, **options)
         return x0.clamp(-1.0, 1.0) if clip else x0

@@ -171,7 +171,9 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
     "ddpm": lambda d: DDPMObjective(d.schedule, d.num_timesteps, d.prediction, d.loss_weighting, d.min_snr_gamma,
                                     d.sigma_min, d.sigma_max, d.rho, d.zero_terminal_snr),
     "edm": lambda d: EDMObjective(d.edm_sigma_data, d.edm_p_mean, d.edm_p_std, d.sigma_min, d.sigma_max, d.rho),
-    "flow": lambda d: FlowObjective(d.flow_logit_mean, d.flow_logit_std, d.flow_shift),
+    "flow": lambda d: FlowObjective(d.flow_logit_mean, d.flow_logit_std, d.flow_shift, d.flow_t_sampling,
+                                    d.flow_mode_scale, d.flow_train_shift, d.flow_grid_end, d.flow_dynamic_shift,
+                                    d.flow_base_shift, d.flow_max_shift, d.flow_base_seq_len, d.flow_max_seq_len),
 }
 
 # name -> the samplers of that family (config validation; the CLI offers their union).

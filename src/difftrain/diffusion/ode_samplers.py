@@ -16,6 +16,7 @@ torch.no_grad() unless gradients are wanted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -46,16 +47,49 @@ def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float = 7
     return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)])
 
 
-def flow_times(steps: int, shift: float = 1.0) -> Tensor:
+def flow_times(steps: int, shift: float = 1.0, end: float | None = None, mu: float | None = None) -> Tensor:
     """A flow-matching time grid from t = 1 (noise) to t = 0 (data), (steps + 1,) float64:
     uniform, then shifted by t' = shift t / (1 + (shift - 1) t) (SD3, Esser et al. 2024, eq. 23;
-    shift > 1 spends more of the steps at high noise)."""
+    shift > 1 spends more of the steps at high noise).
+
+    ``end`` (SD3's FlowMatchEulerDiscreteScheduler.set_timesteps): the ``steps`` levels are
+    linspace(1, end, steps) before the shift, then 0; None = linspace(1, 0, steps + 1) (the
+    same as linspace(1, 1 / steps, steps) then 0: FluxPipeline's sigmas).
+    ``mu`` (Flux's resolution-dependent shift, the scheduler's use_dynamic_shifting):
+    t' = e^mu / (e^mu + 1 / t - 1) instead of ``shift``; t = 0 stays 0."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"sampling steps must be an integer >= 1, got {steps!r}")
     if not shift > 0:
         raise ValueError(f"shift must be > 0, got {shift}")
-    t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    if end is None:
+        t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    else:
+        if not 0 < end < 1:
+            raise ValueError(f"the grid's end must be in (0, 1), got {end}")
+        t = torch.cat([torch.linspace(1.0, end, steps, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    if mu is not None:
+        return dynamic_shift(t, mu)
     return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def dynamic_shift(t: Tensor, mu: float) -> Tensor:
+    """Flux's time shift t' = e^mu / (e^mu + (1 / t - 1)) (FlowMatchEulerDiscreteScheduler.time_shift,
+    exponential, sigma 1) of t (any shape) in [0, 1]; t = 0 maps to 0. The same as the shift
+    s t / (1 + (s - 1) t) with s = e^mu."""
+    return shift_times(t, math.exp(mu))
+
+
+def shift_times(t: Tensor, shift: float) -> Tensor:
+    """t' = shift t / (1 + (shift - 1) t) of t (any shape) in [0, 1] (SD3 eq. 23)."""
+    return shift * t / (1.0 + (shift - 1.0) * t)
+
+
+def image_seq_shift(tokens: int, base_shift: float = 0.5, max_shift: float = 1.15, base_seq_len: int = 256,
+                    max_seq_len: int = 4096) -> float:
+    """Flux's mu for an image of ``tokens`` latent patches: linear in the token count through
+    (base_seq_len, base_shift) and (max_seq_len, max_shift) (diffusers' calculate_shift)."""
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return tokens * slope + base_shift - slope * base_seq_len
 
 
 def _levels(x: Tensor, grid: Tensor) -> tuple[Tensor, list[float]]:

@@ -95,7 +95,8 @@ def detect(path: str | Path) -> Family:
             return family
     found = ", ".join(f"{f} {c}" for f, c in (("model_index.json", pipeline), ("config.json", model)) if c) or \
         "no model_index.json nor config.json with a _class_name"
-    supported = ", ".join(f"{f.name} ({f.pipeline_class})" for f in families.values())
+    ordered = sorted(families.values(), key=lambda f: _MODULES.index(f.name) if f.name in _MODULES else len(_MODULES))
+    supported = ", ".join(f"{f.name} ({f.pipeline_class})" for f in ordered)  # the same order, whatever imported first
     raise ValueError(f"{folder}: not a base folder of a known family (found {found}); supported: {supported}")
 
 

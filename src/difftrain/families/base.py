@@ -218,6 +218,9 @@ class Family(ABC):
     pipeline_class: str = ""
     model_classes: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = ()
+    # Whether the family's pipeline decodes with the VAE's shift_factor (z = latents / scaling + shift):
+    # SD3 and Flux do; StableDiffusionPipeline and SDXL's do not, so their export refuses such a VAE.
+    applies_shift_factor: bool = False
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -242,6 +245,17 @@ class Family(ABC):
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> PromptEncoder:
         """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming
         the folder and the missing part."""
+
+    def export_scheduler(self, diffusion) -> dict | None:
+        """The scheduler config :meth:`export_pipeline` writes for a run's ``cfg.diffusion``; None (the
+        default): the DDPM-family scheduler ``interop.scheduler_config`` makes (SD, SDXL). SD3 and Flux:
+        FlowMatchEulerDiscreteScheduler settings of the flow keys."""
+        return None
+
+    def prompt_options(self, cfg) -> dict[str, object]:
+        """Keyword arguments of :meth:`load_prompt_encoder` the run's config gives (none by default;
+        SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
+        return {}
 
     def load_codec(self, folder: Path, device: torch.device | str = "cpu"):
         """The frozen VAE (``models.vae.LatentCodec``: scaling AND shift factor) of ``folder/vae``."""

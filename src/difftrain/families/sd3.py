@@ -1,0 +1,143 @@
+"""Stable Diffusion 3 / 3.5 (StableDiffusion3Pipeline): an MMDiT trained with rectified flow.
+
+Facts, checked in the installed diffusers (pipeline_stable_diffusion_3.py, transformer_sd3.py,
+scheduling_flow_match_euler_discrete.py) and diffusers' train_dreambooth_lora_sd3.py:
+
+Prompts -> conditioning (``encode_prompt``). Three text encoders read the same caption:
+  CLIP-L (text_encoder, CLIPTextModelWithProjection) and CLIP-G (text_encoder_2, the same class),
+  each with its tokenizer padded to model_max_length (77; the tiny bases 16); their penultimate
+  hidden states (hidden_states[-2], clip_skip None) are concatenated on the feature axis
+  (768 + 1280 = 2048 wide), zero-padded on the right to T5's width (4096) and then concatenated
+  with T5's sequence along the token axis:
+      prompt_embeds = cat([pad(cat([h_L, h_G], -1), T5 width), t5], dim=1)    (B, 77 + L_t5, 4096)
+  T5 (text_encoder_3, T5EncoderModel, tokenizer_3) reads max_sequence_length tokens (the
+  pipeline's default 256, at most 512); its last hidden state. A folder without T5 makes zeros.
+      pooled = cat([text_embeds_L, text_embeds_G], -1)                       (B, 768 + 1280 = 2048)
+  (``text_embeds``: the projected pooler output, ``output[0]`` of CLIPTextModelWithProjection.)
+  The negative / dropped prompt is ``encode([""])``: the pipeline encodes "" through all three
+  encoders (SD3 has no force_zeros_for_empty_prompt), so our null condition is what its CFG uses.
+VAE: 16 latent channels; latents = (z - shift_factor) * scaling_factor (1.5305, 0.0609 in SD3's
+  config); decode z = latents / scaling_factor + shift_factor. Factor 8 (the tiny bases: 4).
+Transformer call: transformer(hidden_states=x (B, 16, h, w), timestep=1000 sigma (B,),
+  encoder_hidden_states=prompt_embeds, pooled_projections=pooled); h and w must be multiples of
+  patch_size (2) and h / 2, w / 2 at most pos_embed_max_size. The output is the velocity
+  noise - x0 (the scheduler steps x += (sigma_next - sigma) out), difftrain's v = eps - x0
+  exactly: no sign flip. difftrain's flow objective conditions the network on 1000 t, which is
+  SD3's timestep as it is.
+Training (the script): x_t = (1 - sigma) x0 + sigma eps, target eps - x0, weighting "none" (1);
+  sigma = the scheduler's sigmas at floor(1000 u) with u from compute_density_for_timestep_sampling
+  (logit_normal by default, mean 0, std 1; or mode with scale 1.29); those sigmas are already
+  shifted by the scheduler's shift (3.0): here diffusion.flow_train_shift = shift.
+Sampling (the pipeline): set_timesteps(N) makes linspace(1, sigma_min, N) (sigma_min = the
+  shifted 1/1000), shifted again, then 0: here diffusion.flow_shift = shift and
+  diffusion.flow_grid_end = sigma_min; CFG with guidance_scale 7.0 by default.
+LoRA: peft on the transformer's attention projections (the script's default targets); files in
+  SD3LoraLoaderMixin's format (``transformer.`` + peft names), written by
+  StableDiffusion3Pipeline.save_lora_weights, read by its lora_state_dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.families import register
+from difftrain.families.base import PromptEncoder, load_part, require_keys
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, parts_digest, t5_length, token_ids
+
+DEFAULT_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default (diffusers' SD3 script: 77)
+KEYS = ("prompt_embeds", "pooled")
+
+
+class SD3Denoiser(TransformerDenoiser):
+    """``net(x (B, 16, h, w), t (B,) = 1000 t, cond) -> (B, 16, h, w)`` velocity eps - x0: an
+    SD3Transformer2DModel called as StableDiffusion3Pipeline calls it.
+    cond: {"prompt_embeds": (B, L_clip + L_t5, joint_attention_dim), "pooled": (B, pooled_projection_dim)}."""
+
+    family = "sd3"
+
+    def check_latent_size(self, h: int, w: int) -> None:
+        super().check_latent_size(h, w)
+        p, most = int(self.model.config.patch_size), self.model.config.pos_embed_max_size
+        if most is not None and max(h, w) // p > most:
+            raise ValueError(f"latents of {h}x{w} are larger than the SD3 transformer's position embedding "
+                             f"takes ({most} patches of {p}: at most {most * p} latent pixels a side)")
+
+    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        require_keys(cond, KEYS, x.shape[0], self.family)
+        self.check_latent_size(x.shape[-2], x.shape[-1])
+        return self.model(hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=cond["prompt_embeds"],
+                          pooled_projections=cond["pooled"], return_dict=False)[0]
+
+
+class SD3PromptEncoder(PromptEncoder):
+    """CLIP-L, CLIP-G and T5 of an SD3 folder, frozen: ``encode(captions, device) -> {"prompt_embeds":
+    (B, L_clip + t5_length, W_t5), "pooled": (B, P_L + P_G)}`` as StableDiffusion3Pipeline.encode_prompt
+    (clip_skip None). Its null condition encode([""]) is the pipeline's negative prompt."""
+
+    def __init__(self, folder: Path, max_sequence_length: int = 0):
+        super().__init__()
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        self.source = str(folder)
+        self.clip_l = frozen(load_part(folder, "text_encoder", CLIPTextModelWithProjection, "CLIP-L text encoder"))
+        self.clip_g = frozen(load_part(folder, "text_encoder_2", CLIPTextModelWithProjection, "CLIP-G text encoder"))
+        self.t5 = frozen(load_part(folder, "text_encoder_3", T5EncoderModel, "T5 text encoder"))
+        self.tok_l = load_part(folder, "tokenizer", CLIPTokenizer, "CLIP-L tokenizer")
+        self.tok_g = load_part(folder, "tokenizer_2", CLIPTokenizer, "CLIP-G tokenizer")
+        self.tok_t5 = load_part(folder, "tokenizer_3", T5TokenizerFast, "T5 tokenizer")
+        self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
+        self.clip_length = int(self.tok_l.model_max_length)
+        self.digest = parts_digest([self.clip_l, self.clip_g, self.t5], [self.tok_l, self.tok_g, self.tok_t5],
+                                   f"t5_length={self.t5_length}")
+
+    @property
+    def dim(self) -> int:
+        """The width of ``prompt_embeds`` (T5's d_model)."""
+        return int(self.t5.config.d_model)
+
+    @torch.no_grad()
+    def encode(self, captions: list[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        embeds, pooled = [], []
+        for model, tok in ((self.clip_l, self.tok_l), (self.clip_g, self.tok_g)):
+            out = model(token_ids(tok, captions, self.clip_length, model.device), output_hidden_states=True)
+            embeds.append(out.hidden_states[-2])
+            pooled.append(out.text_embeds)
+        t5 = self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
+        clip = torch.cat(embeds, dim=-1)
+        clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return {"prompt_embeds": torch.cat([clip, t5], dim=-2).float().to(device),
+                "pooled": torch.cat(pooled, dim=-1).float().to(device)}
+
+
+class SD3Family(TransformerFamily):
+    """Stable Diffusion 3 / 3.5."""
+
+    name = "sd3"
+    pipeline_class = "StableDiffusion3Pipeline"
+    transformer_class = "SD3Transformer2DModel"
+    denoiser_class = SD3Denoiser
+    # diffusers' SD3 script's default LoRA targets: the joint attention's projections of both streams.
+    lora_targets = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                    "attn.to_out.0", "attn.to_q", "attn.to_v")
+    foreign_modules = ("single_transformer_blocks", "x_embedder", "guidance_embedder")  # Flux's
+
+    def training_defaults(self, folder: Path) -> dict[str, object]:
+        """The base's parts, captions on, and rectified flow as diffusers' SD3 script trains it:
+        logit-normal t (0, 1) shifted by the scheduler's shift, sampled on the scheduler's grid."""
+        sched = self.scheduler_config(folder)
+        shift, steps = float(sched.get("shift", 1.0)), int(sched.get("num_train_timesteps", 1000))
+        grid_end = shift * (1 / steps) / (1 + (shift - 1) * (1 / steps))  # the scheduler's sigma_min
+        return {**self._defaults(folder), "diffusion.flow_t_sampling": "logit_normal",
+                "diffusion.flow_logit_mean": 0.0, "diffusion.flow_logit_std": 1.0,
+                "diffusion.flow_train_shift": shift, "diffusion.flow_shift": shift,
+                "diffusion.flow_grid_end": grid_end, "diffusion.flow_dynamic_shift": False}
+
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
+                            max_sequence_length: int = 0) -> SD3PromptEncoder:
+        return SD3PromptEncoder(Path(folder), max_sequence_length).to(device)
+
+
+SD3 = register(SD3Family())
