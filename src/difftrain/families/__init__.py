@@ -7,53 +7,24 @@
 
 Each family is one module of this package (``sd.py``, ``sdxl.py``, ...) that builds a
 :class:`~difftrain.families.base.Family` and registers it here; the interface lives in ``base.py``.
-Adding a family is adding one module and one line in :data:`_MODULES`.
+Adding a family is adding one module and one line in :data:`MODULES`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
-from difftrain.families.base import RECORD_KIND, Denoiser, Family, PromptEncoder, drop_rows
+from difftrain.families.base import (FAMILIES, MODULES, RECORD_KIND, Denoiser, Family, PromptEncoder, drop_rows,
+                                     family_named, load_all, register)
 
 __all__ = ["FAMILIES", "Denoiser", "Family", "PromptEncoder", "detect", "drop_rows", "family_named",
            "family_of_record", "register"]
 
-FAMILIES: dict[str, Family] = {}
-# The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
-_MODULES = ("sd", "sdxl", "sd3", "flux")
 # Folder classes difftrain's own network loads (interop.load_init_weights), not a family's.
 OWN_NETWORK_CLASSES = ("UNet2DModel",)
 # Records of checkpoints written before the families package: the SD UNet's kind.
 _LEGACY_KINDS = {"diffusers.UNet2DConditionModel": "sd"}
-
-
-def register(family: Family) -> Family:
-    """Add ``family`` to :data:`FAMILIES` under ``family.name`` (a family module calls this once)."""
-    if not family.name or family.name in FAMILIES and FAMILIES[family.name] is not family:
-        raise ValueError(f"family name {family.name!r} is empty or taken")
-    FAMILIES[family.name] = family
-    return family
-
-
-def _load_all() -> dict[str, Family]:
-    for module in _MODULES:
-        try:
-            importlib.import_module(f"difftrain.families.{module}")
-        except ModuleNotFoundError as e:  # a family file not written yet (on this branch)
-            if e.name != f"difftrain.families.{module}":
-                raise
-    return FAMILIES
-
-
-def family_named(name: str) -> Family:
-    """The registered family ``name`` (``model.family``), or one ValueError naming the choices."""
-    families = _load_all()
-    if name not in families:
-        raise ValueError(f"model.family must be one of {', '.join(sorted(families))} (or auto), got {name!r}")
-    return families[name]
 
 
 def _class_names(folder: Path) -> tuple[str | None, str | None]:
@@ -83,7 +54,7 @@ def detect(path: str | Path) -> Family:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ValueError(f"base folder {folder} does not exist or is not a folder")
-    families = _load_all()
+    families = load_all()
     pipeline, model = _class_names(folder)
     if model is None and pipeline is None:
         model = _class_names(folder / "unet")[1]
@@ -95,7 +66,7 @@ def detect(path: str | Path) -> Family:
             return family
     found = ", ".join(f"{f} {c}" for f, c in (("model_index.json", pipeline), ("config.json", model)) if c) or \
         "no model_index.json nor config.json with a _class_name"
-    ordered = sorted(families.values(), key=lambda f: _MODULES.index(f.name) if f.name in _MODULES else len(_MODULES))
+    ordered = sorted(families.values(), key=lambda f: MODULES.index(f.name) if f.name in MODULES else len(MODULES))
     supported = ", ".join(f"{f.name} ({f.pipeline_class})" for f in ordered)  # the same order, whatever imported first
     raise ValueError(f"{folder}: not a base folder of a known family (found {found}); supported: {supported}")
 

@@ -25,6 +25,7 @@ do. diffusers and transformers are imported only when a part is loaded.
 
 from __future__ import annotations
 
+import importlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -84,8 +85,6 @@ class Denoiser(nn.Module):
     def record(self) -> dict:
         """What rebuilds this network besides the run's config: ``{"kind": "family", "family": name,
         "config": the diffusers config, "lora_targets": the family's default LoRA targets}``."""
-        from difftrain.families import family_named
-
         return {"kind": RECORD_KIND, "family": self.family, "config": self.config,
                 "lora_targets": list(family_named(self.family).lora_targets)}
 
@@ -99,8 +98,6 @@ class Denoiser(nn.Module):
 
     def fsdp_units(self) -> list[nn.Module]:
         """The blocks FSDP shards one by one (``Family.fsdp_units``; ``runtime/fsdp.py`` calls this)."""
-        from difftrain.families import family_named
-
         return family_named(self.family).fsdp_units(self)
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
@@ -248,7 +245,7 @@ class Family(ABC):
 
     def export_scheduler(self, diffusion) -> dict | None:
         """The scheduler config :meth:`export_pipeline` writes for a run's ``cfg.diffusion``; None (the
-        default): the DDPM-family scheduler ``interop.scheduler_config`` makes (SD, SDXL). SD3 and Flux:
+        default): the DDPM-family scheduler ``scheduler_configs.scheduler_config`` makes (SD, SDXL). SD3 and Flux:
         FlowMatchEulerDiscreteScheduler settings of the flow keys."""
         return None
 
@@ -343,3 +340,38 @@ def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
         raise ValueError(f"{folder}: cannot load the {what} in {sub}/: {first_line(e)}") from None
     check_loading_info(info, what, path)
     return part.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry (families/__init__.py re-exports it; kept here so the interface needs no import of the package).
+
+FAMILIES: dict[str, Family] = {}
+# The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
+MODULES = ("sd", "sdxl", "sd3", "flux")
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to :data:`FAMILIES` under ``family.name`` (a family module calls this once)."""
+    if not family.name or family.name in FAMILIES and FAMILIES[family.name] is not family:
+        raise ValueError(f"family name {family.name!r} is empty or taken")
+    FAMILIES[family.name] = family
+    return family
+
+
+def load_all() -> dict[str, Family]:
+    """:data:`FAMILIES` with every module of :data:`MODULES` imported (each registers its family)."""
+    for module in MODULES:
+        try:
+            importlib.import_module(f"difftrain.families.{module}")
+        except ModuleNotFoundError as e:  # a family file not written yet (on this branch)
+            if e.name != f"difftrain.families.{module}":
+                raise
+    return FAMILIES
+
+
+def family_named(name: str) -> Family:
+    """The registered family ``name`` (``model.family``), or one ValueError naming the choices."""
+    families = load_all()
+    if name not in families:
+        raise ValueError(f"model.family must be one of {', '.join(sorted(families))} (or auto), got {name!r}")
+    return families[name]
