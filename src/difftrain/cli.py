@@ -284,8 +284,9 @@ def _export(args: argparse.Namespace) -> int:
     weights = ("raw" if args.no_ema else "EMA") + (" merged" if args.merge else "")
     print(f"difftrain: {weights} weights of {args.run} exported as {args.format} to {written}")
     if args.format == "diffusers" and (written / "README.md").is_file():
-        print(f"difftrain: note: class-conditional model: DDPMPipeline / DDIMPipeline pass no class labels; "
-              f"sample with the loop in {written / 'README.md'}")
+        # a class-conditional, EDM or flow model: no stock pipeline samples it as difftrain does (README says why)
+        print(f"difftrain: note: sample with the loop in {written / 'README.md'} (a stock pipeline would not sample "
+              f"this model as difftrain does; the README says why)")
     return 0
 
 

@@ -92,3 +92,13 @@ def test_edm_timestep_map_is_difftrains_conditioning():
     scale, offset = edm_timestep_map(objective)
     sigma = torch.tensor([0.002, 0.3, 1.0, 7.0, 80.0], dtype=torch.float64)
     torch.testing.assert_close(scale * sigma.log() / 4 + offset, objective.cond(sigma).double(), rtol=0, atol=1e-4)
+
+
+def test_the_export_command_points_an_unconditional_edm_model_to_its_readme(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    from difftrain.cli import main
+
+    make_checkpoint(tmp_path, "diffusion.objective=edm")
+    assert main(["export", str(tmp_path), str(tmp_path / "out"), "--format", "diffusers"]) == 0
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert str(tmp_path / "out" / "README.md") in note and "class-conditional" not in note, note
