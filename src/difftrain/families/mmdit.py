@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from difftrain.families.base import Denoiser, Family, load_part, read_json
 from difftrain.models.text import first_line
 
-LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
 PATCH = 2  # the transformers' patch side (SD3's patch_size, Flux's 2x2 packing) in every released base
 
 
@@ -153,24 +152,9 @@ class TransformerFamily(Family):
                   metadata: dict[str, str] | None = None) -> Path:
         """``out``/pytorch_lora_weights.safetensors through the pipeline's save_lora_weights
         (``transformer.`` + peft names, peft's LoraConfig as metadata), ``metadata`` added."""
-        import diffusers
-        from safetensors import safe_open
-        from safetensors.torch import save
+        from difftrain.families.sd import save_pipeline_lora
 
-        from difftrain.runtime.files import atomic_write_bytes
-
-        out = Path(out)
-        tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
-        getattr(diffusers, self.pipeline_class).save_lora_weights(
-            str(out), transformer_lora_layers=tensors,
-            transformer_lora_adapter_metadata=dict(lora_config) if lora_config else None)
-        file = out / LORA_WEIGHT_NAME
-        if metadata:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                merged = {**(f.metadata() or {}), **metadata}
-                written = {k: f.get_tensor(k) for k in f.keys()}
-            atomic_write_bytes(file, save(written, metadata=merged))
-        return file
+        return save_pipeline_lora(self.pipeline_class, "transformer", adapter, lora_config, Path(out), metadata)
 
     def read_lora(self, path: Path, denoiser: Denoiser | None = None) -> dict[str, Tensor]:
         """The transformer's LoRA tensors (peft names) of a file the pipeline's lora_state_dict reads;

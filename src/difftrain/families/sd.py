@@ -242,7 +242,7 @@ def save_pipeline_lora(pipeline_class: str, denoiser_name: str, adapter: dict[st
     out = Path(out)
     tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
     cls.save_lora_weights(str(out), **{f"{denoiser_name}_lora_layers": tensors,
-                                       f"{denoiser_name}_lora_adapter_metadata": dict(lora_config)})
+                                       f"{denoiser_name}_lora_adapter_metadata": dict(lora_config) if lora_config else None})
     file = out / LORA_WEIGHT_NAME
     if metadata:
         with safe_open(str(file), framework="pt", device="cpu") as f:
