@@ -42,10 +42,12 @@ def _digests(run):
     return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
 
 
-def test_sdxl_lora_trains_from_the_bare_command_and_resumes_exactly(root):
+def test_sdxl_lora_trains_from_the_bare_command_and_resumes_exactly(root, capfd):
     cfg = load_config(None, _overrides(root))
     assert cfg.model.text_encoder == str(root / "sdxl") and cfg.diffusion.schedule == "scaled_linear"
     train(cfg, root / "straight")
+    start = capfd.readouterr()
+    assert "sdxl UNet2DConditionModel" in start.out  # the start line names the base's network
     train(cfg, root / "resumed", stop_at_step=2)
     assert train(cfg, root / "resumed").step == 4
     assert _digests(root / "straight") == _digests(root / "resumed")

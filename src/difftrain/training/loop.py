@@ -325,7 +325,10 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     tc, w = cfg.train, dctx.world_size
     params = sum(p.numel() for p in state.model.parameters())
     trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
-    network = f"{cfg.model.preset} UNet {params / 1e6:.2f}M parameters"
+    base = getattr(state.model, "base", state.model)  # under a LoRA adapter (models/lora.py), its base
+    family = getattr(base, "family", None)  # a base family's denoiser (difftrain.families)
+    kind = f"{family} {type(base.model).__name__}" if family else f"{cfg.model.preset} UNet"
+    network = f"{kind} {params / 1e6:.2f}M parameters"
     if trained < params:  # LoRA: the adapter trains, the base is frozen
         network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank})"
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
