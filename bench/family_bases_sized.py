@@ -1,0 +1,175 @@
+"""Small random SDXL, SD3 and Flux base folders that keep the real families' proportions of work:
+text encoders against denoiser by parameters (SDXL about 0.3: CLIP-L + CLIP-bigG against the UNet;
+SD3 about 2.8: CLIP-L + CLIP-G + T5-XXL against the MMDiT; Flux about 0.4: CLIP-L + T5-XXL against
+the transformer), built offline like tests/family_bases.py (the same tokenizers, the same classes,
+wider and deeper). ``bench/family_peer_speed.py --size proportioned`` trains on them.
+
+    write_proportioned(family, path)   -> path; family in ("sdxl", "sd3", "flux")
+    parameter_counts(path)             -> {"denoiser": n, "text encoders": n, "vae": n, "ratio": text / denoiser}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests import family_bases as fb  # noqa: E402
+from tests.text_components import TEXT_LENGTH, tiny_vae, write_tiny_tokenizer  # noqa: E402
+
+# The real families' text-encoder / denoiser parameter ratios these folders aim at.
+TARGET_RATIO = {"sdxl": 0.3, "sd3": 2.8, "flux": 0.4}
+
+
+def _clip(vocab, width: int, layers: int, seed: int, projection: bool):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from difftrain.models.text import BOS, EOS
+
+    config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=width, intermediate_size=4 * width,
+                            num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=TEXT_LENGTH,
+                            projection_dim=width, bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],
+                            pad_token_id=vocab[EOS])
+    return fb._seeded(seed, lambda: (CLIPTextModelWithProjection if projection else CLIPTextModel)(config))
+
+
+def _t5(vocab_size: int, width: int, layers: int, seed: int):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=vocab_size, d_model=width, d_kv=width // 4, d_ff=4 * width, num_layers=layers,
+                      num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    return fb._seeded(seed, lambda: T5EncoderModel(config))
+
+
+def _tokenizer(folder: Path):
+    from transformers import CLIPTokenizer
+
+    write_tiny_tokenizer(folder)
+    return CLIPTokenizer.from_pretrained(str(folder)), json.loads((folder / "vocab.json").read_text())
+
+
+def _restore(path: Path, *names: str) -> None:
+    for name in names:
+        for f in (path / name).iterdir():
+            f.unlink()
+        write_tiny_tokenizer(path / name)
+
+
+def write_sdxl(path: Path, seed: int = 0) -> Path:
+    """UNet (64, 128) channels, 2 blocks per level; CLIP-L 64 wide and CLIP-bigG 128 wide, 5 layers each."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer, vocab = _tokenizer(path / "tokenizer")
+    w1, w2, time_dim = 64, 128, 16
+    unet = fb._seeded(seed, lambda: UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(64, 128),
+        norm_num_groups=16, attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=w1 + w2,
+        addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+        projection_class_embeddings_input_dim=6 * time_dim + w2, use_linear_projection=True,
+        transformer_layers_per_block=(1, 1)))
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
+    pipe = StableDiffusionXLPipeline(
+        vae=tiny_vae(seed), text_encoder=_clip(vocab, w1, 5, seed + 1, projection=False),
+        text_encoder_2=_clip(vocab, w2, 5, seed + 2, projection=True), tokenizer=tokenizer, tokenizer_2=tokenizer,
+        unet=unet, scheduler=scheduler)
+    pipe.save_pretrained(path)
+    _restore(path, "tokenizer", "tokenizer_2")
+    return path
+
+
+def write_sd3(path: Path, seed: int = 0) -> Path:
+    """MMDiT 4 layers, 4 heads of 16; CLIP-L 32 and CLIP-G 64 wide; a T5 192 wide, 4 layers (the T5 is
+    most of the text work, as T5-XXL is in SD3)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer, vocab = _tokenizer(path / "tokenizer")
+    t5_tokenizer = fb.tiny_t5_tokenizer()
+    l_width, g_width, t5_width = 32, 64, 192
+    transformer = fb._seeded(seed, lambda: SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=fb.LATENT_CHANNELS, num_layers=4, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=t5_width, caption_projection_dim=64,
+        pooled_projection_dim=l_width + g_width, out_channels=fb.LATENT_CHANNELS, pos_embed_max_size=32))
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**fb.SD3_SCHEDULER),
+        vae=fb.tiny_vae16(seed, **fb.SD3_VAE),
+        text_encoder=_clip(vocab, l_width, 2, seed + 1, projection=True), tokenizer=tokenizer,
+        text_encoder_2=_clip(vocab, g_width, 2, seed + 2, projection=True), tokenizer_2=tokenizer,
+        text_encoder_3=_t5(len(t5_tokenizer), t5_width, 4, seed + 3), tokenizer_3=t5_tokenizer)
+    pipe.save_pretrained(path)
+    _restore(path, "tokenizer", "tokenizer_2")
+    return path
+
+
+def write_flux(path: Path, seed: int = 0) -> Path:
+    """Flux transformer 2 double + 4 single blocks, 4 heads of 16; CLIP-L 32 wide; a T5 96 wide, 2 layers."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer, vocab = _tokenizer(path / "tokenizer")
+    t5_tokenizer = fb.tiny_t5_tokenizer()
+    clip_width, t5_width = 32, 96
+    transformer = fb._seeded(seed, lambda: FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * fb.LATENT_CHANNELS, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6)))
+    pipe = FluxPipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**fb.FLUX_SCHEDULER),
+        vae=fb.tiny_vae16(seed, **fb.FLUX_VAE),
+        text_encoder=_clip(vocab, clip_width, 2, seed + 1, projection=False), tokenizer=tokenizer,
+        text_encoder_2=_t5(len(t5_tokenizer), t5_width, 2, seed + 3), tokenizer_2=t5_tokenizer)
+    pipe.save_pretrained(path)
+    _restore(path, "tokenizer")
+    return path
+
+
+WRITERS = {"sdxl": write_sdxl, "sd3": write_sd3, "flux": write_flux}
+TINY_WRITERS = {"sdxl": fb.write_tiny_sdxl_folder, "sd3": fb.write_tiny_sd3_folder, "flux": fb.write_tiny_flux_folder}
+
+
+def write_base(family: str, size: str, path: Path) -> Path:
+    """The ``size`` ("tiny": tests/family_bases.py's; "proportioned": this file's) base of ``family``."""
+    if not (path / "model_index.json").is_file():
+        (TINY_WRITERS if size == "tiny" else WRITERS)[family](path)
+    return path
+
+
+def parameter_counts(path: Path) -> dict:
+    """Parameters of the folder's denoiser, text encoders (together) and VAE, from its safetensors headers."""
+    from safetensors import safe_open
+
+    def count(sub: str) -> int:
+        n = 0
+        for f in sorted((path / sub).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    n += st.get_slice(key).get_shape() and _numel(st.get_slice(key).get_shape())
+        return n
+
+    denoiser = count("unet") + count("transformer")
+    text = sum(count(d.name) for d in path.iterdir() if d.is_dir() and d.name.startswith("text_encoder"))
+    return {"denoiser": denoiser, "text encoders": text, "vae": count("vae"), "ratio": text / denoiser}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    for family in WRITERS:
+        with tempfile.TemporaryDirectory() as tmp:
+            for size in ("tiny", "proportioned"):
+                counts = parameter_counts(write_base(family, size, Path(tmp) / size))
+                print(family, size, counts, "target", TARGET_RATIO[family])

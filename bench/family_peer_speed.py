@@ -1,0 +1,164 @@
+"""LoRA fine-tuning speed and peak memory of SDXL, SD3 and Flux bases beside diffusers' own scripts
+(``train_text_to_image_lora_sdxl.py``, ``train_dreambooth_lora_sd3.py``, ``train_dreambooth_lora_flux.py``,
+unchanged, from ../shared/peers): the same base, captioned images, batch, steps, LR plan, rank and fp32,
+both at the same time, one core each; steps per second from each one's own log, peak RSS from
+``/usr/bin/time``.
+
+    python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --family sdxl --size tiny
+    python bench/family_peer_speed.py ... --family sd3 --size proportioned --cores 1,0   # cores swapped
+
+``--size tiny`` trains the bases the tests use (tests/family_bases.py); ``--size proportioned`` the
+bases of bench/family_bases_sized.py, whose text encoders weigh against the denoiser as the real
+family's do (SDXL 0.3, SD3 2.8, Flux 0.4), because what the peer repeats at every step (each text
+encoder on the batch's captions, the VAE on its images) is where a trainer that computes them once
+wins on real models.
+
+difftrain runs the family's preset (configs/FAMILY-lora.toml) with only what the comparison has to
+match set on the command line: data, resolution, batch 1 x accumulation 1 -> ``--batch``, steps,
+LR (constant, no warm-up), rank and alpha, fp32, no flips, no validation, workers 0. Everything
+else is difftrain's default (its latent cache, its EMA of the adapter). What each side computes per
+step is printed under the table (a benchmark, not a test; results go to docs/fine_tuning.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from family_bases_sized import parameter_counts, write_base  # noqa: E402
+
+SCRIPTS = {"sdxl": "train_text_to_image_lora_sdxl.py", "sd3": "train_dreambooth_lora_sd3.py",
+           "flux": "train_dreambooth_lora_flux.py"}
+T5_TOKENS = 24  # the bases' T5 tokenizer length (tests/family_bases.T5_LENGTH), passed to the peers as well
+
+
+def write_data(folder: Path, images: int, resolution: int) -> Path:
+    """``images`` built-in shapes as PNGs with a metadata.jsonl of their captions (both read it)."""
+    from PIL import Image
+
+    from difftrain.data.builtin import describe_shape, draw_shape, shape_caption
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(images):
+        Image.fromarray(draw_shape(i, resolution)[0]).save(folder / f"{i:05d}.png")
+        lines.append(json.dumps({"file_name": f"{i:05d}.png", "text": shape_caption(describe_shape(i, resolution))}))
+    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def peer_command(family: str, base: Path, data: Path, out: Path, args) -> list[str]:
+    common = ["--pretrained_model_name_or_path", str(base), "--resolution", str(args.resolution),
+              "--train_batch_size", str(args.batch), "--max_train_steps", str(args.steps),
+              "--learning_rate", str(args.lr), "--lr_scheduler", "constant", "--lr_warmup_steps", "0",
+              "--rank", str(args.rank), "--output_dir", str(out), "--seed", "0", "--dataloader_num_workers", "0",
+              "--checkpointing_steps", "100000", "--caption_column", "text"]
+    if family == "sdxl":
+        return common + ["--train_data_dir", str(data)]
+    return common + ["--dataset_name", str(data), "--image_column", "image", "--instance_prompt", "a shape",
+                     "--max_sequence_length", str(T5_TOKENS)]
+
+
+def our_command(family: str, base: Path, data: Path, run_dir: Path, args) -> list[str]:
+    cmd = [sys.executable, "-m", "difftrain", "train", "--config", str(ROOT / "configs" / f"{family}-lora.toml"),
+           "--run-dir", str(run_dir)]
+    for o in [f"model.init_from={base}", f"data.path={data}", f"data.resolution={args.resolution}",
+              "data.random_flip=false", "data.num_workers=0", f"lora.rank={args.rank}", f"lora.alpha={args.rank}",
+              f"optim.lr={args.lr}", "optim.lr_schedule=constant", "optim.warmup_steps=0",
+              f"train.batch_size={args.batch}", "train.grad_accum_steps=1", f"train.total_steps={args.steps}",
+              "train.log_every_steps=5", "train.precision=fp32", "train.device=cpu", "train.seed=0",
+              "train.progress_bar=false", "validation.every_steps=0", f"checkpoint.every_steps={args.steps}",
+              f"model.max_sequence_length={T5_TOKENS if family != 'sdxl' else 0}"]:
+        cmd += ["--set", o]
+    return cmd
+
+
+def rate(times: dict[int, float], skip: int) -> tuple[float, int, int]:
+    """(steps / s, first, last step) between the first logged step >= ``skip`` and the last."""
+    first, last = min(s for s in times if s >= skip), max(times)
+    return (last - first) / (times[last] - times[first]), first, last
+
+
+def peer_times(log: str) -> dict[int, float]:
+    """Step -> elapsed seconds from the peer's ``Steps:`` progress bar (tqdm, whole seconds)."""
+    times: dict[int, float] = {}
+    for n, mm, ss in re.findall(r"Steps:[^|]*\|[^|]*\| *(\d+)/\d+ \[(\d+):(\d+)<", log):
+        times.setdefault(int(n), 60 * int(mm) + int(ss))
+    return times
+
+
+def difftrain_times(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["time"] for r in rows if "time" in r}
+
+
+def peak_mib(log: str) -> float:
+    """``/usr/bin/time -f 'peak-kib %M'``'s last report, in MiB."""
+    return int(re.findall(r"peak-kib (\d+)", log)[-1]) / 1024
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--peer-python", required=True, help="a Python with diffusers, accelerate, peft, datasets")
+    p.add_argument("--family", choices=sorted(SCRIPTS), required=True)
+    p.add_argument("--size", choices=("tiny", "proportioned"), default="tiny")
+    p.add_argument("--work", default="/tmp/family-peer-speed")
+    p.add_argument("--images", type=int, default=32)
+    p.add_argument("--resolution", type=int, default=None, help="default: 32 tiny, 64 proportioned")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--skip", type=int, default=20, help="steps left out of the rate (start-up, first steps)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--cores", default="0,1", help="the peer's core and difftrain's (swap them for a second run)")
+    args = p.parse_args()
+    args.resolution = args.resolution or (32 if args.size == "tiny" else 64)
+    work = Path(args.work) / f"{args.family}-{args.size}"
+    base = write_base(args.family, args.size, work / "base")
+    data = write_data(work / "data", args.images, args.resolution)
+    peer_out, run_dir = work / "peer-out", work / "difftrain-run"
+    peer_core, our_core = args.cores.split(",")
+    timed = ["/usr/bin/time", "-f", "peak-kib %M", "taskset", "-c"]
+    peer = timed + [peer_core, args.peer_python, str(PEERS / SCRIPTS[args.family])] + peer_command(
+        args.family, base, data, peer_out, args)
+    ours = timed + [our_core] + our_command(args.family, base, data, run_dir, args)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+    for cmd in (peer, ours):
+        print("$ OMP_NUM_THREADS=1 " + " ".join(cmd))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(peer_out, ignore_errors=True)
+    with open(work / "peer.log", "w") as peer_log, open(work / "difftrain.log", "w") as our_log:
+        procs = [subprocess.Popen(peer, env=env, stdout=peer_log, stderr=subprocess.STDOUT),
+                 subprocess.Popen(ours, env=env, stdout=our_log, stderr=subprocess.STDOUT)]
+        codes = [proc.wait() for proc in procs]
+    if any(codes):
+        print(f"exit codes: peer {codes[0]}, difftrain {codes[1]}; logs in {work}", file=sys.stderr)
+        return 1
+    peer_log, our_log = (work / "peer.log").read_text(), (work / "difftrain.log").read_text()
+    peer_sps, p0, p1 = rate(peer_times(peer_log), args.skip)
+    ours_sps, o0, o1 = rate(difftrain_times(run_dir), args.skip)
+    counts = parameter_counts(base)
+    print(f"\n{args.family} {args.size} base: denoiser {counts['denoiser']:,} parameters, text encoders "
+          f"{counts['text encoders']:,} (ratio {counts['ratio']:.2f}), VAE {counts['vae']:,}; "
+          f"{args.images} images at {args.resolution} px, batch {args.batch}, rank {args.rank}, fp32")
+    print("\n| program | core | steps timed | steps / s | peak RSS MiB |\n|---|---|---|---:|---:|")
+    print(f"| diffusers {SCRIPTS[args.family]} | {peer_core} | {p0}-{p1} | {peer_sps:.2f} | {peak_mib(peer_log):.0f} |")
+    print(f"| difftrain train --config configs/{args.family}-lora.toml | {our_core} | {o0}-{o1} | {ours_sps:.2f} "
+          f"| {peak_mib(our_log):.0f} |")
+    print(f"difftrain / diffusers: {ours_sps / peer_sps:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
