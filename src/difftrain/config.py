@@ -150,6 +150,10 @@ class ModelConfig(_Section):
     # its latents cached once. "" = train on pixels
     vae: str = ""
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    # EDM2's magnitude-preserving layers in difftrain's UNet (from scratch): every conv and linear layer
+    # computes with unit-norm weight rows, and the stored rows are put back to unit RMS after each
+    # optimizer step (forced weight normalisation; pair it with optim.lr_schedule = "inverse_sqrt")
+    magnitude_preserving: bool = False
     max_sequence_length: int = 0  # T5 tokens per prompt of an SD3 / Flux base; 0 = its pipeline's default (256 / 512)
     # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
     # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers
@@ -618,6 +622,9 @@ def _check_objective(cfg: Config) -> None:
            "diffusion.zero_terminal_snr needs diffusion.prediction='v' (or 'x0'): epsilon has no x0 at SNR 0")
     _check(not (dc.uncertainty_weighting and cfg.lora.rank), "diffusion.uncertainty_weighting trains a head of "
            "difftrain's own UNet; a LoRA run (lora.rank > 0) trains the adapter alone")
+    _check(not (cfg.model.magnitude_preserving and (cfg.lora.rank or cfg.model.init_from)),
+           "model.magnitude_preserving builds difftrain's UNet from scratch; it does not combine with lora.rank > 0 or "
+           "model.init_from (a LoRA or a base's weights are not weight-normalised)")
     names = OBJECTIVE_SAMPLERS[dc.objective]
     samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
     bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message
@@ -711,6 +718,9 @@ def validate(cfg: Config) -> None:
            "optim.name='schedulefree' averages its own iterates and takes no decay: set optim.lr_schedule = 'constant'")
     _check(o.name == "adamw" or t.cuda_graphs != "on",
            f"optim.name={o.name!r} is not captured in a CUDA graph (verified with adamw only): set train.cuda_graphs to 'auto' or 'off'")
+    _check(not (cfg.model.magnitude_preserving and (o.name == "schedulefree" or t.parallel == "fsdp")),
+           "model.magnitude_preserving renormalises the weights after each optimizer step: verified with "
+           "train.parallel='none' or 'ddp' and every optimizer but schedulefree (whose iterates it would move)")
     _check(o.name == "adamw" or t.parallel != "fsdp",
            f"optim.name={o.name!r} is not verified under train.parallel='fsdp' (adamw is): use adamw or train.parallel='ddp'")
     _check(t.total_steps >= 1, f"train.total_steps must be >= 1, got {t.total_steps}")

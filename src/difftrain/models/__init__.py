@@ -86,6 +86,7 @@ def build_model(
         context_dim=context_dim,
         gradient_checkpointing=m.gradient_checkpointing,
         **({"logvar_channels": LOGVAR_CHANNELS} if cfg.diffusion.uncertainty_weighting else {}),
+        **({"magnitude_preserving": True} if m.magnitude_preserving else {}),
         **overrides,
     )
 

@@ -15,7 +15,7 @@ import re
 
 from torch import Tensor
 
-from difftrain.models.layers import NORM_EPS
+from difftrain.models.layers import NORM_EPS, bake_magnitude_preserving
 from difftrain.models.unet import UNet
 
 # difftrain name -> diffusers name: the first matching block rename, then every matching layer
@@ -115,4 +115,5 @@ def to_diffusers_state_dict(model: UNet) -> dict[str, Tensor]:
     """`model`'s parameters under diffusers `UNet2DModel` names (tensors share storage with model)."""
     _check_exportable(model)
     # The learned loss weighting (logvar.*) acts in training only: diffusers has no place for it.
-    return {diffusers_name(name): tensor for name, tensor in model.state_dict().items() if not name.startswith("logvar.")}
+    state = bake_magnitude_preserving(model.state_dict(), model)  # MP layers: the weights they compute with
+    return {diffusers_name(name): tensor for name, tensor in state.items() if not name.startswith("logvar.")}

@@ -228,3 +228,108 @@ class UncertaintyHead(nn.Module):
         x = t.float()[:, None] / 250.0
         features = torch.cos(2 * math.pi * (x * self.freqs + self.phases)) * math.sqrt(2.0)
         return self.linear(features).float().reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# EDM2's magnitude-preserving learned layers (Karras et al. 2024, "Analyzing and improving the
+# training dynamics of diffusion models", sec. 2.3-2.4, configs D and E of its Table 1).
+
+MP_EPS = 1e-4  # EDM2's epsilon of the weight normalisation
+
+
+def mp_normalize(w: Tensor, eps: float = MP_EPS) -> Tensor:
+    """``w`` (C_out, ...) with each output row scaled to unit RMS over its fan-in: w_i / (eps + rms(w_i))."""
+    dims = tuple(range(1, w.ndim))
+    rms = torch.linalg.vector_norm(w, dim=dims, keepdim=True, dtype=torch.float32) / math.sqrt(w[0].numel())
+    return w / (eps + rms).to(w.dtype)
+
+
+class _MagnitudePreserving:
+    """Weight normalisation on use: the layer computes with ``gain * normalize(weight) / sqrt(fan_in)``,
+    unit-norm rows, so unit-variance inputs give unit-variance outputs whatever the stored weights'
+    scale (EDM2 config D). ``gain`` is a learned scalar only where the DDPM UNet zero-initialises a
+    layer (the last layer of each residual branch, ``conv_out``): it starts at 0 there, so the
+    network still starts with zero residual branches; elsewhere it is 1. ``renormalize_()`` is
+    EDM2's forced weight normalisation (config E): the stored rows are put back to unit RMS after
+    every optimizer step (``difftrain.training.optimizers``), so the effective learning rate does
+    not decay as the weights grow. The bias is kept (zero-initialised)."""
+
+    gain: nn.Parameter | None
+
+    def effective_weight(self) -> Tensor:
+        w = mp_normalize(self.weight) / math.sqrt(self.weight[0].numel())
+        return w if self.gain is None else w * self.gain
+
+    @torch.no_grad()
+    def renormalize_(self) -> None:
+        self.weight.copy_(mp_normalize(self.weight))
+
+
+class MPConv2d(_MagnitudePreserving, nn.Conv2d):
+    """nn.Conv2d with magnitude-preserving weights: (B, C_in, H, W) -> (B, C_out, H', W')."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._conv_forward(x, self.effective_weight(), self.bias)
+
+
+class MPLinear(_MagnitudePreserving, nn.Linear):
+    """nn.Linear with magnitude-preserving weights: (..., in) -> (..., out)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.effective_weight(), self.bias)
+
+
+def _mp_copy(layer: nn.Module) -> nn.Module:
+    """The magnitude-preserving twin of an nn.Conv2d or nn.Linear, holding a unit-RMS random weight
+    (seeded from the global RNG, as the layer's own init) and the layer's bias."""
+    if isinstance(layer, nn.Conv2d):
+        mp = MPConv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                      padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
+                      bias=layer.bias is not None, padding_mode=layer.padding_mode)
+    else:
+        mp = MPLinear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    zero_init = not bool(layer.weight.detach().any())
+    with torch.no_grad():
+        mp.weight.normal_()
+        mp.renormalize_()
+        if mp.bias is not None:
+            mp.bias.copy_(layer.bias)
+    mp.gain = nn.Parameter(torch.zeros(())) if zero_init else None
+    return mp
+
+
+def make_magnitude_preserving(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Replace every plain nn.Conv2d and nn.Linear of ``model`` by its magnitude-preserving twin,
+    except under the submodules named in ``skip``; returns how many. Call after the model's own
+    init: a layer it zero-initialised gets a zero learned gain."""
+    replaced = 0
+    for name, parent in list(model.named_modules()):
+        if any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        for child_name, child in list(parent.named_children()):
+            qualified = f"{name}.{child_name}" if name else child_name
+            if type(child) in (nn.Conv2d, nn.Linear) and qualified not in skip:
+                setattr(parent, child_name, _mp_copy(child))
+                replaced += 1
+    return replaced
+
+
+def renormalize_magnitude_preserving_(model: nn.Module) -> None:
+    """EDM2's forced weight normalisation of every magnitude-preserving layer of ``model``."""
+    for module in model.modules():
+        if isinstance(module, _MagnitudePreserving):
+            module.renormalize_()
+
+
+def bake_magnitude_preserving(state_dict: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """``state_dict`` with each magnitude-preserving layer's weight replaced by the weight it computes
+    with (gain included) and its ``gain`` entry dropped: the plain layers' state dict of the same
+    function (what an export to diffusers' classes writes)."""
+    out = dict(state_dict)
+    for name, module in model.named_modules():
+        if isinstance(module, _MagnitudePreserving):
+            prefix = f"{name}." if name else ""
+            with torch.no_grad():
+                out[prefix + "weight"] = module.effective_weight().detach().clone()
+            out.pop(prefix + "gain", None)
+    return out

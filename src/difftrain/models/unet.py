@@ -24,6 +24,7 @@ from difftrain.models.layers import (
     UncertaintyHead,
     Upsample,
     group_norm,
+    make_magnitude_preserving,
 )
 
 
@@ -112,6 +113,10 @@ class UNet(nn.Module):
         context_dim: width D_ctx of the text embeddings (B, L, D_ctx) cross-attended in every
             attention block (those of attention_resolutions and the middle block); 0 for none.
             Exclusive with num_classes.
+        logvar_channels: > 0 adds EDM2's learned loss weighting head (``logvar``).
+        magnitude_preserving: every convolution and linear layer computes with EDM2's
+            weight-normalised weights (``layers.MPConv2d`` / ``MPLinear``; the zero-initialised
+            ones get a learned gain starting at 0); the state dict gains those ``gain`` entries.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class UNet(nn.Module):
         gradient_checkpointing: bool = False,
         context_dim: int = 0,
         logvar_channels: int = 0,
+        magnitude_preserving: bool = False,
     ) -> None:
         super().__init__()
         channel_mult = tuple(channel_mult)
@@ -165,6 +171,7 @@ class UNet(nn.Module):
             # EDM2's learned loss weighting (diffusion.uncertainty_weighting); only when on, so
             # the configs of other runs are unchanged
             **({"logvar_channels": logvar_channels} if logvar_channels else {}),
+            **({"magnitude_preserving": True} if magnitude_preserving else {}),  # EDM2's MP layers, likewise
         )
         self.num_classes = num_classes
         self.context_dim = context_dim
@@ -219,6 +226,8 @@ class UNet(nn.Module):
         self.conv_out = nn.Conv2d(c_in, out_channels, 3, padding=1)
 
         self._init_weights()
+        if magnitude_preserving:
+            make_magnitude_preserving(self)
         # Built after the init (zeros of its own), so the other layers' initial weights do not depend on it.
         self.logvar = UncertaintyHead(logvar_channels) if logvar_channels else None
         self.set_gradient_checkpointing(gradient_checkpointing)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from difftrain.config import Config, OptimConfig, OptimizerName
+from difftrain.models.layers import renormalize_magnitude_preserving_
 from difftrain.runtime.optional import require
 
 Params = list[torch.Tensor]
@@ -109,8 +110,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 
 
 def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """``optim.name``'s optimizer over the parameters that train (not a LoRA run's frozen base)."""
-    return OPTIMIZERS[cfg.optim.name].build([p for p in model.parameters() if p.requires_grad], cfg.optim, device)
+    """``optim.name``'s optimizer over the parameters that train (not a LoRA run's frozen base). A
+    model with magnitude-preserving layers (``model.magnitude_preserving``) has their weights put back
+    to unit-RMS rows after every step (EDM2's forced weight normalisation)."""
+    optimizer = OPTIMIZERS[cfg.optim.name].build([p for p in model.parameters() if p.requires_grad], cfg.optim, device)
+    if cfg.model.magnitude_preserving:
+        optimizer.register_step_post_hook(lambda *_: renormalize_magnitude_preserving_(model))
+    return optimizer
 
 
 def state_bytes(name: OptimizerName, shapes: list[torch.Size]) -> int:
