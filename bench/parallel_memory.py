@@ -68,7 +68,7 @@ def estimated_rows() -> list[tuple]:
 
 
 def print_table(rows: list[tuple]) -> None:
-    print(f"| model | parallel | ranks | params | grads | optimizer | EMA | transient | total per rank | figures |")
+    print("| model | parallel | ranks | params | grads | optimizer | EMA | transient | total per rank | figures |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|---|")
     for model, parallel, ranks, m, how in rows:
         sizes = " | ".join(f"{v / GiB:.2f}" for v in (m.params, m.grads, m.optimizer, m.ema, m.transient, m.total))

@@ -4,7 +4,6 @@ calls; export and LoRA files load in the pipelines; bad inputs get one line."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

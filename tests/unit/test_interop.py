@@ -12,7 +12,7 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.inference import load_model
 from difftrain.interop import load_weights_file, save_weights_file, scheduler_config
 from difftrain.sampling import guided_network
-from difftrain.training.checkpoint import load_checkpoint, load_weights, save_checkpoint, state_dict_sha256
+from difftrain.training.checkpoint import load_checkpoint, save_checkpoint, state_dict_sha256
 from difftrain.training.state import RunState
 
 # A very small UNet: the tests compare samplers, not image quality.

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from difftrain.cli import main
-from difftrain.config import load_config
 from difftrain.models import build_unet
 from difftrain.tools.parallel_memory import fsdp_blocks, fsdp_units, rank_memory, shard_numel
 

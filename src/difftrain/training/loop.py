@@ -9,8 +9,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from difftrain.conditioning import Conditioning
 from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
