@@ -23,6 +23,12 @@ class IndexSubset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    @property
+    def bucket_shapes(self):
+        """The parent's bucket shapes (``data/buckets.py``) of these items, or None."""
+        shapes = getattr(self.dataset, "bucket_shapes", None)
+        return None if shapes is None else shapes[self.indices]
+
     def __getitem__(self, key: int | tuple[int, int]):
         index, seed = split_key(key)
         inner = self.indices[index]

@@ -44,6 +44,7 @@ class MicroBatch:
 
 def draw_micro_batch(
     state: RunState, objective: Objective, x0: torch.Tensor, second, micro: int, dctx: DistContext,
+    geometry: torch.Tensor | None = None,
 ) -> MicroBatch:
     """Move a loaded micro-batch to the device and draw its noise levels, noise, condition dropout,
     (latent runs) the latents from their cached distribution, and then, only where their keys are
@@ -51,7 +52,8 @@ def draw_micro_batch(
 
     x0: (B, C, H, W) images in [-1, 1], or (B, 2c, h, w) latent means and stds (``data/latents.py``);
     second: labels (B,) long or captions (B strings), turned into the network's condition by
-    ``state.conditioning``.
+    ``state.conditioning``; geometry: (B, 4) long, each image's original size and crop (a bucketed
+    dataset's third entry), which a base family's image condition takes (SDXL's time_ids), or None.
 
     The numbers are drawn for the GLOBAL micro-batch from a generator seeded by (seed, step, micro)
     and this rank keeps its rows, so any world size sees the same numbers (see runtime/distributed.py).
@@ -66,7 +68,7 @@ def draw_micro_batch(
     drop = None
     if c.kind != "none":  # label or caption dropout for classifier-free guidance
         drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
-    condition = c.condition(second, drop, device)
+    condition = c.condition(second, drop, device, geometry, c.pixel_size(x0))  # the batch's (bucket's) pixels
     weight = loss_weights(cfg, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
         from difftrain.data.latents import sample_latents
@@ -202,10 +204,16 @@ def train_step(
     # Every random number of this step derives from (seed, rank, step).
     torch.manual_seed(derive_seed(cfg.train.seed, dctx.rank, state.step, "dropout"))
     _set_lr(state.optimizer, lr)
-    micro = [draw_micro_batch(state, objective, *next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
+    micro = [_draw(state, objective, next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
     _update(state, _accumulate(state, objective, micro, metrics), metrics, None)
     _advance(state, metrics, micro, dctx)
     return metrics
+
+
+def _draw(state: RunState, objective: Objective, batch: tuple, micro: int, dctx: DistContext) -> MicroBatch:
+    """:func:`draw_micro_batch` of a loaded batch: (x0, second) or, bucketed, (x0, second, geometry)."""
+    x0, second, *rest = batch
+    return draw_micro_batch(state, objective, x0, second, micro, dctx, *rest)
 
 
 def _advance(state: RunState, metrics: StepMetrics, micro: list[MicroBatch], dctx: DistContext) -> None:
@@ -261,7 +269,7 @@ class CapturedStep:
         dropout_seed = derive_seed(cfg.train.seed, dctx.rank, state.step, "dropout")
         torch.manual_seed(dropout_seed)
         _set_lr(state.optimizer, lr)
-        micro = [draw_micro_batch(state, objective, *next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
+        micro = [_draw(state, objective, next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
         self._copy_in(micro)
         update = (state.step + 1) % cfg.ema.update_every_steps == 0
         self.ema_weight.fill_(1.0 - state.ema.current_decay() if update else 0.0)
