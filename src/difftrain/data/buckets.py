@@ -12,7 +12,8 @@ is at most :data:`MAX_ASPECT` either way; the square (R, R) is always one. An im
 its nearest aspect (log ratio) at the largest resolution of ``spec.resolutions`` that it covers without
 upscaling, and is resized to cover it and centre-cropped. An image smaller than its nearest shape at every
 resolution is never upscaled by default: it trains at its own size (long side cropped to the aspect
-limit), each side rounded down to the step, a shape of its own that images of the same size share. With
+limit), each side rounded down to the step (to ``multiple`` when its short side is under one step), a
+shape of its own that images of the same size share. With
 ``upscale_from`` > 0 (``data.min_image_size``) an image whose short side reaches it is upscaled into its
 nearest shape instead. An image with a side under ``multiple`` pixels after that has no bucket: it is
 dropped with its reason (``plan.dropped``).
@@ -121,8 +122,8 @@ def assign_bucket(width: int, height: int, spec: BucketSpec) -> tuple[tuple[int,
     # Never upscaled: its own size, the long side cropped to the aspect limit, sides rounded down.
     w, h = width, height
     w, h = min(w, int(h * MAX_ASPECT)), min(h, int(w * MAX_ASPECT))
-    step = spec.step
-    w2, h2 = w // step * step or w // spec.multiple * spec.multiple, h // step * step or h // spec.multiple * spec.multiple
+    step = spec.step if min(w, h) >= spec.step else spec.multiple  # a side under one step: both to the multiple
+    w2, h2 = w // step * step, h // step * step
     if w2 < spec.multiple or h2 < spec.multiple:
         return None, (f"too small: {width}x{height}, a side under {spec.multiple} px once cropped to the "
                       f"{MAX_ASPECT:g}:1 aspect limit (data.buckets needs sides of {spec.multiple} px)")
