@@ -6,8 +6,7 @@
     sampler = BucketBatchSampler(plan.shapes, 4, seed=0)    # lists of (index, sample_seed), one shape each
 
 The bucket shapes of a resolution R (:func:`bucket_shapes`): every (h, w) whose sides are multiples of
-the side step (R / 8 rounded to ``multiple``: 64 px at 512 with the SD VAE, as kohya's and SimpleTuner's
-default), whose area is at most R * R and at least that less one step of the long side, and whose aspect
+the side step (64 px as kohya's and SimpleTuner's default, R / 8 below 512, rounded to ``multiple``), whose area is at most R * R and at least that less one step of the long side, and whose aspect
 is at most :data:`MAX_ASPECT` either way; the square (R, R) is always one. An image goes to the shape of
 its nearest aspect (log ratio) at the largest resolution of ``spec.resolutions`` that it covers without
 upscaling, and is resized to cover it and centre-cropped. An image smaller than its nearest shape at every
@@ -74,8 +73,9 @@ def bucket_multiple_error(resolutions, bad: int, multiple: int) -> str:
 
 
 def side_step(resolution: int, multiple: int) -> int:
-    """The side step of a resolution's bucket shapes: resolution / 8 rounded to a multiple of ``multiple``."""
-    return multiple * max(1, round(resolution / 8 / multiple))
+    """The side step of a resolution's bucket shapes: 64 px (kohya's and SimpleTuner's default), or
+    resolution / 8 below 512, rounded to a multiple of ``multiple``."""
+    return multiple * max(1, round(min(64, resolution / 8) / multiple))
 
 
 def bucket_shapes(resolution: int, multiple: int) -> list[tuple[int, int]]:
@@ -235,7 +235,7 @@ def bucket_table(plan: BucketPlan, names: list[str], batch: int) -> list[str]:
     index = np.flatnonzero(kept)
     lines = [f"  buckets: {len(groups)} shapes, {int(kept.sum())} images, {len(plan.dropped)} dropped; "
              f"micro-batch {batch} (train.batch_size x processes)",
-             "    h x w        aspect  images  downscaled  upscaled  own size  note"]
+             "    h x w        aspect  images  as is  downscaled  upscaled  own size  note"]
     small = 0
     for (h, w), members in groups.items():
         how = [plan.how[index[m]] for m in members]
@@ -243,7 +243,8 @@ def bucket_table(plan: BucketPlan, names: list[str], batch: int) -> list[str]:
         if len(members) < batch:
             small += len(members)
             note = f"smaller than a batch of {batch}: never trained"
-        lines.append(f"    {h:>4} x {w:<6} {w / h:6.2f}  {len(members):6d}  {how.count('downscaled'):10d}  "
+        lines.append(f"    {h:>4} x {w:<6} {w / h:6.2f}  {len(members):6d}  {how.count('as is'):5d}  "
+                     f"{how.count('downscaled'):10d}  "
                      f"{how.count('upscaled'):8d}  {how.count('own size'):8d}  {note}")
     if small:
         lines.append(f"  warning: {small} images are in buckets smaller than a batch of {batch} and never train "
