@@ -184,3 +184,21 @@ def test_bucketed_folder_items_and_loader(tmp_path):
         assert images.shape[0] == 2 and geometry.shape == (2, 4)
     ds.set_buckets(None)
     assert len(ds[0]) == 2 and ds[0][0].shape == (3, 32, 32)  # square crops again
+
+
+def test_data_check_names_a_1x20000_image_and_never_crashes(tmp_path, capsys):
+    from difftrain.cli import main
+
+    _write(tmp_path, "sliver.png", (1, 20000))
+    for i in range(3):
+        _write(tmp_path, f"{i}.png", (48, 32))
+    assert main(["data", "check", str(tmp_path), "--buckets", "--resolution", "32", "--workers", "0",
+                 "--batch", "2"]) == 1
+    out = capsys.readouterr().out
+    (h, w), _ = assign_bucket(48, 32, BucketSpec((32,), 8))
+    assert "dropped: sliver.png: too small: 1x20000" in out and f"{h:>4} x {w:<6}" in out
+    assert main(["data", "check", str(tmp_path), "--resolution", "32", "--workers", "0"]) == 1  # square: too small
+    assert "bad: sliver.png: too small: 1x20000" in capsys.readouterr().out
+    assert main(["data", "check", str(tmp_path), "--buckets", "--bucket-resolutions", "32,20", "--multiple", "8",
+                 "--workers", "0"]) == 2
+    assert "data.bucket_resolutions [32, 20]: 20 is not a positive multiple of 8" in capsys.readouterr().err
