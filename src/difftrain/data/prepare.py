@@ -45,8 +45,8 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True, captio
 def bucket_spec(d, side_multiple: int) -> BucketSpec | None:
     """The aspect-ratio buckets of ``DataConfig`` ``d`` (``data.buckets = "aspect"``) with every side a
     multiple of ``side_multiple``, else None (square crops)."""
-    if d.buckets != "aspect":
-        return None
+    if d.buckets != "aspect" or (not d.bucket_resolutions and d.resolution % side_multiple):
+        return None  # a data.resolution the base cannot divide: Conditioning names it with the base
     return BucketSpec(tuple(d.bucket_resolutions) or (d.resolution,), side_multiple, d.min_image_size)
 
 
