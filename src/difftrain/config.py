@@ -138,6 +138,10 @@ class DataConfig(_Section):
     buckets: BucketMode = "off"
     # multi-resolution buckets (pixels): each image trains at the largest it covers without upscaling; () = (resolution,)
     bucket_resolutions: tuple[int, ...] = ()
+    # masked loss: each image's NAME.mask.png beside it (white = trained, black = ignored; any mode, read as
+    # grey) or else its alpha channel weights the loss per pixel, resized as the latents are; images without
+    # either (DreamBooth's class images) are unmasked. A folder of images only
+    masks: bool = False
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
 
@@ -778,11 +782,17 @@ def validate(cfg: Config) -> None:
 
 
 def _check_buckets(cfg: Config) -> None:
-    """What data.buckets = "aspect" needs (the VAE's divisibility is checked when it is loaded)."""
+    """What data.buckets = "aspect" and data.masks need (the VAE's divisibility is checked when it is loaded)."""
     d = cfg.data
     for r in d.bucket_resolutions:
         _check(isinstance(r, int) and r >= 8, f"data.bucket_resolutions must hold resolutions >= 8 px, got "
                                               f"{list(d.bucket_resolutions)}")
+    if d.masks:
+        _check(not d.cache, "data.masks: the decode cache (data.cache) holds no masks; set data.cache = false")
+        _check(d.heldout_fraction == 0 and not d.heldout_path,
+               "data.masks: the held-out loss is unmasked; leave data.heldout_fraction and data.heldout_path out")
+        _check(cfg.validation.memorization in ("auto", "off"),
+               "data.masks: validation.memorization compares RGB images; set it to 'auto' (off with masks) or 'off'")
     if d.buckets != "aspect":
         _check(not d.bucket_resolutions, "data.bucket_resolutions needs data.buckets = 'aspect'")
         return

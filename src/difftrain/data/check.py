@@ -35,7 +35,7 @@ from difftrain.runtime.files import cache_dir
 from .buckets import BucketSpec, assign_buckets
 from .folder import ImageFolderDataset, scan_images
 from .records import EncodedImageDataset
-from .transforms import BadImage, load_image, open_image, printable
+from .transforms import BadImage, image_size, load_image, mask_path, open_image, printable
 
 CACHE_NAME = "data_check.json"
 BAD_LOG_NAME = "bad_images.log"
@@ -283,6 +283,9 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         file=sys.stderr,
     )
     captions = {p: f"caption: {r}" for p, r in dataset.bad_captions.items() if p not in report.bad}
+    if getattr(dataset, "masks", False):  # a mask of another size than its image: a bad sample (counted as captions are)
+        captions.update((p, r) for p, r in mask_problems(dataset.root, dataset.files, report.sizes).items()
+                        if p not in report.bad and p not in captions)
     problems = {**report.bad, **captions, **report.unreadable_folders}
     if problems and on_bad_image == "fail":
         listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(problems.items())[:20])
@@ -343,6 +346,25 @@ def _put_in_buckets(dataset: ImageFolderDataset, spec: BucketSpec, on_bad_image:
         dataset.set_buckets(plan.shapes[keep])
     else:
         dataset.set_buckets(plan.shapes)
+
+
+def mask_problems(root: Path, files: list[str], sizes: dict[str, list[int]]) -> dict[str, str]:
+    """{relative path: reason} of the images whose ``NAME.mask.png`` cannot be read or has another size
+    (after EXIF rotation) than the image (``sizes``: the scan's)."""
+    out = {}
+    for rel in files:
+        mask = mask_path(root / rel)
+        if rel not in sizes or not mask.is_file():
+            continue
+        try:
+            size = list(image_size(mask))
+        except BadImage as e:
+            out[rel] = f"mask: unreadable {printable(mask.name)}: {e.reason}"
+            continue
+        if size != list(sizes[rel]):
+            out[rel] = (f"mask: {printable(mask.name)} is {size[0]}x{size[1]}, the image {sizes[rel][0]}x{sizes[rel][1]} "
+                        "(data.masks: a mask must be its image's size)")
+    return out
 
 
 def _saved_sizes(saved: dict, count: int) -> list[list[int]] | None:

@@ -11,8 +11,8 @@ from torch.utils.data import Dataset
 
 from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions
 from .sampler import split_key
-from .transforms import (augment, check_image_options, image_size, load_image, printable, resize_center_crop,
-                         resize_crop, to_tensor)
+from .transforms import (MASK_SUFFIX, BadImage, augment, check_image_options, flip_decision, image_size, load_image,
+                         load_mask, printable, resize_center_crop, resize_crop, to_tensor)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -63,6 +63,7 @@ def scan_images(
             if (
                 not name.startswith(".")
                 and path.suffix.lower() in IMAGE_EXTENSIONS
+                and not name.lower().endswith(MASK_SUFFIX)  # a loss mask (data.masks), not an image
                 and path.is_file()  # not a broken link
             ):
                 found.append(path)
@@ -129,6 +130,10 @@ class ImageFolderDataset(Dataset):
     cover its bucket's (h, w) and centre-cropped instead, and items are ``(image (C, h, w), caption or
     label, geometry (4,) long)``: its original (height, width) and the (top, left) of the crop in the
     resized image, which SDXL's size conditioning takes.
+
+    With ``masks`` (``data.masks``) the image tensor has one more channel, last: its loss mask in [0, 1]
+    (``NAME.mask.png`` beside it, else its alpha channel, else ones), resized, cropped and flipped with it.
+    A mask of another size than its image is a bad image (:class:`BadImage` naming both sizes).
     """
 
     def __init__(
@@ -141,8 +146,10 @@ class ImageFolderDataset(Dataset):
         class_conditional: bool = False,
         captions: bool = False,
         caption_column: str = "text",
+        masks: bool = False,
     ) -> None:
         check_image_options(resolution, channels, color_jitter)
+        self.masks = masks
         if captions and class_conditional:
             raise ValueError("set data.captions or data.class_conditional, not both")
         self.root = Path(root).expanduser()
@@ -301,19 +308,38 @@ class ImageFolderDataset(Dataset):
         # final antialiased resize still has pixels to average.
         index %= len(self)
         shape = None if self.bucket_shapes is None else tuple(self.bucket_shapes[index].tolist())
-        img, index = self._load(index, None if shape is None else 2 * max(shape))
+        # A mask is read at the image's full size: no reduced JPEG decode then.
+        img, index = self._load(index, 1 << 30 if self.masks else None if shape is None else 2 * max(shape))
+        mask = self._mask(index, img.size) if self.masks else None
         geometry = None
         if shape is None:
             img = resize_center_crop(img, self.resolution)
+            mask = None if mask is None else resize_center_crop(mask, self.resolution)
         else:  # the file's own size: a JPEG may have been decoded at a reduced scale
             original = tuple(self.image_sizes[index].tolist()) if self.image_sizes is not None else None
             img, geometry = resize_crop(img, shape, original if original and min(original) > 0 else None)
+            mask = None if mask is None else resize_crop(mask, shape)[0]
         x = to_tensor(img)  # (C, H, W)
         if seed is not None:
             g = torch.Generator().manual_seed(seed)
             x = augment(x, g, self.random_flip, self.color_jitter)  # a centre crop: the flip keeps the geometry
+        if self.masks:  # (1, H, W) in [0, 1], flipped as augment flipped the image
+            m = torch.ones((1, *x.shape[1:])) if mask is None else (to_tensor(mask) + 1) / 2
+            if seed is not None and self.random_flip and flip_decision(seed):
+                m = m.flip(-1)
+            x = torch.cat([x, m])
         second = self.caption(index) if self.captions else int(self._labels[index])
         return (x, second) if geometry is None else (x, second, torch.tensor(geometry, dtype=torch.long))
+
+    def _mask(self, index: int, size: tuple[int, int]):
+        """Image ``index``'s mask (an "L" image of ``size``) or None (all ones); :class:`BadImage` when it has
+        another size than its image."""
+        path = self.root / os.fsdecode(self._files[index])
+        mask = load_mask(path)
+        if mask is not None and mask.size != size:
+            raise BadImage(path, f"its mask {path.stem + MASK_SUFFIX} is {mask.size[0]}x{mask.size[1]}, the image "
+                                 f"{size[0]}x{size[1]} (data.masks: a mask must be its image's size)")
+        return mask
 
     def _load(self, index: int, min_size: int | None = None):
         """Decode image ``index`` (JPEGs at a reduced scale keeping both sides >= ``min_size``, default

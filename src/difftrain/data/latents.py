@@ -12,7 +12,8 @@ would, and a sample's flip is decided from its ``sample_seed`` exactly as
 The file name is a digest of the dataset's fingerprint (:func:`dataset_fingerprint`), the
 resolution, the flip setting and the codec's weights digest; change any and a new cache is
 built. It is built into a temporary file and renamed, so an interrupted build leaves nothing.
-Colour jitter cannot be cached (it changes the pixels the encoder sees) and is refused.
+Colour jitter cannot be cached (it changes the pixels the encoder sees) and is refused. With
+``data.masks`` each item's loss mask, area-averaged to the latents' size, is one more channel (2c + 1).
 
 Size: N x V x 2c x h x w x 2 bytes (50,000 images of 256 px, SD VAE, flips: 3.3 GB).
 
@@ -20,7 +21,7 @@ A dataset in aspect-ratio buckets (``data/buckets.py``) is cached per bucket ins
 ``NAME.bNNNN.npy`` of ``(N_b, V, 2c, h_b, w_b)`` float16 per bucket shape, the targets beside, and last
 the index ``NAME.buckets.json`` (:func:`read_bucket_index` checks every field against the ``.npy`` files,
 a cache that fails is refused with one line naming the file): ``{"format": BUCKET_FORMAT, "version",
-"latent_channels", "factor", "views", "shapes": [[h, w] in pixels per bucket], "items": [[bucket, row]
+"latent_channels", "factor", "views", "masks", "shapes": [[h, w] in pixels per bucket], "items": [[bucket, row]
 per item], "geometry": [[orig_h, orig_w, crop_top, crop_left] per item]}``. Its name's digest covers each
 item's bucket shape as well.
 """
@@ -47,11 +48,12 @@ from .folder import ImageFolderDataset
 from .sampler import split_key
 from .shards import expand_braces
 from .split import IndexSubset
+from .transforms import flip_decision
 
 # Bump when what the cache holds for the same inputs changes.
 LATENT_CACHE_VERSION = 1
 # The base dataset's attributes that the rest of difftrain reads, kept by the cached dataset.
-KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip")
+KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip", "masks")
 BUCKET_FORMAT = "difftrain-bucketed-latents"  # the "format" of a bucketed cache's index
 BUCKET_INDEX_VERSION = 1
 
@@ -59,8 +61,7 @@ BUCKET_INDEX_VERSION = 1
 def flip_of(sample_seed: int) -> bool:
     """Whether ``augment(x, torch.Generator().manual_seed(sample_seed), random_flip=True, ...)``
     mirrors the image: its first of four uniform draws is below 0.5."""
-    u = torch.rand(4, generator=torch.Generator().manual_seed(sample_seed)).tolist()
-    return u[0] < 0.5
+    return flip_decision(sample_seed)
 
 
 def sample_latents(moments: torch.Tensor, noise: torch.Tensor, codec) -> torch.Tensor:
@@ -96,6 +97,8 @@ def dataset_fingerprint(dataset: Dataset) -> str:
     for name in ("resolution", "channels", "classes", "captions", "caption_column"):
         h.update(f"{name}={getattr(dataset, name, None)!r}\n".encode())
     h.update(f"{type(dataset).__name__}:{len(dataset)}\n".encode())
+    if getattr(dataset, "masks", False):  # items with a mask channel (data.masks)
+        h.update(b"masks\n")
     h.update(_identity(dataset).encode())
     return h.hexdigest()
 
@@ -164,6 +167,18 @@ def _collate(batch):
     return (torch.stack(images), list(targets), *(torch.stack(r) for r in rest))
 
 
+def encode_items(codec, images: torch.Tensor, masks: bool) -> torch.Tensor:
+    """(B, 2c, h, w) float16 numpy moments of images (B, C, H, W) in [-1, 1]; with ``masks`` the last
+    channel of ``images`` is each image's loss mask in [0, 1], area-averaged to the latents' (h, w) and kept as
+    a last channel: (B, 2c + 1, h, w)."""
+    pixels = images[:, :-1] if masks else images
+    mean, std = codec.encode_moments(pixels)  # each (B, c, h, w)
+    parts = [mean, std]
+    if masks:  # the mask resized as the latents are: the share of each latent cell's pixels that train
+        parts.append(torch.nn.functional.interpolate(images[:, -1:].float(), size=mean.shape[-2:], mode="area"))
+    return torch.cat(parts, dim=1).cpu().numpy().astype(np.float16)
+
+
 def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool, batch_size: int,
                        device: torch.device | str, num_workers: int = 0) -> None:
     """Encode every unaugmented image of ``dataset`` (and its mirror image when
@@ -173,6 +188,7 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
     views = 2 if random_flip else 1
+    masks = bool(getattr(dataset, "masks", False))
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     out = None
     try:
@@ -182,8 +198,7 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
         for images, batch_targets, *_ in loader:  # images (B, C, H, W) in [-1, 1]
             images = images.to(device)
             for v in range(views):
-                mean, std = codec.encode_moments(images.flip(-1) if v else images)  # each (B, c, h, w)
-                moments = torch.cat([mean, std], dim=1).cpu().numpy().astype(np.float16)
+                moments = encode_items(codec, images.flip(-1) if v else images, masks)  # (B, 2c [+ 1], h, w)
                 if not np.isfinite(moments).all():
                     raise ValueError(f"vae {codec.source}: the latents of images {i}..{i + len(images) - 1} "
                                      "overflow float16 (the latent cache stores float16)")
@@ -226,6 +241,7 @@ def build_bucket_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
     views = 2 if random_flip else 1
+    masks = bool(getattr(dataset, "masks", False))
     groups = group_indices(item_shapes(dataset))
     items = np.zeros((len(dataset), 2), dtype=np.int64)
     geometry = np.zeros((len(dataset), 4), dtype=np.int64)
@@ -241,8 +257,7 @@ def build_bucket_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
             for images, batch_targets, batch_geometry in loader:  # (B, C, h, w) in [-1, 1]
                 images = images.to(device)
                 for v in range(views):
-                    mean, std = codec.encode_moments(images.flip(-1) if v else images)
-                    moments = torch.cat([mean, std], dim=1).cpu().numpy().astype(np.float16)
+                    moments = encode_items(codec, images.flip(-1) if v else images, masks)
                     if not np.isfinite(moments).all():
                         raise ValueError(f"vae {codec.source}: the latents of a {h}x{w} bucket overflow float16 "
                                          "(the latent cache stores float16)")
@@ -263,7 +278,7 @@ def build_bucket_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
             unlink_quietly(tmp)
             raise
     index = {"format": BUCKET_FORMAT, "version": BUCKET_INDEX_VERSION, "latent_channels": int(codec.latent_channels),
-             "factor": int(codec.factor), "views": views, "shapes": [list(s) for s in groups],
+             "factor": int(codec.factor), "views": views, "masks": masks, "shapes": [list(s) for s in groups],
              "items": items.tolist(), "geometry": geometry.tolist()}
     atomic_write_bytes(targets_path(path), json.dumps(targets).encode())
     atomic_write_bytes(path, json.dumps(index).encode())
@@ -303,6 +318,9 @@ def read_bucket_index(path: Path, shapes: np.ndarray | None = None) -> dict:
     if not all(type(v) is int and v >= 1 for v in header.values()) or header["views"] > 2:
         raise bad(f"bad latent_channels / factor / views {header}")
     c, f, views = header["latent_channels"], header["factor"], header["views"]
+    if type(index.get("masks", False)) is not bool:
+        raise bad(f"masks must be true or false, got {index.get('masks')!r}")
+    channels = 2 * c + int(index.get("masks", False))  # the mean, the std, and the mask (data.masks)
     try:
         bucket_shapes = _int_table(index.get("shapes"), len(index.get("shapes") or []), 2, "shapes")
         n = len(index.get("items") or [])
@@ -327,7 +345,7 @@ def read_bucket_index(path: Path, shapes: np.ndarray | None = None) -> dict:
             arr = np.load(file, mmap_mode="r")  # a header read; pickles refused
         except (OSError, ValueError) as e:
             raise bad(f"bucket file {file.name}: {str(e)[:80]}") from None
-        expected = (int(counts[b]), views, 2 * c, h // f, w // f)
+        expected = (int(counts[b]), views, channels, h // f, w // f)
         if arr.dtype != np.float16 or tuple(arr.shape) != expected:
             raise bad(f"bucket file {file.name} holds {arr.dtype} {tuple(arr.shape)}, the index says float16 {expected}")
     return {"shapes": bucket_shapes, "items": items, "geometry": geometry, "latent_channels": c, "views": views}

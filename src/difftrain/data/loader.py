@@ -28,6 +28,7 @@ def build_dataset(
     label_column: str = "",
     captions: bool = False,
     caption_column: str = "text",
+    masks: bool = False,
 ) -> Dataset:
     """The dataset ``path`` names, by its form:
 
@@ -42,8 +43,12 @@ def build_dataset(
     ``(image, caption str)`` (``data/captions.py``; HF datasets: ``caption_column``, which also
     names the caption key of a folder's ``metadata.jsonl``), ``num_classes`` is 0 and the
     dataset's ``captions`` is True. With ``cache`` a folder's images are read from their decode
-    cache (``data/cache.py``; built-in datasets are generated and need none).
+    cache (``data/cache.py``; built-in datasets are generated and need none). With ``masks`` (a folder
+    only) each image carries its loss mask as a last channel (``folder.py``).
     """
+    if masks and (path.startswith(BUILTIN_PREFIX) or is_shard_path(path) or is_hf_path(path)):
+        raise ValueError(f"data.masks needs a folder of images (NAME.mask.png or an alpha channel per image); "
+                         f"data.path {path} is not one")
     options = dict(
         resolution=resolution,
         channels=channels,
@@ -65,7 +70,7 @@ def build_dataset(
     if is_hf_path(path):
         return HFImageDataset(path, **options, image_column=image_column, label_column=label_column,
                               caption_column=caption_column)
-    dataset = ImageFolderDataset(path, **options, caption_column=caption_column)
+    dataset = ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks)
     return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
 
 

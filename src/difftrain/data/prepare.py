@@ -39,6 +39,7 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True, captio
         label_column=d.label_column,
         captions=d.captions if captions is None else captions,
         caption_column=d.caption_column,
+        masks=d.masks,
     )
 
 

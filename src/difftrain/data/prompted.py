@@ -26,6 +26,7 @@ class PromptedDataset(Dataset):
         self.channels = getattr(images, "channels", 3)
         self.random_flip = getattr(images, "random_flip", False)
         self.color_jitter = getattr(images, "color_jitter", 0.0)
+        self.masks = getattr(images, "masks", False)
 
     @property
     def bucket_shapes(self):
@@ -57,7 +58,7 @@ class PairedDataset(Dataset):
 
     def __init__(self, instance: Dataset, prior: Dataset):
         self.instance, self.prior = instance, prior
-        for name in ("resolution", "channels", "random_flip", "color_jitter"):
+        for name in ("resolution", "channels", "random_flip", "color_jitter", "masks"):
             setattr(self, name, getattr(instance, name, None))
 
     def __len__(self) -> int:

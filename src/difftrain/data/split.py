@@ -19,6 +19,7 @@ class IndexSubset(Dataset):
         self.num_classes = getattr(dataset, "num_classes", 0)
         self.classes = getattr(dataset, "classes", [])
         self.captions = getattr(dataset, "captions", False)
+        self.masks = getattr(dataset, "masks", False)
 
     def __len__(self) -> int:
         return len(self.indices)

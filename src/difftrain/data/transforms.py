@@ -215,6 +215,40 @@ def to_tensor(img: Image.Image | np.ndarray) -> torch.Tensor:
     return x.div_(127.5).sub_(1.0)
 
 
+def flip_decision(sample_seed: int) -> bool:
+    """Whether :func:`augment` with ``random_flip`` and a generator seeded by ``sample_seed`` mirrors the
+    image: its first of four uniform draws is below 0.5 (a mask follows its image by this)."""
+    u = torch.rand(4, generator=torch.Generator().manual_seed(sample_seed)).tolist()
+    return u[0] < 0.5
+
+
+MASK_SUFFIX = ".mask.png"  # NAME.mask.png beside NAME.jpg: the image's loss mask (data.masks), never a training image
+
+
+def mask_path(path: str | Path) -> Path:
+    """Where the mask file of image ``path`` would be: ``NAME.mask.png`` beside ``NAME.EXT``."""
+    path = Path(path)
+    return path.with_name(path.stem + MASK_SUFFIX)
+
+
+def load_mask(path: str | Path) -> Image.Image | None:
+    """The loss mask of image ``path`` as 8-bit "L" (255 = trained, 0 = ignored), after the EXIF
+    rotation: its ``NAME.mask.png`` (any mode, as grey), else its alpha channel, else None (all trained).
+    :class:`BadImage` naming the file it cannot read."""
+    file = mask_path(path)
+    if file.is_file():
+        return load_image(file, 1)
+    with open_image(path) as img:
+        if img.mode not in _ALPHA_MODES and "transparency" not in img.info:
+            return None
+        try:
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            return img.convert("RGBA").getchannel("A")
+        except Exception as e:  # noqa: BLE001 - see open_image
+            raise BadImage(path, _reason(e)) from e
+
+
 def _jitter_factor(u: float, strength: float) -> float:
     """Map a uniform draw in [0, 1) to a factor uniform in [max(0, 1 - s), 1 + s]."""
     lo = max(0.0, 1.0 - strength)

@@ -160,7 +160,7 @@ def resolve_space(cfg: Config, dataset) -> str:
     v = cfg.validation
     if v.memorization != "auto":
         return v.memorization
-    if getattr(dataset, "bucket_shapes", None) is not None:
+    if getattr(dataset, "bucket_shapes", None) is not None or getattr(dataset, "masks", False):
         return "off"
     n = len(dataset) if dataset is not None else 0
     return "pixels" if 2 <= n <= v.memorization_auto_max_images else "off"

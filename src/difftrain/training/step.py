@@ -40,6 +40,7 @@ class MicroBatch:
     noise: torch.Tensor  # (B, C, H, W): the target's noise (offset noise included)
     input_noise: torch.Tensor | None = None  # (B, C, H, W): the network input's noise, with input perturbation
     weight: torch.Tensor | None = None  # (B,) per-sample loss weights (DreamBooth's prior); None: all 1
+    mask: torch.Tensor | None = None  # (B, 1, H, W) loss mask in [0, 1] (data.masks); None: every pixel
 
 
 def draw_micro_batch(
@@ -60,6 +61,9 @@ def draw_micro_batch(
     """
     cfg, device, c = state.cfg, dctx.device, state.conditioning
     x0 = x0.to(device, non_blocking=True)
+    mask = None
+    if cfg.data.masks:  # the items' last channel: the loss mask, at the network's resolution (data/latents.py)
+        x0, mask = x0[:, :-1], x0[:, -1:].float()
     gen = step_generator(cfg.train.seed, 0, state.step * cfg.train.grad_accum_steps + micro, device, "diffusion")
     n = x0.shape[0] * dctx.world_size
     shape = (c.codec.latent_channels, *x0.shape[2:]) if c.codec is not None else tuple(x0.shape[1:])
@@ -82,7 +86,7 @@ def draw_micro_batch(
     if dc.input_perturbation > 0:  # input perturbation (Ning et al. 2023): x_t from more noise, target from `noise`
         extra = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         input_noise = noise + dc.input_perturbation * extra
-    return MicroBatch(x0, condition, levels, noise, input_noise, weight)
+    return MicroBatch(x0, condition, levels, noise, input_noise, weight, mask)
 
 
 class StepMetrics:
@@ -154,7 +158,8 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     for micro, b in enumerate(batches):
         with distributed.sync_gradients(net, sync=micro == accum - 1):
             per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast(),
-                                         b.input_noise, uncertainty=state.cfg.diffusion.uncertainty_weighting)
+                                         b.input_noise, uncertainty=state.cfg.diffusion.uncertainty_weighting,
+                                         pixel_weight=b.mask)
             if b.weight is not None:
                 per_sample = per_sample * b.weight
             loss = per_sample.mean() / accum
