@@ -139,3 +139,32 @@ def test_sdxl_takes_the_real_size_and_crop_of_a_non_square_image(tmp_path, monke
     assert x_shape[2:] == (shape[0] // 2, shape[1] // 2)  # the latents of the bucket
     assert torch.equal(time_ids, expected), (time_ids, expected)
     assert expected[0, :2].tolist() == [32, 64]  # original (height, width), not the square training size
+
+
+def _masked_folder(root: Path, mask_value: int) -> Path:
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(2)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(root / f"{i}.png")
+        Image.new("L", (32, 32), mask_value).save(root / f"{i}.mask.png")
+        (root / f"{i}.txt").write_text("a photo")
+    return root
+
+
+def test_masked_pixels_do_not_move_the_adapter(tmp_path):
+    """SDXL LoRA, 2 steps: with every pixel masked (black NAME.mask.png) the adapter's lora_B stays exactly 0
+    (the LoRA adds nothing: the network is the base), with white masks it trains."""
+    from tests.family_bases import write_tiny_sdxl_folder
+
+    write_tiny_sdxl_folder(tmp_path / "sdxl")
+    lora_b = {}
+    for value in (0, 255):
+        data = _masked_folder(tmp_path / f"data{value}", value)
+        cfg = load_config(None, [f"model.init_from={tmp_path / 'sdxl'}", "lora.rank=4", f"data.path={data}",
+                                 "data.resolution=32", "data.num_workers=0", "train.batch_size=2", "train.total_steps=2",
+                                 "validation.every_steps=0", "data.masks=true", "optim.lr=1e-2"])
+        train(cfg, tmp_path / f"run{value}")
+        state = ckpt.load_checkpoint(tmp_path / f"run{value}")
+        lora_b[value] = [t for n, t in state["model"].items() if "lora_B" in n]
+    assert lora_b[0] and all(torch.count_nonzero(t) == 0 for t in lora_b[0])
+    assert any(torch.count_nonzero(t) > 0 for t in lora_b[255])
