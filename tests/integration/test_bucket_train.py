@@ -100,6 +100,33 @@ def test_every_rank_draws_its_micro_batch_from_the_same_bucket(tmp_path):
         assert torch.equal(ranks[0][step], global_batch[0::2]) and torch.equal(ranks[1][step], global_batch[1::2])
 
 
+@pytest.mark.slow  # about 60 s on a busy 2-core machine: torchrun and two processes start
+def test_two_processes_train_on_buckets_as_one_at_the_same_global_batch(tmp_path, tiny_overrides):
+    """torchrun --nproc-per-node 2 at batch 2 against one process at batch 4, on mixed shapes: the same
+    weights to float rounding (each global micro-batch one bucket, split across the ranks)."""
+    import os
+    import subprocess
+
+    data = _mixed_folder(tmp_path / "data")
+    root = Path(__file__).resolve().parents[2]
+    runs = {}
+    for nproc, batch in ((1, 4), (2, 2)):
+        sets = [a for kv in tiny_overrides + [f"data.path={data}", "data.buckets=aspect", f"train.batch_size={batch}",
+                                              "train.total_steps=4", "validation.every_steps=0",
+                                              "tracking.tensorboard=false", "train.device=cpu"]
+                for a in ("--set", kv)]
+        run = tmp_path / f"run{nproc}"
+        args = ["-m", "difftrain", "train", "--run-dir", str(run), *sets]
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if nproc > 1 else []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+        proc = subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, env=env, timeout=400)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[nproc] = ckpt.load_checkpoint(run)
+    assert runs[1]["data_position"] == runs[2]["data_position"] == 16
+    for k, v in runs[1]["model"].items():
+        torch.testing.assert_close(runs[2]["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -105,4 +105,10 @@ def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8) -> 
         raise ValueError(f"data.path {d.path}: no aspect-ratio bucket holds train.batch_size={cfg.train.batch_size} "
                          f"of its {len(train)} images (difftrain data check --buckets prints the table); lower "
                          "train.batch_size or set data.buckets = 'off'")
+    if shapes is not None and usable_images(shapes, cfg.train.batch_size) < len(train):
+        import sys
+
+        print(f"difftrain: warning: {len(train) - usable_images(shapes, cfg.train.batch_size)} of {len(train)} images "
+              f"are in aspect-ratio buckets smaller than train.batch_size={cfg.train.batch_size} and never train "
+              "(difftrain data check --buckets lists them)", file=sys.stderr)
     return TrainingData(train, heldout, num_classes)
