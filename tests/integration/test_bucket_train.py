@@ -86,6 +86,8 @@ def _rank_batches(ctx, data: str, steps: int, batch: int = 2):
     return [next(loader)[0] for _ in range(steps)]
 
 
+@pytest.mark.slow  # about 60 s on a busy 2-core machine (two spawned processes import torch); the split itself is
+# tested in-process by tests/unit/test_buckets.py::test_ranks_split_the_same_global_micro_batch
 def test_every_rank_draws_its_micro_batch_from_the_same_bucket(tmp_path):
     """2 gloo processes at batch 2 see, step by step, the rows ``rank::2`` of the one-process batch of 4
     (resumed at image 8 both), so both ranks' micro-batches are one bucket's."""
@@ -132,13 +134,17 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 
-def test_sdxl_takes_the_real_size_and_crop_of_a_non_square_image(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def sdxl_base(tmp_path_factory) -> Path:
+    from tests.family_bases import write_tiny_sdxl_folder
+
+    return write_tiny_sdxl_folder(tmp_path_factory.mktemp("bases") / "sdxl")
+
+
+def test_sdxl_takes_the_real_size_and_crop_of_a_non_square_image(tmp_path, monkeypatch, sdxl_base):
     from difftrain.data.buckets import BucketSpec, assign_bucket
     from difftrain.data.transforms import crop_geometry
     from difftrain.families import sdxl
-    from tests.family_bases import write_tiny_sdxl_folder
-
-    write_tiny_sdxl_folder(tmp_path / "sdxl")
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(1)
@@ -153,7 +159,7 @@ def test_sdxl_takes_the_real_size_and_crop_of_a_non_square_image(tmp_path, monke
         return forward(self, x, t, cond)
 
     monkeypatch.setattr(sdxl.SDXLUNet, "forward", spy)
-    cfg = load_config(None, [f"model.init_from={tmp_path / 'sdxl'}", "lora.rank=4", f"data.path={data}",
+    cfg = load_config(None, [f"model.init_from={sdxl_base}", "lora.rank=4", f"data.path={data}",
                              "data.resolution=32", "data.num_workers=0", "train.batch_size=2", "train.total_steps=1",
                              "validation.every_steps=0", "data.random_flip=false"])
     assert cfg.data.buckets == "aspect"  # a base folder's default
@@ -178,16 +184,13 @@ def _masked_folder(root: Path, mask_value: int) -> Path:
     return root
 
 
-def test_masked_pixels_do_not_move_the_adapter(tmp_path):
+def test_masked_pixels_do_not_move_the_adapter(tmp_path, sdxl_base):
     """SDXL LoRA, 2 steps: with every pixel masked (black NAME.mask.png) the adapter's lora_B stays exactly 0
     (the LoRA adds nothing: the network is the base), with white masks it trains."""
-    from tests.family_bases import write_tiny_sdxl_folder
-
-    write_tiny_sdxl_folder(tmp_path / "sdxl")
     lora_b = {}
     for value in (0, 255):
         data = _masked_folder(tmp_path / f"data{value}", value)
-        cfg = load_config(None, [f"model.init_from={tmp_path / 'sdxl'}", "lora.rank=4", f"data.path={data}",
+        cfg = load_config(None, [f"model.init_from={sdxl_base}", "lora.rank=4", f"data.path={data}",
                                  "data.resolution=32", "data.num_workers=0", "train.batch_size=2", "train.total_steps=2",
                                  "validation.every_steps=0", "data.masks=true", "optim.lr=1e-2"])
         train(cfg, tmp_path / f"run{value}")
