@@ -292,7 +292,7 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise ValueError(
             f"data.path {printable(report.root)} holds {len(report.bad)} bad image files"
-            f"{f' and {len(captions)} images with a bad caption' if captions else ''}"
+            f"{f' and {len(captions)} images with a bad caption{_or_mask(dataset)}' if captions else ''}"
             f"{f' and {len(report.unreadable_folders)} unreadable folders' if report.unreadable_folders else ''} "
             f"(data.on_bad_image='fail'; set it to 'skip' to leave them out):\n{listed}{more}"
         )
@@ -300,7 +300,7 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         dataset.drop(set(report.bad) | set(captions))
         _append_log(dataset.bad_log, [f"start\t{printable(p)}\t{printable(r)}" for p, r in sorted(problems.items())])
         folders = f" and {len(report.unreadable_folders)} unreadable folders" if report.unreadable_folders else ""
-        folders = (f", {len(captions)} images with a bad caption" if captions else "") + folders
+        folders = (f", {len(captions)} images with a bad caption{_or_mask(dataset)}" if captions else "") + folders
         print(
             f"difftrain: skipped {len(report.bad)} bad image files{folders} (listed in {dataset.bad_log}); "
             f"{len(dataset)} remain",
@@ -346,6 +346,11 @@ def _put_in_buckets(dataset: ImageFolderDataset, spec: BucketSpec, on_bad_image:
         dataset.set_buckets(plan.shapes[keep])
     else:
         dataset.set_buckets(plan.shapes)
+
+
+def _or_mask(dataset) -> str:
+    """" or mask" where a dataset's masks are checked with its captions."""
+    return " or mask" if getattr(dataset, "masks", False) else ""
 
 
 def mask_problems(root: Path, files: list[str], sizes: dict[str, list[int]]) -> dict[str, str]:
