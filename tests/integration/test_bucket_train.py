@@ -58,8 +58,12 @@ def test_tampered_sizes_in_the_file_list_are_rescanned(tmp_path, tiny_overrides,
     listed = tmp_path / "run" / "data_files.json"
     saved = json.loads(listed.read_text())
     listed.write_text(json.dumps({**saved, "sizes": [[-1, "x"]] * len(saved["files"])}))
-    assert train(cfg, tmp_path / "run").step == 6
+    assert train(cfg, tmp_path / "run", stop_at_step=4).step == 4
     assert "holds no valid image sizes (data.buckets); rescanning" in capsys.readouterr().err
+    saved = json.loads(listed.read_text())
+    listed.write_text(json.dumps({**saved, "sizes": [[1, 1]] * len(saved["files"])}))  # valid, but lying
+    assert train(cfg, tmp_path / "run").step == 6
+    assert "put images of the run's first start in no bucket" in capsys.readouterr().err
 
 
 def test_a_bucket_list_the_unet_cannot_divide_is_one_line(tmp_path, tiny_overrides, capsys):

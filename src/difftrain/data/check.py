@@ -269,6 +269,11 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     dataset.on_bad_image = on_bad_image
     dataset.bad_log = run_dir / BAD_LOG_NAME
     saved = _saved_file_list(run_dir, dataset, min_size, buckets is not None)
+    if saved is not None and buckets is not None and assign_buckets(saved["sizes"], buckets).dropped:
+        print(f"difftrain: warning: the sizes in {run_dir / FILE_LIST_NAME} put images of the run's first start in "
+              "no bucket (edited, or data.bucket_resolutions changed); rescanning the data, so the resumed data order "
+              "may differ", file=sys.stderr)
+        saved = None
     if saved is not None:
         dataset = _resume_file_list(dataset, saved, on_bad_image)
         if buckets is not None:
