@@ -202,3 +202,22 @@ def test_masked_pixels_do_not_move_the_adapter(tmp_path, sdxl_base):
         lora_b[value] = [t for n, t in state["model"].items() if "lora_B" in n]
     assert lora_b[0] and all(torch.count_nonzero(t) == 0 for t in lora_b[0])
     assert any(torch.count_nonzero(t) > 0 for t in lora_b[255])
+
+
+def test_prior_preservation_images_are_unmasked(tmp_path, tiny_overrides):
+    """DreamBooth LoRA with every instance pixel masked: the class images (no mask file, no alpha) still
+    train the adapter; without the prior it stays at lora_B = 0."""
+    from tests.text_components import write_tiny_sd_folder
+
+    sd = write_tiny_sd_folder(tmp_path / "sd")
+    data = _masked_folder(tmp_path / "instance", 0)
+    base = tiny_overrides + [f"data.path={data}", "data.captions=true", f"model.init_from={sd}", "lora.rank=2",
+                             "validation.every_steps=0", "train.batch_size=2", "train.total_steps=2", "data.masks=true",
+                             "data.resolution=32", "dreambooth.instance_prompt=a photo of sks dog", "optim.lr=1e-2"]
+    prior = ["dreambooth.class_prompt=a photo of a dog", "dreambooth.num_class_images=2", "dreambooth.class_steps=2"]
+    moved = {}
+    for name, extra in (("alone", []), ("prior", prior)):
+        train(load_config(None, base + extra), tmp_path / name)
+        state = ckpt.load_checkpoint(tmp_path / name)
+        moved[name] = any(torch.count_nonzero(t) > 0 for n, t in state["model"].items() if "lora_B" in n)
+    assert moved == {"alone": False, "prior": True}
