@@ -55,7 +55,7 @@ def main() -> int:
         print(f"{n} images in {root}", file=sys.stderr)
         command = [sys.executable, "-m", "difftrain", "data", "check", str(root), "--buckets", "--workers", "0",
                    "--resolution", str(args.resolution), "--multiple", str(args.multiple), "--batch", str(args.batch)]
-        return subprocess.run(command).returncode
+        return subprocess.run(command, check=False).returncode
 
 
 if __name__ == "__main__":

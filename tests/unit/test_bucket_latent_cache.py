@@ -17,7 +17,12 @@ pytest.importorskip("diffusers")
 from difftrain.data import ImageFolderDataset  # noqa: E402
 from difftrain.data.buckets import BucketSpec, assign_buckets  # noqa: E402
 from difftrain.data.latents import (  # noqa: E402
-    BucketLatentDataset, bucket_file, flip_of, read_bucket_index, targets_path, with_latent_cache,
+    BucketLatentDataset,
+    bucket_file,
+    flip_of,
+    read_bucket_index,
+    targets_path,
+    with_latent_cache,
 )
 from difftrain.models.vae import LatentCodec  # noqa: E402
 

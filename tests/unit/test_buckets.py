@@ -11,7 +11,13 @@ import torch
 from PIL import Image
 
 from difftrain.data.buckets import (
-    MAX_ASPECT, BucketBatchSampler, BucketSpec, assign_bucket, assign_buckets, bucket_shapes, bucket_table,
+    MAX_ASPECT,
+    BucketBatchSampler,
+    BucketSpec,
+    assign_bucket,
+    assign_buckets,
+    bucket_shapes,
+    bucket_table,
     side_step,
 )
 from difftrain.data.folder import ImageFolderDataset
@@ -180,7 +186,7 @@ def test_bucketed_folder_items_and_loader(tmp_path):
     assert tuple(x.shape[1:]) == tuple(plan.shapes[0]) and label == 0 and geometry.dtype == torch.long
     loader = iter(build_loader(ds, 2, seed=0, start=0, num_workers=0, device=torch.device("cpu")))
     for _ in range(6):
-        images, labels, geometry = next(loader)
+        images, _, geometry = next(loader)
         assert images.shape[0] == 2 and geometry.shape == (2, 4)
     ds.set_buckets(None)
     assert len(ds[0]) == 2 and ds[0][0].shape == (3, 32, 32)  # square crops again

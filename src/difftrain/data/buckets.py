@@ -233,8 +233,8 @@ def bucket_table(plan: BucketPlan, names: list[str], batch: int) -> list[str]:
     kept = np.array([i not in plan.dropped for i in range(len(plan.shapes))], dtype=bool)
     groups = group_indices(plan.shapes[kept])
     index = np.flatnonzero(kept)
-    lines = [f"  buckets: {len(groups)} shapes, {int(kept.sum())} images, {len(plan.dropped)} dropped; "
-             f"micro-batch {batch} (train.batch_size x processes)",
+    lines = [(f"  buckets: {len(groups)} shapes, {int(kept.sum())} images, {len(plan.dropped)} dropped; "
+              f"micro-batch {batch} (train.batch_size x processes)"),
              "    h x w        aspect  images  as is  downscaled  upscaled  own size  note"]
     small = 0
     for (h, w), members in groups.items():
