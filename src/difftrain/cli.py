@@ -88,6 +88,11 @@ def _data_check(args: argparse.Namespace) -> int:
         table = bucket_table(plan, names, args.batch)
         for i, reason in plan.dropped.items():
             report.bad.setdefault(names[i], f"bucket: {reason}")
+    if args.masks:  # each NAME.mask.png the size of its image (data.masks)
+        from difftrain.data.check import mask_problems
+
+        for path, reason in mask_problems(Path(args.path).expanduser(), sorted(report.sizes), report.sizes).items():
+            report.bad.setdefault(path, reason)
     if args.captions:  # each image's caption too: NAME.txt or metadata.jsonl (data.captions)
         from difftrain.data.folder import ImageFolderDataset
 
@@ -404,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--captions", action="store_true",
                    help="also check each image's caption (NAME.txt beside it, or metadata.jsonl), as data.captions does")
     p.add_argument("--caption-column", default="text", help="the caption key of metadata.jsonl")
+    p.add_argument("--masks", action="store_true",
+                   help="also check each NAME.mask.png is its image's size (data.masks)")
     p.add_argument("--buckets", action="store_true",
                    help="print the aspect-ratio bucket table (data.buckets = 'aspect') at --resolution")
     p.add_argument("--bucket-resolutions", type=_int_list, default=None,

@@ -109,3 +109,15 @@ def test_the_latent_cache_keeps_the_mask_at_the_latents_size(tmp_path):
     torch.testing.assert_close(moments[: 2 * c], plain[0][0])
     expected = torch.nn.functional.interpolate(ds[0][0][3:][None], size=moments.shape[1:], mode="area")[0, 0]
     torch.testing.assert_close(moments[-1], expected, atol=1e-3, rtol=1e-3)
+
+
+def test_data_check_names_a_mask_of_another_size(tmp_path, capsys):
+    from difftrain.cli import main
+
+    _image(tmp_path, "a.png")
+    _image(tmp_path, "b.png")
+    Image.new("L", (32, 16), 255).save(tmp_path / "b.mask.png")
+    Image.new("L", (10, 10), 255).save(tmp_path / "a.mask.png")
+    assert main(["data", "check", str(tmp_path), "--masks", "--resolution", "16", "--workers", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "bad: a.png: mask: a.mask.png is 10x10, the image 32x16" in out and "b.png" not in out
