@@ -59,10 +59,40 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    """"512,768" -> [512, 768], for argparse."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def _data_check(args: argparse.Namespace) -> int:
     from difftrain.data.check import check_folder
 
-    report = check_folder(args.path, args.resolution, num_workers=args.workers)
+    buckets = None
+    if args.buckets:  # aspect-ratio buckets: only images under --min-image-size are too small
+        from difftrain.data.buckets import BucketSpec
+
+        buckets = BucketSpec(tuple(args.bucket_resolutions or [args.resolution]), args.multiple, args.min_image_size)
+    report = check_folder(args.path, (args.min_image_size or 1) if buckets else args.resolution, num_workers=args.workers)
+    table = []
+    if buckets is not None:
+        from difftrain.data.buckets import assign_buckets, bucket_table
+
+        names = sorted(report.sizes)
+        plan = assign_buckets([report.sizes[n] for n in names], buckets)
+        table = bucket_table(plan, names, args.batch)
+        for i, reason in plan.dropped.items():
+            report.bad.setdefault(names[i], f"bucket: {reason}")
+    if args.masks:  # each NAME.mask.png the size of its image (data.masks)
+        from difftrain.data.check import mask_problems
+
+        for path, reason in mask_problems(Path(args.path).expanduser(), sorted(report.sizes), report.sizes).items():
+            report.bad.setdefault(path, reason)
     if args.captions:  # each image's caption too: NAME.txt or metadata.jsonl (data.captions)
         from difftrain.data.folder import ImageFolderDataset
 
@@ -71,7 +101,9 @@ def _data_check(args: argparse.Namespace) -> int:
         for path, reason in folder.bad_captions.items():
             report.bad.setdefault(path, f"caption: {reason}")
     as_json = {**report.__dict__, "bad": report.bad_entries}  # a folder that cannot be listed is bad too
-    print(json.dumps(as_json, indent=2) if args.json else report.summary())
+    if table:
+        as_json["buckets"] = table
+    print(json.dumps(as_json, indent=2) if args.json else "\n".join([report.summary(), *table]))
     return EXIT_PROBLEMS_FOUND if report.bad or report.unreadable_folders else 0
 
 
@@ -377,6 +409,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--captions", action="store_true",
                    help="also check each image's caption (NAME.txt beside it, or metadata.jsonl), as data.captions does")
     p.add_argument("--caption-column", default="text", help="the caption key of metadata.jsonl")
+    p.add_argument("--masks", action="store_true",
+                   help="also check each NAME.mask.png is its image's size (data.masks)")
+    p.add_argument("--buckets", action="store_true",
+                   help="print the aspect-ratio bucket table (data.buckets = 'aspect') at --resolution")
+    p.add_argument("--bucket-resolutions", type=_int_list, default=None,
+                   help="comma-separated resolutions of multi-resolution buckets (data.bucket_resolutions)")
+    p.add_argument("--multiple", type=_positive_int, default=8,
+                   help="every bucket side a multiple of this (8: SD/SDXL/SD3 VAE; 16: Flux)")
+    p.add_argument("--min-image-size", type=int, default=0,
+                   help="with --buckets: smaller short sides are too small, larger ones may be upscaled "
+                        "(data.min_image_size; 0 = never upscale)")
+    p.add_argument("--batch", type=_positive_int, default=1,
+                   help="with --buckets: warn on buckets smaller than this micro-batch (train.batch_size x processes)")
     p.set_defaults(func=_data_check)
 
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")

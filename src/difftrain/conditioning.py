@@ -48,6 +48,29 @@ def expand_rows(c: Condition, n: int) -> Condition:
     return map_condition(lambda t: t.expand(n, *t.shape[1:]) if t.ndim else t.expand(n), c)
 
 
+def image_side_multiple(cfg) -> int:
+    """The multiple every image side must be for ``cfg``'s network, from config files alone (nothing
+    loaded): a base family's (``Family.image_side_multiple``: the VAE's factor, Flux's times 2), a latent
+    run's VAE factor, or a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio
+    buckets (``data/buckets.py``) round their sides to it."""
+    if cfg.model.vae:
+        from types import SimpleNamespace
+
+        from difftrain.models.vae import vae_factor
+
+        factor = vae_factor(cfg.model.vae)
+        family = None
+        if cfg.model.init_from and cfg.model.family != "":
+            from difftrain.families import family_of_config
+
+            family = family_of_config(cfg)
+        return family.image_side_multiple(SimpleNamespace(factor=factor)) if family is not None else factor
+    from difftrain.models import MODEL_PRESETS
+
+    mult = cfg.model.channel_mult or MODEL_PRESETS.get(cfg.model.preset, {}).get("channel_mult", (1,))
+    return 2 ** (len(mult) - 1)
+
+
 class Conditioning:
     """The condition of a run's network and its frozen text encoder and VAE (either may be None).
 
@@ -120,11 +143,15 @@ class Conditioning:
 
     # -- conditions ----------------------------------------------------------------------------
 
-    def condition(self, second: Tensor | Sequence[str] | None, drop: Tensor | None, device: torch.device) -> Tensor | None:
+    def condition(self, second: Tensor | Sequence[str] | None, drop: Tensor | None, device: torch.device,
+                  geometry: Tensor | None = None, size: tuple[int, int] | None = None) -> Tensor | None:
         """The network's condition for one loaded batch.
 
         second: the loader's second entry: labels (B,) long, or captions (a list of B strings).
         drop: (B,) bool, the rows whose label or caption is dropped (classifier-free guidance), or None.
+        geometry: (B, 4) long, each image's original (height, width) and crop (top, left), as a bucketed
+            dataset gives them (``data/buckets.py``); None: uncropped at ``size``.
+        size: the batch's (H, W) in pixels; None: (data.resolution, data.resolution).
         Returns labels (B,) long (the null label where dropped), text embeddings (B, L, D) float32
         (of "" where dropped), or None for an unconditional run.
         """
@@ -134,7 +161,7 @@ class Conditioning:
             cond = self.text.encode(list(second), device)
             if drop is not None:
                 cond = drop_rows(cond, self.text.null(1, device), drop)
-            return cond | self._image_conditions(len(second), device)
+            return cond | self._image_conditions(len(second), device, geometry, size)
         if self.text is not None:
             ids = to_device_async(self.text.tokenize(list(second)), device)  # (B, L), made on the host
             if drop is not None:  # the empty caption's tokens on the dropped rows, chosen on the device
@@ -174,10 +201,19 @@ class Conditioning:
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
         return None
 
-    def _image_conditions(self, n: int, device) -> dict[str, Tensor]:
-        """The family's per-image condition of ``n`` rows at the run's size, uncropped (SDXL's time_ids)."""
-        size = (self.resolution, self.resolution)
+    def _image_conditions(self, n: int, device, geometry: Tensor | None = None,
+                          size: tuple[int, int] | None = None) -> dict[str, Tensor]:
+        """The family's per-image condition of ``n`` rows (SDXL's time_ids) at ``size`` (H, W) pixels
+        (default the run's square), from each image's ``geometry`` (n, 4) where given, else uncropped."""
+        size = tuple(size) if size is not None else (self.resolution, self.resolution)
+        if geometry is not None:
+            return self.family.image_conditions(geometry.to(device), size, device)
         return expand_rows(self.family.image_conditions(None, size, device), n)
+
+    def pixel_size(self, x: Tensor) -> tuple[int, int]:
+        """(H, W) in pixels of a batch of what the network denoises (latents: times the VAE's factor)."""
+        f = self.codec.factor if self.codec is not None else 1
+        return int(x.shape[-2]) * f, int(x.shape[-1]) * f
 
     # -- latents -------------------------------------------------------------------------------
 

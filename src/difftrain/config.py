@@ -32,6 +32,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant", "inverse_sqrt"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
 OnBadImage = Literal["skip", "fail"]
+BucketMode = Literal["off", "aspect"]
 OnWriteError = Literal["stop", "continue"]
 # training/optimizers.py's OPTIMIZERS; adamw8bit, prodigy and schedulefree need the optim extra
 OptimizerName = Literal["adamw", "adamw8bit", "prodigy", "adafactor", "schedulefree"]
@@ -130,6 +131,17 @@ class DataConfig(_Section):
     cache_dir: str = ""  # where decode caches live; "" = $XDG_CACHE_HOME/difftrain or ~/.cache/difftrain
     on_bad_image: OnBadImage = "skip"  # unreadable or too-small images: skip (logged) or fail
     min_image_size: int = 0  # smallest short side accepted, upscaled to resolution; 0 = resolution
+    # aspect-ratio buckets (data/buckets.py, docs/data.md): "aspect" trains each image in the shape nearest its
+    # own at about resolution**2 pixels (never upscaled unless min_image_size > 0, which is then the smallest
+    # short side kept), each batch one shape; "off" = square centre crops. A base folder (model.init_from)
+    # turns it on unless set
+    buckets: BucketMode = "off"
+    # multi-resolution buckets (pixels): each image trains at the largest it covers without upscaling; () = (resolution,)
+    bucket_resolutions: tuple[int, ...] = ()
+    # masked loss: each image's NAME.mask.png beside it (white = trained, black = ignored; any mode, read as
+    # grey) or else its alpha channel weights the loss per pixel, resized as the latents are; images without
+    # either (DreamBooth's class images) are unmasked. A folder of images only
+    masks: bool = False
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
 
@@ -515,6 +527,9 @@ def _follow_base(cfg: Config, chosen: set[str]) -> None:
         defaults = family.training_defaults(Path(cfg.model.init_from).expanduser())
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}") from None
+    d, v = cfg.data, cfg.validation
+    if not (d.cache or d.heldout_fraction or v.memorization not in ("auto", "off") or cfg.train.cuda_graphs == "on"):
+        defaults.setdefault("data.buckets", "aspect")  # photos of every shape; not where a chosen option needs squares
     for dotted, value in defaults.items():
         if dotted not in chosen:
             section, key = dotted.split(".")
@@ -687,6 +702,7 @@ def validate(cfg: Config) -> None:
         0 <= d.min_image_size <= d.resolution,
         f"data.min_image_size must be in [0, data.resolution={d.resolution}], got {d.min_image_size}",
     )
+    _check_buckets(cfg)
     _check(
         m.preset in MODEL_PRESETS,
         f"model.preset must be one of {', '.join(MODEL_PRESETS)}, got {m.preset!r}",
@@ -773,6 +789,33 @@ def validate(cfg: Config) -> None:
     _check_lora(cfg)
     _check_dreambooth(cfg)
     _check_fsdp(cfg)
+
+
+def _check_buckets(cfg: Config) -> None:
+    """What data.buckets = "aspect" and data.masks need (the VAE's divisibility is checked when it is loaded)."""
+    d = cfg.data
+    for r in d.bucket_resolutions:
+        _check(isinstance(r, int) and r >= 8, f"data.bucket_resolutions must hold resolutions >= 8 px, got "
+                                              f"{list(d.bucket_resolutions)}")
+    if d.masks:
+        _check(not d.cache, "data.masks: the decode cache (data.cache) holds no masks; set data.cache = false")
+        _check(d.heldout_fraction == 0 and not d.heldout_path,
+               "data.masks: the held-out loss is unmasked; leave data.heldout_fraction and data.heldout_path out")
+        _check(cfg.validation.memorization in ("auto", "off"),
+               "data.masks: validation.memorization compares RGB images; set it to 'auto' (off with masks) or 'off'")
+    if d.buckets != "aspect":
+        _check(not d.bucket_resolutions, "data.bucket_resolutions needs data.buckets = 'aspect'")
+        return
+    why = "data.buckets='aspect'"
+    _check(not d.cache, f"{why} crops each image to its bucket; the decode cache (data.cache) holds square crops: "
+                        "set data.cache = false or data.buckets = 'off'")
+    _check(d.heldout_fraction == 0, f"{why}: the held-out loss stacks square images; use data.heldout_path (a "
+                                    "folder, cropped square) instead of data.heldout_fraction, or data.buckets = 'off'")
+    _check(cfg.validation.memorization in ("auto", "off"),
+           f"{why}: validation.memorization compares square samples with same-size training images; set it to "
+           "'auto' (off with buckets) or 'off'")
+    _check(cfg.train.cuda_graphs != "on", f"{why}: batches change shape, which a CUDA graph cannot; set "
+                                          "train.cuda_graphs to 'auto' or 'off'")
 
 
 def _check_fsdp(cfg: Config) -> None:

@@ -98,13 +98,17 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
     without ``dreambooth.class_prompt``."""
     if not cfg.dreambooth.class_prompt:
         return data
-    from difftrain.data.prepare import dataset_from_config
+    from difftrain.conditioning import image_side_multiple
+    from difftrain.data.prepare import dataset_from_config, with_buckets
     from difftrain.runtime import distributed
 
     folder = class_dir(cfg, run_dir)
     distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device), dctx, long_wait=True)
     images = dataset_from_config(cfg.data, str(folder), captions=False)  # the class prompt is their caption
-    prior = PromptedDataset(_first(images, cfg.dreambooth.num_class_images), cfg.dreambooth.class_prompt)
+    images = _first(images, cfg.dreambooth.num_class_images)
+    if getattr(data.train, "bucket_shapes", None) is not None:  # the instance images are bucketed: these too
+        images = with_buckets(images, cfg.data, image_side_multiple(cfg))
+    prior = PromptedDataset(images, cfg.dreambooth.class_prompt)
     return dataclasses.replace(data, train=PairedDataset(data.train, prior))
 
 

@@ -27,13 +27,15 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from difftrain.runtime.files import cache_dir
 
+from .buckets import BucketSpec, assign_buckets
 from .folder import ImageFolderDataset, scan_images
 from .records import EncodedImageDataset
-from .transforms import BadImage, load_image, open_image, printable
+from .transforms import BadImage, image_size, load_image, mask_path, open_image, printable
 
 CACHE_NAME = "data_check.json"
 BAD_LOG_NAME = "bad_images.log"
@@ -53,6 +55,7 @@ class DataReport:
     bad: dict[str, str]
     key: str = ""
     unreadable_folders: dict[str, str] = dataclasses.field(default_factory=dict)  # relative path/ -> reason
+    sizes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # relative path -> [W, H] after EXIF
 
     @property
     def num_good(self) -> int:
@@ -133,7 +136,7 @@ def folder_key(root: Path, files: list[Path], resolution: int) -> str:
 
     File names that are not valid UTF-8 are hashed by their bytes (``os.fsencode``).
     """
-    h = hashlib.sha256(f"v1|{resolution}|".encode())
+    h = hashlib.sha256(f"v2|{resolution}|".encode())  # v2: the report holds each image's size
     for f, (size, mtime) in zip(files, file_stats(files)):
         h.update(os.fsencode(f.relative_to(root).as_posix()) + f"|{size}|{mtime}\n".encode())
     return h.hexdigest()
@@ -154,17 +157,19 @@ def check_folder(root: str | Path, resolution: int, num_workers: int = 0) -> Dat
     formats: collections.Counter[str] = collections.Counter()
     sides: collections.Counter[str] = collections.Counter()
     bad: dict[str, str] = {}
+    image_sizes: dict[str, list[int]] = {}
     for f, (mode, fmt, size, reason) in zip(files, _check_files(files, resolution, num_workers)):
         rel = f.relative_to(root).as_posix()
         if mode is not None:
             modes[mode] += 1
             formats[fmt] += 1
             sides[_bucket(min(size))] += 1
+            image_sizes[rel] = [int(size[0]), int(size[1])]
         if reason is not None:
             bad[rel] = reason
     return DataReport(
         str(root), resolution, len(files), dict(modes), dict(formats), dict(sides), bad,
-        folder_key(root, files, resolution), unreadable,
+        folder_key(root, files, resolution), unreadable, image_sizes,
     )
 
 
@@ -225,7 +230,8 @@ def _write_json(path: Path, data: dict) -> None:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
-def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: int = 0, num_workers: int = 0):
+def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: int = 0, num_workers: int = 0,
+                    buckets: BucketSpec | None = None):
     """Check an image-folder dataset at train start; leave out its bad files or fail.
 
     Tar shards and Hugging Face datasets (``EncodedImageDataset``) are not scanned: their bad
@@ -242,7 +248,16 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     The first start saves the resulting file list to ``run_dir/data_files.json``; a resume
     (a run directory with a checkpoint and that list, for the same folder) reuses it without a
     rescan, so the data order does not depend on what changed in the folder meanwhile.
+
+    With ``buckets`` (``data.buckets = "aspect"``) an image folder's images are put in aspect-ratio
+    buckets (``data/buckets.py``) from the sizes the scan found (saved in the file list, so a resume
+    buckets them as its first start did); only images under ``min_size`` (when > 0) are too small, and
+    an image no bucket can take is bad (its reason logged). Tar shards and Hugging Face datasets keep
+    square crops (a warning says so).
     """
+    if buckets is not None and isinstance(dataset, EncodedImageDataset):
+        print("difftrain: warning: data.buckets = 'aspect' needs a folder of images; tar shards and Hugging Face "
+              "datasets train square centre crops", file=sys.stderr)
     if isinstance(dataset, EncodedImageDataset):  # shards, HF datasets: bad records found as read
         dataset.on_bad_image, dataset.bad_log = on_bad_image, Path(run_dir) / BAD_LOG_NAME
         _report_bad_captions(dataset, dataset.bad_captions, on_bad_image, "start")
@@ -250,12 +265,21 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     if not isinstance(dataset, ImageFolderDataset):
         return dataset
     run_dir = Path(run_dir)
-    min_size = min_size or dataset.resolution
+    min_size = min_size or (1 if buckets is not None else dataset.resolution)
     dataset.on_bad_image = on_bad_image
     dataset.bad_log = run_dir / BAD_LOG_NAME
-    saved = _saved_file_list(run_dir, dataset, min_size)
+    saved = _saved_file_list(run_dir, dataset, min_size, buckets is not None)
+    if saved is not None and buckets is not None and assign_buckets(saved["sizes"], buckets).dropped:
+        print(f"difftrain: warning: the sizes in {run_dir / FILE_LIST_NAME} put images of the run's first start in "
+              "no bucket (edited, or data.bucket_resolutions changed); rescanning the data, so the resumed data order "
+              "may differ", file=sys.stderr)
+        saved = None
     if saved is not None:
-        return _resume_file_list(dataset, saved, on_bad_image)
+        dataset = _resume_file_list(dataset, saved, on_bad_image)
+        if buckets is not None:
+            dataset.set_sizes(saved["sizes"])
+            _put_in_buckets(dataset, buckets, on_bad_image)
+        return dataset
 
     report, cached = cached_check(dataset.root, min_size, run_dir / CACHE_NAME, num_workers)
     print(
@@ -264,13 +288,16 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         file=sys.stderr,
     )
     captions = {p: f"caption: {r}" for p, r in dataset.bad_captions.items() if p not in report.bad}
+    if getattr(dataset, "masks", False):  # a mask of another size than its image: a bad sample (counted as captions are)
+        captions.update((p, r) for p, r in mask_problems(dataset.root, dataset.files, report.sizes).items()
+                        if p not in report.bad and p not in captions)
     problems = {**report.bad, **captions, **report.unreadable_folders}
     if problems and on_bad_image == "fail":
         listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(problems.items())[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise ValueError(
             f"data.path {printable(report.root)} holds {len(report.bad)} bad image files"
-            f"{f' and {len(captions)} images with a bad caption' if captions else ''}"
+            f"{f' and {len(captions)} images with a bad caption{_or_mask(dataset)}' if captions else ''}"
             f"{f' and {len(report.unreadable_folders)} unreadable folders' if report.unreadable_folders else ''} "
             f"(data.on_bad_image='fail'; set it to 'skip' to leave them out):\n{listed}{more}"
         )
@@ -278,12 +305,15 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         dataset.drop(set(report.bad) | set(captions))
         _append_log(dataset.bad_log, [f"start\t{printable(p)}\t{printable(r)}" for p, r in sorted(problems.items())])
         folders = f" and {len(report.unreadable_folders)} unreadable folders" if report.unreadable_folders else ""
-        folders = (f", {len(captions)} images with a bad caption" if captions else "") + folders
+        folders = (f", {len(captions)} images with a bad caption{_or_mask(dataset)}" if captions else "") + folders
         print(
             f"difftrain: skipped {len(report.bad)} bad image files{folders} (listed in {dataset.bad_log}); "
             f"{len(dataset)} remain",
             file=sys.stderr,
         )
+    if buckets is not None and len(dataset):
+        dataset.set_sizes([report.sizes.get(f, [0, 0]) for f in dataset.files])
+        _put_in_buckets(dataset, buckets, on_bad_image)
     if len(dataset) == 0:
         small = sum(r.startswith("too small") for r in report.bad.values())
         hint = f"; {small} too small: lower data.min_image_size to upscale them" if small else ""
@@ -297,11 +327,68 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         "version": 1, "root": str(dataset.root), "min_size": min_size,
         "class_conditional": dataset.class_conditional, "classes": dataset.classes,
         "files": dataset.files, "stats": stats,
+        **({"sizes": dataset.image_sizes.tolist()} if dataset.image_sizes is not None else {}),
     })
     return dataset
 
 
-def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int) -> dict | None:
+def _put_in_buckets(dataset: ImageFolderDataset, spec: BucketSpec, on_bad_image: str) -> None:
+    """Put ``dataset``'s images (their sizes known) in buckets; an image no bucket takes is bad: in fail
+    mode a ValueError listing them, else left out and logged."""
+    plan = assign_buckets(dataset.image_sizes, spec)
+    if plan.dropped:
+        files = dataset.files
+        bad = {files[i]: reason for i, reason in plan.dropped.items()}
+        if on_bad_image == "fail":
+            listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(bad.items())[:20])
+            raise ValueError(f"data.path {printable(str(dataset.root))}: {len(bad)} images fit no bucket "
+                             f"(data.on_bad_image='fail'; 'skip' leaves them out):\n{listed}")
+        _append_log(dataset.bad_log, [f"start\t{printable(p)}\tbucket: {printable(r)}" for p, r in sorted(bad.items())])
+        print(f"difftrain: {len(bad)} images fit no bucket and are skipped (listed in {dataset.bad_log})",
+              file=sys.stderr)
+        keep = np.array([i not in plan.dropped for i in range(len(files))], dtype=bool)
+        dataset.drop(set(bad))
+        dataset.set_buckets(plan.shapes[keep])
+    else:
+        dataset.set_buckets(plan.shapes)
+
+
+def _or_mask(dataset) -> str:
+    """" or mask" where a dataset's masks are checked with its captions."""
+    return " or mask" if getattr(dataset, "masks", False) else ""
+
+
+def mask_problems(root: Path, files: list[str], sizes: dict[str, list[int]]) -> dict[str, str]:
+    """{relative path: reason} of the images whose ``NAME.mask.png`` cannot be read or has another size
+    (after EXIF rotation) than the image (``sizes``: the scan's)."""
+    out = {}
+    for rel in files:
+        mask = mask_path(root / rel)
+        if rel not in sizes or not mask.is_file():
+            continue
+        try:
+            size = list(image_size(mask))
+        except BadImage as e:
+            out[rel] = f"mask: unreadable {printable(mask.name)}: {e.reason}"
+            continue
+        if size != list(sizes[rel]):
+            out[rel] = (f"mask: {printable(mask.name)} is {size[0]}x{size[1]}, the image {sizes[rel][0]}x{sizes[rel][1]} "
+                        "(data.masks: a mask must be its image's size)")
+    return out
+
+
+def _saved_sizes(saved: dict, count: int) -> list[list[int]] | None:
+    """The saved file list's image sizes when they are ``count`` pairs of non-negative ints, else None."""
+    sizes = saved.get("sizes")
+    if not isinstance(sizes, list) or len(sizes) != count:
+        return None
+    for pair in sizes:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(v) is int and 0 <= v < 2**31 for v in pair)):
+            return None
+    return sizes
+
+
+def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int, buckets: bool = False) -> dict | None:
     """The file list of this run's first start, when this start resumes it; else None.
 
     Resuming means: the run directory holds a checkpoint, and the list was made for the same
@@ -325,7 +412,12 @@ def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int) 
         print(f"difftrain: warning: data.path or data.min_image_size changed since the run started; "
               f"rescanning {printable(str(dataset.root))} (the resumed data order differs)", file=sys.stderr)
         return None
-    return {"files": files, "classes": list(saved.get("classes", [])), "stats": stats}
+    sizes = _saved_sizes(saved, len(files)) if buckets else None
+    if buckets and sizes is None:
+        print(f"difftrain: warning: {path} holds no valid image sizes (data.buckets); rescanning "
+              f"{printable(str(dataset.root))} (the resumed data order may differ)", file=sys.stderr)
+        return None
+    return {"files": files, "classes": list(saved.get("classes", [])), "stats": stats, "sizes": sizes}
 
 
 def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: str) -> ImageFolderDataset:

@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 
 from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions
 from .sampler import split_key
-from .transforms import augment, check_image_options, load_image, printable, resize_center_crop, to_tensor
+from .transforms import (MASK_SUFFIX, BadImage, augment, check_image_options, flip_decision, image_size, load_image,
+                         load_mask, printable, resize_center_crop, resize_crop, to_tensor)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -62,6 +63,7 @@ def scan_images(
             if (
                 not name.startswith(".")
                 and path.suffix.lower() in IMAGE_EXTENSIONS
+                and not name.lower().endswith(MASK_SUFFIX)  # a loss mask (data.masks), not an image
                 and path.is_file()  # not a broken link
             ):
                 found.append(path)
@@ -123,6 +125,15 @@ class ImageFolderDataset(Dataset):
     ``caption_column``, or a ``.txt`` beside each image); ``num_classes`` is 0. An image without
     a usable caption is a bad sample (``bad_captions``; ``data.check.prepare_dataset`` leaves
     it out or stops the run, and one met on reading is handled as a bad image is).
+
+    Aspect-ratio buckets (``data/buckets.py``): after :meth:`set_buckets` each image is resized to
+    cover its bucket's (h, w) and centre-cropped instead, and items are ``(image (C, h, w), caption or
+    label, geometry (4,) long)``: its original (height, width) and the (top, left) of the crop in the
+    resized image, which SDXL's size conditioning takes.
+
+    With ``masks`` (``data.masks``) the image tensor has one more channel, last: its loss mask in [0, 1]
+    (``NAME.mask.png`` beside it, else its alpha channel, else ones), resized, cropped and flipped with it.
+    A mask of another size than its image is a bad image (:class:`BadImage` naming both sizes).
     """
 
     def __init__(
@@ -135,8 +146,10 @@ class ImageFolderDataset(Dataset):
         class_conditional: bool = False,
         captions: bool = False,
         caption_column: str = "text",
+        masks: bool = False,
     ) -> None:
         check_image_options(resolution, channels, color_jitter)
+        self.masks = masks
         if captions and class_conditional:
             raise ValueError("set data.captions or data.class_conditional, not both")
         self.root = Path(root).expanduser()
@@ -171,6 +184,35 @@ class ImageFolderDataset(Dataset):
         # the decode cache's key, so that a resume finds the cache the run started with.
         self.file_stats: list[tuple[int, int]] | None = None
 
+    def set_buckets(self, shapes) -> None:
+        """Train image i at ``shapes[i]`` (h, w) pixels (N, 2), or square crops again with None."""
+        if shapes is not None:
+            shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 2)
+            if len(shapes) != len(self) or (shapes < 1).any():
+                raise ValueError(f"data.path {printable(str(self.root))}: {len(shapes)} bucket shapes for "
+                                 f"{len(self)} images")
+        self.bucket_shapes = shapes
+
+    def set_sizes(self, sizes) -> None:
+        """The (W, H) of each image after EXIF rotation (N, 2), as the scan found them."""
+        sizes = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+        if len(sizes) != len(self):
+            raise ValueError(f"data.path {printable(str(self.root))}: {len(sizes)} sizes for {len(self)} images")
+        self.image_sizes = sizes
+
+    def sizes(self) -> np.ndarray:
+        """(N, 2) int64 (W, H) of each image after EXIF rotation: the scan's, else read from the headers
+        (no decode); an unreadable file counts as (0, 0)."""
+        if self.image_sizes is None:
+            out = []
+            for path in self.paths:
+                try:
+                    out.append(image_size(path))
+                except OSError:
+                    out.append((0, 0))
+            self.image_sizes = np.asarray(out, dtype=np.int64).reshape(-1, 2)
+        return self.image_sizes
+
     def set_files(self, files: list[str], classes: list[str]) -> None:
         """Use these files (relative "/"-separated paths, in index order) and class names.
 
@@ -186,6 +228,8 @@ class ImageFolderDataset(Dataset):
         # touch every object's refcount and so copy a list's pages, once per worker.
         self._files = np.array([os.fsencode(f) for f in files], dtype=np.bytes_)
         self._labels = np.array(labels, dtype=np.int64)
+        self.image_sizes: np.ndarray | None = None  # (N, 2) (W, H) after EXIF rotation, once known
+        self.bucket_shapes: np.ndarray | None = None  # (N, 2) (h, w) of each image's bucket; None: square
 
     def _caption_table(self, files: list[str]) -> CaptionTable:
         """The captions of ``files``: those already read kept, the others read now."""
@@ -219,6 +263,10 @@ class ImageFolderDataset(Dataset):
         """Leave out the files whose paths (relative to the root, "/"-separated) are given."""
         keep = np.array([os.fsdecode(f) not in relative_paths for f in self._files.tolist()], dtype=bool)
         self._files, self._labels = self._files[keep], self._labels[keep]
+        if self.image_sizes is not None:
+            self.image_sizes = self.image_sizes[keep]
+        if self.bucket_shapes is not None:
+            self.bucket_shapes = self.bucket_shapes[keep]
         if self._captions is not None:
             self._captions = self._captions.select(keep)
         self.file_stats = None
@@ -258,29 +306,58 @@ class ImageFolderDataset(Dataset):
             raise IndexError(f"index {index} out of range for {len(self)} images")
         # Decoding large JPEGs at reduced scale is capped at twice the output size, so the
         # final antialiased resize still has pixels to average.
-        img, index = self._load(index % len(self))
-        img = resize_center_crop(img, self.resolution)
+        index %= len(self)
+        shape = None if self.bucket_shapes is None else tuple(self.bucket_shapes[index].tolist())
+        # A mask is read at the image's full size: no reduced JPEG decode then.
+        img, index = self._load(index, 1 << 30 if self.masks else None if shape is None else 2 * max(shape))
+        mask = self._mask(index, img.size) if self.masks else None
+        geometry = None
+        if shape is None:
+            img = resize_center_crop(img, self.resolution)
+            mask = None if mask is None else resize_center_crop(mask, self.resolution)
+        else:  # the file's own size: a JPEG may have been decoded at a reduced scale
+            original = tuple(self.image_sizes[index].tolist()) if self.image_sizes is not None else None
+            img, geometry = resize_crop(img, shape, original if original and min(original) > 0 else None)
+            mask = None if mask is None else resize_crop(mask, shape)[0]
         x = to_tensor(img)  # (C, H, W)
         if seed is not None:
             g = torch.Generator().manual_seed(seed)
-            x = augment(x, g, self.random_flip, self.color_jitter)
-        return x, (self.caption(index) if self.captions else int(self._labels[index]))
+            x = augment(x, g, self.random_flip, self.color_jitter)  # a centre crop: the flip keeps the geometry
+        if self.masks:  # (1, H, W) in [0, 1], flipped as augment flipped the image
+            m = torch.ones((1, *x.shape[1:])) if mask is None else (to_tensor(mask) + 1) / 2
+            if seed is not None and self.random_flip and flip_decision(seed):
+                m = m.flip(-1)
+            x = torch.cat([x, m])
+        second = self.caption(index) if self.captions else int(self._labels[index])
+        return (x, second) if geometry is None else (x, second, torch.tensor(geometry, dtype=torch.long))
 
-    def _load(self, index: int):
-        """Decode image ``index``; in skip mode a bad file gives way to the next good one.
+    def _mask(self, index: int, size: tuple[int, int]):
+        """Image ``index``'s mask (an "L" image of ``size``) or None (all ones); :class:`BadImage` when it has
+        another size than its image."""
+        path = self.root / os.fsdecode(self._files[index])
+        mask = load_mask(path)
+        if mask is not None and mask.size != size:
+            raise BadImage(path, f"its mask {path.stem + MASK_SUFFIX} is {mask.size[0]}x{mask.size[1]}, the image "
+                                 f"{size[0]}x{size[1]} (data.masks: a mask must be its image's size)")
+        return mask
+
+    def _load(self, index: int, min_size: int | None = None):
+        """Decode image ``index`` (JPEGs at a reduced scale keeping both sides >= ``min_size``, default
+        twice the resolution); in skip mode a bad file gives way to the next good one.
 
         The substitute depends only on ``index`` (the next index that decodes), so a resumed
         run sees the same samples. Each skip is appended to ``bad_log`` with its path.
         """
+        min_size = min_size or 2 * self.resolution
         return first_good(
-            index, len(self), self._decode,
+            index, len(self), lambda i: self._decode(i, min_size),
             lambda i: os.fsdecode(self._files[i]), self.on_bad_image, self.bad_log,
             f"data.path {printable(str(self.root))}: none of its {len(self)} images can be read any more "
             "(moved, deleted or unmounted?)",
         )
 
-    def _decode(self, index: int):
+    def _decode(self, index: int, min_size: int):
         """Image ``index`` decoded; raises ``BadCaption`` first when captioned and it has none."""
         if self._captions is not None:
             self.caption(index)
-        return load_image(self.root / os.fsdecode(self._files[index]), self.channels, min_size=2 * self.resolution)
+        return load_image(self.root / os.fsdecode(self._files[index]), self.channels, min_size=min_size)

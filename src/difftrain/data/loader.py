@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .buckets import BucketBatchSampler, item_shapes
 from .builtin import BUILTIN_DATASETS, BUILTIN_PREFIX
 from .cache import CachedImageDataset
 from .folder import ImageFolderDataset
@@ -27,6 +28,7 @@ def build_dataset(
     label_column: str = "",
     captions: bool = False,
     caption_column: str = "text",
+    masks: bool = False,
 ) -> Dataset:
     """The dataset ``path`` names, by its form:
 
@@ -41,8 +43,12 @@ def build_dataset(
     ``(image, caption str)`` (``data/captions.py``; HF datasets: ``caption_column``, which also
     names the caption key of a folder's ``metadata.jsonl``), ``num_classes`` is 0 and the
     dataset's ``captions`` is True. With ``cache`` a folder's images are read from their decode
-    cache (``data/cache.py``; built-in datasets are generated and need none).
+    cache (``data/cache.py``; built-in datasets are generated and need none). With ``masks`` (a folder
+    only) each image carries its loss mask as a last channel (``folder.py``).
     """
+    if masks and (path.startswith(BUILTIN_PREFIX) or is_shard_path(path) or is_hf_path(path)):
+        raise ValueError(f"data.masks needs a folder of images (NAME.mask.png or an alpha channel per image); "
+                         f"data.path {path} is not one")
     options = dict(
         resolution=resolution,
         channels=channels,
@@ -64,17 +70,17 @@ def build_dataset(
     if is_hf_path(path):
         return HFImageDataset(path, **options, image_column=image_column, label_column=label_column,
                               caption_column=caption_column)
-    dataset = ImageFolderDataset(path, **options, caption_column=caption_column)
+    dataset = ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks)
     return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
 
 
-def collate(batch: list[tuple[torch.Tensor, int | str]]) -> tuple[torch.Tensor, torch.Tensor | list[str]]:
+def collate(batch: list[tuple]) -> tuple:
     """Stack items into (images (B, C, H, W) float32, labels (B,) long), or, when the items hold
-    captions, (images, captions list[str] of B)."""
-    images, labels = zip(*batch)
-    if isinstance(labels[0], str):
-        return torch.stack(images), list(labels)
-    return torch.stack(images), torch.tensor(labels, dtype=torch.long)
+    captions, (images, captions list[str] of B); items of a bucketed dataset (``data/buckets.py``) add
+    their geometry, stacked (B, 4) long, as a third entry."""
+    images, labels, *rest = zip(*batch)
+    second = list(labels) if isinstance(labels[0], str) else torch.tensor(labels, dtype=torch.long)
+    return (torch.stack(images), second, *(torch.stack(r) for r in rest))
 
 
 def build_loader(
@@ -106,6 +112,9 @@ def build_loader(
         worker_init_fn: called in each worker as it starts, with its id (the training loop's
             takes the worker out of the run's process group: ``training/signals.py``).
 
+    A bucketed dataset (``bucket_shapes``, ``data/buckets.py``) is read in batches of one shape each
+    (:class:`~difftrain.data.buckets.BucketBatchSampler`), every rank's from the same bucket.
+
     Iterate it with ``iter()`` once and call ``next()``: it never ends and has no ``len``.
     """
     if batch_size < 1:
@@ -114,15 +123,18 @@ def build_loader(
         raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
     if prefetch_factor < 1:
         raise ValueError(f"data.prefetch_factor must be >= 1, got {prefetch_factor}")
-    sampler = InfiniteSampler(len(dataset), seed, start=start, rank=rank, world_size=world_size)
+    shapes = item_shapes(dataset)
+    if shapes is not None:
+        batching = dict(batch_sampler=BucketBatchSampler(shapes, batch_size, seed, start, rank, world_size))
+    else:
+        sampler = InfiniteSampler(len(dataset), seed, start=start, rank=rank, world_size=world_size)
+        batching = dict(batch_size=batch_size, sampler=sampler, drop_last=True)
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
+        **batching,
         num_workers=num_workers,
         collate_fn=collate,
         pin_memory=torch.device(device).type == "cuda",
-        drop_last=True,
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         worker_init_fn=worker_init_fn,

@@ -9,8 +9,10 @@ from torch.utils.data import Dataset
 
 from difftrain.runtime.files import cache_dir_error
 
+from .buckets import BucketSpec, assign_buckets, item_shapes, usable_images
 from .cache import with_decode_cache
 from .check import prepare_dataset
+from .folder import ImageFolderDataset
 from .loader import build_dataset
 from .split import split_heldout
 
@@ -37,15 +39,41 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True, captio
         label_column=d.label_column,
         captions=d.captions if captions is None else captions,
         caption_column=d.caption_column,
+        masks=d.masks,
     )
 
 
-def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
-    """The training and held-out sets of ``cfg``: bad images scanned for (the scan cached in
-    ``run_dir``; skipped or fatal per ``data.on_bad_image``), decoded once into the decode cache
-    when ``data.cache``, and the held-out share split off.
+def bucket_spec(d, side_multiple: int) -> BucketSpec | None:
+    """The aspect-ratio buckets of ``DataConfig`` ``d`` (``data.buckets = "aspect"``) with every side a
+    multiple of ``side_multiple``, else None (square crops)."""
+    if d.buckets != "aspect" or (not d.bucket_resolutions and d.resolution % side_multiple):
+        return None  # a data.resolution the base cannot divide: Conditioning names it with the base
+    return BucketSpec(tuple(d.bucket_resolutions) or (d.resolution,), side_multiple, d.min_image_size)
 
-    Raises ValueError naming ``data.path`` when fewer images than ``train.batch_size`` remain.
+
+def with_buckets(dataset: Dataset, d, side_multiple: int) -> Dataset:
+    """An image folder that was not scanned (DreamBooth's class images) put in the buckets of ``d`` from
+    its headers' sizes; an image no bucket takes is left out. Other datasets, or buckets off: unchanged."""
+    spec = bucket_spec(d, side_multiple)
+    if spec is None or not isinstance(dataset, ImageFolderDataset):
+        return dataset
+    plan = assign_buckets(dataset.sizes(), spec)
+    if plan.dropped:
+        files = dataset.files
+        dataset.drop({files[i] for i in plan.dropped})
+        plan.shapes = plan.shapes[[i for i in range(len(files)) if i not in plan.dropped]]
+    dataset.set_buckets(plan.shapes)
+    return dataset
+
+
+def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8) -> TrainingData:
+    """The training and held-out sets of ``cfg``: bad images scanned for (the scan cached in
+    ``run_dir``; skipped or fatal per ``data.on_bad_image``), put in aspect-ratio buckets with sides
+    multiples of ``side_multiple`` (``data.buckets``), decoded once into the decode cache when
+    ``data.cache``, and the held-out share split off.
+
+    Raises ValueError naming ``data.path`` when fewer images than ``train.batch_size`` remain (or no
+    bucket holds a batch).
     """
     d = cfg.data
     dreambooth = bool(cfg.dreambooth.instance_prompt)
@@ -54,7 +82,8 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
     if run_dir is not None:
         # The scan and the cache build decode in data.num_workers processes; both are reused by
         # later runs of the same folder (the scan keyed by its files, the cache by their contents).
-        dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size, d.num_workers)
+        dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size, d.num_workers,
+                                  bucket_spec(d, side_multiple))
         try:
             dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
         except OSError as e:
@@ -71,4 +100,15 @@ def prepare_training_data(cfg, run_dir: Path | None) -> TrainingData:
         raise ValueError(
             f"data.path {d.path} holds {len(train)} images{held}, fewer than train.batch_size={cfg.train.batch_size}"
         )
+    shapes = item_shapes(train)
+    if shapes is not None and usable_images(shapes, cfg.train.batch_size) == 0:
+        raise ValueError(f"data.path {d.path}: no aspect-ratio bucket holds train.batch_size={cfg.train.batch_size} "
+                         f"of its {len(train)} images (difftrain data check --buckets prints the table); lower "
+                         "train.batch_size or set data.buckets = 'off'")
+    if shapes is not None and usable_images(shapes, cfg.train.batch_size) < len(train):
+        import sys
+
+        print(f"difftrain: warning: {len(train) - usable_images(shapes, cfg.train.batch_size)} of {len(train)} images "
+              f"are in aspect-ratio buckets smaller than train.batch_size={cfg.train.batch_size} and never train "
+              "(difftrain data check --buckets lists them)", file=sys.stderr)
     return TrainingData(train, heldout, num_classes)

@@ -26,12 +26,19 @@ class PromptedDataset(Dataset):
         self.channels = getattr(images, "channels", 3)
         self.random_flip = getattr(images, "random_flip", False)
         self.color_jitter = getattr(images, "color_jitter", 0.0)
+        self.masks = getattr(images, "masks", False)
+
+    @property
+    def bucket_shapes(self):
+        """The images' bucket shapes (``data/buckets.py``), or None."""
+        return getattr(self.images, "bucket_shapes", None)
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, key):
-        return self.images[key][0], self.prompt
+        item = self.images[key]
+        return (item[0], self.prompt, *item[2:])  # a bucketed image's geometry kept
 
     def targets(self) -> list[str]:
         return [self.prompt] * len(self)
@@ -51,11 +58,24 @@ class PairedDataset(Dataset):
 
     def __init__(self, instance: Dataset, prior: Dataset):
         self.instance, self.prior = instance, prior
-        for name in ("resolution", "channels", "random_flip", "color_jitter"):
+        for name in ("resolution", "channels", "random_flip", "color_jitter", "masks"):
             setattr(self, name, getattr(instance, name, None))
 
     def __len__(self) -> int:
         return 2 * max(len(self.instance), len(self.prior))
+
+    @property
+    def bucket_shapes(self):
+        """(N, 2) each item's bucket shape when either part is bucketed (the other's items square at the
+        resolution), else None."""
+        import numpy as np
+
+        parts = [getattr(p, "bucket_shapes", None) for p in (self.instance, self.prior)]
+        if all(s is None for s in parts):
+            return None
+        square = [self.resolution, self.resolution]
+        return np.asarray([parts[i % 2][inner] if parts[i % 2] is not None else square
+                           for i, inner in ((i, self._item(i)[1]) for i in range(len(self)))], dtype=np.int64)
 
     def _item(self, index: int) -> tuple[Dataset, int]:
         part = self.instance if index % 2 == 0 else self.prior

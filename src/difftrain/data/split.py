@@ -19,9 +19,16 @@ class IndexSubset(Dataset):
         self.num_classes = getattr(dataset, "num_classes", 0)
         self.classes = getattr(dataset, "classes", [])
         self.captions = getattr(dataset, "captions", False)
+        self.masks = getattr(dataset, "masks", False)
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    @property
+    def bucket_shapes(self):
+        """The parent's bucket shapes (``data/buckets.py``) of these items, or None."""
+        shapes = getattr(self.dataset, "bucket_shapes", None)
+        return None if shapes is None else shapes[self.indices]
 
     def __getitem__(self, key: int | tuple[int, int]):
         index, seed = split_key(key)

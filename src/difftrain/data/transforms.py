@@ -156,6 +156,56 @@ def resize_center_crop(img: Image.Image, resolution: int) -> Image.Image:
     )
 
 
+def crop_geometry(size: tuple[int, int], shape: tuple[int, int]
+                  ) -> tuple[tuple[float, float, float, float], tuple[int, int, int, int]]:
+    """The centre crop of an image of ``size`` (W, H) resized to cover ``shape`` (h, w).
+
+    Returns (box, geometry): ``box`` (left, top, right, bottom) in the image's pixels, what
+    ``Image.resize(..., box=box)`` reads; ``geometry`` (orig_h, orig_w, crop_top, crop_left), the crop in
+    the resized image's pixels (SDXL's ``original_size`` and ``crops_coords_top_left``, as diffusers'
+    SDXL training script computes them).
+    """
+    width, height = size
+    h, w = shape
+    scale = max(h / height, w / width)
+    cw, ch = w / scale, h / scale  # the crop in the image's pixels
+    left, top = (width - cw) / 2, (height - ch) / 2
+    geometry = (height, width, int(round((height * scale - h) / 2)), int(round((width * scale - w) / 2)))
+    return (left, top, left + cw, top + ch), geometry
+
+
+def resize_crop(img: Image.Image, shape: tuple[int, int], original: tuple[int, int] | None = None
+                ) -> tuple[Image.Image, tuple[int, int, int, int]]:
+    """Resize ``img`` to cover ``shape`` (h, w) and centre-crop it, in one antialiased bicubic resampling.
+
+    ``original``: the (W, H) of the file (after EXIF rotation) when ``img`` was decoded at a reduced
+    scale (a JPEG draft); the geometry is reported in its terms. Returns (image (w x h), geometry
+    (orig_h, orig_w, crop_top, crop_left)), see :func:`crop_geometry`.
+    """
+    box, geometry = crop_geometry(img.size, shape)
+    if original is not None and tuple(original) != img.size:
+        geometry = crop_geometry(tuple(original), shape)[1]
+    h, w = shape
+    if img.size == (w, h):
+        return img.copy(), geometry
+    return img.resize((w, h), Image.Resampling.BICUBIC, box=box, reducing_gap=3.0), geometry
+
+
+# EXIF orientations that swap width and height (5-8: transposed, rotated 90 or 270 degrees).
+_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
+
+
+def image_size(path: str | Path) -> tuple[int, int]:
+    """(W, H) of an image file after its EXIF rotation, from its header (no decode); :class:`BadImage`."""
+    with open_image(path) as img:
+        try:
+            orientation = img.getexif().get(0x0112, 1)
+        except Exception:  # noqa: BLE001 - a broken EXIF block: load_image's exif_transpose decides
+            orientation = 1
+        w, h = img.size
+    return (h, w) if orientation in _SWAPPING_ORIENTATIONS else (w, h)
+
+
 def to_tensor(img: Image.Image | np.ndarray) -> torch.Tensor:
     """An 8-bit image (PIL, or uint8 array (H, W) / (H, W, C)) as (C, H, W) float32 in [-1, 1]."""
     a = np.asarray(img, dtype=np.uint8)
@@ -163,6 +213,40 @@ def to_tensor(img: Image.Image | np.ndarray) -> torch.Tensor:
         a = a[:, :, None]
     x = torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1), dtype=np.float32))  # a copy
     return x.div_(127.5).sub_(1.0)
+
+
+def flip_decision(sample_seed: int) -> bool:
+    """Whether :func:`augment` with ``random_flip`` and a generator seeded by ``sample_seed`` mirrors the
+    image: its first of four uniform draws is below 0.5 (a mask follows its image by this)."""
+    u = torch.rand(4, generator=torch.Generator().manual_seed(sample_seed)).tolist()
+    return u[0] < 0.5
+
+
+MASK_SUFFIX = ".mask.png"  # NAME.mask.png beside NAME.jpg: the image's loss mask (data.masks), never a training image
+
+
+def mask_path(path: str | Path) -> Path:
+    """Where the mask file of image ``path`` would be: ``NAME.mask.png`` beside ``NAME.EXT``."""
+    path = Path(path)
+    return path.with_name(path.stem + MASK_SUFFIX)
+
+
+def load_mask(path: str | Path) -> Image.Image | None:
+    """The loss mask of image ``path`` as 8-bit "L" (255 = trained, 0 = ignored), after the EXIF
+    rotation: its ``NAME.mask.png`` (any mode, as grey), else its alpha channel, else None (all trained).
+    :class:`BadImage` naming the file it cannot read."""
+    file = mask_path(path)
+    if file.is_file():
+        return load_image(file, 1)
+    with open_image(path) as img:
+        if img.mode not in _ALPHA_MODES and "transparency" not in img.info:
+            return None
+        try:
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            return img.convert("RGBA").getchannel("A")
+        except Exception as e:  # noqa: BLE001 - see open_image
+            raise BadImage(path, _reason(e)) from e
 
 
 def _jitter_factor(u: float, strength: float) -> float:

@@ -61,10 +61,11 @@ def loss_weight(weighting: str, alpha_bar_t: Tensor, prediction: str, min_snr_ga
     return LOSS_WEIGHTINGS[weighting](alpha_bar_t, prediction, min_snr_gamma).to(torch.float32)
 
 
-def diffusion_loss(model_out: Tensor, target: Tensor, weight: Tensor) -> Tensor:
-    """Weighted mean squared error per sample: weight * mean_{C,H,W} (model_out - target)^2.
+def diffusion_loss(model_out: Tensor, target: Tensor, weight: Tensor, pixel_weight: Tensor | None = None) -> Tensor:
+    """Weighted mean squared error per sample: weight * mean_{C,H,W} pixel_weight * (model_out - target)^2.
 
-    model_out, target: (B, C, H, W), any float dtype; weight: (B,).
+    model_out, target: (B, C, H, W), any float dtype; weight: (B,); pixel_weight: (B, 1, H, W) (a loss
+    mask in [0, 1], as kohya's masked loss: a masked pixel adds 0, the mean is over every pixel) or None.
     Returns (B,) float32: the difference is taken in float32 even for bf16 / fp16 inputs.
     """
     if model_out.shape != target.shape:
@@ -76,4 +77,6 @@ def diffusion_loss(model_out: Tensor, target: Tensor, weight: Tensor) -> Tensor:
     if weight.shape != model_out.shape[:1]:
         raise ValueError(f"weight must have shape ({model_out.shape[0]},), got {tuple(weight.shape)}")
     squared_error = (model_out.float() - target.float()).square()
+    if pixel_weight is not None:
+        squared_error = squared_error * pixel_weight.float()
     return squared_error.mean(dim=tuple(range(1, model_out.ndim))) * weight.float()

@@ -200,6 +200,7 @@ def per_sample_loss(
     autocast: contextlib.AbstractContextManager | None = None,
     input_noise: Tensor | None = None,
     uncertainty: bool = False,
+    pixel_weight: Tensor | None = None,
 ) -> Tensor:
     """The training loss of each sample, (B,) float32: ``net(input, cond, condition)`` (under
     ``autocast``, when given) regressed onto the objective's target with its weight.
@@ -209,11 +210,12 @@ def per_sample_loss(
     only: the input is noised with it, the target made from ``noise``), else None.
     uncertainty: EDM2's learned weighting (Karras et al. 2024, eq. 21): the network also returns
     the log-variance u (B,) of its noise level, and the loss is loss / e^u + u.
+    pixel_weight: (B, 1, H, W) loss mask (``data.masks``) or None.
     """
     b = objective.noised(x0, levels, noise) if input_noise is None else objective.noised(x0, levels, noise, input_noise)
     with autocast or contextlib.nullcontext():
         out = net(b.input, b.cond, condition, return_logvar=True) if uncertainty else net(b.input, b.cond, condition)
     if not uncertainty:
-        return diffusion_loss(out, b.target, b.weight)
+        return diffusion_loss(out, b.target, b.weight, pixel_weight)
     out, logvar = out
-    return diffusion_loss(out, b.target, b.weight) / logvar.float().exp() + logvar.float()
+    return diffusion_loss(out, b.target, b.weight, pixel_weight) / logvar.float().exp() + logvar.float()

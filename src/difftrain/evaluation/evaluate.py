@@ -321,8 +321,15 @@ def _checked(inception: InceptionFeatures, loaded, space: str | None):
     from .sample_check import CheckedInception, SampleCheck
 
     cfg = dataclasses.replace(loaded.cfg, validation=dataclasses.replace(loaded.cfg.validation, memorization=space))
-    dataset = dataset_from_config(loaded.cfg.data, augment=False)
+    dataset = dataset_from_config(_unmasked(loaded.cfg.data), augment=False)
     return CheckedInception(inception, SampleCheck(cfg, dataset, next(loaded.model.parameters()).device))
+
+
+def _unmasked(data):
+    """A run's ``DataConfig`` without ``data.masks``: evaluation reads its images (or captions), not their masks."""
+    import dataclasses
+
+    return dataclasses.replace(data, masks=False)
 
 
 def checkpoint_conditions(loaded, guidance_scale: float = 1.0, captions: str | Path | None = None) -> FIDConditions:
@@ -341,6 +348,6 @@ def checkpoint_conditions(loaded, guidance_scale: float = 1.0, captions: str | P
         return FIDConditions(c, captions=lines, captions_from=str(captions), guidance_scale=guidance_scale)
     from difftrain.data.prepare import dataset_from_config
 
-    dataset = dataset_from_config(loaded.cfg.data, augment=False)
+    dataset = dataset_from_config(_unmasked(loaded.cfg.data), augment=False)
     return FIDConditions(c, captions=DatasetCaptions(dataset), captions_from=f"data.path {loaded.cfg.data.path}",
                          guidance_scale=guidance_scale)

@@ -155,10 +155,13 @@ class CheckedInception:
 
 def resolve_space(cfg: Config, dataset) -> str:
     """The feature space ``validation.memorization`` names for the training set ``dataset``:
-    "auto" is "pixels" for 2 to ``validation.memorization_auto_max_images`` images, else "off"."""
+    "auto" is "pixels" for 2 to ``validation.memorization_auto_max_images`` images, else "off" (and off
+    for images in aspect-ratio buckets, whose shapes differ from the square samples')."""
     v = cfg.validation
     if v.memorization != "auto":
         return v.memorization
+    if getattr(dataset, "bucket_shapes", None) is not None or getattr(dataset, "masks", False):
+        return "off"
     n = len(dataset) if dataset is not None else 0
     return "pixels" if 2 <= n <= v.memorization_auto_max_images else "off"
 

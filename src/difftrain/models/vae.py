@@ -47,6 +47,16 @@ def vae_folder(path: str) -> Path:
     return folder
 
 
+def vae_factor(path: str) -> int:
+    """The spatial downsampling of the AutoencoderKL at ``path`` from its config alone (no weights
+    loaded): ``2 ** (len(block_out_channels) - 1)``, as :class:`LatentCodec` computes it."""
+    folder = vae_folder(path)
+    try:
+        return 2 ** (len(json.loads((folder / "config.json").read_text())["block_out_channels"]) - 1)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"vae {path}: {folder / 'config.json'} has no list block_out_channels ({e})") from None
+
+
 class LatentCodec(nn.Module):
     """A frozen AutoencoderKL: images (B, 3, H, W) in [-1, 1] <-> latents (B, c, H/f, W/f).
 

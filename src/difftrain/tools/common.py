@@ -43,6 +43,7 @@ class RandomImages(Dataset):
         self.shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
         self.num_items = num_items
         self.captions = cfg.data.captions
+        self.masks = cfg.data.masks
 
     def __len__(self) -> int:
         return self.num_items
@@ -50,7 +51,10 @@ class RandomImages(Dataset):
     def __getitem__(self, key):
         index = key[0] if isinstance(key, tuple) else key
         g = torch.Generator().manual_seed(int(index))
-        return torch.rand(self.shape, generator=g) * 2 - 1, "" if self.captions else 0
+        x = torch.rand(self.shape, generator=g) * 2 - 1
+        if self.masks:  # data.masks: every pixel trains
+            x = torch.cat([x, torch.ones((1, *self.shape[1:]))])
+        return x, "" if self.captions else 0
 
 
 def build_setup(cfg: Config, need_data: bool = True, network: dict | None = None) -> Setup:

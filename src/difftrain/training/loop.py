@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from difftrain.conditioning import Conditioning
+from difftrain.conditioning import Conditioning, image_side_multiple
 from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
@@ -68,7 +68,7 @@ def train(
 
     # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
     # and VAE (text and latent runs), whose latents of the images are cached once.
-    data = prepare_training_data(cfg, run_dir)
+    data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg))  # buckets' sides: the VAE's / UNet's multiple
     check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
     conditioning = Conditioning.from_config(cfg, data.num_classes, device)
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
@@ -92,7 +92,7 @@ def train(
         del saved
     # `state.net` runs forward and backward (DDP-wrapped or FSDP-sharded, compiled); `state.model` is saved and averaged.
     state.net = compile_model(state.parallelize(dctx), device, tc.compile)
-    step_fn = _step_function(state, objective, dctx)
+    step_fn = _step_function(state, objective, dctx, bucketed=getattr(data.train, "bucket_shapes", None) is not None)
 
     # Run folder, loader, trackers and the evaluations.
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -272,10 +272,11 @@ def _save(state: RunState, snapshot: dict, ckpt_dir: Path, step: int, best_fid: 
     )
 
 
-def _step_function(state: RunState, objective, dctx: distributed.DistContext):
+def _step_function(state: RunState, objective, dctx: distributed.DistContext, bucketed: bool = False):
     """``train_step``, or the same step captured as a CUDA graph (``train.cuda_graphs``; not
-    under DDP, whose all-reduce hooks are not captured: auto keeps the eager step there)."""
-    use_graphs = resolve_toggle(state.cfg.train.cuda_graphs, dctx.device, "cuda_graphs")
+    under DDP, whose all-reduce hooks are not captured, nor with aspect-ratio buckets, whose batches
+    change shape: auto keeps the eager step there)."""
+    use_graphs = resolve_toggle(state.cfg.train.cuda_graphs, dctx.device, "cuda_graphs") and not bucketed
     if use_graphs and dctx.enabled:
         if state.cfg.train.cuda_graphs == "on":
             raise ValueError("train.cuda_graphs='on' is not supported under torchrun (DDP); use 'auto' or 'off'")

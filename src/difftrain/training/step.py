@@ -40,10 +40,12 @@ class MicroBatch:
     noise: torch.Tensor  # (B, C, H, W): the target's noise (offset noise included)
     input_noise: torch.Tensor | None = None  # (B, C, H, W): the network input's noise, with input perturbation
     weight: torch.Tensor | None = None  # (B,) per-sample loss weights (DreamBooth's prior); None: all 1
+    mask: torch.Tensor | None = None  # (B, 1, H, W) loss mask in [0, 1] (data.masks); None: every pixel
 
 
 def draw_micro_batch(
     state: RunState, objective: Objective, x0: torch.Tensor, second, micro: int, dctx: DistContext,
+    geometry: torch.Tensor | None = None,
 ) -> MicroBatch:
     """Move a loaded micro-batch to the device and draw its noise levels, noise, condition dropout,
     (latent runs) the latents from their cached distribution, and then, only where their keys are
@@ -51,13 +53,17 @@ def draw_micro_batch(
 
     x0: (B, C, H, W) images in [-1, 1], or (B, 2c, h, w) latent means and stds (``data/latents.py``);
     second: labels (B,) long or captions (B strings), turned into the network's condition by
-    ``state.conditioning``.
+    ``state.conditioning``; geometry: (B, 4) long, each image's original size and crop (a bucketed
+    dataset's third entry), which a base family's image condition takes (SDXL's time_ids), or None.
 
     The numbers are drawn for the GLOBAL micro-batch from a generator seeded by (seed, step, micro)
     and this rank keeps its rows, so any world size sees the same numbers (see runtime/distributed.py).
     """
     cfg, device, c = state.cfg, dctx.device, state.conditioning
     x0 = x0.to(device, non_blocking=True)
+    mask = None
+    if cfg.data.masks:  # the items' last channel: the loss mask, at the network's resolution (data/latents.py)
+        x0, mask = x0[:, :-1], x0[:, -1:].float()
     gen = step_generator(cfg.train.seed, 0, state.step * cfg.train.grad_accum_steps + micro, device, "diffusion")
     n = x0.shape[0] * dctx.world_size
     shape = (c.codec.latent_channels, *x0.shape[2:]) if c.codec is not None else tuple(x0.shape[1:])
@@ -66,7 +72,7 @@ def draw_micro_batch(
     drop = None
     if c.kind != "none":  # label or caption dropout for classifier-free guidance
         drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
-    condition = c.condition(second, drop, device)
+    condition = c.condition(second, drop, device, geometry, c.pixel_size(x0))  # the batch's (bucket's) pixels
     weight = loss_weights(cfg, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
         from difftrain.data.latents import sample_latents
@@ -80,7 +86,7 @@ def draw_micro_batch(
     if dc.input_perturbation > 0:  # input perturbation (Ning et al. 2023): x_t from more noise, target from `noise`
         extra = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         input_noise = noise + dc.input_perturbation * extra
-    return MicroBatch(x0, condition, levels, noise, input_noise, weight)
+    return MicroBatch(x0, condition, levels, noise, input_noise, weight, mask)
 
 
 class StepMetrics:
@@ -152,7 +158,8 @@ def _accumulate(state: RunState, objective: Objective, batches: list[MicroBatch]
     for micro, b in enumerate(batches):
         with distributed.sync_gradients(net, sync=micro == accum - 1):
             per_sample = per_sample_loss(objective, net, b.x0, b.condition, b.levels, b.noise, state.precision.autocast(),
-                                         b.input_noise, uncertainty=state.cfg.diffusion.uncertainty_weighting)
+                                         b.input_noise, uncertainty=state.cfg.diffusion.uncertainty_weighting,
+                                         pixel_weight=b.mask)
             if b.weight is not None:
                 per_sample = per_sample * b.weight
             loss = per_sample.mean() / accum
@@ -202,10 +209,16 @@ def train_step(
     # Every random number of this step derives from (seed, rank, step).
     torch.manual_seed(derive_seed(cfg.train.seed, dctx.rank, state.step, "dropout"))
     _set_lr(state.optimizer, lr)
-    micro = [draw_micro_batch(state, objective, *next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
+    micro = [_draw(state, objective, next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
     _update(state, _accumulate(state, objective, micro, metrics), metrics, None)
     _advance(state, metrics, micro, dctx)
     return metrics
+
+
+def _draw(state: RunState, objective: Objective, batch: tuple, micro: int, dctx: DistContext) -> MicroBatch:
+    """:func:`draw_micro_batch` of a loaded batch: (x0, second) or, bucketed, (x0, second, geometry)."""
+    x0, second, *rest = batch
+    return draw_micro_batch(state, objective, x0, second, micro, dctx, *rest)
 
 
 def _advance(state: RunState, metrics: StepMetrics, micro: list[MicroBatch], dctx: DistContext) -> None:
@@ -261,7 +274,7 @@ class CapturedStep:
         dropout_seed = derive_seed(cfg.train.seed, dctx.rank, state.step, "dropout")
         torch.manual_seed(dropout_seed)
         _set_lr(state.optimizer, lr)
-        micro = [draw_micro_batch(state, objective, *next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
+        micro = [_draw(state, objective, next(batches), m, dctx) for m in range(cfg.train.grad_accum_steps)]
         self._copy_in(micro)
         update = (state.step + 1) % cfg.ema.update_every_steps == 0
         self.ema_weight.fill_(1.0 - state.ema.current_decay() if update else 0.0)
