@@ -915,7 +915,11 @@ ARCHITECTURE_KEYS = (
     "model.channel_mult",
     "model.num_res_blocks",
     "model.attention_resolutions",
+    "model.magnitude_preserving",
     "data.resolution",
+    "data.buckets",  # the shapes images train at and the order batches come in
+    "data.bucket_resolutions",
+    "data.masks",
     "data.channels",
     "data.class_conditional",
     "data.captions",

@@ -126,6 +126,19 @@ def test_a_checkpoint_written_before_a_key_existed_reads_as_its_default():
         == {"diffusion.prediction", "diffusion.zero_terminal_snr"}
 
 
+def test_a_run_saved_before_buckets_existed_does_not_resume_with_buckets_on():
+    # A base-folder run saved before data.buckets existed trained square crops; the key now defaults to
+    # "aspect" for a base folder, which would change the data order: the resume names the key instead.
+    old = config_to_dict(load_config())
+    del old["data"]["buckets"]
+    new = config_to_dict(load_config(None, ["data.buckets=aspect"]))
+    assert set(C.incompatible_keys(old, new)) == {"data.buckets"}
+    masked = config_to_dict(load_config(None, ["data.masks=true"]))
+    mp = config_to_dict(load_config(None, ["model.magnitude_preserving=true"]))
+    assert set(C.incompatible_keys(old, masked)) == {"data.masks"}
+    assert set(C.incompatible_keys(old, mp)) == {"model.magnitude_preserving"}
+
+
 def test_switching_the_objective_takes_one_option_and_only_chosen_samplers_can_conflict(tmp_path):
     tiny = Path(__file__).parents[2] / "configs" / "tiny.toml"
     for objective, sampler in (("ddpm", "ddim"), ("edm", "heun"), ("flow", "heun")):
