@@ -301,3 +301,13 @@ def test_shuffled_captions_with_the_cache_on_are_refused_with_one_line():
         load_config(None, ["text.trigger_word=ohwx"])
     with pytest.raises(ConfigError, match="dreambooth.instance_prompt"):
         load_config(None, base + ["text.trigger_word=ohwx", "dreambooth.instance_prompt=a photo of sks dog"])
+
+
+def test_a_killed_builds_temporary_file_is_removed_by_the_next_build(base, encoder, tmp_path):
+    text = _cached(base, tmp_path, encoder)
+    text.ensure(CAPTIONS[:1])
+    dead = text.store.folder / f"{entry_name(CAPTIONS[1])}.safetensors.{2**22 + 12345}.tmp"  # above pid_max's default
+    mine = text.store.folder / f"{entry_name('another')}.safetensors.{os.getpid()}.tmp"  # a live builder's
+    dead.write_bytes(b"half"), mine.write_bytes(b"half")
+    assert text.ensure(CAPTIONS) == 2
+    assert not dead.exists() and mine.exists()

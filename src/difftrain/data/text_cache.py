@@ -27,8 +27,9 @@ unloaded.
 Every entry is checked when read (safetensors only, never pickle; its metadata's key and caption, its
 tensors' names, shapes, dtype, all finite): a missing entry is encoded; a damaged or foreign one (crafted,
 truncated, a header lying about sizes, NaN, another store's) gives one warning line naming the file and is
-rebuilt in place. Each file is written to a temporary name and renamed, so a killed build leaves whole
-files or none.
+rebuilt in place. Each file is written to a temporary name (``NAME.safetensors.PID.tmp``) and renamed,
+so a killed build leaves whole entries or none (and its temporary file, removed by the next build);
+entries are not fsync'd one by one: one that a power loss left short fails its check and is rebuilt.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from difftrain.runtime.files import atomic_write_bytes, files_fingerprint
+from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
 from difftrain.runtime.files import cache_dir as default_cache_dir
 
 # Bump when what the cache holds for the same inputs changes.
@@ -187,7 +188,26 @@ class TextCache:
 
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in cond.items()}
         data = save(tensors, metadata={"format": MARK, "key": self.key, "caption": caption})
-        atomic_write_bytes(self.path(name), data)
+        path = self.path(name)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: ranks may rebuild at once
+        try:  # no fsync per entry: a file a power loss left short fails its check and is rebuilt
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
+
+    def remove_stale_temporaries(self) -> None:
+        """Remove ``*.safetensors.<pid>.tmp`` files of builds whose process is gone (killed)."""
+        for tmp in self.folder.glob("*.safetensors.*.tmp"):
+            pid = tmp.name.rsplit(".", 2)[-2]
+            try:
+                if pid.isdigit():
+                    os.kill(int(pid), 0)
+            except ProcessLookupError:
+                unlink_quietly(tmp)
+            except OSError:  # PermissionError: someone else's live process
+                pass
 
 
 class CachedPromptEncoder(nn.Module):
@@ -264,6 +284,7 @@ class CachedPromptEncoder(nn.Module):
                 todo[name] = caption
         null_missing = not self._usable(NULL_ENTRY, "")
         if todo or null_missing:
+            self.store.remove_stale_temporaries()
             print(f"difftrain: encoding {len(todo)} captions into the text cache {self.store.folder}")
             self._fill(todo, batch_size, null_missing)
         self.release()
