@@ -311,3 +311,32 @@ def test_a_killed_builds_temporary_file_is_removed_by_the_next_build(base, encod
     dead.write_bytes(b"half"), mine.write_bytes(b"half")
     assert text.ensure(CAPTIONS) == 2
     assert not dead.exists() and mine.exists()
+
+
+def test_sd3_three_encoders_and_pooled_are_served_as_encoded(tmp_path):
+    from tests.family_bases import write_tiny_sd3_folder
+
+    folder = write_tiny_sd3_folder(tmp_path / "sd3")
+    options = {"max_sequence_length": 8}
+    encoder = detect(folder).load_prompt_encoder(folder, "cpu", **options)
+    store = TextCache.for_encoder(folder, "sd3", options, tmp_path / "cache")
+    text = CachedPromptEncoder(store, lambda: encoder)
+    text.ensure(CAPTIONS)
+    served, direct = text.encode(CAPTIONS, "cpu"), encoder.encode(CAPTIONS, "cpu")
+    assert set(served) == {"prompt_embeds", "pooled"}
+    assert all(torch.allclose(served[k], direct[k], atol=ATOL, rtol=0) for k in direct)
+    assert all(torch.equal(v, encoder.null(2, "cpu")[k]) for k, v in text.null(2, "cpu").items())
+    assert store.folder != TextCache.for_encoder(folder, "sd3", {"max_sequence_length": 16}, tmp_path / "cache").folder
+
+
+def test_a_manifest_that_lies_about_the_shapes_is_rewritten_when_the_encoders_load(base, encoder, tmp_path, capsys):
+    text = _cached(base, tmp_path, encoder)
+    text.ensure(CAPTIONS)
+    path = text.store.folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "shapes": {"prompt_embeds": [3, 3]}}))
+    again = _cached(base, tmp_path, encoder)
+    assert again.ensure(CAPTIONS) == 3  # every entry fails the lying manifest's shapes: rebuilt
+    assert "does not describe" in capsys.readouterr().err
+    assert json.loads(path.read_text())["shapes"] == manifest["shapes"]
+    assert _cached(base, tmp_path).ensure(CAPTIONS) == 0

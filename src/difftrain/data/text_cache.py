@@ -130,11 +130,14 @@ class TextCache:
             return None
         return value
 
-    def write_manifest(self, encoder, null: Condition) -> None:
-        """Record ``encoder``'s weights digest, source and width and the condition's shapes (from ``null``)."""
+    def write_manifest(self, encoder, null: Condition, dry: bool = False) -> None:
+        """Record ``encoder``'s weights digest, source and width and the condition's shapes (from ``null``);
+        ``dry``: in ``self.manifest`` only, not on disk."""
         self.manifest = {"key": self.key, "version": TEXT_CACHE_VERSION, "family": self.family, "source": self.source,
                          "options": json.loads(json.dumps(self.options, default=str)), "digest": str(encoder.digest),
                          "dim": int(encoder.dim), "shapes": {k: list(v.shape[1:]) for k, v in null.items()}}
+        if dry:
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.folder / MANIFEST, json.dumps(self.manifest, indent=1).encode())
 
@@ -146,23 +149,22 @@ class TextCache:
     def read(self, name: str, caption: str) -> Condition:
         """The entry ``name`` (of ``caption``) as (1, ...) float32 tensors; :class:`BadEntry` saying why
         it cannot be used (FileNotFoundError when it does not exist)."""
-        from safetensors import SafetensorError
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = self.path(name)
         if self.manifest is None:
             raise BadEntry("no manifest")
         try:
             with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                self._check_header(meta, caption, {k: f.get_slice(k) for k in f.keys()})
+                self._check_header(f.metadata() or {}, caption, {k: f.get_slice(k) for k in f.keys()})
                 cond = {k: f.get_tensor(k) for k in f.keys()}
         except FileNotFoundError:
             raise
+        except BadEntry:
+            raise
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            if isinstance(e, BadEntry):
-                raise
-            raise BadEntry(f"not a readable safetensors file ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BadEntry(f"not a readable safetensors file ({reason})") from None
         for k, v in cond.items():
             if not torch.isfinite(v).all():
                 raise BadEntry(f"{k} holds non-finite values")
@@ -259,7 +261,13 @@ class CachedPromptEncoder(nn.Module):
         if self._encoder is None:
             self._encoder = self._load()
             self.loads += 1
-            if self.store.manifest is None:
+            old = self.store.manifest
+            self.store.write_manifest(self._encoder, self._encoder.null(1, self.anchor.device), dry=True)
+            same = ("key", "digest", "dim", "shapes")
+            if old is None or any(old.get(k) != self.store.manifest[k] for k in same):  # none, or not these encoders
+                if old is not None:
+                    _warn(f"text cache {self.store.folder / MANIFEST} does not describe {self.source}'s encoders; "
+                          "it is rewritten")
                 self.store.write_manifest(self._encoder, self._encoder.null(1, self.anchor.device))
         return self._encoder
 
