@@ -78,6 +78,57 @@ def condition_ms(family: str, root: Path, repeats: int = 200) -> tuple[float, fl
     return out[0], out[1]
 
 
+def interleaved_ms(family: str, root: Path, steps: int) -> dict[str, float]:
+    """The training step (``training.step.train_step``, LoRA rank 4, batch 4, fixed batches of the folder's
+    cached latents and captions) with the family's encoders and with the cache, alternated step by step
+    on one run state, so that a busy machine's slow spells hit both alike: median and min step times (ms)
+    of each, and the median of the paired differences."""
+    import itertools
+    import time
+
+    import torch
+
+    from difftrain.conditioning import Conditioning
+    from difftrain.config import load_config
+    from difftrain.data import build_loader
+    from difftrain.data.prepare import prepare_training_data
+    from difftrain.data.text_cache import CachedPromptEncoder, TextCache, run_captions
+    from difftrain.diffusion.objective import build_objective
+    from difftrain.families import detect
+    from difftrain.runtime.distributed import DistContext
+    from difftrain.training.loop import with_latents
+    from difftrain.training.state import RunState
+    from difftrain.training.step import StepMetrics, train_step
+
+    device = torch.device("cpu")
+    cfg = load_config(None, [f"model.init_from={root / family}", "lora.rank=4", f"data.path={root / 'data'}",
+                             "data.resolution=32", "data.num_workers=0", f"train.batch_size={BATCH}",
+                             f"data.cache_dir={root / 'cache'}", "text.cache=off"])
+    dctx = DistContext(device=device)
+    data = prepare_training_data(cfg, root / f"{family}-steps")
+    conditioning = Conditioning.from_config(cfg, 0, device)
+    data = with_latents(data, conditioning, cfg, dctx)
+    encoders = conditioning.text
+    folder = root / family
+    cached = CachedPromptEncoder(TextCache.for_encoder(folder, detect(folder).name, {}, root / "micro"), lambda: encoders)
+    cached.ensure(run_captions(data, cfg))
+    state = RunState.build(cfg, 0, device, conditioning=conditioning)
+    objective = build_objective(cfg.diffusion).to(device)
+    loader = iter(build_loader(data.train, batch_size=BATCH, seed=0, start=0, num_workers=0, device=device))
+    batches = [next(loader) for _ in range(8)]
+    metrics, times = StepMetrics(device), {"encoders": [], "cache": []}
+    for k, batch in zip(range(2 * steps + 4), itertools.cycle(batches)):
+        mode = ("encoders", "cache")[(k + k // 2) % 2]  # the order alternates too: E C C E E C ...
+        conditioning.text = encoders if mode == "encoders" else cached
+        start = time.perf_counter()
+        train_step(state, objective, iter([batch]), cfg.optim.lr, metrics, dctx)
+        if k >= 4:  # warm-up steps left out
+            times[mode].append(1000 * (time.perf_counter() - start))
+    paired = [e - c for e, c in zip(times["encoders"], times["cache"])]
+    return {**{f"{m}_median": statistics.median(t) for m, t in times.items()},
+            **{f"{m}_min": min(t) for m, t in times.items()}, "saved_median": statistics.median(paired)}
+
+
 def measure(family: str, mode: str, root: Path, steps: int, run: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", family, mode, str(root), str(steps), run],
                          capture_output=True, text=True)
@@ -115,6 +166,14 @@ def main() -> None:
                 text = {"off": "run per step", "on, built": "cache built in this run",
                         "on, complete": "cache complete: never loaded"}[label]
                 print(f"| {family} | {text} | {step:.1f} | {rss:.0f} |")
+        print()
+        print("| base | step with the encoders (ms, median / min) | step with the cache (ms, median / min) "
+              "| saved per step (ms, median of pairs) |")
+        print("|---|---|---|---|")
+        for family in ("sd", "sdxl"):
+            r = interleaved_ms(family, root, args.steps)
+            print(f"| {family} | {r['encoders_median']:.1f} / {r['encoders_min']:.1f} | {r['cache_median']:.1f} / "
+                  f"{r['cache_min']:.1f} | {r['saved_median']:.1f} |")
         print()
         print(f"| base | one batch's text condition ({BATCH} captions): encoders (ms) | from the cache (ms) |")
         print("|---|---|---|")
