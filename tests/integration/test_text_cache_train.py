@@ -87,6 +87,38 @@ def test_sdxl_with_the_cache_equals_without_and_never_loads_the_encoders_once_co
     assert _sha(root / "resumed") == _sha(root / "cached")
 
 
+def _cache_and_garbage_copy(root):
+    """The SDXL cache of the module's data (built if no test built it yet) and a copy of the base whose
+    text encoders are garbage of the same sizes and times (the same store)."""
+    if not (root / "cached").exists():
+        train(load_config(None, _overrides(root)), root / "cached")
+    if not (root / "sdxl-copy").exists():
+        shutil.copytree(root / "sdxl", root / "sdxl-copy", copy_function=shutil.copy2)
+        _garbage_keeping_size_and_time(root / "sdxl-copy")
+    (store,) = (root / "cache").glob("text-sdxl-*")
+    return store
+
+
+def test_a_damaged_entry_is_rebuilt_in_a_cli_run_or_one_line_and_exit_2_without_encoders(root, tmp_path, capsys):
+    store = _cache_and_garbage_copy(root)
+    entry = store / f"{entry_name('a red square on a dark background')}.safetensors"
+    good = entry.read_bytes()
+    entry.write_bytes(good[:-9])  # truncated
+    args = lambda base, run: ["train", "--run-dir", str(tmp_path / run)] + [  # noqa: E731
+        x for o in _overrides(root, base, "train.total_steps=1") for x in ("--set", o)]
+    capsys.readouterr()
+    assert main(args("sdxl-copy", "without")) == 2  # the rebuild needs the encoders, which cannot load
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(str(entry) in line and "rebuilt" in line for line in err)
+    assert "text encoder" in err[-1] and "sdxl-copy" in err[-1]
+    assert entry.read_bytes() == good[:-9]  # nothing else touched
+    assert main(args("sdxl", "with")) == 0  # with the encoders: rebuilt, the run goes on
+    from safetensors.torch import load, load_file
+
+    rebuilt, before = load_file(str(entry)), load(good)
+    assert all(torch.allclose(rebuilt[k], before[k], atol=1e-5, rtol=0) for k in before)
+
+
 def test_sd_with_a_trigger_word_caches_the_captions_as_trained(root, tmp_path):
     write_tiny_sd_folder(tmp_path / "sd")
     overrides = _overrides(root, "sd", f"model.init_from={tmp_path / 'sd'}", f"data.cache_dir={tmp_path / 'cache'}",
