@@ -5,6 +5,7 @@ same size and time, and a loading spy); shuffled tags run the encoders per step 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -149,3 +150,16 @@ def test_shuffled_tags_run_the_encoders_per_step_and_resume_exactly(root, tmp_pa
                                                                       for x in ("--set", o)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "text.cache='on' cannot cache captions" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_build_the_cache_once_and_train_on_it(root, tmp_path):
+    from tests.multiproc import run_ranks, train_on_rank
+
+    overrides = _overrides(root, "sdxl", f"data.cache_dir={tmp_path / 'cache'}", "train.batch_size=2")
+    assert run_ranks(train_on_rank, 2, str(tmp_path / "ddp"), overrides, None) == [4, 4]
+    (store,) = (tmp_path / "cache").glob("text-sdxl-*")
+    assert len(list(store.glob("*.safetensors"))) == 3  # two captions and the null condition, written once
+    assert not list(store.glob("*.tmp"))
+    frozen = ckpt.load_checkpoint(tmp_path / "ddp")["frozen"]["text_encoder"]
+    assert frozen["digest"] == json.loads((store / "manifest.json").read_text())["digest"]
