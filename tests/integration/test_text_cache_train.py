@@ -16,15 +16,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from difftrain.cli import main  # noqa: E402
-from difftrain.config import load_config  # noqa: E402
-from difftrain.data.text_cache import entry_name  # noqa: E402
-from difftrain.families import family_named  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
-from difftrain.training.loop import train  # noqa: E402
-from tests.family_bases import write_tiny_sdxl_folder  # noqa: E402
-from tests.integration.test_text_train import _captioned_folder  # noqa: E402
-from tests.text_components import write_tiny_sd_folder  # noqa: E402
+from difftrain.cli import main
+from difftrain.config import load_config
+from difftrain.data.text_cache import entry_name
+from difftrain.families import family_named
+from difftrain.training import checkpoint as ckpt
+from difftrain.training.loop import train
+from tests.family_bases import write_tiny_sdxl_folder
+from tests.integration.test_text_train import _captioned_folder
+from tests.text_components import write_tiny_sd_folder
 
 RES = 32
 # The text encoders' outputs move by up to ~1e-6 with the batch they are encoded in (CPU GEMM
@@ -105,7 +105,7 @@ def test_a_damaged_entry_is_rebuilt_in_a_cli_run_or_one_line_and_exit_2_without_
     entry = store / f"{entry_name('a red square on a dark background')}.safetensors"
     good = entry.read_bytes()
     entry.write_bytes(good[:-9])  # truncated
-    args = lambda base, run: ["train", "--run-dir", str(tmp_path / run)] + [  # noqa: E731
+    args = lambda base, run: ["train", "--run-dir", str(tmp_path / run)] + [
         x for o in _overrides(root, base, "train.total_steps=1") for x in ("--set", o)]
     capsys.readouterr()
     assert main(args("sdxl-copy", "without")) == 2  # the rebuild needs the encoders, which cannot load

@@ -18,13 +18,17 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
-from difftrain.config import ConfigError, load_config  # noqa: E402
-from difftrain.data.captions import CaptionOptions, TaggedCaptions  # noqa: E402
-from difftrain.data.text_cache import (  # noqa: E402
-    NULL_ENTRY, CachedPromptEncoder, TextCache, entry_name, store_key,
+from difftrain.config import ConfigError, load_config
+from difftrain.data.captions import CaptionOptions, TaggedCaptions
+from difftrain.data.text_cache import (
+    NULL_ENTRY,
+    CachedPromptEncoder,
+    TextCache,
+    entry_name,
+    store_key,
 )
-from difftrain.families import detect  # noqa: E402
-from tests.family_bases import write_tiny_sdxl_folder  # noqa: E402
+from difftrain.families import detect
+from tests.family_bases import write_tiny_sdxl_folder
 
 CAPTIONS = ["a red square", "a blue square, dark background", "", "a red square"]
 # The encoders' own outputs differ by up to ~1e-6 with the batch they are encoded in (CPU GEMM
@@ -119,9 +123,8 @@ def _lying_header(path):
 
 
 def _non_finite(path, text=None):
-    from safetensors.torch import load_file, save_file
-
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
@@ -131,9 +134,8 @@ def _non_finite(path, text=None):
 
 
 def _another_store(path):
-    from safetensors.torch import load_file, save_file
-
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
@@ -147,9 +149,8 @@ def _another_caption(path):
 
 
 def _wrong_shape(path):
-    from safetensors.torch import load_file, save_file
-
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
@@ -245,7 +246,7 @@ def test_tag_dropout_drops_each_other_tag_at_its_rate_and_never_the_kept_ones():
 class _Tags(torch.utils.data.Dataset):
     """Two items captioned TAGS, keyed as the sampler keys them."""
 
-    files = ["a.png", "b.png"]
+    files = ("a.png", "b.png")
 
     def __len__(self):
         return 2
@@ -262,8 +263,8 @@ def test_tagged_captions_follow_the_samplers_keys_and_keep_the_base_attributes()
     from difftrain.data.sampler import InfiniteSampler
 
     data = TaggedCaptions(_Tags(), CaptionOptions(shuffle_tags=True))
-    assert data.files == ["a.png", "b.png"] and data.targets() == [TAGS, TAGS]
-    stream = lambda start: [data[k][1] for k, _ in zip(InfiniteSampler(2, seed=5, start=start), range(6))]  # noqa: E731
+    assert data.files == ("a.png", "b.png") and data.targets() == [TAGS, TAGS]
+    stream = lambda start: [data[k][1] for k, _ in zip(InfiniteSampler(2, seed=5, start=start), range(6))]
     straight = stream(0)
     assert stream(4) == straight[4:] + stream(6)[:4] and len(set(straight)) > 1
     assert data[(1, 9)][2] == 1  # the item's other entries pass through

@@ -156,8 +156,8 @@ class TextCache:
             raise BadEntry("no manifest")
         try:
             with safe_open(str(path), framework="pt") as f:
-                self._check_header(f.metadata() or {}, caption, {k: f.get_slice(k) for k in f.keys()})
-                cond = {k: f.get_tensor(k) for k in f.keys()}
+                self._check_header(f.metadata() or {}, caption, {k: f.get_slice(k) for k in f.keys()})  # noqa: SIM118 - a safe_open, not a dict
+                cond = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except FileNotFoundError:
             raise
         except BadEntry:
