@@ -16,8 +16,8 @@ caption (each (1, ...) float32, exactly what ``PromptEncoder.encode([caption])``
 metadata names the store key and the caption; ``null.safetensors`` is the null condition
 (``PromptEncoder.null(1)``: caption dropout's, guidance's).
 
-KEY is a SHA-256 of the cache version, the family, its prompt options (``Family.prompt_options``: T5
-``max_sequence_length``, Flux's guidance) and the (relative path, size, mtime) of every file of the
+KEY is a SHA-256 of the cache version, the family, its prompt options (``Family.prompt_options``: today SD3's
+and Flux's T5 ``max_sequence_length``; any option a family adds there enters the key) and the (relative path, size, mtime) of every file of the
 folder's text encoders and tokenizers (``text_encoder*/``, ``tokenizer*/`` and ``model_index.json`` of a
 pipeline folder; every file of a bare text-model folder), the rule of the latent and decode caches:
 change any of them and another store is used (built on first use); the old one stays until removed.
