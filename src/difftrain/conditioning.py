@@ -94,9 +94,11 @@ class Conditioning:
                              f"{codec.factor} (model.vae {codec.source})")
 
     @classmethod
-    def from_config(cls, cfg, num_classes: int = 0, device: torch.device | str = "cpu") -> Conditioning:
+    def from_config(cls, cfg, num_classes: int = 0, device: torch.device | str = "cpu",
+                    text_cache: bool = False) -> Conditioning:
         """The conditioning of ``cfg``: loads ``model.text_encoder`` and ``model.vae`` (local folders,
-        frozen) onto ``device``."""
+        frozen) onto ``device``. ``text_cache`` (training): a base family's encoders behind the text cache
+        where ``text.cache`` asks for it (``data/text_cache.py``), loaded only to fill it."""
         text = codec = family = None
         if cfg.model.text_encoder and cfg.model.init_from and cfg.model.family != "":
             from difftrain.families import family_of_config  # a base family encodes its own prompts
@@ -105,11 +107,18 @@ class Conditioning:
         if cfg.model.text_encoder and family is not None:
             from pathlib import Path
 
-            text = family.load_prompt_encoder(Path(cfg.model.text_encoder).expanduser(), device,
-                                              **family.prompt_options(cfg))
+            from difftrain.data.text_cache import cached_prompt_encoder
+
+            folder, options = Path(cfg.model.text_encoder).expanduser(), family.prompt_options(cfg)
+            load = lambda: family.load_prompt_encoder(folder, device, **options)
+            text = cached_prompt_encoder(cfg, family.name, folder, options, load, device) if text_cache else None
+            text = load() if text is None else text  # without the cache: loaded now
         elif cfg.model.text_encoder:
+            from difftrain.data.text_cache import cached_prompt_encoder
             from difftrain.models.text import TextEncoder
 
+            if text_cache:  # refuses text.cache='on' for difftrain's own encoder, which is not cached
+                cached_prompt_encoder(cfg, None, None, {}, None, device)
             text = TextEncoder.from_path(cfg.model.text_encoder).to(device)
         if cfg.model.vae:
             from difftrain.models.vae import LatentCodec

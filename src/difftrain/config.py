@@ -363,6 +363,22 @@ class DreamBoothConfig(_Section):
     class_batch_size: int = 8  # class images per sampling batch
 
 
+TextCacheMode = Literal["auto", "on", "off"]
+
+
+@dataclass
+class TextConfig(_Section):
+    # Captions of comma-separated tags (data.captions), changed per sample from its seed (exact on resume):
+    trigger_word: str = ""  # put first in every caption ("sks, tag1, ..."), never shuffled or dropped; "" = none
+    keep_tokens: int = 0  # the caption's first tags kept in place and never dropped (after the trigger word)
+    shuffle_tags: bool = False  # the other tags in a new random order at every sample
+    tag_dropout: float = 0.0  # probability of dropping each of the other tags at every sample, in [0, 1)
+    # every caption's text-encoder outputs (a base family's encoders, pooled ones included) computed once and
+    # cached beside the latent cache (data.cache_dir); training then never loads the encoders. auto = on for a
+    # base family's text run unless shuffle_tags or tag_dropout change the captions per sample (then off)
+    cache: TextCacheMode = "auto"
+
+
 @dataclass
 class Config(_Root):
     data: DataConfig = field(default_factory=DataConfig)
@@ -377,6 +393,7 @@ class Config(_Root):
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dreambooth: DreamBoothConfig = field(default_factory=DreamBoothConfig)
+    text: TextConfig = field(default_factory=TextConfig)
 
 
 # Section class name -> its key in Config, for the names in errors.
@@ -788,6 +805,7 @@ def validate(cfg: Config) -> None:
     _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
     _check_lora(cfg)
     _check_dreambooth(cfg)
+    _check_text_options(cfg)
     _check_fsdp(cfg)
 
 
@@ -838,6 +856,27 @@ def _check_lora(cfg: Config) -> None:
            f"lora.target_modules must hold module names without spaces, got {list(lc.target_modules)}")
     _check(not lc.rank or bool(cfg.model.init_from),
            "lora.rank > 0 needs model.init_from: the base network the adapter is trained on")
+
+
+def _check_text_options(cfg: Config) -> None:
+    """The ``text.*`` keys: caption tags and the text-embedding cache."""
+    x = cfg.text
+    _check(x.trigger_word == x.trigger_word.strip() and "," not in x.trigger_word,
+           f"text.trigger_word must be one tag, without commas or spaces around it, got {x.trigger_word!r}")
+    _check(x.keep_tokens >= 0, f"text.keep_tokens must be >= 0 (tags kept in place), got {x.keep_tokens}")
+    _check(0.0 <= x.tag_dropout < 1.0, f"text.tag_dropout must be in [0, 1) (a probability per tag), got {x.tag_dropout}")
+    changed = [k for k, on in (("text.trigger_word", x.trigger_word), ("text.keep_tokens", x.keep_tokens),
+                               ("text.shuffle_tags", x.shuffle_tags), ("text.tag_dropout", x.tag_dropout)) if on]
+    _check(not changed or not cfg.dreambooth.instance_prompt,
+           f"{changed[0] if changed else ''} changes caption files' tags; with dreambooth.instance_prompt every image's "
+           "caption is that prompt (put the trigger word in it)")
+    _check(not changed or cfg.data.captions or bool(cfg.dreambooth.instance_prompt),
+           f"{changed[0] if changed else ''} changes captions, but this run has none (data.captions=false)")
+    _check(not x.keep_tokens or x.shuffle_tags or x.tag_dropout > 0,
+           f"text.keep_tokens={x.keep_tokens} keeps tags in place only with text.shuffle_tags or text.tag_dropout")
+    _check(x.cache != "on" or not (x.shuffle_tags or x.tag_dropout > 0),
+           "text.cache='on' cannot cache captions that text.shuffle_tags / text.tag_dropout change at every sample "
+           "(each is a new caption); set text.cache='auto' or 'off' (the encoders then run at every step)")
 
 
 def _check_dreambooth(cfg: Config) -> None:

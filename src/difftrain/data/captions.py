@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 import numpy as np
+from torch.utils.data import Dataset
 
 from .transforms import printable
 
@@ -200,3 +201,95 @@ def folder_captions(root: Path, files: list[str], metadata: dict[str, str] | Non
         except BadCaption as e:
             entries.append(e)
     return CaptionTable(entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tags: shuffled per step, dropped, a trigger word in front (the ``text.*`` options).
+
+# The domain tag of a sample's caption draws, independent of its augmentation's (same sample seed).
+_CAPTION_TAG = 0x7461_6773  # "tags"
+
+
+class CaptionOptions:
+    """How a caption of comma-separated tags is changed per sample (config ``text.*``).
+
+    trigger_word: put first ("sks, tag1, tag2"), never shuffled nor dropped; "" = none.
+    keep_tokens: the caption's first tags that stay in place (after the trigger word), never dropped.
+    shuffle_tags: the other tags in a random order drawn from the sample seed.
+    tag_dropout: each of the other tags dropped with this probability, drawn from the sample seed.
+    """
+
+    def __init__(self, trigger_word: str = "", keep_tokens: int = 0, shuffle_tags: bool = False,
+                 tag_dropout: float = 0.0):
+        self.trigger_word, self.keep_tokens = trigger_word.strip(), int(keep_tokens)
+        self.shuffle_tags, self.tag_dropout = bool(shuffle_tags), float(tag_dropout)
+
+    @classmethod
+    def from_config(cls, text) -> CaptionOptions:
+        return cls(text.trigger_word, text.keep_tokens, text.shuffle_tags, text.tag_dropout)
+
+    @property
+    def active(self) -> bool:
+        """Whether any caption changes."""
+        return bool(self.trigger_word) or self.random
+
+    @property
+    def random(self) -> bool:
+        """Whether a caption differs between samples (then its embedding cannot be cached)."""
+        return self.shuffle_tags or self.tag_dropout > 0
+
+    def apply(self, caption: str, seed: int | None) -> str:
+        """``caption`` as sample ``seed`` sees it; ``seed`` None (an unaugmented read: validation,
+        FID, the text cache's list): the trigger word alone is added."""
+        if seed is None or not self.random:
+            return f"{self.trigger_word}, {caption}" if self.trigger_word and caption else self.trigger_word or caption
+        import torch
+
+        from .sampler import mix_seed
+
+        tags = [t.strip() for t in caption.split(",") if t.strip()]
+        kept, rest = tags[: self.keep_tokens], tags[self.keep_tokens :]
+        g = torch.Generator().manual_seed(mix_seed(seed, _CAPTION_TAG))
+        if self.tag_dropout > 0 and rest:
+            u = torch.rand(len(rest), generator=g).tolist()
+            rest = [t for t, x in zip(rest, u) if x >= self.tag_dropout]
+        if self.shuffle_tags and len(rest) > 1:
+            rest = [rest[i] for i in torch.randperm(len(rest), generator=g).tolist()]
+        return ", ".join(([self.trigger_word] if self.trigger_word else []) + kept + rest)
+
+
+def dataset_captions(dataset) -> list[str]:
+    """Every caption of a captioned dataset, unaugmented, in index order: its ``targets()`` (or
+    ``targets`` list) where it has them, else read item by item."""
+    targets = getattr(dataset, "targets", None)
+    if callable(targets):
+        targets = targets()
+    if targets is None:
+        targets = [dataset[i][1] for i in range(len(dataset))]
+    return [str(t) for t in targets]
+
+
+class TaggedCaptions(Dataset):
+    """A captioned dataset whose captions pass through :class:`CaptionOptions` keyed by each item's
+    sample seed (so a resumed run sees the same captions); every other attribute is the base's."""
+
+    def __init__(self, base, options: CaptionOptions):
+        self.base, self.options = base, options
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getattr__(self, name: str):
+        if name in ("base", "options"):  # not set yet (unpickling in a worker)
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def __getitem__(self, key):
+        from .sampler import split_key
+
+        item = self.base[key]
+        seed = split_key(key)[1]
+        return (item[0], self.options.apply(item[1], seed), *item[2:])
+
+    def targets(self) -> list[str]:
+        return [self.options.apply(c, None) for c in dataset_captions(self.base)]

@@ -329,6 +329,8 @@ def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
         from transformers.utils import logging
     else:
         from diffusers.utils import logging
+    from safetensors import SafetensorError  # a damaged weights file: not an OSError
+
     is_tokenizer = "Tokenizer" in cls.__name__
     try:
         with quiet_loading(logging):
@@ -336,7 +338,7 @@ def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
                 return cls.from_pretrained(str(path), **kwargs)
             dtype = {"dtype": torch.float32} if module == "transformers" else {"torch_dtype": torch.float32}
             part, info = cls.from_pretrained(str(path), **dtype, output_loading_info=True, **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError) as e:
         raise ValueError(f"{folder}: cannot load the {what} in {sub}/: {first_line(e)}") from None
     check_loading_info(info, what, path)
     return part.float()

@@ -13,6 +13,7 @@ from difftrain.conditioning import Conditioning, image_side_multiple
 from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
+from difftrain.data.text_cache import with_caption_options, with_text_cache
 from difftrain.diffusion.objective import build_objective
 from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
@@ -70,13 +71,15 @@ def train(
     # and VAE (text and latent runs), whose latents of the images are cached once.
     data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg))  # buckets' sides: the VAE's / UNet's multiple
     check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
-    conditioning = Conditioning.from_config(cfg, data.num_classes, device)
+    conditioning = Conditioning.from_config(cfg, data.num_classes, device, text_cache=True)  # text.cache: encoders load only to fill it
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
     source, resumed_from = resume_source(run_dir, resume), None
     saved = ckpt.load_checkpoint(source) if source is not None else None
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
         conditioning.check_references(saved["frozen"], f"checkpoint {saved['path']}")
     data = with_latents(data, conditioning, cfg, dctx)
+    data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
+    with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
 
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)

@@ -1,0 +1,186 @@
+"""Step time and peak memory of LoRA fine-tuning with and without the text-embedding cache
+(``text.cache``), on the tiny SD and SDXL bases the tests build (offline, random weights).
+
+    PYTHONPATH=src:. python bench/text_cache.py [--steps 40] [--repeats 2] [--out DIR]
+
+Each measurement is its own process (so its peak RSS is its own) running difftrain's training loop
+(``training.loop.train``) on a generated folder of captioned 32 px images, batch 4, LoRA rank 4.
+"off": the encoders run on every batch's captions. "on, built": the first run with the cache (it
+loads the encoders, encodes every caption once, releases them). "on, complete": a later run, which
+never loads them. Step time: the median over the log windows after the first (10 steps each) of
+batch / images_per_s; peak memory: the process's max RSS as the loop logs it (the CPU has no
+allocator statistics). A second table times the text condition of one batch alone (the family's
+encoders against the cache, in this process), which the busy machine's noise hides less. Prints
+Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BATCH = 4
+
+
+def one(family: str, mode: str, root: Path, steps: int, run: str) -> dict:
+    """One training run in this process; returns its step time and peak RSS."""
+    from difftrain.config import load_config
+    from difftrain.training.loop import train
+
+    overrides = [f"model.init_from={root / family}", "lora.rank=4", f"data.path={root / 'data'}", "data.resolution=32",
+                 "data.num_workers=0", f"train.batch_size={BATCH}", f"train.total_steps={steps}",
+                 "train.log_every_steps=10", "train.progress_bar=false", "validation.every_steps=0",
+                 f"data.cache_dir={root / 'cache'}", f"text.cache={mode}",
+                 "tracking.tensorboard=false"]
+    train(load_config(None, overrides), root / run)
+    rows = [json.loads(line) for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "images_per_s" in r]
+    step_s = statistics.median(BATCH / r["images_per_s"] for r in rows[1:])
+    return {"step_ms": 1000 * step_s, "rss_mib": max(r.get("cpu_max_rss_mib", 0) for r in rows)}
+
+
+def setup(root: Path) -> None:
+    from tests.family_bases import write_tiny_sdxl_folder
+    from tests.integration.test_text_train import _captioned_folder
+    from tests.text_components import write_tiny_sd_folder
+
+    write_tiny_sd_folder(root / "sd")
+    write_tiny_sdxl_folder(root / "sdxl")
+    _captioned_folder(root / "data", n=32, size=32)
+
+
+def condition_ms(family: str, root: Path, repeats: int = 200) -> tuple[float, float]:
+    """Milliseconds to make one batch's text condition (BATCH distinct captions): the family's
+    encoders against the cache (median of 5 blocks of ``repeats // 5`` calls each)."""
+    import time
+
+    from difftrain.data.text_cache import CachedPromptEncoder, TextCache
+    from difftrain.families import detect
+
+    folder, captions = root / family, [f"a red square on a dark background {i}" for i in range(BATCH)]
+    encoder = detect(folder).load_prompt_encoder(folder)
+    cached = CachedPromptEncoder(TextCache.for_encoder(folder, family, {}, root / "micro"), lambda: encoder)
+    cached.ensure(captions)
+    out = []
+    for source in (encoder, cached):
+        blocks = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(repeats // 5):
+                source.encode(captions, "cpu")
+            blocks.append((time.perf_counter() - t) / (repeats // 5) * 1000)
+        out.append(statistics.median(blocks))
+    return out[0], out[1]
+
+
+def interleaved_ms(family: str, root: Path, steps: int) -> dict[str, float]:
+    """The training step (``training.step.train_step``, LoRA rank 4, batch 4, fixed batches of the folder's
+    cached latents and captions) with the family's encoders and with the cache, alternated step by step
+    on one run state, so that a busy machine's slow spells hit both alike: median and min step times (ms)
+    of each, and the median of the paired differences."""
+    import itertools
+    import time
+
+    import torch
+
+    from difftrain.conditioning import Conditioning
+    from difftrain.config import load_config
+    from difftrain.data import build_loader
+    from difftrain.data.prepare import prepare_training_data
+    from difftrain.data.text_cache import CachedPromptEncoder, TextCache, run_captions
+    from difftrain.diffusion.objective import build_objective
+    from difftrain.families import detect
+    from difftrain.runtime.distributed import DistContext
+    from difftrain.training.loop import with_latents
+    from difftrain.training.state import RunState
+    from difftrain.training.step import StepMetrics, train_step
+
+    device = torch.device("cpu")
+    cfg = load_config(None, [f"model.init_from={root / family}", "lora.rank=4", f"data.path={root / 'data'}",
+                             "data.resolution=32", "data.num_workers=0", f"train.batch_size={BATCH}",
+                             f"data.cache_dir={root / 'cache'}", "text.cache=off"])
+    dctx = DistContext(device=device)
+    data = prepare_training_data(cfg, root / f"{family}-steps")
+    conditioning = Conditioning.from_config(cfg, 0, device)
+    data = with_latents(data, conditioning, cfg, dctx)
+    encoders = conditioning.text
+    folder = root / family
+    cached = CachedPromptEncoder(TextCache.for_encoder(folder, detect(folder).name, {}, root / "micro"), lambda: encoders)
+    cached.ensure(run_captions(data, cfg))
+    state = RunState.build(cfg, 0, device, conditioning=conditioning)
+    objective = build_objective(cfg.diffusion).to(device)
+    loader = iter(build_loader(data.train, batch_size=BATCH, seed=0, start=0, num_workers=0, device=device))
+    batches = [next(loader) for _ in range(8)]
+    metrics, times = StepMetrics(device), {"encoders": [], "cache": []}
+    for k, batch in zip(range(2 * steps + 4), itertools.cycle(batches)):
+        mode = ("encoders", "cache")[(k + k // 2) % 2]  # the order alternates too: E C C E E C ...
+        conditioning.text = encoders if mode == "encoders" else cached
+        start = time.perf_counter()
+        train_step(state, objective, iter([batch]), cfg.optim.lr, metrics, dctx)
+        if k >= 4:  # warm-up steps left out
+            times[mode].append(1000 * (time.perf_counter() - start))
+    paired = [e - c for e, c in zip(times["encoders"], times["cache"])]
+    return {**{f"{m}_median": statistics.median(t) for m, t in times.items()},
+            **{f"{m}_min": min(t) for m, t in times.items()}, "saved_median": statistics.median(paired)}
+
+
+def measure(family: str, mode: str, root: Path, steps: int, run: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", family, mode, str(root), str(steps), run],
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        sys.exit(f"bench/text_cache.py: the {family} run with text.cache={mode} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        family, mode, root, steps, run = args.one
+        print(json.dumps(one(family, mode, Path(root), int(steps), run)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        setup(root)
+        print("| base | text encoders | step (ms, median) | peak RSS (MiB) |")
+        print("|---|---|---|---|")
+        for family in ("sd", "sdxl"):
+            results: dict[str, list[dict]] = {"off": [], "on, built": [], "on, complete": []}
+            for k in range(args.repeats):  # alternated, so a busy machine's slow spell hits both
+                results["off"].append(measure(family, "off", root, args.steps, f"{family}-off-{k}"))
+                for cache in root.glob("cache/text-*"):
+                    subprocess.run(["rm", "-rf", str(cache)], check=True)
+                results["on, built"].append(measure(family, "on", root, args.steps, f"{family}-built-{k}"))
+                results["on, complete"].append(measure(family, "on", root, args.steps, f"{family}-on-{k}"))
+            for label, runs in results.items():
+                step = statistics.median(r["step_ms"] for r in runs)
+                rss = statistics.median(r["rss_mib"] for r in runs)
+                text = {"off": "run per step", "on, built": "cache built in this run",
+                        "on, complete": "cache complete: never loaded"}[label]
+                print(f"| {family} | {text} | {step:.1f} | {rss:.0f} |")
+        print()
+        print("| base | step with the encoders (ms, median / min) | step with the cache (ms, median / min) "
+              "| saved per step (ms, median of pairs) |")
+        print("|---|---|---|---|")
+        for family in ("sd", "sdxl"):
+            r = interleaved_ms(family, root, args.steps)
+            print(f"| {family} | {r['encoders_median']:.1f} / {r['encoders_min']:.1f} | {r['cache_median']:.1f} / "
+                  f"{r['cache_min']:.1f} | {r['saved_median']:.1f} |")
+        print()
+        print(f"| base | one batch's text condition ({BATCH} captions): encoders (ms) | from the cache (ms) |")
+        print("|---|---|---|")
+        for family in ("sd", "sdxl"):
+            encoders, cache = condition_ms(family, root)
+            print(f"| {family} | {encoders:.2f} | {cache:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
