@@ -284,6 +284,7 @@ class SDFamily(Family):
     pipeline_class = "StableDiffusionPipeline"
     model_classes = (CONDITION_UNET_CLASS,)
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    writes_kohya_lora = True
 
     def training_defaults(self, folder: Path) -> dict[str, object]:
         """The base's text encoder and VAE, captions on, and what its ``scheduler/`` config says it was
