@@ -69,12 +69,12 @@ def adopt(path: Path, family, denoiser: nn.Module, base) -> tuple[dict, dict[str
     from difftrain.models.text import first_line
 
     state, alphas, metadata, others = family.lora_state(path, denoiser.config)
-    if others:
-        print(f"difftrain: warning: LoRA file {path}: its {others} tensors of the text encoders are not applied "
-              "(difftrain adapts the denoiser alone)", file=sys.stderr)
     if not state:
         raise ValueError(f"LoRA file {path} holds no tensor of a {family.name} {family.lora_prefix} (0 modules match "
-                         f"the base {base}): a LoRA of another family?")
+                         f"the base {base}; {others} tensors of other parts): a LoRA of another family?")
+    if others:
+        print(f"difftrain: warning: LoRA file {path}: its {others} tensors outside the {family.lora_prefix} (text "
+              "encoders) are not applied; difftrain adapts the denoiser alone", file=sys.stderr)
     peft_state = peft_names(state, family.lora_prefix)
     strange = sorted(k for k in peft_state if not any(t in k for t in LORA_TENSORS) and not k.endswith(MAGNITUDE))
     if strange:
@@ -95,6 +95,12 @@ def adopt(path: Path, family, denoiser: nn.Module, base) -> tuple[dict, dict[str
         raise ValueError(f"LoRA file {path}: some of its modules are DoRA, some LoRA; difftrain reads one kind")
     rank = ranks[0]
     scales = {n: float(m.scaling[ADAPTER]) for n, m in layers.items()}
+    # Each module's own alpha, where the file gives one: diffusers 0.42 names a kohya UNet file's alphas
+    # "<module>.processor.to_q_lora.down.weight.alpha", which its alpha_pattern matches to no module, so a module
+    # whose alpha is not the most common one would load at the wrong scale (diffusers' own converter names them).
+    for key, value in peft_names(alphas or {}, family.lora_prefix).items():
+        if _module(key) in scales:
+            scales[_module(key)] = float(value) / rank
     scale = Counter(scales.values()).most_common(1)[0][0]
     tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(denoiser.model, adapter_name=ADAPTER).items()}
     for name, s in scales.items():

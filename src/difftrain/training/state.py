@@ -259,6 +259,7 @@ def _without_lora(cfg: Config) -> Config:
     import copy
 
     base = copy.deepcopy(cfg)
+    base.model.init_lora_from = ""
     base.lora.rank = 0  # validated like any change
     return base
 
