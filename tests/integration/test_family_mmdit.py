@@ -242,3 +242,35 @@ def test_lora_of_a_unet_or_a_broken_file_is_refused_in_one_line(tmp_path, family
         with pytest.raises(ValueError, match=needle) as info:
             family.read_lora(path)
         assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("which", ["sd3", "flux"])
+def test_a_lora_file_of_diffusers_scripts_samples_on_the_base_it_names(tmp_path, sd3_folder, flux_folder, which):
+    """A file as diffusers' train_dreambooth_lora_sd3.py / _flux.py write it (save_lora_weights, no difftrain
+    record), read by difftrain.load(lora=FILE, base=FOLDER) through the pipeline's lora_state_dict and the
+    transformer's load_lora_adapter: the adapted network computes what peft's adapter on the base computes;
+    the other family's file is refused in one line saying 0 modules match."""
+    pytest.importorskip("peft")
+    from difftrain.inference import load_model
+
+    family, folder = (SD3Family(), sd3_folder) if which == "sd3" else (FluxFamily(), flux_folder)
+    net = family.load_denoiser(folder)
+    state = _lora(net, family.lora_targets)
+    path = family.save_lora(state, {"r": 2, "lora_alpha": 4, "target_modules": list(family.lora_targets)},
+                            tmp_path / "theirs")
+    loaded = load_model(None, lora=path, base=str(folder), device="cpu")
+    assert loaded.model.rank == 2 and loaded.model.alpha == 4.0 and loaded.cfg.diffusion.objective == "flow"
+    with torch.no_grad():  # the file says alpha 4: scale 2 where _lora's own adapter ran at scale 1
+        for layer in net.model.modules():
+            if hasattr(layer, "scaling") and "default" in getattr(layer, "scaling", {}):
+                layer.scaling["default"] = 2.0
+    cond = family.load_prompt_encoder(folder).encode(CAPTIONS, "cpu")
+    x, t = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([900.0, 25.0])
+    with torch.no_grad():
+        close(loaded.model(x, t, cond), net(x, t, cond))
+    other_family, other_folder = (FluxFamily(), flux_folder) if which == "sd3" else (SD3Family(), sd3_folder)
+    other = other_family.load_denoiser(other_folder)
+    other_path = other_family.save_lora(_lora(other, other_family.lora_targets), {}, tmp_path / "other")
+    with pytest.raises(ValueError, match="modules match") as info:
+        load_model(None, lora=other_path, base=str(folder), device="cpu")
+    assert "\n" not in str(info.value) and str(other_path) in str(info.value)

@@ -113,3 +113,26 @@ def test_sdxl_dreambooth_with_prior_preservation_resumes_exactly(root, tmp_path)
     train(cfg, tmp_path / "resumed", stop_at_step=2)
     assert train(cfg, tmp_path / "resumed").step == 4
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+
+
+def test_sdxl_kohya_export_loads_in_the_pipeline_as_the_diffusers_layout(root, tmp_path):
+    """export --layout kohya (lora_unet_... with alpha, diffusers' convert_state_dict_to_kohya): what
+    StableDiffusionXLPipeline.load_lora_weights samples equals the diffusers layout's, and sample --lora
+    reads it back to the run's samples."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from difftrain import api
+
+    if not (root / "straight" / "checkpoints").exists():
+        train(load_config(None, _overrides(root)), root / "straight")
+    images = []
+    for layout in ("diffusers", "kohya"):
+        out = api.export(root / "straight", tmp_path / layout, format="lora", lora_layout=layout)
+        pipe = StableDiffusionXLPipeline.from_pretrained(str(root / "sdxl"))
+        pipe.load_lora_weights(str(out))
+        images.append(pipe([PROMPT], num_inference_steps=2, guidance_scale=3.0, output_type="pt", height=RES,
+                           width=RES, generator=torch.Generator().manual_seed(0)).images)
+    assert (images[0] - images[1]).abs().max() < 1e-5
+    expected = generate_images(load_model(root / "straight", device="cpu"), 1, steps=2, prompt=PROMPT)
+    got = generate_images(load_model(None, lora=tmp_path / "kohya", device="cpu"), 1, steps=2, prompt=PROMPT)
+    assert (got - expected).abs().max() < 1e-5

@@ -167,7 +167,7 @@ class TransformerFamily(Family):
         if not path.is_file():
             raise ValueError(f"LoRA file {path} does not exist")
         try:
-            state = getattr(diffusers, self.pipeline_class).lora_state_dict(str(path))
+            state = getattr(diffusers, self.pipeline_class).lora_state_dict(str(path), use_safetensors=True)
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
             raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file ({self.pipeline_class} cannot read "
                              f"it: {first_line(e)})") from None

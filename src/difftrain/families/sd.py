@@ -259,7 +259,7 @@ def read_pipeline_lora(pipeline_class: str, denoiser_name: str, path: Path) -> d
 
     cls = getattr(diffusers, pipeline_class)
     try:
-        state = cls.lora_state_dict(str(path))
+        state = cls.lora_state_dict(str(path), use_safetensors=True)  # never unpickles
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         from difftrain.models.text import first_line
 
