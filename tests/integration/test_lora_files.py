@@ -348,3 +348,41 @@ def test_inspect_names_the_kind(runs, capsys):
     assert main(["inspect", str(runs / "dora")]) == 0
     assert "dora rank 4, alpha 8 on" in capsys.readouterr().out
     assert json.loads(json.dumps(ckpt.load_checkpoint(runs / "lora")["network"]["lora"])).get("kind") is None
+
+
+@pytest.mark.parametrize("setting, needle", [
+    (["lora.kind=lokr", "lora.dropout=0.1"], "lora.dropout applies to lora.kind lora and dora"),
+    (["lora.kind=vera"], "lora.kind"),
+    (["lora.rank=0", "model.init_lora_from=x.safetensors"], "model.init_lora_from needs a LoRA run"),
+])
+def test_bad_kind_settings_are_one_line(tmp_path, tiny_overrides, capsys, setting, needle):
+    from difftrain.cli import main
+
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for s in _sd_overrides(tmp_path, tiny_overrides, *setting):
+        args += ["--set", s]
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert needle in line, line
+
+
+def test_the_python_api_reads_another_programs_file(runs, tmp_path):
+    import difftrain
+
+    files = _their_files(runs, tmp_path)
+    model = difftrain.load(lora=files["kohya-sd-scripts"], base=runs / "sd", lora_scale=0.5)
+    images = difftrain.generate(model, 1, prompt=PROMPT, steps=2)
+    assert images.shape == (1, 3, 16, 16) and torch.isfinite(images).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dora", "loha", "lokr"])
+def test_each_kind_trains_on_cuda_compiled_in_bf16(tmp_path, tiny_overrides, kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = load_config(None, _sd_overrides(tmp_path, tiny_overrides, f"lora.kind={kind}", "train.device=cuda",
+                                          "train.compile=on", "train.precision=bf16"))
+    result = train(cfg, tmp_path / "run")
+    assert result.step == 6 and result.skipped_steps == 0
+    images = generate_images(load_model(tmp_path / "run", device="cuda"), 2, steps=3, prompt=PROMPT)
+    assert torch.isfinite(images).all()
