@@ -386,3 +386,22 @@ def test_each_kind_trains_on_cuda_compiled_in_bf16(tmp_path, tiny_overrides, kin
     assert result.step == 6 and result.skipped_steps == 0
     images = generate_images(load_model(tmp_path / "run", device="cuda"), 2, steps=3, prompt=PROMPT)
     assert torch.isfinite(images).all()
+
+
+def test_a_dora_file_of_another_program_reads_with_its_magnitudes(runs, tmp_path):
+    """diffusers' layout with lora_magnitude_vector and no difftrain record (as a peft / diffusers script
+    writes a DoRA adapter): read onto the base, the network computes the DoRA run's."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from difftrain.adapters import ADAPTER_KEY
+
+    file = api.export(runs / "dora", tmp_path / "dora", format="lora") / "pytorch_lora_weights.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != ADAPTER_KEY}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert any(k.endswith("lora_magnitude_vector") for k in tensors)
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata=metadata)
+    loaded = load_model(None, lora=tmp_path / "theirs.safetensors", base=str(runs / "sd"), device="cpu")
+    assert loaded.model.kind == "dora"
+    assert (_outputs(loaded.model) - _outputs(load_model(runs / "dora", device="cpu").model)).abs().max() < 1e-5
