@@ -2,8 +2,8 @@
 
     export_lora(state, "out/")                     # the base family's diffusers layout (difftrain's own for its networks)
     export_lora(state, "out/", layout="kohya")     # kohya / ComfyUI names: lora_unet_<module>.lora_down.weight, .alpha
-    read_adapter("out/")                           # -> the fields load_model needs (like a weights file)
-    read_adapter("their.safetensors", base="sd/")  # a file of diffusers' scripts, kohya, ComfyUI (lora_import.py)
+    read_adapter("out/")                           # -> the fields load_model needs (lora_import.py)
+    read_adapter("their.safetensors", base="sd/")  # a file of diffusers' scripts, kohya, ComfyUI
     merged_state(state)                            # a LoRA checkpoint as a full network's, adapter folded in
 
 An export is :func:`adapter_of` (the checkpoint's adapter, its base's record and the run's config)
@@ -20,20 +20,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 from torch import Tensor
 
 from difftrain.config import config_from_dict, config_to_toml
-from difftrain.models.lora import is_lora_record, record_kind
-from difftrain.training.checkpoint import CheckpointError, check_schema
 
-ADAPTER_FORMAT = "difftrain-lora-v1"
-ADAPTER_KEY = "difftrain_adapter"  # the metadata key of difftrain's record (JSON)
-DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
-_RECORD_KEYS = ("config", "network", "frozen", "step")  # of checkpoint.SCHEMA, checked in an adapter's record
+# The file format and its reader live one layer down, in lora_import.py (re-exported here).
+from difftrain.lora_import import (  # noqa: F401
+    ADAPTER_FORMAT,
+    ADAPTER_KEY,
+    DIFFUSERS_WEIGHT_NAME,
+    LAYOUTS,
+    adapter_file,
+    read_adapter,
+)
+from difftrain.models.lora import is_lora_record, record_kind
 
 
 @dataclasses.dataclass
@@ -168,6 +171,7 @@ def write_difftrain(adapter: Adapter, out: Path) -> Path:
 # layout -> writer(adapter, out) -> what was written
 LORA_LAYOUTS: dict[str, Callable[[Adapter, Path], Path]] = {"diffusers": write_diffusers, "kohya": write_kohya,
                                                              "difftrain": write_difftrain}
+assert tuple(LORA_LAYOUTS) == LAYOUTS  # the reader knows every layout a writer writes
 
 
 def default_layout(record: dict) -> str:
@@ -187,77 +191,6 @@ def export_lora(state: dict, out: str | Path, use_ema: bool = True, layout: str 
         raise ValueError(f"LoRA layout must be one of {', '.join(LORA_LAYOUTS)}, got {layout!r}")
     adapter = adapter_of(state, use_ema)
     return LORA_LAYOUTS[layout or default_layout(adapter.record)](adapter, Path(out))
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading an adapter file back (sample --lora, model.init_lora_from).
-
-
-def adapter_file(path: str | Path) -> Path:
-    """The adapter file of ``path``: itself, or the ``pytorch_lora_weights.safetensors`` of a folder."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        path = path / DIFFUSERS_WEIGHT_NAME
-    if not path.is_file():
-        raise ValueError(f"LoRA adapter {path} does not exist (a .safetensors file, or a folder holding "
-                         f"{DIFFUSERS_WEIGHT_NAME})")
-    return path
-
-
-def read_adapter(path: str | Path, base: str | Path | None = None) -> dict:
-    """An adapter file, as the fields ``load_model`` takes from a checkpoint: ``path``, ``config``,
-    ``network`` (its LoRA record), ``frozen``, ``num_classes``, ``step``, ``weights``, ``tensors``
-    (peft's names). A file :func:`export_lora` wrote names its base itself; a file of another program
-    (diffusers' scripts, kohya sd-scripts, ComfyUI) is read onto the base folder ``base``
-    (``lora_import.read_foreign``). Safetensors only; one ValueError naming the file otherwise."""
-    from difftrain.interop import read_safetensors
-
-    path = adapter_file(path)
-    metadata, tensors = read_safetensors(path, "LoRA adapter")
-    if ADAPTER_KEY not in metadata:
-        from difftrain.lora_import import read_foreign
-
-        if base is None:
-            raise ValueError(f"LoRA file {path} carries no difftrain record of its base (written by diffusers' scripts, "
-                             "kohya sd-scripts, ComfyUI...): name the base folder it was trained for with --base "
-                             "(base= in the Python API)")
-        return read_foreign(path, base)
-    fields = _record_fields(path, metadata)
-    fields["tensors"] = _own_tensors(path, fields, tensors)
-    return fields
-
-
-def _record_fields(path: Path, metadata: dict) -> dict:
-    """The checkpoint-like fields of difftrain's record in an adapter file's metadata."""
-    try:
-        record = json.loads(metadata[ADAPTER_KEY])
-        assert record["format"] == ADAPTER_FORMAT and record["layout"] in LORA_LAYOUTS
-        fields = {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
-                  "frozen": record["frozen"], "num_classes": 0, "step": record["step"],
-                  "weights": record.get("weights", "ema"), "layout": record["layout"]}
-    except (AssertionError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"LoRA adapter {path}: bad difftrain metadata ({type(e).__name__} {e})") from None
-    check_schema(fields, path, _RECORD_KEYS, "LoRA adapter")  # the record, checked as a checkpoint's is
-    if not is_lora_record(fields["network"]):
-        raise CheckpointError(f"LoRA adapter {path}: its network record is not a LoRA adapter's")
-    return fields
-
-
-def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The adapter (peft's names) of a file difftrain wrote: as they are (difftrain layout), or read back
-    by the base family's pipeline (``read_lora``: diffusers layout; ``lora_state_dict``: kohya layout)."""
-    from difftrain.families import family_of_record
-
-    if fields["layout"] == "difftrain":
-        return tensors
-    family = family_of_record(fields["network"]["base"])
-    if family is None:
-        raise CheckpointError(f"LoRA adapter {path}: its base is a network of no base family")
-    if fields["layout"] == "diffusers":
-        return family.read_lora(path)
-    from difftrain.lora_import import kohya_tensors
-
-    return kohya_tensors(path, family, fields["network"])
 
 
 # ---------------------------------------------------------------------------------------------

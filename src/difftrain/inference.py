@@ -55,7 +55,7 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     if (checkpoint is None) == (lora is None):
         raise ValueError("give a checkpoint (--checkpoint) or a LoRA adapter file (--lora), one of them")
     if lora is not None:
-        from difftrain.adapters import read_adapter
+        from difftrain.lora_import import read_adapter
 
         state = read_adapter(lora, base=base)
         tensors, key, use_ema = state["tensors"], "adapter", state["weights"] == "ema"

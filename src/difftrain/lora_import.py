@@ -1,7 +1,9 @@
-"""LoRA files of other programs on a base of a family (diffusers' training scripts, kohya sd-scripts,
-ComfyUI), and a LoRA file as the start of a run's adapter (``model.init_lora_from``).
+"""LoRA files into difftrain: difftrain's own exports (``adapters.py`` writes them), files of other
+programs on a base of a family (diffusers' training scripts, kohya sd-scripts, ComfyUI), and a LoRA
+file as the start of a run's adapter (``model.init_lora_from``).
 
-    fields = read_foreign("their.safetensors", "sd-folder")   # the fields load_model takes (sample --lora)
+    fields = read_adapter("adapter/")                         # the fields load_model takes (sample --lora)
+    fields = read_foreign("their.safetensors", "sd-folder")   # another program's file, on a base folder
     init_adapter_from(net, "their.safetensors")               # a new LoraNetwork's adapter from a file
 
 Every layout goes through the base family's diffusers loader, never a key map of difftrain's: the
@@ -20,13 +22,23 @@ weight finite) before diffusers opens it.
 
 from __future__ import annotations
 
+import json
 import sys
+import tomllib
 from collections import Counter
 from pathlib import Path
 
 from torch import Tensor, nn
 
-from difftrain.models.lora import ADAPTER, record_kind
+from difftrain.interop import read_safetensors
+from difftrain.models.lora import ADAPTER, is_lora_record, record_kind
+from difftrain.training.checkpoint import CheckpointError, check_schema
+
+ADAPTER_FORMAT = "difftrain-lora-v1"
+ADAPTER_KEY = "difftrain_adapter"  # the metadata key of difftrain's record (JSON)
+DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
+LAYOUTS = ("diffusers", "kohya", "difftrain")  # adapters.LORA_LAYOUTS' keys: the layouts a record may name
+_RECORD_KEYS = ("config", "network", "frozen", "step")  # of checkpoint.SCHEMA, checked in an adapter's record
 
 LORA_TENSORS = (".lora_A.", ".lora_B.")  # peft's names of a LoRA's factors; DoRA adds lora_magnitude_vector
 MAGNITUDE = ".lora_magnitude_vector"
@@ -147,6 +159,71 @@ def kohya_tensors(path: Path, family, record: dict) -> dict[str, Tensor]:
     return peft_names(state, family.lora_prefix)
 
 
+# ---------------------------------------------------------------------------------------------
+# difftrain's own adapter files (adapters.export_lora).
+
+
+def adapter_file(path: str | Path) -> Path:
+    """The adapter file of ``path``: itself, or the ``pytorch_lora_weights.safetensors`` of a folder."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / DIFFUSERS_WEIGHT_NAME
+    if not path.is_file():
+        raise ValueError(f"LoRA adapter {path} does not exist (a .safetensors file, or a folder holding "
+                         f"{DIFFUSERS_WEIGHT_NAME})")
+    return path
+
+
+def read_adapter(path: str | Path, base: str | Path | None = None) -> dict:
+    """An adapter file (``adapters.export_lora``'s, or another program's), as the fields ``load_model`` takes from a checkpoint: ``path``, ``config``,
+    ``network`` (its LoRA record), ``frozen``, ``num_classes``, ``step``, ``weights``, ``tensors``
+    (peft's names). A file :func:`export_lora` wrote names its base itself; a file of another program
+    (diffusers' scripts, kohya sd-scripts, ComfyUI) is read onto the base folder ``base``
+    (:func:`read_foreign`). Safetensors only; one ValueError naming the file otherwise."""
+    path = adapter_file(path)
+    metadata, tensors = read_safetensors(path, "LoRA adapter")
+    if ADAPTER_KEY not in metadata:
+        if base is None:
+            raise ValueError(f"LoRA file {path} carries no difftrain record of its base (written by diffusers' scripts, "
+                             "kohya sd-scripts, ComfyUI...): name the base folder it was trained for with --base "
+                             "(base= in the Python API)")
+        return read_foreign(path, base)
+    fields = _record_fields(path, metadata)
+    fields["tensors"] = _own_tensors(path, fields, tensors)
+    return fields
+
+
+def _record_fields(path: Path, metadata: dict) -> dict:
+    """The checkpoint-like fields of difftrain's record in an adapter file's metadata."""
+    try:
+        record = json.loads(metadata[ADAPTER_KEY])
+        assert record["format"] == ADAPTER_FORMAT and record["layout"] in LAYOUTS
+        fields = {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
+                  "frozen": record["frozen"], "num_classes": 0, "step": record["step"],
+                  "weights": record.get("weights", "ema"), "layout": record["layout"]}
+    except (AssertionError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"LoRA adapter {path}: bad difftrain metadata ({type(e).__name__} {e})") from None
+    check_schema(fields, path, _RECORD_KEYS, "LoRA adapter")  # the record, checked as a checkpoint's is
+    if not is_lora_record(fields["network"]):
+        raise CheckpointError(f"LoRA adapter {path}: its network record is not a LoRA adapter's")
+    return fields
+
+
+def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter (peft's names) of a file difftrain wrote: as they are (difftrain layout), or read back
+    by the base family's pipeline (``read_lora``: diffusers layout; ``lora_state_dict``: kohya layout)."""
+    from difftrain.families import family_of_record
+
+    if fields["layout"] == "difftrain":
+        return tensors
+    family = family_of_record(fields["network"]["base"])
+    if family is None:
+        raise CheckpointError(f"LoRA adapter {path}: its base is a network of no base family")
+    if fields["layout"] == "diffusers":
+        return family.read_lora(path)
+    return kohya_tensors(path, family, fields["network"])
+
+
 def init_adapter_from(net, path: str | Path) -> None:
     """Copy the LoRA file ``path`` (difftrain's export or another program's) into the adapter of the new
     LoraNetwork ``net`` (``model.init_lora_from``): the file's kind and rank must be ``net``'s, its
@@ -154,9 +231,7 @@ def init_adapter_from(net, path: str | Path) -> None:
     folded into ``lora_B`` where it differs from ``net``'s. One ValueError naming the file otherwise."""
     import torch
 
-    from difftrain.adapters import ADAPTER_KEY, adapter_file, read_adapter
     from difftrain.families import family_of_record
-    from difftrain.interop import read_safetensors
 
     path = adapter_file(path)
     metadata, _ = read_safetensors(path, "model.init_lora_from")
