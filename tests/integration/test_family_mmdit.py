@@ -130,17 +130,18 @@ def test_bad_input_gets_one_line(tmp_path, sd3_folder, flux_folder, which):
     assert family.image_side_multiple(codec) == 8  # the tiny VAE's factor 4 x 2x2 patches
 
 
-def _lora(net, targets, seed=0):
-    """Random LoRA (rank 2, B non-zero) on the denoiser's transformer; its peft state dict."""
+def _lora(net, targets, seed=0, dora=False):
+    """Random LoRA (rank 2, B non-zero; DoRA: magnitudes about 1) on the denoiser's transformer; its peft
+    state dict."""
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
-    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets, init_lora_weights=False),
-                            net.model)
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets, init_lora_weights=False,
+                                       use_dora=dora), net.model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in net.model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1 if "magnitude" in name else 0))
     return get_peft_model_state_dict(net.model)
 
 
@@ -155,16 +156,17 @@ def _merged(net):
     return state
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 @pytest.mark.parametrize("which", ["sd3", "flux"])
-def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, sd3_folder, flux_folder, which):
-    """export --format lora -> Pipeline.load_lora_weights gives what the merged export gives (1e-4);
-    a file of the other family (or of another base) is refused in one line."""
+def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, sd3_folder, flux_folder, which, dora):
+    """export --format lora -> Pipeline.load_lora_weights gives what the merged export gives (1e-4), for
+    LoRA and DoRA (lora.kind); a file of the other family (or of another base) is refused in one line."""
     family, folder, name = ((SD3Family(), sd3_folder, "StableDiffusion3Pipeline") if which == "sd3"
                             else (FluxFamily(), flux_folder, "FluxPipeline"))
     net = family.load_denoiser(folder)
-    state = _lora(net, family.lora_targets)
-    path = family.save_lora(state, {"r": 2, "lora_alpha": 2, "target_modules": list(family.lora_targets)},
-                            tmp_path / "lora", {"difftrain": "test"})
+    state = _lora(net, family.lora_targets, dora=dora)
+    path = family.save_lora(state, {"r": 2, "lora_alpha": 2, "target_modules": list(family.lora_targets),
+                                    "use_dora": dora}, tmp_path / "lora", {"difftrain": "test"})
     back = family.read_lora(path, denoiser=family.load_denoiser(folder))
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
     merged = family.load_denoiser(folder)
