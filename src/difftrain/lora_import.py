@@ -175,10 +175,10 @@ def adapter_file(path: str | Path) -> Path:
 
 
 def read_adapter(path: str | Path, base: str | Path | None = None) -> dict:
-    """An adapter file (``adapters.export_lora``'s, or another program's), as the fields ``load_model`` takes from a checkpoint: ``path``, ``config``,
+    """An adapter file, as the fields ``load_model`` takes from a checkpoint: ``path``, ``config``,
     ``network`` (its LoRA record), ``frozen``, ``num_classes``, ``step``, ``weights``, ``tensors``
-    (peft's names). A file :func:`export_lora` wrote names its base itself; a file of another program
-    (diffusers' scripts, kohya sd-scripts, ComfyUI) is read onto the base folder ``base``
+    (peft's names). A file ``adapters.export_lora`` wrote names its base itself; a file of another
+    program (diffusers' scripts, kohya sd-scripts, ComfyUI) is read onto the base folder ``base``
     (:func:`read_foreign`). Safetensors only; one ValueError naming the file otherwise."""
     path = adapter_file(path)
     metadata, tensors = read_safetensors(path, "LoRA adapter")
