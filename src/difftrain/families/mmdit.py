@@ -168,7 +168,7 @@ class TransformerFamily(Family):
             raise ValueError(f"LoRA file {path} does not exist")
         try:
             state = getattr(diffusers, self.pipeline_class).lora_state_dict(str(path), use_safetensors=True)
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many kinds; one line naming the file
             raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file ({self.pipeline_class} cannot read "
                              f"it: {first_line(e)})") from None
         state = state[0] if isinstance(state, tuple) else state
