@@ -3,6 +3,7 @@ training step (``difftrain estimate``'s measured breakdown) and seconds per opti
 
     python bench/lora_vs_full.py                        # a Stable-Diffusion-shaped UNet, scaled down, random
     python bench/lora_vs_full.py --ranks 4 16 --batch 4 --steps 5
+    python bench/lora_vs_full.py --ranks 4 --kinds lora dora loha lokr   # the adapter kinds (lora.kind)
     python bench/lora_vs_full.py --sd /path/to/stable-diffusion-folder --resolution 64   # a real one
 
 Without ``--sd`` the UNet has Stable Diffusion 1.x's blocks (three cross-attention levels and a
@@ -44,10 +45,11 @@ def write_unet(folder: Path, width: int, resolution: int) -> Path:
     return folder
 
 
-def overrides(args, init_from: str, rank: int) -> list[str]:
+def overrides(args, init_from: str, mode: tuple[int, str]) -> list[str]:
+    rank, kind = mode
     common = [f"model.init_from={init_from}", "data.captions=true", f"data.resolution={args.resolution}",
               f"train.batch_size={args.batch}", "train.device=cpu", "train.compile=off", "validation.every_steps=0",
-              f"lora.rank={rank}", f"data.path={args.tmp}/no-data"]
+              f"lora.rank={rank}", f"lora.kind={kind}", f"data.path={args.tmp}/no-data"]
     if args.sd:
         common += [f"model.text_encoder={args.sd}", f"model.vae={args.sd}"]
     else:
@@ -55,7 +57,7 @@ def overrides(args, init_from: str, rank: int) -> list[str]:
     return common
 
 
-def measure_memory(args, init_from: str, rank: int) -> dict:
+def measure_memory(args, init_from: str, mode: tuple[int, str]) -> dict:
     """One mode's ``difftrain estimate`` breakdown (run in a fresh subprocess)."""
     import torch
 
@@ -63,13 +65,13 @@ def measure_memory(args, init_from: str, rank: int) -> dict:
     from difftrain.tools.estimate import estimate
 
     torch.set_num_threads(args.threads)
-    est = estimate(load_config(None, overrides(args, init_from, rank)), batch_size=args.batch)
-    return {"rank": rank, "parameters": est["parameters"], "trained": est["trained_parameters"],
+    est = estimate(load_config(None, overrides(args, init_from, mode)), batch_size=args.batch)
+    return {"rank": mode[0], "kind": mode[1], "parameters": est["parameters"], "trained": est["trained_parameters"],
             "grads_mib": est["grads_mib"], "optimizer_mib": est["optimizer_mib"], "ema_mib": est["ema_mib"],
             "activations_mib": est["activations_mib"], "total_mib": est["total_mib"]}
 
 
-def measure_steps(args, init_from: str, ranks: list[int]) -> dict[int, tuple[float, float]]:
+def measure_steps(args, init_from: str, ranks: list[tuple[int, str]]) -> dict[tuple[int, str], tuple[float, float]]:
     """(Fastest, median) seconds per optimizer step of each mode, timed in interleaved rounds (one step of
     each mode per round, in alternating order, after a warm-up round) so that a change in the
     machine's load falls on every mode alike."""
@@ -82,7 +84,7 @@ def measure_steps(args, init_from: str, ranks: list[int]) -> dict[int, tuple[flo
     torch.set_num_threads(args.threads)
     setups = {r: build_setup(load_config(None, overrides(args, init_from, r)), need_data=False) for r in ranks}
     batches = {r: fetch_batch(s, args.batch, seed=0) for r, s in setups.items()}
-    times: dict[int, list[float]] = {r: [] for r in ranks}
+    times: dict[tuple[int, str], list[float]] = {r: [] for r in ranks}
     for round_ in range(args.steps + 1):
         order = ranks if round_ % 2 else ranks[::-1]  # alternate the order: no mode always runs first
         for r in order:
@@ -97,6 +99,8 @@ def measure_steps(args, init_from: str, ranks: list[int]) -> dict[int, tuple[flo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 16], help="LoRA ranks to measure beside full")
+    p.add_argument("--kinds", nargs="+", default=["lora"], choices=["lora", "dora", "loha", "lokr"],
+                   help="adapter kinds (lora.kind) measured at each rank")
     p.add_argument("--width", type=int, default=64, help="base channels of the generated UNet (SD: 320)")
     p.add_argument("--resolution", type=int, default=32, help="image size in pixels (latent runs: / 8)")
     p.add_argument("--batch", type=int, default=4, help="images per step")
@@ -107,17 +111,17 @@ def main() -> None:
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one is not None:
-        init_from, rank = args.one.rsplit(":", 1)
-        print(json.dumps(measure_memory(args, init_from, int(rank))))
+        init_from, rank, kind = args.one.rsplit(":", 2)
+        print(json.dumps(measure_memory(args, init_from, (int(rank), kind))))
         return
-    ranks = [0, *args.ranks]
+    ranks = [(0, "lora"), *[(r, k) for r in args.ranks for k in args.kinds]]
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         args.tmp = tmp
         init_from = args.sd or str(write_unet(Path(tmp) / "unet", args.width, args.resolution))
         rows = []
-        for rank in ranks:
-            cmd = [sys.executable, __file__, "--one", f"{init_from}:{rank}", "--tmp", tmp, *sys.argv[1:]]
+        for rank, kind in ranks:
+            cmd = [sys.executable, __file__, "--one", f"{init_from}:{rank}:{kind}", "--tmp", tmp, *sys.argv[1:]]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
         seconds = measure_steps(args, init_from, ranks)
@@ -132,11 +136,12 @@ def main() -> None:
           "| step total MiB | s / step, fastest | s / step, median |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        mode = "full fine-tuning" if r["rank"] == 0 else f"LoRA rank {r['rank']}"
+        names = {"lora": "LoRA", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr"}
+        mode = "full fine-tuning" if r["rank"] == 0 else f"{names[r['kind']]} rank {r['rank']}"
         share = r["trained"] / r["parameters"]
         print(f"| {mode} | {r['trained']:,} ({share:.2%}) | {r['grads_mib']:.1f} | {r['optimizer_mib']:.1f} | "
               f"{r['ema_mib']:.1f} | {r['activations_mib']:.1f} | {r['total_mib']:.1f} | "
-              f"{seconds[r['rank']][0]:.2f} | {seconds[r['rank']][1]:.2f} |")
+              f"{seconds[r['rank'], r['kind']][0]:.2f} | {seconds[r['rank'], r['kind']][1]:.2f} |")
 
 
 if __name__ == "__main__":

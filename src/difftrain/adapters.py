@@ -1,15 +1,18 @@
 """LoRA adapters out of and into difftrain: one adapter, several file layouts.
 
-    export_lora(state, "out/")                     # diffusers' layout: out/pytorch_lora_weights.safetensors
-    read_adapter("out/")                           # -> the fields load_model needs (like a weights file)
+    export_lora(state, "out/")                     # the base family's diffusers layout (difftrain's own for its networks)
+    export_lora(state, "out/", layout="kohya")     # kohya / ComfyUI names: lora_unet_<module>.lora_down.weight, .alpha
+    read_adapter("out/")                           # -> the fields load_model needs (lora_import.py)
+    read_adapter("their.safetensors", base="sd/")  # a file of diffusers' scripts, kohya, ComfyUI
     merged_state(state)                            # a LoRA checkpoint as a full network's, adapter folded in
 
 An export is :func:`adapter_of` (the checkpoint's adapter, its base's record and the run's config)
-followed by one writer of :data:`LORA_LAYOUTS`; another layout (kohya / ComfyUI names) is one more
-writer; the diffusers layout is each family's own (``Family.save_lora`` / ``read_lora``, through the
-pipeline's ``save_lora_weights`` / ``lora_state_dict``). Every layout keeps difftrain's record of the
-base (its source, digest and the LoRA settings) in the file's metadata, so ``difftrain sample
---lora FILE`` finds the base again and refuses another one.
+followed by one writer of :data:`LORA_LAYOUTS`: ``diffusers`` (each family's own ``Family.save_lora``,
+through the pipeline's ``save_lora_weights``), ``kohya`` (diffusers' ``convert_state_dict_to_kohya`` of
+that, with each module's alpha) and ``difftrain`` (peft's names as they are: difftrain's own networks,
+and the kinds no diffusers pipeline loads). Every layout keeps difftrain's record of the base (its
+source, digest and the LoRA settings) in the file's metadata, so ``difftrain sample --lora FILE`` finds
+the base again and refuses another one. docs/lora_files.md has the matrix of which layout loads where.
 """
 
 from __future__ import annotations
@@ -17,20 +20,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 from torch import Tensor
 
 from difftrain.config import config_from_dict, config_to_toml
-from difftrain.models.lora import is_lora_record
-from difftrain.training.checkpoint import CheckpointError, check_schema
 
-ADAPTER_FORMAT = "difftrain-lora-v1"
-ADAPTER_KEY = "difftrain_adapter"  # the metadata key of difftrain's record (JSON)
-DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
-_RECORD_KEYS = ("config", "network", "frozen", "step")  # of checkpoint.SCHEMA, checked in an adapter's record
+# The file format and its reader live one layer down, in lora_import.py (re-exported here).
+from difftrain.lora_import import (  # noqa: F401
+    ADAPTER_FORMAT,
+    ADAPTER_KEY,
+    DIFFUSERS_WEIGHT_NAME,
+    LAYOUTS,
+    adapter_file,
+    read_adapter,
+)
+from difftrain.models.lora import is_lora_record, record_kind
 
 
 @dataclasses.dataclass
@@ -72,78 +78,119 @@ def adapter_of(state: dict, use_ema: bool = True) -> Adapter:
 # Writers: one per file layout.
 
 
-def write_diffusers(adapter: Adapter, out: Path) -> Path:
-    """``out/pytorch_lora_weights.safetensors`` in the layout of the base family's pipeline, written by
-    its ``save_lora_weights`` (``Family.save_lora``: diffusers' names and peft's LoraConfig metadata),
-    so that the pipeline's ``load_lora_weights(out)`` on the base gives difftrain's network."""
+# The kinds each pipeline's load_lora_weights reads (SD, SDXL, SD3, Flux in diffusers 0.42): LoRA, and DoRA
+# by its lora_magnitude_vector; LoHa and LoKr it refuses ("Invalid LoRA checkpoint"); kohya's DoRA
+# (dora_scale) it drops with a warning.
+DIFFUSERS_KINDS = ("lora", "dora")
+KOHYA_KINDS = ("lora",)
+
+
+def _family_of(adapter: Adapter, layout: str):
+    """The base family of ``adapter``, or one ValueError for difftrain's own networks."""
     from difftrain.families import family_of_record
-    from difftrain.models.lora import import_peft
 
     family = family_of_record(adapter.record["base"])
     if family is None:
-        raise ValueError(f"{adapter.source}: the adapter is of difftrain's own UNet, which diffusers cannot load; "
-                         "export --format safetensors --merge gives the adapted network as a difftrain weights file")
+        raise ValueError(f"{adapter.source}: the adapter is of difftrain's own network, which diffusers cannot load: "
+                         f"--layout {layout} is for a base family's; --layout difftrain writes the adapter file that "
+                         "sample --lora reads (the default), --merge the adapted network")
+    return family
+
+
+def _refuse_kind(adapter: Adapter, layout: str, kinds: tuple[str, ...], why: str) -> None:
+    kind = record_kind(adapter.record)
+    if kind not in kinds:
+        raise ValueError(f"{adapter.source}: a lora.kind={kind} adapter has no {layout} layout ({why}); "
+                         "export --format lora --layout difftrain writes it for sample --lora, "
+                         "--format diffusers --merge (or --format safetensors --merge) the adapted network")
+
+
+def write_diffusers(adapter: Adapter, out: Path) -> Path:
+    """``out/pytorch_lora_weights.safetensors`` in the layout of the base family's pipeline, written by
+    its ``save_lora_weights`` (``Family.save_lora``: diffusers' names and peft's config as metadata),
+    so that the pipeline's ``load_lora_weights(out)`` on the base gives difftrain's network. LoRA and
+    DoRA; LoHa and LoKr are refused (no pipeline of these families loads them)."""
+    from difftrain.models.lora import peft_config
+
+    family = _family_of(adapter, "diffusers")
+    _refuse_kind(adapter, "diffusers", DIFFUSERS_KINDS, f"{family.pipeline_class}.load_lora_weights loads LoRA "
+                 "and DoRA only")
     s = adapter.record["lora"]
-    lora_config = import_peft().LoraConfig(r=s["rank"], lora_alpha=s["alpha"], lora_dropout=s["dropout"],
-                                           target_modules=list(s["targets"]), init_lora_weights="gaussian")
-    family.save_lora(adapter.tensors, lora_config.to_dict(), out, adapter.metadata("diffusers"))
+    config = peft_config(record_kind(adapter.record), s["rank"], s["alpha"], s["dropout"], list(s["targets"]))
+    family.save_lora(adapter.tensors, config.to_dict(), out, adapter.metadata("diffusers"))
+    return out
+
+
+def write_kohya(adapter: Adapter, out: Path) -> Path:
+    """``out/pytorch_lora_weights.safetensors`` in kohya sd-scripts' layout, which ComfyUI and A1111 read:
+    ``lora_unet_<module with _>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha`` (this adapter's
+    alpha, per module), converted from diffusers' names by diffusers' ``convert_state_dict_to_kohya``;
+    kohya's own metadata (``ss_network_dim``, ``ss_network_alpha``) beside difftrain's. Plain LoRA on a
+    UNet family (SD, SDXL); the pipeline's ``load_lora_weights`` reads it back."""
+    import torch
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
+    from safetensors.torch import save
+
+    from difftrain.runtime.files import atomic_write_bytes
+
+    family = _family_of(adapter, "kohya")
+    if not family.writes_kohya_lora:
+        raise ValueError(f"{adapter.source}: the kohya layout of a {family.name} LoRA names the original "
+                         f"{family.name} network's modules, which no diffusers converter writes; export --layout "
+                         f"diffusers ({family.pipeline_class}.load_lora_weights and ComfyUI read it)")
+    _refuse_kind(adapter, "kohya", KOHYA_KINDS, "diffusers drops kohya's DoRA scales on loading, and has no "
+                 "kohya LoHa or LoKr reader for these families")
+    s = adapter.record["lora"]
+    prefix = family.lora_prefix + "."
+    tensors = convert_state_dict_to_kohya({prefix + k: v.detach().cpu().contiguous() for k, v in adapter.tensors.items()})
+    alpha = torch.tensor(float(s["alpha"]))  # the converter writes alpha = rank (scale 1); the adapter's is alpha / rank
+    tensors = {k: (alpha.clone() if k.endswith(".alpha") else v.contiguous()) for k, v in tensors.items()}
+    metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(s["rank"]),
+                "ss_network_alpha": str(float(s["alpha"])), **adapter.metadata("kohya")}
+    out.mkdir(parents=True, exist_ok=True)
+    file = out / DIFFUSERS_WEIGHT_NAME
+    atomic_write_bytes(file, save(tensors, metadata=metadata))
+    return out
+
+
+def write_difftrain(adapter: Adapter, out: Path) -> Path:
+    """``out/pytorch_lora_weights.safetensors`` with peft's names as they are (no family prefix) and
+    difftrain's record: any kind on any network, difftrain's own included; what ``sample --lora`` and
+    ``model.init_lora_from`` read. No other program knows how to apply it (docs/lora_files.md)."""
+    from safetensors.torch import save
+
+    from difftrain.runtime.files import atomic_write_bytes
+
+    out.mkdir(parents=True, exist_ok=True)
+    file = out / DIFFUSERS_WEIGHT_NAME
+    tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.tensors.items()}
+    atomic_write_bytes(file, save(tensors, metadata=adapter.metadata("difftrain")))
     return out
 
 
 # layout -> writer(adapter, out) -> what was written
-LORA_LAYOUTS: dict[str, Callable[[Adapter, Path], Path]] = {"diffusers": write_diffusers}
+LORA_LAYOUTS: dict[str, Callable[[Adapter, Path], Path]] = {"diffusers": write_diffusers, "kohya": write_kohya,
+                                                             "difftrain": write_difftrain}
+assert tuple(LORA_LAYOUTS) == LAYOUTS  # the reader knows every layout a writer writes
 
 
-def export_lora(state: dict, out: str | Path, use_ema: bool = True, layout: str = "diffusers") -> Path:
-    """Write a LoRA checkpoint's adapter in ``layout`` (a key of :data:`LORA_LAYOUTS`) to ``out``."""
-    if layout not in LORA_LAYOUTS:
-        raise ValueError(f"LoRA layout must be one of {', '.join(LORA_LAYOUTS)}, got {layout!r}")
-    return LORA_LAYOUTS[layout](adapter_of(state, use_ema), Path(out))
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading an adapter file back (sample --lora).
-
-
-def adapter_file(path: str | Path) -> Path:
-    """The adapter file of ``path``: itself, or the ``pytorch_lora_weights.safetensors`` of a folder."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        path = path / DIFFUSERS_WEIGHT_NAME
-    if not path.is_file():
-        raise ValueError(f"LoRA adapter {path} does not exist (a .safetensors file, or a folder holding "
-                         f"{DIFFUSERS_WEIGHT_NAME})")
-    return path
-
-
-def read_adapter(path: str | Path) -> dict:
-    """An adapter file written by :func:`export_lora`, as the fields ``load_model`` takes from a
-    checkpoint: ``path``, ``config``, ``network`` (its LoRA record), ``frozen``, ``num_classes``,
-    ``step``, ``tensors`` (difftrain's names, read by the base family's ``read_lora``). One
-    ValueError naming the file otherwise."""
+def default_layout(record: dict) -> str:
+    """The layout ``export --format lora`` writes unless told: the base family's diffusers layout, or
+    difftrain's own for its networks and for the kinds no pipeline loads (LoHa, LoKr)."""
     from difftrain.families import family_of_record
-    from difftrain.interop import read_safetensors
 
-    path = adapter_file(path)
-    metadata, _ = read_safetensors(path, "LoRA adapter")
-    if ADAPTER_KEY not in metadata:
-        raise ValueError(f"LoRA adapter {path} carries no difftrain record of its base (written by another "
-                         "program?); difftrain samples adapters it exported with export --format lora")
-    try:
-        record = json.loads(metadata[ADAPTER_KEY])
-        assert record["format"] == ADAPTER_FORMAT and record["layout"] in LORA_LAYOUTS
-        fields = {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
-                  "frozen": record["frozen"], "num_classes": 0, "step": record["step"],
-                  "weights": record.get("weights", "ema")}
-    except (AssertionError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"LoRA adapter {path}: bad difftrain metadata ({type(e).__name__} {e})") from None
-    check_schema(fields, path, _RECORD_KEYS, "LoRA adapter")  # the record, checked as a checkpoint's is
-    if not is_lora_record(fields["network"]):
-        raise CheckpointError(f"LoRA adapter {path}: its network record is not a LoRA adapter's")
-    family = family_of_record(fields["network"]["base"])
-    if family is None:
-        raise CheckpointError(f"LoRA adapter {path}: its base is a network of no base family")
-    return {**fields, "tensors": family.read_lora(path)}
+    if family_of_record(record["base"]) is None or record_kind(record) not in DIFFUSERS_KINDS:
+        return "difftrain"
+    return "diffusers"
+
+
+def export_lora(state: dict, out: str | Path, use_ema: bool = True, layout: str | None = None) -> Path:
+    """Write a LoRA checkpoint's adapter in ``layout`` (a key of :data:`LORA_LAYOUTS`; None:
+    :func:`default_layout`) to ``out``."""
+    if layout is not None and layout not in LORA_LAYOUTS:
+        raise ValueError(f"LoRA layout must be one of {', '.join(LORA_LAYOUTS)}, got {layout!r}")
+    adapter = adapter_of(state, use_ema)
+    return LORA_LAYOUTS[layout or default_layout(adapter.record)](adapter, Path(out))
 
 
 # ---------------------------------------------------------------------------------------------

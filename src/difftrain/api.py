@@ -117,15 +117,16 @@ def generate(
 
 def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "diffusers", ema: bool = True,
            text_encoder: str | None = None, vae: str | None = None, merge: bool = False,
-           lora_layout: str = "diffusers") -> Path:
+           lora_layout: str | None = None) -> Path:
     """Write a checkpoint's EMA (or raw) weights as a diffusers pipeline folder
     (``format="diffusers"``) or as one ``.safetensors`` file with its config
     (``format="safetensors"``), as ``difftrain export``; returns what was written.
     ``text_encoder`` / ``vae``: where a Stable Diffusion fine-tune's frozen parts are now.
 
-    A LoRA run: ``format="lora"`` writes the adapter alone in ``lora_layout`` (diffusers':
-    ``out/pytorch_lora_weights.safetensors``, which ``load_lora_weights(out)`` reads); ``merge``
-    folds it into the base first, for the whole-network formats."""
+    A LoRA run: ``format="lora"`` writes the adapter alone in ``lora_layout`` (``out/pytorch_lora_weights.safetensors``:
+    "diffusers", which the family pipeline's ``load_lora_weights(out)`` reads; "kohya", which it, ComfyUI and
+    A1111 read; "difftrain", for difftrain's own networks and LoHa / LoKr; None: diffusers where it loads,
+    else difftrain; docs/lora_files.md); ``merge`` folds it into the base first, for the whole-network formats."""
     from difftrain.adapters import export_lora, merged_state
     from difftrain.interop import export_diffusers, save_weights_file
     from difftrain.models.lora import is_lora_record

@@ -159,7 +159,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{'network':12s} {info['network']}")
     if info["network"] == "lora":  # the checkpoint holds the adapter; the base is named with its digest
         r = info["lora"]
-        print(f"{'lora':12s} rank {r['lora']['rank']}, alpha {r['lora']['alpha']:g} on {', '.join(r['lora']['targets'])}"
+        kind = "" if r["lora"].get("kind", "lora") == "lora" else f"{r['lora']['kind']} "
+        print(f"{'lora':12s} {kind}rank {r['lora']['rank']}, alpha {r['lora']['alpha']:g} on {', '.join(r['lora']['targets'])}"
               f" of the base {r['base_source']} (sha256 {r['base_digest'][:16]}..., not in the checkpoint)")
     for name, ref in info["frozen"].items():  # frozen parts: named with their digests, not saved
         print(f"{name:12s} {ref['source']} (sha256 {ref['digest'][:16]}..., not in the checkpoint)")
@@ -427,9 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="write samples of a trained model as PNGs and a grid")
     p.add_argument("--checkpoint", help="checkpoint file, run directory or .safetensors weights file")
     p.add_argument("--lora", help="instead of --checkpoint: a LoRA adapter from export --format lora (its folder or "
-                                  "file), on the base it was trained on")
+                                  "file), on the base it was trained on; or a LoRA file of diffusers' scripts, kohya "
+                                  "sd-scripts or ComfyUI, on the base folder --base")
     p.add_argument("--lora-scale", type=float, default=1.0, help="strength of the LoRA adapter (0 = the base alone)")
-    p.add_argument("--base", help="with --lora: where the adapter's base is now (default: its model.init_from)")
+    p.add_argument("--base", help="with --lora: where the adapter's base is now (default: its model.init_from); "
+                                  "for another program's LoRA file, the base folder it was trained for")
     p.add_argument("--num", type=int, default=64, help="number of images")
     p.add_argument("--sampler", choices=_sampler_choices(),
                    help="sampler (default: the run's validation.sampler); the model's objective must have it")
@@ -557,8 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights and config alone; lora: a LoRA run's adapter alone (load_lora_weights(OUT))")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: fold the adapter into the base and export the whole network")
-    p.add_argument("--lora-layout", choices=_lora_layouts(), default="diffusers",
-                   help="file layout of --format lora")
+    p.add_argument("--layout", "--lora-layout", dest="lora_layout", choices=_lora_layouts(), default=None,
+                   help="file layout of --format lora: diffusers (load_lora_weights), kohya (lora_unet_... with alpha: "
+                        "ComfyUI, A1111, load_lora_weights), difftrain (sample --lora only: difftrain's own networks, "
+                        "LoHa, LoKr); default diffusers where the base family's pipeline loads it, else difftrain")
     p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA")
     _frozen_part_options(p)
     p.set_defaults(func=_export)

@@ -175,6 +175,10 @@ class ModelConfig(_Section):
     # folder's model_index.json, which then decides the text encoder, VAE, captions and diffusion.* unless set;
     # "" = difftrain's own networks only
     family: str = "auto"
+    # a LoRA run's adapter starts from this LoRA file instead of zero (a new run; a resume loads its checkpoint):
+    # one difftrain exported, or one of diffusers' scripts, kohya sd-scripts or ComfyUI (read by the base
+    # family's diffusers loader); its rank and kind must be lora.rank / lora.kind's; docs/lora_files.md. "" = off
+    init_lora_from: str = ""
 
 
 @dataclass
@@ -338,6 +342,10 @@ class LoraConfig(_Section):
     # LoRA (Hu et al. 2021) through peft (pip install 'difftrain[lora]'): low-rank adapters on the network
     # model.init_from names, which stays frozen; checkpoints hold the adapter and the base's digest
     rank: int = 0  # r of every adapted layer; 0 = off (full fine-tuning)
+    # the adapter (peft's layers): lora (B A), dora (LoRA with a learned magnitude per output, Liu et al. 2024),
+    # loha (Hadamard product of two low-rank products), lokr (Kronecker product); docs/lora_files.md says
+    # which file layouts each exports to
+    kind: Literal["lora", "dora", "loha", "lokr"] = "lora"
     alpha: float = 0.0  # the adapter's output is scaled by alpha / rank; 0 = rank (scale 1, diffusers' scripts)
     dropout: float = 0.0  # dropout on the adapter's input
     # suffixes of the module names to adapt (peft's target_modules); [] = the attention projections
@@ -852,10 +860,14 @@ def _check_lora(cfg: Config) -> None:
     _check(lc.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {lc.rank}")
     _check(lc.alpha >= 0, f"lora.alpha must be >= 0 (0 = lora.rank), got {lc.alpha}")
     _check(0 <= lc.dropout < 1, f"lora.dropout must be in [0, 1), got {lc.dropout}")
+    _check(lc.dropout == 0 or lc.kind in ("lora", "dora"),
+           f"lora.dropout applies to lora.kind lora and dora (peft's LoraConfig), not {lc.kind}; set it to 0")
     _check(all(t.strip() and t == t.strip() for t in lc.target_modules),
            f"lora.target_modules must hold module names without spaces, got {list(lc.target_modules)}")
     _check(not lc.rank or bool(cfg.model.init_from),
            "lora.rank > 0 needs model.init_from: the base network the adapter is trained on")
+    _check(not cfg.model.init_lora_from or bool(lc.rank),
+           "model.init_lora_from needs a LoRA run: set lora.rank (and lora.kind) to the file's")
 
 
 def _check_text_options(cfg: Config) -> None:

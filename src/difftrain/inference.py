@@ -47,16 +47,17 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
 
     LoRA: ``lora`` (instead of ``checkpoint``) is an adapter written by ``export --format lora``,
     put on the base it was trained on (its ``model.init_from``, or ``base`` where that moved; the
-    digest must match); ``lora_scale`` scales the adapter of it or of a LoRA run's checkpoint
-    (1 = as trained, 0 = the base alone)."""
+    digest must match), or a LoRA file of another program (diffusers' scripts, kohya sd-scripts,
+    ComfyUI) put on the base folder ``base`` (``lora_import.py``); ``lora_scale`` scales the adapter of
+    it or of a LoRA run's checkpoint (1 = as trained, 0 = the base alone)."""
     from difftrain.interop import is_weights_file, load_weights_file
 
     if (checkpoint is None) == (lora is None):
         raise ValueError("give a checkpoint (--checkpoint) or a LoRA adapter file (--lora), one of them")
     if lora is not None:
-        from difftrain.adapters import read_adapter
+        from difftrain.lora_import import read_adapter
 
-        state = read_adapter(lora)
+        state = read_adapter(lora, base=base)
         tensors, key, use_ema = state["tensors"], "adapter", state["weights"] == "ema"
     elif is_weights_file(checkpoint):
         state = load_weights_file(checkpoint)
@@ -76,7 +77,8 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     num_classes = state["num_classes"]
     device = resolve_device(device)
     conditioning = Conditioning.from_config(cfg, num_classes, device)
-    conditioning.check_references(state.get("frozen", {}), state["path"])
+    if state.get("frozen", {}) is not None:  # None: another program's LoRA file, on the base's own parts
+        conditioning.check_references(state.get("frozen", {}), state["path"])
     model = build_network(cfg, conditioning, state.get("network"), init_weights=False)
     load_weights(model, tensors, state["path"], key)
     if lora_scale != 1.0:

@@ -129,17 +129,18 @@ def test_bad_input_gets_one_line(tmp_path, sd3_folder, flux_folder, which):
     assert family.image_side_multiple(codec) == 8  # the tiny VAE's factor 4 x 2x2 patches
 
 
-def _lora(net, targets, seed=0):
-    """Random LoRA (rank 2, B non-zero) on the denoiser's transformer; its peft state dict."""
+def _lora(net, targets, seed=0, dora=False):
+    """Random LoRA (rank 2, B non-zero; DoRA: magnitudes about 1) on the denoiser's transformer; its peft
+    state dict."""
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
-    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets, init_lora_weights=False),
-                            net.model)
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets, init_lora_weights=False,
+                                       use_dora=dora), net.model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in net.model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1 if "magnitude" in name else 0))
     return get_peft_model_state_dict(net.model)
 
 
@@ -154,16 +155,17 @@ def _merged(net):
     return state
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 @pytest.mark.parametrize("which", ["sd3", "flux"])
-def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, sd3_folder, flux_folder, which):
-    """export --format lora -> Pipeline.load_lora_weights gives what the merged export gives (1e-4);
-    a file of the other family (or of another base) is refused in one line."""
+def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, sd3_folder, flux_folder, which, dora):
+    """export --format lora -> Pipeline.load_lora_weights gives what the merged export gives (1e-4), for
+    LoRA and DoRA (lora.kind); a file of the other family (or of another base) is refused in one line."""
     family, folder, name = ((SD3Family(), sd3_folder, "StableDiffusion3Pipeline") if which == "sd3"
                             else (FluxFamily(), flux_folder, "FluxPipeline"))
     net = family.load_denoiser(folder)
-    state = _lora(net, family.lora_targets)
-    path = family.save_lora(state, {"r": 2, "lora_alpha": 2, "target_modules": list(family.lora_targets)},
-                            tmp_path / "lora", {"difftrain": "test"})
+    state = _lora(net, family.lora_targets, dora=dora)
+    path = family.save_lora(state, {"r": 2, "lora_alpha": 2, "target_modules": list(family.lora_targets),
+                                    "use_dora": dora}, tmp_path / "lora", {"difftrain": "test"})
     back = family.read_lora(path, denoiser=family.load_denoiser(folder))
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
     merged = family.load_denoiser(folder)
@@ -241,3 +243,35 @@ def test_lora_of_a_unet_or_a_broken_file_is_refused_in_one_line(tmp_path, family
         with pytest.raises(ValueError, match=needle) as info:
             family.read_lora(path)
         assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("which", ["sd3", "flux"])
+def test_a_lora_file_of_diffusers_scripts_samples_on_the_base_it_names(tmp_path, sd3_folder, flux_folder, which):
+    """A file as diffusers' train_dreambooth_lora_sd3.py / _flux.py write it (save_lora_weights, no difftrain
+    record), read by difftrain.load(lora=FILE, base=FOLDER) through the pipeline's lora_state_dict and the
+    transformer's load_lora_adapter: the adapted network computes what peft's adapter on the base computes;
+    the other family's file is refused in one line saying 0 modules match."""
+    pytest.importorskip("peft")
+    from difftrain.inference import load_model
+
+    family, folder = (SD3Family(), sd3_folder) if which == "sd3" else (FluxFamily(), flux_folder)
+    net = family.load_denoiser(folder)
+    state = _lora(net, family.lora_targets)
+    path = family.save_lora(state, {"r": 2, "lora_alpha": 4, "target_modules": list(family.lora_targets)},
+                            tmp_path / "theirs")
+    loaded = load_model(None, lora=path, base=str(folder), device="cpu")
+    assert loaded.model.rank == 2 and loaded.model.alpha == 4.0 and loaded.cfg.diffusion.objective == "flow"
+    with torch.no_grad():  # the file says alpha 4: scale 2 where _lora's own adapter ran at scale 1
+        for layer in net.model.modules():
+            if hasattr(layer, "scaling") and "default" in getattr(layer, "scaling", {}):
+                layer.scaling["default"] = 2.0
+    cond = family.load_prompt_encoder(folder).encode(CAPTIONS, "cpu")
+    x, t = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([900.0, 25.0])
+    with torch.no_grad():
+        close(loaded.model(x, t, cond), net(x, t, cond))
+    other_family, other_folder = (FluxFamily(), flux_folder) if which == "sd3" else (SD3Family(), sd3_folder)
+    other = other_family.load_denoiser(other_folder)
+    other_path = other_family.save_lora(_lora(other, other_family.lora_targets), {}, tmp_path / "other")
+    with pytest.raises(ValueError, match="modules match") as info:
+        load_model(None, lora=other_path, base=str(folder), device="cpu")
+    assert "\n" not in str(info.value) and str(other_path) in str(info.value)

@@ -295,12 +295,23 @@ def test_lora_on_difftrains_own_text_unet_trains_resumes_and_merges(tmp_path, ti
     assert state["network"]["base"] == {"kind": "unet"}
     assert state["network"]["lora"]["targets"] == ["q", "k", "v", "proj_out", "conv1", "conv2"]
     assert any(".conv1.lora_A." in k for k in state["model"]) and any(".k.lora_B." in k for k in state["model"])
-    with pytest.raises(ValueError, match="difftrain's own UNet"):
-        api.export(tmp_path / "straight", tmp_path / "adapter", format="lora")
+    with pytest.raises(ValueError, match="difftrain's own network, which diffusers cannot load"):
+        api.export(tmp_path / "straight", tmp_path / "adapter", format="lora", lora_layout="diffusers")
     merged = api.export(tmp_path / "straight", tmp_path / "m.safetensors", format="safetensors", merge=True)
     prompt = "a red disc on a dark background"
     expected = generate_images(load_model(tmp_path / "straight", device="cpu"), 1, steps=2, prompt=prompt)
     assert (generate_images(load_model(merged, device="cpu"), 1, steps=2, prompt=prompt) - expected).abs().max() < 1e-5
+    # The adapter alone, as a small file in difftrain's layout (the default for its own networks), which
+    # sample --lora and the API read back onto the base the record names.
+    adapter = api.export(tmp_path / "straight", tmp_path / "adapter", format="lora")
+    file = adapter / "pytorch_lora_weights.safetensors"
+    assert file.stat().st_size * 5 < merged.stat().st_size
+    got = generate_images(load_model(None, lora=adapter, device="cpu"), 1, steps=2, prompt=prompt)
+    assert (got - expected).abs().max() < 1e-6
+    from difftrain.cli import main
+
+    assert main(["sample", "--lora", str(file), "--num", "1", "--steps", "2", "--prompt", prompt,
+                 "--out", str(tmp_path / "s")]) == 0
 
 
 def test_estimate_counts_the_adapter_as_what_trains(lora_run):

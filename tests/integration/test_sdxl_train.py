@@ -117,3 +117,63 @@ def test_sdxl_dreambooth_with_prior_preservation_resumes_exactly(root, tmp_path)
     train(cfg, tmp_path / "resumed", stop_at_step=2)
     assert train(cfg, tmp_path / "resumed").step == 4
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+
+
+def test_sdxl_kohya_export_loads_in_the_pipeline_as_the_diffusers_layout(root, tmp_path):
+    """export --layout kohya (lora_unet_... with alpha, diffusers' convert_state_dict_to_kohya): what
+    StableDiffusionXLPipeline.load_lora_weights samples equals the diffusers layout's, and sample --lora
+    reads it back to the run's samples."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from difftrain import api
+
+    if not (root / "straight" / "checkpoints").exists():
+        train(load_config(None, _overrides(root)), root / "straight")
+    images = []
+    for layout in ("diffusers", "kohya"):
+        out = api.export(root / "straight", tmp_path / layout, format="lora", lora_layout=layout)
+        pipe = StableDiffusionXLPipeline.from_pretrained(str(root / "sdxl"))
+        pipe.load_lora_weights(str(out))
+        images.append(pipe([PROMPT], num_inference_steps=2, guidance_scale=3.0, output_type="pt", height=RES,
+                           width=RES, generator=torch.Generator().manual_seed(0)).images)
+    assert (images[0] - images[1]).abs().max() < 1e-5
+    expected = generate_images(load_model(root / "straight", device="cpu"), 1, steps=2, prompt=PROMPT)
+    got = generate_images(load_model(None, lora=tmp_path / "kohya", device="cpu"), 1, steps=2, prompt=PROMPT)
+    assert (got - expected).abs().max() < 1e-5
+
+
+def _sgm(module: str, layers_per_block: int) -> str:
+    """kohya sd-scripts' name of an SDXL UNet module: it trains SDXL on the SGM UNet, whose blocks are
+    input_blocks.N.1 / middle_block.1 / output_blocks.N.1 (N counting a block's layers, the resnet at .0),
+    lora_unet_ + that path with '.' -> '_' (the layout its files have; built here to make one)."""
+    import re
+
+    per = layers_per_block + 1
+    module = re.sub(r"^down_blocks\.(\d+)\.attentions\.(\d+)\.",
+                    lambda m: f"input_blocks.{1 + int(m[1]) * per + int(m[2])}.1.", module)
+    module = re.sub(r"^mid_block\.attentions\.0\.", "middle_block.1.", module)
+    module = re.sub(r"^up_blocks\.(\d+)\.attentions\.(\d+)\.", lambda m: f"output_blocks.{int(m[1]) * per + int(m[2])}.1.",
+                    module)
+    return "lora_unet_" + module.replace(".", "_")
+
+
+def test_a_kohya_sdxl_file_with_sgm_block_names_reads_onto_the_base(root, tmp_path):
+    """A kohya sd-scripts SDXL file (SGM block names) is read through StableDiffusionXLPipeline.lora_state_dict
+    with the UNet's config (diffusers maps the blocks): every tensor lands on the module it was trained on."""
+    from safetensors.torch import save_file
+
+    if not (root / "straight" / "checkpoints").exists():
+        train(load_config(None, _overrides(root)), root / "straight")
+    state = ckpt.load_checkpoint(root / "straight")
+    ema, alpha = state["ema"]["model"], float(state["network"]["lora"]["alpha"])
+    tensors = {}
+    for key, value in ema.items():
+        module, which = key.split(".lora_")
+        name = _sgm(module, layers_per_block=1)
+        assert "input_blocks" in name or "middle_block" in name or "output_blocks" in name, name
+        tensors[f"{name}.lora_{'down' if which.startswith('A') else 'up'}.weight"] = value
+        tensors[f"{name}.alpha"] = torch.tensor(alpha)
+    save_file(tensors, tmp_path / "kohya_sdxl.safetensors")
+    loaded = load_model(None, lora=tmp_path / "kohya_sdxl.safetensors", base=str(root / "sdxl"), device="cpu")
+    got = loaded.model.state_dict()
+    assert set(got) == set(ema) and all(torch.equal(got[k], ema[k]) for k in ema)

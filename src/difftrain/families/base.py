@@ -218,6 +218,13 @@ class Family(ABC):
     # Whether the family's pipeline decodes with the VAE's shift_factor (z = latents / scaling + shift):
     # SD3 and Flux do; StableDiffusionPipeline and SDXL's do not, so their export refuses such a VAE.
     applies_shift_factor: bool = False
+    # The denoiser's prefix in the pipeline's LoRA files ("unet." / "transformer.").
+    lora_prefix: str = "unet"
+    # Whether a LoRA file in kohya's layout (lora_unet_<module>.lora_down.weight / lora_up.weight / alpha, what
+    # ComfyUI and A1111 read) can be written by diffusers' convert_state_dict_to_kohya and read back by the
+    # pipeline: the UNet families. SD3's and Flux's kohya names are another network's (SGM / BFL, fused qkv),
+    # which no diffusers converter writes.
+    writes_kohya_lora: bool = False
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -298,6 +305,36 @@ class Family(ABC):
     def read_lora(self, path: Path) -> dict[str, Tensor]:
         """The denoiser's adapter (peft's names, as :meth:`save_lora` takes them) of a LoRA file,
         through the pipeline class's ``lora_state_dict``; a ValueError for a file of another family."""
+
+    def lora_state(self, path: Path, config: dict) -> tuple[dict[str, Tensor], dict | None, dict | None, int]:
+        """A LoRA file of any layout the family's pipeline reads (diffusers' and peft's names, kohya
+        sd-scripts' and ComfyUI's ``lora_unet_...``, the other layouts its ``lora_state_dict`` converts),
+        as diffusers' loader takes it: (the denoiser's tensors under ``lora_prefix + "."``, their
+        network alphas or None, diffusers' adapter metadata or None, how many tensors are of other parts
+        (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`). Read by the
+        pipeline class's ``lora_state_dict`` (safetensors only), not by a key map of difftrain's; one
+        ValueError naming the file when it cannot convert it."""
+        import diffusers
+
+        from difftrain.models.text import first_line
+
+        cls = getattr(diffusers, self.pipeline_class)
+        try:
+            out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
+                                      **self.lora_state_options(config))
+        except Exception as e:  # noqa: BLE001 - diffusers' converters raise many kinds; re-raised as one line
+            raise ValueError(f"LoRA file {path}: {self.pipeline_class}.lora_state_dict cannot read it as a LoRA of "
+                             f"this {self.name} base ({type(e).__name__}: {first_line(e)})") from None
+        state, alphas, metadata = (out[0], out[1], out[2]) if len(out) == 3 else (out[0], None, out[1])
+        prefix = self.lora_prefix + "."
+        ours = {k: v for k, v in state.items() if k.startswith(prefix)}
+        alphas = {k: v for k, v in (alphas or {}).items() if k.startswith(prefix)} or None
+        return ours, alphas, metadata, len(state) - len(ours)
+
+    def lora_state_options(self, config: dict) -> dict:
+        """Keyword arguments of the pipeline's ``lora_state_dict`` for a denoiser of diffusers config
+        ``config`` (SDXL: the UNet's config, which maps kohya's SGM block names to diffusers')."""
+        return {}
 
     def __repr__(self) -> str:
         return f"<family {self.name}: {self.pipeline_class}>"

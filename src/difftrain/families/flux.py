@@ -158,5 +158,9 @@ class FluxFamily(TransformerFamily):
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return [*denoiser.model.transformer_blocks, *denoiser.model.single_transformer_blocks]
 
+    def lora_state_options(self, config: dict) -> dict:
+        """FluxPipeline.lora_state_dict returns the network alphas only when asked."""
+        return {"return_alphas": True}
+
 
 FLUX = register(FluxFamily())

@@ -75,6 +75,7 @@ class TransformerFamily(Family):
 
     transformer_class = ""
     denoiser_class: type[TransformerDenoiser] = TransformerDenoiser
+    lora_prefix = "transformer"
     # Module names of the other transformer family: a LoRA file naming them is not this family's.
     foreign_modules: tuple[str, ...] = ()
 
@@ -166,8 +167,8 @@ class TransformerFamily(Family):
         if not path.is_file():
             raise ValueError(f"LoRA file {path} does not exist")
         try:
-            state = getattr(diffusers, self.pipeline_class).lora_state_dict(str(path))
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            state = getattr(diffusers, self.pipeline_class).lora_state_dict(str(path), use_safetensors=True)
+        except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many kinds; one line naming the file
             raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file ({self.pipeline_class} cannot read "
                              f"it: {first_line(e)})") from None
         state = state[0] if isinstance(state, tuple) else state

@@ -259,8 +259,8 @@ def read_pipeline_lora(pipeline_class: str, denoiser_name: str, path: Path) -> d
 
     cls = getattr(diffusers, pipeline_class)
     try:
-        state = cls.lora_state_dict(str(path))
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        state = cls.lora_state_dict(str(path), use_safetensors=True)  # never unpickles
+    except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many kinds; one line naming the file
         from difftrain.models.text import first_line
 
         raise ValueError(f"LoRA adapter {path}: {pipeline_class} cannot read it ({first_line(e)})") from None
@@ -284,6 +284,7 @@ class SDFamily(Family):
     pipeline_class = "StableDiffusionPipeline"
     model_classes = (CONDITION_UNET_CLASS,)
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    writes_kohya_lora = True
 
     def training_defaults(self, folder: Path) -> dict[str, object]:
         """The base's text encoder and VAE, captions on, and what its ``scheduler/`` config says it was

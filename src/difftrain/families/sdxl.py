@@ -103,6 +103,14 @@ class SDXLFamily(Family):
     name = "sdxl"
     pipeline_class = "StableDiffusionXLPipeline"
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    writes_kohya_lora = True
+
+    def lora_state_options(self, config: dict) -> dict:
+        """kohya sd-scripts names SDXL's UNet blocks as SGM does (input_blocks.4.1...); diffusers maps them
+        with the UNet's config, as StableDiffusionXLPipeline.load_lora_weights does."""
+        from diffusers.configuration_utils import FrozenDict
+
+        return {"unet_config": FrozenDict(config)}
 
     def training_defaults(self, folder: Path) -> dict[str, object]:
         folder = Path(folder)

@@ -1,5 +1,8 @@
 """LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") on a difftrain
-network, through ``peft``: W x + (alpha / r) B A x on the chosen layers, the base W frozen.
+network, through ``peft``: W x + (alpha / r) B A x on the chosen layers, the base W frozen; and its
+variants (``lora.kind``, :data:`KINDS`): DoRA (Liu et al. 2024, a magnitude vector per output times
+the normalised W + BA), LoHa (Hyeon-Woo et al. 2022, a Hadamard product of two low-rank products) and
+LoKr (a Kronecker product, LyCORIS), each peft's own layer.
 
     net = apply_lora(base, cfg.lora, base_source="sd-folder")   # a LoraNetwork around base
     net.state_dict()            # the adapter alone: {"...to_q.lora_A.weight": (r, in), ...}
@@ -7,9 +10,10 @@ network, through ``peft``: W x + (alpha / r) B A x on the chosen layers, the bas
     net.set_scale(0.5)          # the adapter at half strength (sampling)
     net.merged_base_state()     # the base's state dict with the adapter folded in (W + scale B A)
 
-The adapter's names are the base network's own state-dict names with peft's adapter name left
-out (``to_q.lora_A.default.weight`` -> ``to_q.lora_A.weight``): for a UNet2DConditionModel they
-are diffusers' names, so an export only adds diffusers' ``unet.`` prefix. peft is imported only
+The adapter's names are peft's (``get_peft_model_state_dict``): the base network's own state-dict
+names with peft's adapter name left out (``to_q.lora_A.default.weight`` -> ``to_q.lora_A.weight``;
+DoRA adds ``to_q.lora_magnitude_vector``, LoHa ``to_q.hada_w1_a`` ..., LoKr ``to_q.lokr_w1`` ...): for a
+UNet2DConditionModel they are diffusers' names, so an export only adds diffusers' ``unet.`` prefix. peft is imported only
 when an adapter is built (``pip install 'difftrain[lora]'``).
 """
 
@@ -27,6 +31,9 @@ def is_lora_record(network: dict | None) -> bool:
     """Whether a checkpoint's ``network`` record (or None) is a LoRA network's."""
     return bool(network) and network.get("kind") == NETWORK_KIND
 ADAPTER = "default"  # peft's adapter name; never in difftrain's names
+# lora.kind -> peft's config class (DoRA is LoraConfig(use_dora=True)); records written before
+# lora.kind existed are "lora".
+KINDS = {"lora": "LoraConfig", "dora": "LoraConfig", "loha": "LoHaConfig", "lokr": "LoKrConfig"}
 
 # The attention projections each network names (peft matches a module by its name's suffix).
 ATTENTION_TARGETS = {
@@ -107,11 +114,12 @@ class LoraNetwork(nn.Module):
     """
 
     def __init__(self, base: nn.Module, *, base_record: dict, base_source: str, digest: str, rank: int,
-                 alpha: float, dropout: float, targets: list[str]):
+                 alpha: float, dropout: float, targets: list[str], kind: str = "lora"):
         super().__init__()
         self.base = base
         self.base_record, self.base_source, self.base_digest = base_record, base_source, digest
         self.rank, self.alpha, self.dropout, self.targets = rank, alpha, dropout, list(targets)
+        self.kind = kind
         for attr in ("num_classes", "context_dim", "in_channels", "out_channels"):
             if hasattr(base, attr):
                 setattr(self, attr, getattr(base, attr))
@@ -123,11 +131,17 @@ class LoraNetwork(nn.Module):
     # -- the adapter as the state dict ---------------------------------------------------------
 
     def _adapter(self, keep_vars: bool = True) -> dict[str, Tensor]:
-        """Public name -> adapter tensor (peft's lora_A / lora_B of every adapted layer)."""
+        """Public name -> adapter tensor: peft's ``get_peft_model_state_dict`` of the base (lora_A /
+        lora_B, DoRA's magnitude, LoHa's and LoKr's factors of every adapted layer)."""
+        from peft import get_peft_model_state_dict
+
+        params = dict(self.base.named_parameters())  # named as peft found the layers
+        raw_names = {id(t): k for k, t in params.items()}
+        state_names = {id(t): k for k, t in self.base.state_dict(keep_vars=True).items()}  # a wrapper's hooks may drop a prefix
         out = {}
-        for name, t in self.base.state_dict(keep_vars=keep_vars).items():
-            if f".{ADAPTER}." in name and (".lora_A." in name or ".lora_B." in name):
-                out[name.replace(f".{ADAPTER}.", ".")] = t
+        for name, t in get_peft_model_state_dict(self.base, state_dict=params, adapter_name=ADAPTER).items():
+            cut = len(raw_names[id(t)]) - len(state_names[id(t)])  # the prefix the base's state dict leaves out
+            out[name[cut:]] = t if keep_vars else t.detach()
         return out
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):  # noqa: D102
@@ -150,7 +164,8 @@ class LoraNetwork(nn.Module):
     # -- what rebuilds it, and what it does to the base ----------------------------------------
 
     def settings(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        out = {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        return out if self.kind == "lora" else {**out, "kind": self.kind}  # a plain LoRA's record as before
 
     def network_record(self) -> dict:
         """The checkpoint's ``network``: kind "lora", the base's own record, where the base was
@@ -159,9 +174,10 @@ class LoraNetwork(nn.Module):
                 "base_digest": self.base_digest, "lora": self.settings()}
 
     def lora_layers(self) -> list[nn.Module]:
-        from peft.tuners.lora import LoraLayer
+        """The adapted layers (peft's tuner layers of every kind)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
 
-        return [m for m in self.base.modules() if isinstance(m, LoraLayer)]
+        return [m for m in self.base.modules() if isinstance(m, BaseTunerLayer)]
 
     def set_scale(self, scale: float) -> None:
         """Scale the adapter's contribution: 1 as trained, 0 the base alone."""
@@ -170,21 +186,28 @@ class LoraNetwork(nn.Module):
 
     @torch.no_grad()
     def merged_base_state(self) -> dict[str, Tensor]:
-        """The base network's state dict (its own names) with W + scale B A folded into every
-        adapted layer's weight; this network is left as it was."""
-        deltas = {}
+        """The base network's state dict (its own names) with the adapter folded into every adapted
+        layer's weight by peft's own ``merge`` (W + scale B A; DoRA's m (W + s B A) / ||W + s B A||;
+        LoHa's and LoKr's products), each on a copy of its layer; this network is left as it was."""
+        import copy
+
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        merged_weights = {}
         for name, module in self.base.named_modules():
-            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-                deltas[name] = module.get_delta_weight(ADAPTER)
+            if isinstance(module, BaseTunerLayer):
+                layer = copy.deepcopy(module)
+                layer.merge(adapter_names=[ADAPTER])
+                merged_weights[name] = layer.get_base_layer().weight.detach()
+        adapter = {id(t) for t in self._adapter(keep_vars=True).values()}
         merged = {}
-        for key, t in self.base.state_dict().items():
-            if ".lora_" in key or ".lora_dropout" in key:
+        for key, t in self.base.state_dict(keep_vars=True).items():
+            if id(t) in adapter or f".{ADAPTER}" in key:
                 continue
             merged[key.replace(".base_layer.", ".")] = t.detach().clone()
-        state_names = _state_names(self.base, deltas)
-        for module_name, delta in deltas.items():
-            weight = state_names[module_name] + ".weight"
-            merged[weight] = merged[weight] + delta.to(merged[weight].dtype)
+        state_names = _state_names(self.base, merged_weights)
+        for module_name, weight in merged_weights.items():
+            merged[state_names[module_name] + ".weight"] = weight.clone()
         return merged
 
 
@@ -214,24 +237,41 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     rank, alpha and targets are used (a resume may change lora.dropout), and ``base`` must be
     the base it was trained on (one ValueError if not).
     """
-    peft = import_peft()
+    import_peft()
     targets = target_modules(lora_cfg, base_record)
     rank, alpha, dropout = lora_cfg.rank, lora_cfg.alpha or float(lora_cfg.rank), lora_cfg.dropout
+    kind = getattr(lora_cfg, "kind", "lora")
     if saved is not None:
         s = saved["lora"]
-        targets, rank, alpha = list(s["targets"]), int(s["rank"]), float(s["alpha"])  # dropout: the config's
+        targets, rank, alpha, kind = list(s["targets"]), int(s["rank"]), float(s["alpha"]), record_kind(saved)
     _check_targets(base, targets, rank)
     digest = base_digest(base)
-    if saved is not None and digest != saved["base_digest"]:
+    # A record without a digest: a LoRA file another program wrote (adapters.read_foreign), put on the base it fits.
+    if saved is not None and saved["base_digest"] and digest != saved["base_digest"]:
         raise ValueError(f"{where} is not the base this LoRA adapter was trained on: it was trained on "
                          f"{saved['base_source']} (digest {saved['base_digest'][:12]}), and {base_source} holds "
                          f"different weights (digest {digest[:12]}); point model.init_from (or --base) at that base")
     base.requires_grad_(False)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                             init_lora_weights=True if lora_cfg.init == "default" else lora_cfg.init)
-    peft.inject_adapter_in_model(config, base)
+    import_peft().inject_adapter_in_model(peft_config(kind, rank, alpha, dropout, targets, lora_cfg.init), base)
     return LoraNetwork(base, base_record=base_record, base_source=base_source, digest=digest, rank=rank,
-                       alpha=alpha, dropout=dropout, targets=targets)
+                       alpha=alpha, dropout=dropout, targets=targets, kind=kind)
+
+
+def peft_config(kind: str, rank: int, alpha: float, dropout: float, targets: list[str], init: str = "gaussian"):
+    """peft's config of an adapter of ``kind`` (:data:`KINDS`): LoraConfig (``use_dora`` for DoRA),
+    LoHaConfig or LoKrConfig, with the rank, alpha (scale alpha / rank) and target modules given.
+    ``init``: "gaussian" or "default" (LoRA and DoRA; LoHa and LoKr start as peft starts them, the
+    adapter's output zero)."""
+    peft = import_peft()
+    if kind in ("lora", "dora"):
+        return peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                               use_dora=kind == "dora", init_lora_weights=True if init == "default" else init)
+    return getattr(peft, KINDS[kind])(r=rank, alpha=alpha, target_modules=targets, init_weights=True)
+
+
+def record_kind(record: dict) -> str:
+    """The ``lora.kind`` of a LoRA network record ("lora" for records written before the key)."""
+    return record["lora"].get("kind", "lora")
 
 
 def resume_mismatch(lora_cfg, record: dict) -> str | None:
@@ -245,9 +285,9 @@ def resume_mismatch(lora_cfg, record: dict) -> str | None:
     if not was_lora:
         return None
     saved = record["lora"]
-    now = {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha or float(lora_cfg.rank),
-           "targets": target_modules(lora_cfg, record["base"])}
+    now = {"kind": getattr(lora_cfg, "kind", "lora"), "rank": lora_cfg.rank,
+           "alpha": lora_cfg.alpha or float(lora_cfg.rank), "targets": target_modules(lora_cfg, record["base"])}
     for key, value in now.items():
-        if saved[key] != value:
+        if (record_kind(record) if key == "kind" else saved[key]) != value:
             return f"its adapter has {key} {saved[key]!r}, this config {value!r} (lora.*)"
     return None

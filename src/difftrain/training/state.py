@@ -227,8 +227,13 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
             from difftrain.interop import load_init_weights
 
             load_init_weights(base, init_from)
-        return apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
-                          saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})")
+        net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
+                         saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})")
+        if saved_lora is None and cfg.model.init_lora_from:  # a new run's adapter from a LoRA file
+            from difftrain.lora_import import init_adapter_from
+
+            init_adapter_from(net, cfg.model.init_lora_from)
+        return net
     family = family_of_record(network) if network is not None else family_of_config(cfg)
     if family is not None and network is not None:
         return family.denoiser_from_record(network)
@@ -254,6 +259,7 @@ def _without_lora(cfg: Config) -> Config:
     import copy
 
     base = copy.deepcopy(cfg)
+    base.model.init_lora_from = ""
     base.lora.rank = 0  # validated like any change
     return base
 
