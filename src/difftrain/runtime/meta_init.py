@@ -14,7 +14,7 @@ so that it draws the same numbers.
 
 A build that draws random numbers for anything else while it runs (a parameter made by
 ``torch.randn`` in a constructor), or initialises a parameter through something the record cannot
-replay, is refused with :class:`NotReplayable`; the caller then builds the network whole.
+replay, is refused with :class:`NotReplayable` (one line naming the parameter or the call).
 """
 
 from __future__ import annotations
@@ -83,20 +83,25 @@ class Recording:
     def __init__(self) -> None:
         self.recorder = _Recorder()
         self.rng = torch.random.get_rng_state()
+        self.params: dict[int, tuple[str, torch.Size, torch.dtype]] = {}
+        self.drew = False
+
+    def bind(self, model: nn.Module) -> None:
+        """Name the recorded tensors after ``model``'s parameters, before anything (FSDP) replaces them."""
+        self.params = {id(p): (name, p.shape, p.dtype) for name, p in model.named_parameters()}
 
 
 @contextlib.contextmanager
 def recorded_build() -> Iterator[Recording]:
     """A context in which modules are built with their parameters on the meta device and every
-    initialisation call on a parameter is recorded (``replay`` runs them). Raises
-    :class:`NotReplayable` on exit when the build drew from the global CPU generator."""
+    initialisation call on a parameter is recorded (``replay`` runs them); ``drew`` says whether
+    the build drew from the global CPU generator besides (then ``replay`` refuses)."""
     from accelerate import init_empty_weights
 
     recording = Recording()
     with init_empty_weights(include_buffers=False), recording.recorder:
         yield recording
-    if not torch.equal(torch.random.get_rng_state(), recording.rng):
-        raise NotReplayable("the network's constructor draws random numbers outside its parameters' initialisation")
+    recording.drew = not torch.equal(torch.random.get_rng_state(), recording.rng)
 
 
 def available() -> bool:
@@ -109,9 +114,9 @@ def available() -> bool:
 
 
 @torch.no_grad()
-def replay(recording: Recording, model: nn.Module, fill: Callable[[str, torch.Tensor], None],
-           names: set[str] | None = None) -> None:
-    """Run the recorded initialisation of ``model`` (built under ``recording``) on the CPU: each
+def replay(recording: Recording, fill: Callable[[str, torch.Tensor], None], names: set[str] | None = None) -> None:
+    """Run the recorded initialisation of the model built under ``recording`` (and named by its
+    :meth:`Recording.bind`) on the CPU: each
     parameter is made whole once, alone, and passed to ``fill(name, tensor)`` (float, on the CPU)
     after its last recorded call. ``names``: the parameters whose values are wanted (default all);
     the calls on the others still run, on scratch tensors, so the random numbers drawn are the
@@ -119,8 +124,8 @@ def replay(recording: Recording, model: nn.Module, fill: Callable[[str, torch.Te
 
     Raises :class:`NotReplayable` when a wanted parameter has no recorded initialisation or a call
     names a tensor that is not one of ``model``'s parameters (a view, another meta tensor)."""
-    by_id = {id(p): (name, p) for name, p in model.named_parameters(remove_duplicate=True)}
-    wanted = set(by_id[i][0] for i in by_id) if names is None else set(names)
+    by_id = recording.params
+    wanted = {name for name, _, _ in by_id.values()} if names is None else set(names)
     last_call: dict[str, int] = {}
     last_overwrite: dict[str, int] = {}
     for k, (func, args, kwargs) in enumerate(recording.recorder.calls):
@@ -133,17 +138,19 @@ def replay(recording: Recording, model: nn.Module, fill: Callable[[str, torch.Te
         last_call[entry[0]] = k
         if _overwrites(func, others):
             last_overwrite[entry[0]] = k
+    if recording.drew:
+        raise NotReplayable("the network's constructor draws random numbers outside its parameters' initialisation")
     missing = sorted(n for n in wanted if n not in last_overwrite)
     if missing:
         raise NotReplayable(f"parameter {missing[0]} has no initialisation the build recorded")
     torch.random.set_rng_state(recording.rng)
     live: dict[str, torch.Tensor] = {}
     for k, (func, args, kwargs) in enumerate(recording.recorder.calls):
-        name, p = by_id[id(_target(args, kwargs))]
+        name, shape, dtype = by_id[id(_target(args, kwargs))]
         if name not in wanted or k < last_overwrite[name]:  # drawn for the random numbers alone
-            _run(func, args, kwargs, torch.empty(p.shape, dtype=p.dtype))
+            _run(func, args, kwargs, torch.empty(shape, dtype=dtype))
             continue
-        t = live.setdefault(name, torch.empty(p.shape, dtype=p.dtype))
+        t = live.setdefault(name, torch.empty(shape, dtype=dtype))
         _run(func, args, kwargs, t)
         if k == last_call[name]:
             fill(name, live.pop(name))

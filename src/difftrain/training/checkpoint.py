@@ -35,7 +35,7 @@ from difftrain.training.checkpoint_store import (  # noqa: F401 - re-exported: c
     check_finite, checkpoint_name, find_checkpoint, first_non_finite, is_better, list_checkpoints, load_error,
     read_best, report_write_error,
 )
-from difftrain.training.sharded_checkpoint import load_consolidated
+from difftrain.training.sharded_checkpoint import load_consolidated, read_run_state
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
@@ -132,6 +132,9 @@ SCHEMA = {
 }
 
 
+_SHARD_KEYS = ("model", "ema", "optimizer", "posthoc_ema")  # what a sharded checkpoint keeps in its shards
+
+
 def _upgrade(state: dict) -> dict:
     """An older checkpoint in v4's keys. v1 -> v2: ``counters.skipped_steps`` -> ``skipped_steps``;
     the unread ``images_seen``, ``lr_schedule`` and ``world_size`` dropped. v2 -> v3: no post-hoc
@@ -181,15 +184,20 @@ def _shown(value) -> str:
     return type(value).__name__
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
     """Load a checkpoint on the CPU with ``weights_only=True`` (never runs pickled code), upgrade
     an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read.
     A sharded checkpoint's folder is read by ``sharded_checkpoint.load_consolidated`` (its DCP
-    metadata through ``training/dcp_reader.py``). Every failure is one :class:`CheckpointError`
-    line naming the file."""
+    metadata through ``training/dcp_reader.py``); with ``tensors=False``, only its run state
+    (``sharded_checkpoint.read_run_state``), every key but the tensors checked, and
+    ``state["shards"]``, the folder, for an FSDP run to read its part of (a file is read whole
+    either way). Every failure is one :class:`CheckpointError` line naming the file."""
     path = find_checkpoint(path)
+    lazy = path.is_dir() and not tensors
     try:
-        if path.is_dir():
+        if lazy:
+            state = read_run_state(path)
+        elif path.is_dir():
             state = load_consolidated(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -200,10 +208,11 @@ def load_checkpoint(path: str | Path) -> dict:
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, *OLDER_FORMATS):
         raise CheckpointError(f"{path} is not a difftrain checkpoint (format {FORMAT!r} expected)")
     state = _upgrade(state)
-    check_schema(state, path)
+    check_schema(state, path, keys=[k for k in SCHEMA if k not in _SHARD_KEYS] if lazy else None)
     state["path"] = str(path)
+    if lazy:
+        state["shards"] = str(path)
     return state
-
 
 
 def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: str | Path, key: str) -> None:

@@ -161,17 +161,21 @@ class PowerEMA:
     def state_dict(self) -> dict:
         return {"stds": list(self.stds), "gammas": list(self.gammas), "models": [m.state_dict() for m in self.models]}
 
+    def check_resumable(self, saved_stds: list[float], path: str | Path = "checkpoint") -> None:
+        """Raise ValueError when a tracked std is not among a checkpoint's ``saved_stds``."""
+        missing = [s for s in self.stds if s not in saved_stds]
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} tracks no post-hoc EMA of sigma_rel {missing} (it tracks {saved_stds or 'none'}): "
+                "a power-function EMA averages from step 0, so ema.posthoc_std can only drop values on resume; "
+                "start a new run to track new ones"
+            )
+
     def load_state_dict(self, state: dict, path: str | Path = "checkpoint") -> None:
         """Load the averages of this object's stds from ``state`` (a checkpoint's ``posthoc_ema``).
         A tracked std the checkpoint lacks cannot start mid-run: its profile must begin at step 0."""
         saved = dict(zip((float(s) for s in state["stds"]), state["models"]))
-        missing = [s for s in self.stds if s not in saved]
-        if missing:
-            raise ValueError(
-                f"checkpoint {path} tracks no post-hoc EMA of sigma_rel {missing} (it tracks {list(saved) or 'none'}): "
-                "a power-function EMA averages from step 0, so ema.posthoc_std can only drop values on resume; "
-                "start a new run to track new ones"
-            )
+        self.check_resumable(list(saved), path)
         for s, avg in zip(self.stds, self.models):
             load_weights(avg, saved[s], path, f"posthoc_ema[{s}]")
 
