@@ -36,7 +36,7 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from difftrain.runtime.distributed import DistContext
@@ -82,32 +82,47 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def shard_model(model: nn.Module, ctx: DistContext, precision: str) -> nn.Module:
+def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
+    """``train.fsdp_offload``: FSDP2's ``CPUOffloadPolicy`` (shards, gradients and so the optimizer
+    state in CPU memory; each unit's weights copied to the device for its forward and backward),
+    pinned where the device is CUDA; else no offload."""
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+
+
+def shard_model(model: nn.Module, ctx: DistContext, precision: str, offload: bool = False) -> nn.Module:
     """Shard ``model`` in place across the ``ctx.world_size`` ranks (``fully_shard`` per block of
     :func:`blocks`, then the root) and return it. Its parameters become ``DTensor`` shards of
-    dim 0; its buffers stay whole on every rank. Every rank must call this with the same model."""
+    dim 0 (in CPU memory with ``offload``: :func:`offload_policy`); its buffers stay whole on every
+    rank. Every rank must call this with the same model."""
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    policy = mixed_precision(precision)
+    policy, where = mixed_precision(precision), offload_policy(offload, ctx.device)
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=where)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=where)
     return model
 
 
 @torch.no_grad()
 def shard_like(average: nn.Module, model: nn.Module) -> None:
     """Lay ``average`` (an EMA's copy of ``model``, not sharded) out as the sharded ``model``, in
-    place: each parameter that trains becomes a ``DTensor`` of this rank's shard, as ``model``'s;
-    each frozen one (a LoRA run's base) is replaced by ``model``'s own shard, shared (it never
-    changes). Buffers stay whole. Not a collective: each rank keeps its own slice."""
+    place: each parameter that trains becomes a ``DTensor`` of this rank's shard, as ``model``'s
+    (on the same device: the CPU under ``train.fsdp_offload``); each frozen one (a LoRA run's base)
+    is replaced by ``model``'s own shard, shared (it never changes). Buffers stay whole. Not a
+    collective: each rank keeps its own slice."""
     sharded = dict(model.named_parameters())
     for name, p in list(average.named_parameters()):
         s = sharded[name]
         if s.requires_grad:
-            s = nn.Parameter(distribute_tensor(p.detach(), s.device_mesh, s.placements, src_data_rank=None),
-                             requires_grad=False)
+            copy = s.detach().clone()
+            _fill(copy, name, p.detach())
+            s = nn.Parameter(copy, requires_grad=False)
         owner, _, leaf = name.rpartition(".")
         setattr(average.get_submodule(owner), leaf, s)
+
+
+def shard_device(offload: bool, device: torch.device) -> torch.device:
+    """Where the shards (and so the optimizer state) live: the CPU under ``train.fsdp_offload``."""
+    return torch.device("cpu") if offload else device
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -125,7 +140,18 @@ def fill_shard(model: nn.Module, name: str, whole: torch.Tensor) -> None:
     """Copy this rank's part of ``whole`` (the parameter ``name``'s full value, on any device) into
     the sharded ``model``'s parameter: dim-0 chunks as ``fully_shard`` lays them out
     (``torch.chunk``), so no collective and no other rank's part is read."""
-    p = model.get_parameter(name)
+    _fill(model.get_parameter(name), name, whole)
+
+
+@torch.no_grad()
+def fill_shards(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Each entry of ``module.state_dict()`` (sharded parameters, whole buffers) from the whole
+    tensor of the same name in ``tensors``: this rank's part of each (:func:`fill_shard`)."""
+    for name, target in module.state_dict().items():
+        _fill(target, name, tensors[name])
+
+
+def _fill(p: torch.Tensor, name: str, whole: torch.Tensor) -> None:
     if not isinstance(p, DTensor):
         p.copy_(whole)
         return

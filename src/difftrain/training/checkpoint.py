@@ -215,9 +215,11 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
     return state
 
 
-def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: str | Path, key: str) -> None:
+def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: str | Path, key: str,
+                 fill=None) -> None:
     """``module.load_state_dict(tensors)``, with a missing, unexpected or wrongly shaped weight
-    reported as a :class:`CheckpointError` naming the file and the key."""
+    reported as a :class:`CheckpointError` naming the file and the key. ``fill(module, tensors)``
+    loads instead when given (a sharded module keeps its part of each whole tensor: ``fsdp.fill_shards``)."""
     own = module.state_dict()
     missing = sorted(set(own) - set(tensors))
     extra = sorted(set(tensors) - set(own))
@@ -229,7 +231,10 @@ def load_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path
         if t.shape != own[name].shape:
             raise CheckpointError(f"checkpoint {path}: key {key}.{name} has shape {tuple(t.shape)}, "
                                   f"the model's is {tuple(own[name].shape)}")
-    module.load_state_dict(tensors)
+    if fill is not None:
+        fill(module, tensors)
+    else:
+        module.load_state_dict(tensors)
 
 
 def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:

@@ -118,14 +118,14 @@ class RunState:
         template = fsdp.meta_template(model)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
-        fsdp.shard_model(model, dctx, tc.precision)
-        fsdp.materialize(model, device)
+        fsdp.shard_model(model, dctx, tc.precision, tc.fsdp_offload)
+        fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
         if init_weights:
             meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole))
         for average in (ema.model, *posthoc.models):  # each rank averages its own shard
             fsdp.copy_shards(average, model)
         ema.rebind()
-        optimizer = build_optimizer(cfg, model, device)
+        optimizer = build_optimizer(cfg, model, fsdp.shard_device(tc.fsdp_offload, device))  # train.fsdp_offload: on the CPU
         state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes, conditioning,
                     template=template, dctx=dctx)
         state.net = model
@@ -150,11 +150,11 @@ class RunState:
         carried = get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else None
         self.template = fsdp.meta_template(self.model)
         self.model.to(memory_format=torch.contiguous_format)  # FSDP shards contiguous weights only: no channels_last
-        fsdp.shard_model(self.model, dctx, self.cfg.train.precision)
+        fsdp.shard_model(self.model, dctx, self.cfg.train.precision, self.cfg.train.fsdp_offload)
         for average in (self.ema.model, *self.posthoc.models):  # each rank averages its own shard
             fsdp.shard_like(average.to(memory_format=torch.contiguous_format), self.model)
         self.ema.rebind()
-        self.optimizer = build_optimizer(self.cfg, self.model, dctx.device)
+        self.optimizer = build_optimizer(self.cfg, self.model, fsdp.shard_device(self.cfg.train.fsdp_offload, dctx.device))
         if carried is not None:
             set_optimizer_state_dict(self.model, self.optimizer, carried, options=StateDictOptions(full_state_dict=True))
         return self.model
@@ -228,8 +228,12 @@ class RunState:
             raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
 
     def _load_tensors(self, state: dict) -> None:
-        """The weights, averages and optimizer state of a checkpoint read whole."""
+        """The weights, averages and optimizer state of a checkpoint read whole (into a sharded
+        state: :meth:`_load_whole_into_shards`)."""
         path = state.get("path", "checkpoint")
+        if self.template is not None:
+            self._load_whole_into_shards(state)
+            return
         load_weights(self.model, state["model"], path, "model")
         load_weights(self.ema.model, state["ema"]["model"], path, "ema.model")
         self.ema.load_state_dict(state["ema"])
@@ -243,6 +247,31 @@ class RunState:
                 self.optimizer.load_state_dict(state["optimizer"])
             to_training(self.optimizer)  # schedule-free: saved as x in eval mode, trains as y
         except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
+
+    def _load_whole_into_shards(self, state: dict) -> None:
+        """A checkpoint file (a run in one process, or under DDP) into a state built sharded: each
+        rank keeps its part of each whole tensor; the optimizer's state, keyed by index in a file,
+        keyed by parameter name and sharded by ``set_optimizer_state_dict``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        path = state.get("path", "checkpoint")
+        load_weights(self.model, state["model"], path, "model", fill=fsdp.fill_shards)
+        load_weights(self.ema.model, state["ema"]["model"], path, "ema.model", fill=fsdp.fill_shards)
+        self.ema.num_updates = int(state["ema"]["num_updates"])
+        saved = dict(zip((float(s) for s in state["posthoc_ema"]["stds"]), state["posthoc_ema"]["models"]))
+        self.posthoc.check_resumable(list(saved), path)
+        for s, average in zip(self.posthoc.stds, self.posthoc.models):
+            load_weights(average, saved[s], path, f"posthoc_ema[{s}]", fill=fsdp.fill_shards)
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # build_optimizer's order
+        try:
+            saved_optimizer = state["optimizer"]
+            by_name = {"state": {names[i]: v for i, v in saved_optimizer["state"].items()},
+                       "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                        for g in saved_optimizer["param_groups"]]}
+            set_optimizer_state_dict(self.model, self.optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+            to_training(self.optimizer)
+        except (ValueError, KeyError, RuntimeError, IndexError, TypeError) as e:
             raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
 
     def check_resumable(self, state: dict, world_size: int) -> list[str]:
