@@ -3,6 +3,12 @@ sharded, never whole: a fresh start with steps, validation and a sharded checkpo
 against DDP's whole replica, and against what ``difftrain estimate --parallel fsdp`` counts.
 
     PYTHONPATH=src python bench/fsdp_peak_rss.py --base-channels 256     # difftrain's tiny preset widened
+    PYTHONPATH=src python bench/fsdp_peak_rss.py --base-channels 192 --start-up-only
+
+``--start-up-only``: the phases of ``tests/integration/test_fsdp_meta.py::_start_and_resume`` (build
+the sharded state, one step, a sharded checkpoint; then, freed memory given back, a resume from it),
+now and with the whole-then-shard start-up and consolidated resume this replaced (``builds_sharded``
+forced False).
 
 Each rank resets its peak (``/proc/self/clear_refs``) after joining the group with difftrain's
 training modules imported, then runs ``training.loop.train``; the figure is its peak RSS above that
@@ -62,6 +68,17 @@ def rank_run(ctx, run_dir: str, cfg_overrides: list[str], stop_at_step: int | No
             "seconds": time.perf_counter() - t0}
 
 
+def phases(ctx, run_dir: str, cfg_overrides: list[str], old: bool) -> dict:
+    """``_start_and_resume`` of the test, on the sharded build or (``old``) the whole-then-shard one."""
+    import difftrain.training.state as state_module
+    from integration.test_fsdp_meta import _start_and_resume
+
+    if old:
+        state_module.builds_sharded = lambda *args, **kwargs: False
+    return {"rank": ctx.rank, **{k: v / MiB if k in ("built", "resumed") else v
+                                 for k, v in _start_and_resume(ctx, run_dir, cfg_overrides).items()}}
+
+
 def counted(base_channels: int, parallel: str, world: int) -> dict:
     from difftrain.tools.parallel_memory import counted_memory
     from difftrain.training.state import build_network
@@ -78,12 +95,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-channels", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--start-up-only", action="store_true", help="start-up and resume phases, now and before")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     whole, fsdp2 = counted(args.base_channels, "ddp", 1), counted(args.base_channels, "fsdp", 2)
     print(f"{whole['params'] / 1e6:.1f}M parameters; counted training state: whole {whole['state_mib']:.0f} MiB, "
           f"FSDP x2 per rank {fsdp2['state_mib']:.0f} MiB (+ transient: {fsdp2['total_mib']:.0f})", flush=True)
+    if args.start_up_only:
+        for old in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                result = run_ranks(phases, 2, tmp, overrides(args.base_channels, "fsdp", 3), old, timeout_s=3600)
+            print("before (whole, then shard)" if old else "now (sharded build)",
+                  json.dumps([{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in result]),
+                  flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for name, parallel, stop in (("FSDP fresh: start-up, 2 steps, validation, checkpoint", "fsdp", 2),
                                      ("FSDP resume: sharded checkpoint, 1 step, checkpoint", "fsdp", None),
