@@ -40,11 +40,11 @@ from difftrain.config import load_config  # noqa: E402
 MiB = 2**20
 
 
-def overrides(base_channels: int, parallel: str, steps: int) -> list[str]:
+def overrides(base_channels: int, parallel: str, steps: int, validate: bool = True) -> list[str]:
     return ["data.resolution=16", "data.num_workers=0", "model.preset=tiny", "model.attention_resolutions=[8]",
             f"model.base_channels={base_channels}", "diffusion.num_timesteps=100", f"train.total_steps={steps}",
             "train.device=cpu", "train.batch_size=2", "train.channels_last=off", "train.log_every_steps=1",
-            "checkpoint.every_steps=1000", "validation.every_steps=2", "validation.num_images=2", "validation.steps=2",
+            "checkpoint.every_steps=1000", f"validation.every_steps={2 if validate else 0}", "validation.num_images=2", "validation.steps=2",
             "tracking.tensorboard=false", "ema.posthoc_std=[0.1]", "train.progress_bar=false",
             f"train.parallel={parallel}"]
 
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--base-channels", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--start-up-only", action="store_true", help="start-up and resume phases, now and before")
+    parser.add_argument("--no-validation", action="store_true", help="FSDP runs without validation (no DDP run)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
@@ -111,11 +112,15 @@ def main() -> None:
                   flush=True)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        for name, parallel, stop in (("FSDP fresh: start-up, 2 steps, validation, checkpoint", "fsdp", 2),
-                                     ("FSDP resume: sharded checkpoint, 1 step, checkpoint", "fsdp", None),
-                                     ("DDP fresh: start-up, 2 steps, validation, checkpoint", "ddp", 2)):
+        runs = (("FSDP fresh: start-up, 2 steps, validation, checkpoint", "fsdp", 2),
+                ("FSDP resume: sharded checkpoint, 1 step, validation, checkpoint", "fsdp", None),
+                ("DDP fresh: start-up, 2 steps, validation, checkpoint", "ddp", 2))
+        if args.no_validation:
+            runs = tuple((name.replace(" validation,", ""), parallel, stop) for name, parallel, stop in runs[:2])
+        for name, parallel, stop in runs:
             run = Path(tmp) / parallel
-            result = run_ranks(rank_run, 2, str(run), overrides(args.base_channels, parallel, 3), stop, timeout_s=3600)
+            result = run_ranks(rank_run, 2, str(run), overrides(args.base_channels, parallel, 3, not args.no_validation),
+                               stop, timeout_s=3600)
             rows.append({"run": name, **{f"rank{r['rank']}": r for r in result}})
             print(name, json.dumps([{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in result]),
                   flush=True)

@@ -201,12 +201,17 @@ def save_snapshots(power_ema: PowerEMA, run_dir: Path, step: int, config: dict, 
                    dctx: DistContext) -> list[Path]:
     """Write each tracked average at ``step`` as its own file (atomic). Every rank calls this; rank 0
     writes, and every rank gets its outcome (the paths, or its error). Under FSDP each average is
-    gathered whole first (a collective), one at a time, so the files are those of a DDP run. The
+    gathered whole first (a collective), one tensor at a time, onto rank 0 alone (the other ranks
+    drop each after the gather), so the files are those of a DDP run. The
     file says what it is: std, gamma, step, and the config and classes to build the network from."""
     folder = Path(run_dir) / SNAPSHOT_DIR
     written = []
     for std, gamma, avg in zip(power_ema.stds, power_ema.gammas, power_ema.models):
-        whole = {k: full_tensor(v) for k, v in avg.state_dict().items()}  # themselves, unless sharded
+        whole = {}  # themselves, unless sharded: then gathered one tensor at a time, kept by rank 0 alone
+        for k, v in avg.state_dict().items():
+            t = full_tensor(v)  # a collective under FSDP: every rank calls it
+            if dctx.is_main:
+                whole[k] = t
         record = {"format": SNAPSHOT_FORMAT, "std": std, "gamma": gamma, "step": step,
                   "num_classes": num_classes, "config": config, "model": whole}
         path = folder / snapshot_name(std, step)
