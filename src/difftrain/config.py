@@ -257,6 +257,9 @@ class TrainConfig(_Section):
     # Under torchrun: ddp keeps a whole replica per rank; fsdp shards weights, gradients, optimizer
     # state and EMA across ranks (FSDP2), for models whose replica does not fit. One process: no-op.
     parallel: Parallel = "ddp"
+    # FSDP only: parameter shards, gradients and optimizer state live in CPU memory between uses
+    # (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU): device memory for time
+    fsdp_offload: bool = False
 
 
 @dataclass
@@ -846,6 +849,9 @@ def _check_buckets(cfg: Config) -> None:
 
 def _check_fsdp(cfg: Config) -> None:
     """What train.parallel='fsdp' does not combine with (yet)."""
+    _check(not cfg.train.fsdp_offload or cfg.train.parallel == "fsdp",
+           f"train.fsdp_offload=true needs train.parallel='fsdp' (it offloads FSDP's shards to the CPU), "
+           f"got train.parallel={cfg.train.parallel!r}")
     if cfg.train.parallel != "fsdp":
         return
     t, why = cfg.train, "train.parallel='fsdp'"

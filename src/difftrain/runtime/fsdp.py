@@ -15,6 +15,14 @@ optimizer holds the adapter's shards. Averages of the weights (the EMA, post-hoc
 FSDP units but plain copies holding shards laid out as the model's (:func:`shard_like`): each
 rank averages its own shard, and a frozen base is the model's own shards, shared.
 
+Start-up holds no whole copy of the model (``RunState.build`` with a ``DistContext``): the network
+is built on the meta device (``runtime/meta_init.py``), its template, EMA and post-hoc EMAs are
+copies of that (no storage), :func:`shard_model` shards it, :func:`materialize` gives each rank
+storage for its shards alone, and the weights are filled shard by shard: :func:`fill_shard` from
+one whole tensor at a time (a fresh run's replayed initialisation, a ``model.init_from``), or
+``torch.distributed.checkpoint.load`` of a sharded checkpoint, each rank reading its part.
+:func:`copy_shards` then makes the averages' shards copies of the model's.
+
 Evaluation during training (validation grids, held-out loss, FID) spreads its work across
 ranks, each rank running forward passes of its own count: a sharded model cannot do that (every
 forward is a collective), so :func:`unsharded_copy` gathers the whole weights onto every rank
@@ -28,7 +36,7 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from difftrain.runtime.distributed import DistContext
@@ -74,32 +82,104 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def shard_model(model: nn.Module, ctx: DistContext, precision: str) -> nn.Module:
+def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
+    """``train.fsdp_offload``: FSDP2's ``CPUOffloadPolicy`` (shards, gradients and so the optimizer
+    state in CPU memory; each unit's weights copied to the device for its forward and backward),
+    pinned where the device is CUDA; else no offload."""
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+
+
+def shard_model(model: nn.Module, ctx: DistContext, precision: str, offload: bool = False) -> nn.Module:
     """Shard ``model`` in place across the ``ctx.world_size`` ranks (``fully_shard`` per block of
     :func:`blocks`, then the root) and return it. Its parameters become ``DTensor`` shards of
-    dim 0; its buffers stay whole on every rank. Every rank must call this with the same model."""
+    dim 0 (in CPU memory with ``offload``: :func:`offload_policy`); its buffers stay whole on every
+    rank. Every rank must call this with the same model."""
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    policy = mixed_precision(precision)
+    policy, where = mixed_precision(precision), offload_policy(offload, ctx.device)
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=where)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=where)
     return model
 
 
 @torch.no_grad()
 def shard_like(average: nn.Module, model: nn.Module) -> None:
     """Lay ``average`` (an EMA's copy of ``model``, not sharded) out as the sharded ``model``, in
-    place: each parameter that trains becomes a ``DTensor`` of this rank's shard, as ``model``'s;
-    each frozen one (a LoRA run's base) is replaced by ``model``'s own shard, shared (it never
-    changes). Buffers stay whole. Not a collective: each rank keeps its own slice."""
+    place: each parameter that trains becomes a ``DTensor`` of this rank's shard, as ``model``'s
+    (on the same device: the CPU under ``train.fsdp_offload``); each frozen one (a LoRA run's base)
+    is replaced by ``model``'s own shard, shared (it never changes). Buffers stay whole. Not a
+    collective: each rank keeps its own slice."""
     sharded = dict(model.named_parameters())
     for name, p in list(average.named_parameters()):
         s = sharded[name]
         if s.requires_grad:
-            s = nn.Parameter(distribute_tensor(p.detach(), s.device_mesh, s.placements, src_data_rank=None),
-                             requires_grad=False)
+            copy = s.detach().clone()
+            _fill(copy, name, p.detach())
+            s = nn.Parameter(copy, requires_grad=False)
         owner, _, leaf = name.rpartition(".")
         setattr(average.get_submodule(owner), leaf, s)
+
+
+def shard_device(offload: bool, device: torch.device) -> torch.device:
+    """Where the shards (and so the optimizer state) live: the CPU under ``train.fsdp_offload``."""
+    return torch.device("cpu") if offload else device
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Storage on ``device`` for the shards of ``model`` (sharded by :func:`shard_model` while its
+    parameters were on the meta device), values unset; its buffers (built real) keep their values."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in buffers.items():
+            model.get_buffer(name).copy_(b)
+
+
+@torch.no_grad()
+def fill_shard(model: nn.Module, name: str, whole: torch.Tensor) -> None:
+    """Copy this rank's part of ``whole`` (the parameter ``name``'s full value, on any device) into
+    the sharded ``model``'s parameter: dim-0 chunks as ``fully_shard`` lays them out
+    (``torch.chunk``), so no collective and no other rank's part is read."""
+    _fill(model.get_parameter(name), name, whole)
+
+
+@torch.no_grad()
+def fill_shards(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Each entry of ``module.state_dict()`` (sharded parameters, whole buffers) from the whole
+    tensor of the same name in ``tensors``: this rank's part of each (:func:`fill_shard`)."""
+    for name, target in module.state_dict().items():
+        _fill(target, name, tensors[name])
+
+
+def _fill(p: torch.Tensor, name: str, whole: torch.Tensor) -> None:
+    if not isinstance(p, DTensor):
+        p.copy_(whole)
+        return
+    local = p.to_local()
+    mesh = p.device_mesh
+    chunks = torch.chunk(whole, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    part = chunks[rank] if rank < len(chunks) else whole[:0]
+    if part.shape != local.shape:
+        raise RuntimeError(f"{name}: shard {tuple(local.shape)} is not rows of the whole {tuple(whole.shape)}")
+    local.copy_(part)
+
+
+@torch.no_grad()
+def copy_shards(average: nn.Module, model: nn.Module) -> None:
+    """Lay ``average`` (a copy of ``model`` made on the meta device: an EMA, a post-hoc EMA) out as the
+    sharded ``model`` with the model's values, in place: each parameter that trains becomes a copy of
+    ``model``'s shard; each frozen one is ``model``'s own shard, shared. Buffers move to the model's
+    device. Not a collective."""
+    sharded = dict(model.named_parameters())
+    for name, _ in list(average.named_parameters()):
+        s = sharded[name]
+        if s.requires_grad:
+            s = nn.Parameter(s.detach().clone(), requires_grad=False)
+        owner, _, leaf = name.rpartition(".")
+        setattr(average.get_submodule(owner), leaf, s)
+    device = next(iter(sharded.values())).device
+    average.to(device)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -109,8 +189,13 @@ def is_sharded(model: nn.Module) -> bool:
 
 def meta_template(model: nn.Module) -> nn.Module:
     """A copy of the (not yet sharded) ``model`` on the meta device: its structure without
-    storage, from which :func:`unsharded_copy` builds plain copies."""
-    return copy.deepcopy(model).to("meta")
+    storage, from which :func:`unsharded_copy` builds plain copies. Of a model whose parameters are
+    already on the meta device, a plain copy (no storage copied); else each tensor is moved to the
+    meta device as it is copied (never a second whole copy)."""
+    memo = {id(p): nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            for p in model.parameters() if not p.is_meta}
+    memo.update({id(b): b.to("meta") for b in model.buffers() if not b.is_meta})
+    return copy.deepcopy(model, memo=memo)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

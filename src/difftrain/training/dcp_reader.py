@@ -15,11 +15,12 @@ the file, as do a missing, truncated or malformed file and one that lies about t
 * every chunk is stored in a ``*.distcp`` file of the folder itself (no path, no ``..``), inside
   that file's size, and holds at least the chunk's bytes.
 
-Errors are :class:`~difftrain.training.checkpoint.CheckpointError`, one line naming the file.
-Every path that reads a sharded checkpoint goes through :func:`read_metadata` (via
-``sharded_checkpoint.load_consolidated``, which ``checkpoint.load_checkpoint`` calls for a folder:
-``sample``, ``export``, ``eval``, ``inspect``, ``posthoc-ema``, ``diagnose``, a resume on any world
-size and ``model.init_from``).
+Errors are :class:`~difftrain.training.checkpoint_store.CheckpointError`, one line naming the file.
+Every path that reads a sharded checkpoint goes through :func:`read_metadata`: an FSDP run's resume
+(``sharded_checkpoint.load_shards``: each rank its own part, into its sharded state) and
+``sharded_checkpoint.load_consolidated`` (whole, in one process), which ``checkpoint.load_checkpoint``
+calls for a folder: ``sample``, ``export``, ``eval``, ``inspect``, ``posthoc-ema``, ``diagnose``, a
+resume in one process or under DDP, and ``model.init_from``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as md
 
-from difftrain.training.checkpoint import CheckpointError
+from difftrain.training.checkpoint_store import CheckpointError
 
 METADATA = ".metadata"
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_]+\.distcp$")  # what DCP's FileSystemWriter names its files: __0_0.distcp

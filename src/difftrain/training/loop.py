@@ -30,7 +30,7 @@ from difftrain.training.power_ema import save_snapshots
 from difftrain.training.progress import Progress, memory_stats
 from difftrain.training.records import record_start
 from difftrain.training.signals import StopRequest, leave_process_group, signal_name
-from difftrain.training.state import RunState, effective_batch, peak_lr, resume_source
+from difftrain.training.state import RunState, effective_batch, load_resume, peak_lr, resume_source
 from difftrain.training.step import CapturedStep, StepMetrics, train_step
 from difftrain.training.trackers import Trackers, build_trackers
 from difftrain.training.validation import ValidationScores, save_grids, validation_grids, validation_plan
@@ -74,7 +74,7 @@ def train(
     conditioning = Conditioning.from_config(cfg, data.num_classes, device, text_cache=True)  # text.cache: encoders load only to fill it
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
     source, resumed_from = resume_source(run_dir, resume), None
-    saved = ckpt.load_checkpoint(source) if source is not None else None
+    saved = load_resume(source, cfg, dctx)  # an FSDP run's sharded checkpoint: its run state; the shards later
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
         conditioning.check_references(saved["frozen"], f"checkpoint {saved['path']}")
     data = with_latents(data, conditioning, cfg, dctx)
@@ -84,7 +84,7 @@ def train(
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)
     state = RunState.build(cfg, data.num_classes, device, init_weights=source is None, conditioning=conditioning,
-                           network=saved["network"] if saved else None)
+                           network=saved["network"] if saved else None, dctx=dctx)  # FSDP: sharded, never whole
     if saved is not None:
         resumed_from = Path(saved["path"])
         for line in state.check_resumable(saved, dctx.world_size):

@@ -161,17 +161,21 @@ class PowerEMA:
     def state_dict(self) -> dict:
         return {"stds": list(self.stds), "gammas": list(self.gammas), "models": [m.state_dict() for m in self.models]}
 
+    def check_resumable(self, saved_stds: list[float], path: str | Path = "checkpoint") -> None:
+        """Raise ValueError when a tracked std is not among a checkpoint's ``saved_stds``."""
+        missing = [s for s in self.stds if s not in saved_stds]
+        if missing:
+            raise ValueError(
+                f"checkpoint {path} tracks no post-hoc EMA of sigma_rel {missing} (it tracks {saved_stds or 'none'}): "
+                "a power-function EMA averages from step 0, so ema.posthoc_std can only drop values on resume; "
+                "start a new run to track new ones"
+            )
+
     def load_state_dict(self, state: dict, path: str | Path = "checkpoint") -> None:
         """Load the averages of this object's stds from ``state`` (a checkpoint's ``posthoc_ema``).
         A tracked std the checkpoint lacks cannot start mid-run: its profile must begin at step 0."""
         saved = dict(zip((float(s) for s in state["stds"]), state["models"]))
-        missing = [s for s in self.stds if s not in saved]
-        if missing:
-            raise ValueError(
-                f"checkpoint {path} tracks no post-hoc EMA of sigma_rel {missing} (it tracks {list(saved) or 'none'}): "
-                "a power-function EMA averages from step 0, so ema.posthoc_std can only drop values on resume; "
-                "start a new run to track new ones"
-            )
+        self.check_resumable(list(saved), path)
         for s, avg in zip(self.stds, self.models):
             load_weights(avg, saved[s], path, f"posthoc_ema[{s}]")
 
@@ -197,12 +201,17 @@ def save_snapshots(power_ema: PowerEMA, run_dir: Path, step: int, config: dict, 
                    dctx: DistContext) -> list[Path]:
     """Write each tracked average at ``step`` as its own file (atomic). Every rank calls this; rank 0
     writes, and every rank gets its outcome (the paths, or its error). Under FSDP each average is
-    gathered whole first (a collective), one at a time, so the files are those of a DDP run. The
+    gathered whole first (a collective), one tensor at a time, onto rank 0 alone (the other ranks
+    drop each after the gather), so the files are those of a DDP run. The
     file says what it is: std, gamma, step, and the config and classes to build the network from."""
     folder = Path(run_dir) / SNAPSHOT_DIR
     written = []
     for std, gamma, avg in zip(power_ema.stds, power_ema.gammas, power_ema.models):
-        whole = {k: full_tensor(v) for k, v in avg.state_dict().items()}  # themselves, unless sharded
+        whole = {}  # themselves, unless sharded: then gathered one tensor at a time, kept by rank 0 alone
+        for k, v in avg.state_dict().items():
+            t = full_tensor(v)  # a collective under FSDP: every rank calls it
+            if dctx.is_main:
+                whole[k] = t
         record = {"format": SNAPSHOT_FORMAT, "std": std, "gamma": gamma, "step": step,
                   "num_classes": num_classes, "config": config, "model": whole}
         path = folder / snapshot_name(std, step)

@@ -18,45 +18,54 @@ fsyncs the folder, renames it to its final name, fsyncs ``checkpoints/``, and on
 ``latest``. A kill at any moment leaves the previous checkpoint and pointer as they were; the
 next save removes the unfinished folder.
 
-:func:`load_consolidated` reads a whole checkpoint as whole tensors, in the keys of a single-file
-checkpoint plus ``layout = "sharded"`` (the optimizer's state is keyed by parameter name):
-training resumes from it on any world size (``RunState.load_state_dict``, then
-``RunState.parallelize`` shards it), and ``export``, ``sample`` and ``evaluate`` read it through
-``load_checkpoint`` like a file.
+Reading back, through torch's public ``torch.distributed.checkpoint.load`` and
+``training/dcp_reader.py``'s ``SafeReader`` (never a plain unpickling of ``.metadata``):
+
+* :func:`load_shards`: an FSDP run on any world size fills its own sharded state dicts (weights,
+  EMA, post-hoc EMAs, optimizer state) in place, every rank reading only its part of each tensor
+  (``RunState.load_shards``); :func:`read_run_state` is the rest, read first to check the resume.
+* :func:`load_consolidated`: one process (no process group needed) reads the whole checkpoint as
+  whole tensors, in the keys of a single-file checkpoint plus ``layout = "sharded"`` (the optimizer's
+  state keyed by parameter name): ``export``, ``sample``, ``evaluate``, a resume in one process or
+  under DDP read it through ``load_checkpoint`` like a file.
+
+This module builds on ``training/checkpoint_store.py`` (what both checkpoint forms share) and
+never imports ``training/checkpoint.py``.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.files import atomic_write, fsync_dir
-from difftrain.training import checkpoint as ckpt
+from difftrain.training import checkpoint_store as store
+from difftrain.training.checkpoint_store import RUN_STATE, CheckpointError, is_sharded_checkpoint, sharded_name  # noqa: F401
 from difftrain.training.dcp_reader import SafeReader
 
-SUFFIX = ".dcp"
-RUN_STATE = "run_state.pt"
+SUFFIX = store.SHARDED_SUFFIX
+_TENSOR_KEYS = ("model", "optimizer", "ema", "posthoc_ema")  # what the DCP part holds
 
 
-def sharded_name(step: int) -> str:
-    return f"step_{step:08d}{SUFFIX}"
-
-
-def is_sharded_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a finished sharded checkpoint folder."""
-    return path.name.endswith(SUFFIX) and (path / RUN_STATE).is_file()
+def shard_tensors(model, ema_model, posthoc_models, optimizer) -> dict:
+    """The DCP part of a checkpoint, keyed as it is written and read: the live (sharded) tensors of
+    the model, the EMA, each post-hoc EMA (keyed by its index, a string) and the optimizer's state
+    keyed by parameter name (``get_optimizer_state_dict``; a fresh optimizer's is initialised)."""
+    return {"model": model.state_dict(), "ema": ema_model.state_dict(),
+            "optimizer": get_optimizer_state_dict(model, optimizer)["state"],
+            "posthoc_ema": {str(k): m.state_dict() for k, m in enumerate(posthoc_models)}}
 
 
 def save_or_report(state, snapshot: dict, ckpt_dir: Path, step: int, keep_last: int, keep_every_steps: int,
@@ -74,30 +83,39 @@ def save_or_report(state, snapshot: dict, ckpt_dir: Path, step: int, keep_last: 
         distributed.run_on_main(partial(_fresh_folder, tmp), dctx)
         _save_shards(tensors, tmp)
     except OSError as e:
-        return ckpt.report_write_error(e, ckpt_dir, step, on_write_error, quiet=not dctx.is_main)
-    rest = {k: v for k, v in snapshot.items() if k not in ("model", "optimizer", "ema", "posthoc_ema")}
+        return store.report_write_error(e, ckpt_dir, step, on_write_error, quiet=not dctx.is_main)
+    rest = {k: v for k, v in snapshot.items() if k not in _TENSOR_KEYS}
     rest["ema"] = {k: v for k, v in snapshot["ema"].items() if k != "model"}
     rest["posthoc_ema"] = {k: v for k, v in snapshot["posthoc_ema"].items() if k != "models"}
     rest["optimizer_param_groups"] = optimizer["param_groups"]
     rest["world_size"] = dctx.world_size  # for the record: any world size reads it
     return distributed.run_on_main(
-        lambda: ckpt.save_or_report(rest, ckpt_dir, step, keep_last, keep_every_steps, on_write_error, best,
-                                    write=partial(_finish, tmp=tmp)),
+        lambda: store.save_or_report(rest, ckpt_dir, step, keep_last, keep_every_steps, on_write_error, best,
+                                     write=partial(_finish, tmp=tmp)),
         dctx,
     )
 
 
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _check_finite(tensors: dict, dctx: DistContext) -> None:
-    """Raise :class:`checkpoint.NonFiniteWeights` on every rank when a shard of any rank holds NaN
-    or infinity (each rank checks its own shards)."""
-    local = {k: {n: t.to_local() if isinstance(t, DTensor) else t for n, t in tensors[k].items()} for k in ("model", "ema")}
-    try:
-        ckpt.check_finite({"model": local["model"], "ema": {"model": local["ema"]}})
-        bad = None
-    except ckpt.NonFiniteWeights as e:
-        bad = str(e)
+    """Raise :class:`checkpoint_store.NonFiniteWeights` on every rank when a shard of any rank holds
+    NaN or infinity (each rank checks its own shards)."""
+    bad = _first_non_finite(tensors)
     if distributed.max_over_ranks(int(bad is not None), dctx):
-        raise ckpt.NonFiniteWeights(f"refusing to write a checkpoint: {bad or 'a weight shard of another rank is not finite'}")
+        raise store.NonFiniteWeights(f"refusing to write a checkpoint: {bad or 'a weight shard of another rank is not finite'}")
+
+
+def _first_non_finite(tensors: dict) -> str | None:
+    """'model weight NAME is not finite' for this rank's first non-finite model or EMA shard; None if none."""
+    local = {k: {n: _local(t) for n, t in tensors[k].items()} for k in ("model", "ema")}
+    try:
+        store.check_finite({"model": local["model"], "ema": {"model": local["ema"]}})
+    except store.NonFiniteWeights as e:
+        return str(e)
+    return None
 
 
 def _fresh_folder(tmp: Path) -> None:
@@ -115,7 +133,7 @@ def _save_shards(tensors: dict, folder: Path) -> None:
     except CheckpointException as e:
         for failure in e.failures.values():
             error = failure[0] if isinstance(failure, tuple) else failure
-            os_error = ckpt._os_error_in(error)
+            os_error = store.os_error_in(error)
             if os_error is not None:
                 raise os_error from None
         raise RuntimeError(f"cannot write the sharded checkpoint {folder}: {e}") from None
@@ -124,9 +142,9 @@ def _save_shards(tensors: dict, folder: Path) -> None:
 def _finish(rest: dict, ckpt_dir: Path, step: int, tmp: Path) -> Path:
     """Rank 0: add ``run_state.pt`` to the folder of shards and rename it to its final name, durably."""
     with atomic_write(tmp / RUN_STATE) as f:
-        torch.save({"format": ckpt.FORMAT, "layout": "sharded", **rest}, f)
+        torch.save({"format": store.FORMAT, "layout": "sharded", **rest}, f)
     fsync_dir(tmp)
-    ckpt._pause_for_fault_injection()
+    store.pause_for_fault_injection()
     path = ckpt_dir / sharded_name(step)
     aside = ckpt_dir / f".{path.name}.old.tmp"
     if path.exists():  # a checkpoint of this same step, from a run resumed from an older one
@@ -138,25 +156,54 @@ def _finish(rest: dict, ckpt_dir: Path, step: int, tmp: Path) -> Path:
     return path
 
 
-def load_consolidated(path: Path) -> dict:
-    """A sharded checkpoint read whole in this process (no process group needed), in the keys of
-    a single-file checkpoint: whole CPU tensors, ``optimizer`` keyed by parameter name, and
-    ``layout = "sharded"``. Not yet checked against ``checkpoint.SCHEMA`` (the caller does)."""
+def read_run_state(path: Path) -> dict:
+    """The run state of the sharded checkpoint ``path`` (``run_state.pt``, ``weights_only``): every key
+    of a single-file checkpoint but the tensors, which stay in the shards."""
     try:
         rest = torch.load(path / RUN_STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named, in one line
-        raise ckpt.CheckpointError(f"cannot load checkpoint {path / RUN_STATE}: {ckpt.load_error(e)}") from None
-    if not isinstance(rest, dict) or not isinstance(rest.get("posthoc_ema"), dict):
-        raise ckpt.CheckpointError(f"{path / RUN_STATE} is not a difftrain sharded checkpoint's run state")
-    tensors: dict = {}  # filled with the checkpoint's own keys, as torch's format_utils.dcp_to_torch_save does
-    reader = SafeReader(path)  # refuses a crafted or damaged .metadata before DCP reads anything
+        raise CheckpointError(f"cannot load checkpoint {path / RUN_STATE}: {store.load_error(e)}") from None
+    if not isinstance(rest, dict) or not isinstance(rest.get("posthoc_ema"), dict) or not isinstance(rest.get("ema"), dict):
+        raise CheckpointError(f"{path / RUN_STATE} is not a difftrain sharded checkpoint's run state")
+    return rest
+
+
+def load_shards(path: Path, tensors: dict, dctx: DistContext) -> None:
+    """Every rank: fill ``tensors`` (:func:`shard_tensors` of the run's sharded state) in place from
+    the shards of ``path``, written on any world size; each rank reads only its part of each tensor
+    (``torch.distributed.checkpoint.load`` through ``SafeReader``). A missing, unexpected or wrongly
+    shaped tensor, an unreadable shard or a non-finite weight is one :class:`CheckpointError`."""
     try:
-        _load_state_dict(tensors, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        dcp.load(tensors, storage_reader=SafeReader(path))
+    except CheckpointException as e:  # a BaseException: a shard file DCP could not read, a key it lacks
+        raise CheckpointError(f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"sharded checkpoint {path} does not fit this run: {store.load_error(e)}") from None
+    bad = _first_non_finite(tensors)
+    if distributed.max_over_ranks(int(bad is not None), dctx):
+        raise CheckpointError(f"checkpoint {path}: {bad or 'a weight shard of another rank is not finite'}")
+
+
+def load_consolidated(path: Path) -> dict:
+    """A sharded checkpoint read whole in this process (no process group needed), in the keys of
+    a single-file checkpoint: whole CPU tensors, ``optimizer`` keyed by parameter name, and
+    ``layout = "sharded"``. Not yet checked against ``checkpoint.SCHEMA`` (the caller does).
+
+    Through the public ``torch.distributed.checkpoint.load`` (``no_dist``): the state dict it fills
+    is made from the checked metadata (each tensor's size and dtype); entries that are not tensors
+    (DCP would unpickle them) are never read."""
+    rest = read_run_state(path)
+    reader = SafeReader(path)  # refuses a crafted or damaged .metadata before DCP reads anything
+    tensors = _empty_state_dict(reader.read_metadata())
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
     except CheckpointException as e:  # a BaseException: a shard file DCP could not read
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
     if not isinstance(tensors.get("model"), dict):
-        raise ckpt.CheckpointError(f"sharded checkpoint {path} holds no model weights")
+        raise CheckpointError(f"sharded checkpoint {path} holds no model weights")
     state = {k: v for k, v in rest.items() if k != "optimizer_param_groups"}
     state["model"] = tensors["model"]
     state["ema"] = {**rest.get("ema", {}), "model": tensors.get("ema")}
@@ -164,6 +211,22 @@ def load_consolidated(path: Path) -> dict:
     posthoc, averages = rest["posthoc_ema"], tensors.get("posthoc_ema", {})  # averages keyed by index, a string
     state["posthoc_ema"] = {**posthoc, "models": [averages.get(str(k)) for k in range(len(posthoc.get("stds", [])))]}
     return state
+
+
+def _empty_state_dict(metadata: md.Metadata) -> dict:
+    """The nested state dict a checkpoint's metadata describes, its tensors empty (on the CPU):
+    DCP's flattened keys unflattened through its ``planner_data`` (the key path of each)."""
+    out: dict = {}
+    paths = metadata.planner_data or {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, md.TensorStorageMetadata):
+            continue  # bytes: DCP would unpickle them; difftrain writes none
+        path = tuple(str(p) for p in paths.get(fqn, (fqn,)))
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = torch.empty(item.size, dtype=item.properties.dtype)
+    return out
 
 
 def _first_failure(e: CheckpointException) -> str:

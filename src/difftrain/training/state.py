@@ -4,6 +4,12 @@ checkpoint it becomes (the keys of ``checkpoint.SCHEMA``).
     state = RunState.build(cfg, num_classes, device)      # fresh weights from the run's seed
     state.load_state_dict(load_checkpoint(path))           # or where a checkpoint left off
     state.state_dict()                                     # what save_checkpoint writes
+
+Under FSDP (``train.parallel = "fsdp"`` on several ranks) ``build(..., dctx=dctx)`` never holds a
+whole copy: the network is built on the meta device and sharded before its weights exist, then
+filled shard by shard (``runtime/fsdp.py``), and ``load_resume`` + ``load_state_dict`` read a
+sharded checkpoint's run state first and its shards into the sharded state
+(``sharded_checkpoint.load_shards``).
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from torch import nn
 from difftrain.conditioning import Conditioning
 from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
 from difftrain.models import build_model  # noqa: F401 - also imported from here
-from difftrain.runtime import distributed, fsdp
+from difftrain.runtime import distributed, fsdp, meta_init
 from difftrain.runtime.device import prepare_model
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
-from difftrain.training.checkpoint import load_weights
+from difftrain.training import sharded_checkpoint as sharded
+from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.training.ema import EMA
 from difftrain.training.optimizers import build_optimizer, reading_weights, to_training
 from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
@@ -64,18 +71,24 @@ class RunState:
     skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient, as of the last log
     net: nn.Module | None = None
     template: nn.Module | None = None  # under FSDP: the model's structure on the meta device (runtime/fsdp.py)
+    dctx: DistContext | None = None  # the ranks a sharded state spans (build with dctx)
 
     @classmethod
     def build(cls, cfg: Config, num_classes: int, device: torch.device, init_weights: bool = True,
-              conditioning: Conditioning | None = None, network: dict | None = None) -> RunState:
+              conditioning: Conditioning | None = None, network: dict | None = None,
+              dctx: DistContext | None = None) -> RunState:
         """Fresh weights from the run's seed (the same on every rank), on ``device``; with
         ``model.init_from`` and ``init_weights``, the weights it names instead (a resume, which
         loads its checkpoint over them, passes False and the checkpoint's ``network``).
 
         conditioning: the run's labels or text and frozen parts (default: ``num_classes`` labels).
+        dctx: under FSDP (:func:`builds_sharded`), the state is built sharded across its ranks
+        without a whole copy anywhere (:meth:`_build_sharded`); ``parallelize`` then leaves it as it is.
         """
         tc = cfg.train
         conditioning = conditioning or Conditioning(num_classes, channels=cfg.data.channels, resolution=cfg.data.resolution)
+        if dctx is not None and builds_sharded(cfg, dctx, network):
+            return cls._build_sharded(cfg, num_classes, conditioning, network, init_weights, dctx)
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = build_network(cfg, conditioning, network, init_weights)
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
@@ -86,6 +99,38 @@ class RunState:
         state.net = model
         return state
 
+    @classmethod
+    def _build_sharded(cls, cfg: Config, num_classes: int, conditioning: Conditioning, network: dict | None,
+                       init_weights: bool, dctx: DistContext) -> RunState:
+        """The FSDP state of ``build`` with no whole copy: the network built on the meta device with
+        its initialisation recorded (``runtime/meta_init.py``), its template, EMA and post-hoc EMAs
+        copied there (no storage), the network sharded and given storage for its shards, then each
+        parameter made whole once, alone, on the CPU (the recorded initialisation replayed with the
+        run's seed: the values of an ordinary build, bit for bit; a ``model.init_from``'s weights
+        are what it copies in) and its shard kept; the averages start as copies of the shards. A
+        resume (``init_weights`` False) leaves the values to ``load_state_dict``."""
+        tc, device = cfg.train, dctx.device
+        torch.manual_seed(derive_seed(tc.seed, "init"))
+        with meta_init.recorded_build() as recording:
+            model = build_network(cfg, conditioning, network, init_weights)
+        recording.bind(model)
+        prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
+        template = fsdp.meta_template(model)
+        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
+        posthoc = PowerEMA(model, cfg.ema.posthoc_std)
+        fsdp.shard_model(model, dctx, tc.precision, tc.fsdp_offload)
+        fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
+        if init_weights:
+            meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole))
+        for average in (ema.model, *posthoc.models):  # each rank averages its own shard
+            fsdp.copy_shards(average, model)
+        ema.rebind()
+        optimizer = build_optimizer(cfg, model, fsdp.shard_device(tc.fsdp_offload, device))  # train.fsdp_offload: on the CPU
+        state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes, conditioning,
+                    template=template, dctx=dctx)
+        state.net = model
+        return state
+
     def parallelize(self, dctx: DistContext) -> nn.Module:
         """The network that runs forward and backward under torchrun, set up once before the loop:
         ``model`` in DDP (``train.parallel = "ddp"``), or, with ``"fsdp"``, ``model`` sharded in place
@@ -93,6 +138,8 @@ class RunState:
         the contiguous layout, train.channels_last does not apply), and the optimizer built anew over
         the shards (a LoRA run's: the adapter's), with the state it had (a
         resumed run's) carried over. In one process: ``model`` itself."""
+        if self.template is not None:  # built sharded (build with dctx)
+            return self.model
         if self.cfg.train.parallel != "fsdp" or not dctx.enabled:
             return distributed.wrap(self.model, dctx)
         from torch.distributed.checkpoint.state_dict import (
@@ -103,11 +150,11 @@ class RunState:
         carried = get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else None
         self.template = fsdp.meta_template(self.model)
         self.model.to(memory_format=torch.contiguous_format)  # FSDP shards contiguous weights only: no channels_last
-        fsdp.shard_model(self.model, dctx, self.cfg.train.precision)
+        fsdp.shard_model(self.model, dctx, self.cfg.train.precision, self.cfg.train.fsdp_offload)
         for average in (self.ema.model, *self.posthoc.models):  # each rank averages its own shard
             fsdp.shard_like(average.to(memory_format=torch.contiguous_format), self.model)
         self.ema.rebind()
-        self.optimizer = build_optimizer(self.cfg, self.model, dctx.device)
+        self.optimizer = build_optimizer(self.cfg, self.model, fsdp.shard_device(self.cfg.train.fsdp_offload, dctx.device))
         if carried is not None:
             set_optimizer_state_dict(self.model, self.optimizer, carried, options=StateDictOptions(full_state_dict=True))
         return self.model
@@ -147,8 +194,46 @@ class RunState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a checkpoint read by ``load_checkpoint`` (checked against the schema)."""
+        """Continue from a checkpoint read by ``load_checkpoint`` (checked against the schema), or by
+        :func:`load_resume` for a sharded state: its run state, the shards then read into this
+        state's own (every rank calls it)."""
+        if "shards" in state:
+            self._load_shards(state)
+        else:
+            self._load_tensors(state)
+        self.precision.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.position = state["data_position"]
+        self.skipped_steps = state["skipped_steps"]
+
+    def _load_shards(self, state: dict) -> None:
+        """Every rank reads its part of the sharded checkpoint ``state["shards"]`` into the model, the
+        averages and the optimizer (``sharded_checkpoint.load_shards``); a post-hoc EMA the
+        checkpoint lacks is refused as :meth:`PowerEMA.load_state_dict` refuses it."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        path = state["path"]
+        saved_stds = [float(s) for s in state["posthoc_ema"]["stds"]]
+        self.posthoc.check_resumable(saved_stds, path)
+        tensors = sharded.shard_tensors(self.model, self.ema.model, [], self.optimizer)
+        tensors["posthoc_ema"] = {str(saved_stds.index(s)): m.state_dict() for s, m in zip(self.posthoc.stds, self.posthoc.models)}
+        sharded.load_shards(Path(path), tensors, self.dctx)
+        self.ema.num_updates = int(state["ema"]["num_updates"])
+        try:
+            set_optimizer_state_dict(self.model, self.optimizer, {"state": tensors["optimizer"],
+                                                                  "param_groups": state["optimizer_param_groups"]})
+            to_training(self.optimizer)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
+
+    def _load_tensors(self, state: dict) -> None:
+        """The weights, averages and optimizer state of a checkpoint read whole (into a sharded
+        state: :meth:`_load_whole_into_shards`)."""
         path = state.get("path", "checkpoint")
+        if self.template is not None:
+            self._load_whole_into_shards(state)
+            return
         load_weights(self.model, state["model"], path, "model")
         load_weights(self.ema.model, state["ema"]["model"], path, "ema.model")
         self.ema.load_state_dict(state["ema"])
@@ -163,11 +248,31 @@ class RunState:
             to_training(self.optimizer)  # schedule-free: saved as x in eval mode, trains as y
         except (ValueError, KeyError, RuntimeError) as e:
             raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
-        self.precision.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
-        self.position = state["data_position"]
-        self.skipped_steps = state["skipped_steps"]
+
+    def _load_whole_into_shards(self, state: dict) -> None:
+        """A checkpoint file (a run in one process, or under DDP) into a state built sharded: each
+        rank keeps its part of each whole tensor; the optimizer's state, keyed by index in a file,
+        keyed by parameter name and sharded by ``set_optimizer_state_dict``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        path = state.get("path", "checkpoint")
+        load_weights(self.model, state["model"], path, "model", fill=fsdp.fill_shards)
+        load_weights(self.ema.model, state["ema"]["model"], path, "ema.model", fill=fsdp.fill_shards)
+        self.ema.num_updates = int(state["ema"]["num_updates"])
+        saved = dict(zip((float(s) for s in state["posthoc_ema"]["stds"]), state["posthoc_ema"]["models"]))
+        self.posthoc.check_resumable(list(saved), path)
+        for s, average in zip(self.posthoc.stds, self.posthoc.models):
+            load_weights(average, saved[s], path, f"posthoc_ema[{s}]", fill=fsdp.fill_shards)
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # build_optimizer's order
+        try:
+            saved_optimizer = state["optimizer"]
+            by_name = {"state": {names[i]: v for i, v in saved_optimizer["state"].items()},
+                       "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                        for g in saved_optimizer["param_groups"]]}
+            set_optimizer_state_dict(self.model, self.optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+            to_training(self.optimizer)
+        except (ValueError, KeyError, RuntimeError, IndexError, TypeError) as e:
+            raise ValueError(f"checkpoint {path}: key 'optimizer' does not fit this model: {e}") from None
 
     def check_resumable(self, state: dict, world_size: int) -> list[str]:
         """Raise ValueError if ``state`` cannot continue this run (a changed model or data, a
@@ -200,6 +305,34 @@ class RunState:
                 for k, (old, now) in allowed_changes(state["config"], new).items()]
 
 
+def builds_sharded(cfg: Config, dctx: DistContext, network: dict | None = None) -> bool:
+    """Whether ``RunState.build`` builds this run's state sharded, with no whole copy: FSDP on several
+    ranks, difftrain's UNet (from scratch, from ``model.init_from`` or resumed: ``network`` is a
+    checkpoint's record). A base family's denoiser and a LoRA network are still built whole on
+    each rank, then sharded (``RunState.parallelize``), as is every network where accelerate (whose
+    ``init_empty_weights`` builds on the meta device) is not installed."""
+    if cfg.train.parallel != "fsdp" or not dctx.enabled or not meta_init.available():
+        return False
+    from difftrain.families import family_of_config
+
+    if network is not None:
+        return network.get("kind") == "unet"
+    return not cfg.lora.rank and family_of_config(cfg) is None
+
+
+def load_resume(source: Path | None, cfg: Config, dctx: DistContext) -> dict | None:
+    """The checkpoint ``source`` to resume from, as ``RunState.load_state_dict`` takes it: read whole
+    (``load_checkpoint``), or, when it is a sharded checkpoint and the state is built sharded
+    (:func:`builds_sharded`), its run state alone (``"shards"``: the folder each rank reads its part
+    of). None without a source."""
+    if source is None:
+        return None
+    state = load_checkpoint(source, tensors=False)
+    if "shards" in state and not builds_sharded(cfg, dctx, state["network"]):
+        state = load_checkpoint(source)
+    return state
+
+
 def build_network(cfg: Config, conditioning: Conditioning, network: dict | None = None,
                   init_weights: bool = True) -> nn.Module:
     """The network of a run, on the CPU: difftrain's UNet at the conditioning's shape (latent
@@ -208,6 +341,10 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     checkpoint's ``network`` record says so: rebuilt from its config, without the folder).
 
     With ``model.init_from`` and ``init_weights``, the weights it names are loaded.
+
+    ``model.gradient_checkpointing`` acts on every network: difftrain's UNet's ResBlocks (and
+    cross-attention blocks), a family denoiser's blocks through diffusers'
+    ``enable_gradient_checkpointing`` (UNet down/mid/up blocks, SD3/Flux transformer blocks).
 
     With ``lora.rank`` (or a checkpoint's LoRA record), the network is that base, always loaded
     from ``model.init_from`` (checkpoints hold the adapter alone), frozen, with LoRA layers
@@ -235,15 +372,19 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
             init_adapter_from(net, cfg.model.init_lora_from)
         return net
     family = family_of_record(network) if network is not None else family_of_config(cfg)
-    if family is not None and network is not None:
-        return family.denoiser_from_record(network)
+    if family is not None and not init_from and network is None:
+        raise ValueError(f"model.family={family.name} needs model.init_from: the base folder to fine-tune")
     if family is not None:
-        if not init_from:
-            raise ValueError(f"model.family={family.name} needs model.init_from: the base folder to fine-tune")
-        try:
-            return family.load_denoiser(init_from)
-        except ValueError as e:
-            raise ValueError(f"model.init_from: {e}") from None
+        if network is not None:
+            denoiser = family.denoiser_from_record(network)
+        else:
+            try:
+                denoiser = family.load_denoiser(init_from)
+            except ValueError as e:
+                raise ValueError(f"model.init_from: {e}") from None
+        # diffusers' activation checkpointing of its blocks (difftrain's UNet: build_model sets its own)
+        denoiser.set_gradient_checkpointing(cfg.model.gradient_checkpointing)
+        return denoiser
     channels, resolution = conditioning.network_shape()
     model = build_model(cfg, conditioning.num_classes, context_dim=conditioning.context_dim,
                         in_channels=channels, resolution=resolution)
