@@ -10,7 +10,6 @@ wider and deeper). ``bench/family_peer_speed.py --size proportioned`` trains on 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests import family_bases as fb  # noqa: E402
-from tests.text_components import TEXT_LENGTH, tiny_vae, write_tiny_tokenizer  # noqa: E402
+from tests.text_components import TEXT_LENGTH, tiny_vae  # noqa: E402
 
 # The real families' text-encoder / denoiser parameter ratios these folders aim at.
 TARGET_RATIO = {"sdxl": 0.3, "sd3": 2.8, "flux": 0.4}
@@ -33,7 +32,7 @@ def _clip(vocab, width: int, layers: int, seed: int, projection: bool):
                             num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=TEXT_LENGTH,
                             projection_dim=width, bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],
                             pad_token_id=vocab[EOS])
-    return fb._seeded(seed, lambda: (CLIPTextModelWithProjection if projection else CLIPTextModel)(config))
+    return fb.seeded(seed, lambda: (CLIPTextModelWithProjection if projection else CLIPTextModel)(config))
 
 
 def _t5(vocab_size: int, width: int, layers: int, seed: int):
@@ -42,21 +41,7 @@ def _t5(vocab_size: int, width: int, layers: int, seed: int):
     config = T5Config(vocab_size=vocab_size, d_model=width, d_kv=width // 4, d_ff=4 * width, num_layers=layers,
                       num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
                       pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    return fb._seeded(seed, lambda: T5EncoderModel(config))
-
-
-def _tokenizer(folder: Path):
-    from transformers import CLIPTokenizer
-
-    write_tiny_tokenizer(folder)
-    return CLIPTokenizer.from_pretrained(str(folder)), json.loads((folder / "vocab.json").read_text())
-
-
-def _restore(path: Path, *names: str) -> None:
-    for name in names:
-        for f in (path / name).iterdir():
-            f.unlink()
-        write_tiny_tokenizer(path / name)
+    return fb.seeded(seed, lambda: T5EncoderModel(config))
 
 
 def write_sdxl(path: Path, seed: int = 0) -> Path:
@@ -64,9 +49,9 @@ def write_sdxl(path: Path, seed: int = 0) -> Path:
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab = _tokenizer(path / "tokenizer")
+    tokenizer, vocab = fb.clip_tokenizer(path / "tokenizer")
     w1, w2, time_dim = 64, 128, 16
-    unet = fb._seeded(seed, lambda: UNet2DConditionModel(
+    unet = fb.seeded(seed, lambda: UNet2DConditionModel(
         sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(64, 128),
         norm_num_groups=16, attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=w1 + w2,
@@ -80,7 +65,7 @@ def write_sdxl(path: Path, seed: int = 0) -> Path:
         text_encoder_2=_clip(vocab, w2, 5, seed + 2, projection=True), tokenizer=tokenizer, tokenizer_2=tokenizer,
         unet=unet, scheduler=scheduler)
     pipe.save_pretrained(path)
-    _restore(path, "tokenizer", "tokenizer_2")
+    fb.restore_clip_tokenizers(path, "tokenizer", "tokenizer_2")
     return path
 
 
@@ -90,10 +75,10 @@ def write_sd3(path: Path, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab = _tokenizer(path / "tokenizer")
+    tokenizer, vocab = fb.clip_tokenizer(path / "tokenizer")
     t5_tokenizer = fb.tiny_t5_tokenizer()
     l_width, g_width, t5_width = 32, 64, 192
-    transformer = fb._seeded(seed, lambda: SD3Transformer2DModel(
+    transformer = fb.seeded(seed, lambda: SD3Transformer2DModel(
         sample_size=16, patch_size=2, in_channels=fb.LATENT_CHANNELS, num_layers=4, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=t5_width, caption_projection_dim=64,
         pooled_projection_dim=l_width + g_width, out_channels=fb.LATENT_CHANNELS, pos_embed_max_size=32))
@@ -104,7 +89,7 @@ def write_sd3(path: Path, seed: int = 0) -> Path:
         text_encoder_2=_clip(vocab, g_width, 2, seed + 2, projection=True), tokenizer_2=tokenizer,
         text_encoder_3=_t5(len(t5_tokenizer), t5_width, 4, seed + 3), tokenizer_3=t5_tokenizer)
     pipe.save_pretrained(path)
-    _restore(path, "tokenizer", "tokenizer_2")
+    fb.restore_clip_tokenizers(path, "tokenizer", "tokenizer_2")
     return path
 
 
@@ -113,10 +98,10 @@ def write_flux(path: Path, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab = _tokenizer(path / "tokenizer")
+    tokenizer, vocab = fb.clip_tokenizer(path / "tokenizer")
     t5_tokenizer = fb.tiny_t5_tokenizer()
     clip_width, t5_width = 32, 96
-    transformer = fb._seeded(seed, lambda: FluxTransformer2DModel(
+    transformer = fb.seeded(seed, lambda: FluxTransformer2DModel(
         patch_size=1, in_channels=4 * fb.LATENT_CHANNELS, num_layers=2, num_single_layers=4, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
         guidance_embeds=True, axes_dims_rope=(4, 6, 6)))
@@ -126,7 +111,7 @@ def write_flux(path: Path, seed: int = 0) -> Path:
         text_encoder=_clip(vocab, clip_width, 2, seed + 1, projection=False), tokenizer=tokenizer,
         text_encoder_2=_t5(len(t5_tokenizer), t5_width, 2, seed + 3), tokenizer_2=t5_tokenizer)
     pipe.save_pretrained(path)
-    _restore(path, "tokenizer")
+    fb.restore_clip_tokenizers(path, "tokenizer")
     return path
 
 

@@ -36,6 +36,7 @@ PEERS = ROOT.parent / "shared" / "peers"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from family_bases_sized import parameter_counts, write_base  # noqa: E402
+from peer_lora_speed import difftrain_times, peer_times, rate  # noqa: E402  (the same log readers)
 
 SCRIPTS = {"sdxl": "train_text_to_image_lora_sdxl.py", "sd3": "train_dreambooth_lora_sd3.py",
            "flux": "train_dreambooth_lora_flux.py"}
@@ -81,25 +82,6 @@ def our_command(family: str, base: Path, data: Path, run_dir: Path, args) -> lis
               f"model.max_sequence_length={T5_TOKENS if family != 'sdxl' else 0}"]:
         cmd += ["--set", o]
     return cmd
-
-
-def rate(times: dict[int, float], skip: int) -> tuple[float, int, int]:
-    """(steps / s, first, last step) between the first logged step >= ``skip`` and the last."""
-    first, last = min(s for s in times if s >= skip), max(times)
-    return (last - first) / (times[last] - times[first]), first, last
-
-
-def peer_times(log: str) -> dict[int, float]:
-    """Step -> elapsed seconds from the peer's ``Steps:`` progress bar (tqdm, whole seconds)."""
-    times: dict[int, float] = {}
-    for n, mm, ss in re.findall(r"Steps:[^|]*\|[^|]*\| *(\d+)/\d+ \[(\d+):(\d+)<", log):
-        times.setdefault(int(n), 60 * int(mm) + int(ss))
-    return times
-
-
-def difftrain_times(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["time"] for r in rows if "time" in r}
 
 
 def peak_mib(log: str) -> float:

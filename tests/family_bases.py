@@ -82,7 +82,7 @@ FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=
                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
 
 
-def _seeded(seed: int, build):
+def seeded(seed: int, build):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
@@ -106,7 +106,7 @@ def tiny_t5_encoder(vocab_size: int, width: int = T5_WIDTH, seed: int = 0):
     config = T5Config(vocab_size=vocab_size, d_model=width, d_kv=width // 2, d_ff=2 * width, num_layers=2,
                       num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=32,
                       pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    return _seeded(seed, lambda: T5EncoderModel(config))
+    return seeded(seed, lambda: T5EncoderModel(config))
 
 
 def tiny_clip(vocab: dict[str, int], width: int, seed: int, projection: bool):
@@ -117,28 +117,28 @@ def tiny_clip(vocab: dict[str, int], width: int, seed: int, projection: bool):
                             num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=TEXT_LENGTH,
                             projection_dim=width, bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],
                             pad_token_id=vocab[EOS])
-    return _seeded(seed, lambda: (CLIPTextModelWithProjection if projection else CLIPTextModel)(config))
+    return seeded(seed, lambda: (CLIPTextModelWithProjection if projection else CLIPTextModel)(config))
 
 
 def tiny_vae16(seed: int, scaling_factor: float, shift_factor: float):
     """A random AutoencoderKL: RGB, 16 latent channels, factor 4, with both factors in its config."""
     from diffusers import AutoencoderKL
 
-    return _seeded(seed, lambda: AutoencoderKL(
+    return seeded(seed, lambda: AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS, layers_per_block=1, norm_num_groups=4,
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
         block_out_channels=(8, 16, 16), sample_size=32, scaling_factor=scaling_factor, shift_factor=shift_factor,
         use_quant_conv=False, use_post_quant_conv=False))
 
 
-def _clip_tokenizer(folder: Path):
+def clip_tokenizer(folder: Path):
     from transformers import CLIPTokenizer
 
     write_tiny_tokenizer(folder)
     return CLIPTokenizer.from_pretrained(str(folder)), json.loads((folder / "vocab.json").read_text())
 
 
-def _restore_clip_tokenizers(path: Path, *names: str) -> None:
+def restore_clip_tokenizers(path: Path, *names: str) -> None:
     """Stable Diffusion's own tokenizer layout (vocab.json and merges.txt), as the real bases ship it."""
     for name in names:
         for f in (path / name).iterdir():
@@ -154,9 +154,9 @@ def write_tiny_sd3_folder(path: str | Path, seed: int = 0) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab = _clip_tokenizer(path / "tokenizer")
+    tokenizer, vocab = clip_tokenizer(path / "tokenizer")
     t5_tokenizer = tiny_t5_tokenizer()
-    transformer = _seeded(seed, lambda: SD3Transformer2DModel(
+    transformer = seeded(seed, lambda: SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=LATENT_CHANNELS, num_layers=2, attention_head_dim=8,
         num_attention_heads=2, joint_attention_dim=T5_WIDTH, caption_projection_dim=16,
         pooled_projection_dim=CLIP_L_WIDTH + CLIP_G_WIDTH, out_channels=LATENT_CHANNELS, pos_embed_max_size=16))
@@ -172,7 +172,7 @@ def write_tiny_sd3_folder(path: str | Path, seed: int = 0) -> Path:
         tokenizer_3=t5_tokenizer,
     )
     pipe.save_pretrained(path)
-    _restore_clip_tokenizers(path, "tokenizer", "tokenizer_2")
+    restore_clip_tokenizers(path, "tokenizer", "tokenizer_2")
     return path
 
 
@@ -184,9 +184,9 @@ def write_tiny_flux_folder(path: str | Path, seed: int = 0) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer, vocab = _clip_tokenizer(path / "tokenizer")
+    tokenizer, vocab = clip_tokenizer(path / "tokenizer")
     t5_tokenizer = tiny_t5_tokenizer()
-    transformer = _seeded(seed, lambda: FluxTransformer2DModel(
+    transformer = seeded(seed, lambda: FluxTransformer2DModel(
         patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1, attention_head_dim=8,
         num_attention_heads=2, joint_attention_dim=T5_WIDTH, pooled_projection_dim=FLUX_CLIP_WIDTH,
         guidance_embeds=True, axes_dims_rope=(2, 2, 4)))
@@ -200,5 +200,5 @@ def write_tiny_flux_folder(path: str | Path, seed: int = 0) -> Path:
         tokenizer_2=t5_tokenizer,
     )
     pipe.save_pretrained(path)
-    _restore_clip_tokenizers(path, "tokenizer")
+    restore_clip_tokenizers(path, "tokenizer")
     return path
