@@ -2,9 +2,11 @@
 text encoders against denoiser by parameters (SDXL about 0.3: CLIP-L + CLIP-bigG against the UNet;
 SD3 about 2.8: CLIP-L + CLIP-G + T5-XXL against the MMDiT; Flux about 0.4: CLIP-L + T5-XXL against
 the transformer), built offline like tests/family_bases.py (the same tokenizers, the same classes,
-wider and deeper). ``bench/family_peer_speed.py --size proportioned`` trains on them.
+wider and deeper), and tiny ones of about the tests' size. Their CLIP encoders take 77 tokens, as
+the real ones do: diffusers' SD3 and Flux scripts tokenize CLIP prompts to 77 whatever the
+tokenizer says. ``bench/family_peer_speed.py`` trains on them.
 
-    write_proportioned(family, path)   -> path; family in ("sdxl", "sd3", "flux")
+    write_base(family, size, path)     -> path; family in ("sdxl", "sd3", "flux"), size "tiny" or "proportioned"
     parameter_counts(path)             -> {"denoiser": n, "text encoders": n, "vae": n, "ratio": text / denoiser}
 """
 
@@ -17,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests import family_bases as fb  # noqa: E402
-from tests.text_components import TEXT_LENGTH, tiny_vae  # noqa: E402
+from tests.text_components import tiny_vae, write_tiny_tokenizer  # noqa: E402
+
+CLIP_TOKENS = 77  # the real CLIP encoders' positions; the peers' SD3 and Flux scripts pad CLIP prompts to it
 
 # The real families' text-encoder / denoiser parameter ratios these folders aim at.
 TARGET_RATIO = {"sdxl": 0.3, "sd3": 2.8, "flux": 0.4}
@@ -29,7 +33,7 @@ def _clip(vocab, width: int, layers: int, seed: int, projection: bool):
     from difftrain.models.text import BOS, EOS
 
     config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=width, intermediate_size=4 * width,
-                            num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=TEXT_LENGTH,
+                            num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=CLIP_TOKENS,
                             projection_dim=width, bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],
                             pad_token_id=vocab[EOS])
     return fb.seeded(seed, lambda: (CLIPTextModelWithProjection if projection else CLIPTextModel)(config))
@@ -44,16 +48,17 @@ def _t5(vocab_size: int, width: int, layers: int, seed: int):
     return fb.seeded(seed, lambda: T5EncoderModel(config))
 
 
-def write_sdxl(path: Path, seed: int = 0) -> Path:
-    """UNet (64, 128) channels, 2 blocks per level; CLIP-L 64 wide and CLIP-bigG 128 wide, 5 layers each."""
+def write_sdxl(path: Path, tiny: bool = False, seed: int = 0) -> Path:
+    """UNet (64, 128) channels, 2 blocks per level; CLIP-L 64 wide and CLIP-bigG 128 wide, 5 layers each
+    (tiny: the tests' UNet, (8, 16) channels, 1 block; CLIPs 16 and 32 wide, 2 layers)."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer, vocab = fb.clip_tokenizer(path / "tokenizer")
-    w1, w2, time_dim = 64, 128, 16
+    w1, w2, time_dim, layers = (16, 32, 8, 2) if tiny else (64, 128, 16, 5)
     unet = fb.seeded(seed, lambda: UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(64, 128),
-        norm_num_groups=16, attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1 if tiny else 2,
+        block_out_channels=(8, 16) if tiny else (64, 128), norm_num_groups=4 if tiny else 16, attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=w1 + w2,
         addition_embed_type="text_time", addition_time_embed_dim=time_dim,
         projection_class_embeddings_input_dim=6 * time_dim + w2, use_linear_projection=True,
@@ -61,50 +66,53 @@ def write_sdxl(path: Path, seed: int = 0) -> Path:
     scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                        num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
     pipe = StableDiffusionXLPipeline(
-        vae=tiny_vae(seed), text_encoder=_clip(vocab, w1, 5, seed + 1, projection=False),
-        text_encoder_2=_clip(vocab, w2, 5, seed + 2, projection=True), tokenizer=tokenizer, tokenizer_2=tokenizer,
+        vae=tiny_vae(seed), text_encoder=_clip(vocab, w1, layers, seed + 1, projection=False),
+        text_encoder_2=_clip(vocab, w2, layers, seed + 2, projection=True), tokenizer=tokenizer, tokenizer_2=tokenizer,
         unet=unet, scheduler=scheduler)
     pipe.save_pretrained(path)
     fb.restore_clip_tokenizers(path, "tokenizer", "tokenizer_2")
     return path
 
 
-def write_sd3(path: Path, seed: int = 0) -> Path:
+def write_sd3(path: Path, tiny: bool = False, seed: int = 0) -> Path:
     """MMDiT 4 layers, 4 heads of 16; CLIP-L 32 and CLIP-G 64 wide; a T5 192 wide, 4 layers (the T5 is
-    most of the text work, as T5-XXL is in SD3)."""
+    most of the text work, as T5-XXL is in SD3). Tiny: the tests' sizes (2 layers, 2 heads of 8; 8, 16, 32)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer, vocab = fb.clip_tokenizer(path / "tokenizer")
     t5_tokenizer = fb.tiny_t5_tokenizer()
-    l_width, g_width, t5_width = 32, 64, 192
+    l_width, g_width, t5_width, t5_layers = (8, 16, 32, 2) if tiny else (32, 64, 192, 4)
     transformer = fb.seeded(seed, lambda: SD3Transformer2DModel(
-        sample_size=16, patch_size=2, in_channels=fb.LATENT_CHANNELS, num_layers=4, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=t5_width, caption_projection_dim=64,
+        sample_size=16, patch_size=2, in_channels=fb.LATENT_CHANNELS, num_layers=2 if tiny else 4,
+        attention_head_dim=8 if tiny else 16, num_attention_heads=2 if tiny else 4, joint_attention_dim=t5_width,
+        caption_projection_dim=16 if tiny else 64,
         pooled_projection_dim=l_width + g_width, out_channels=fb.LATENT_CHANNELS, pos_embed_max_size=32))
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**fb.SD3_SCHEDULER),
         vae=fb.tiny_vae16(seed, **fb.SD3_VAE),
         text_encoder=_clip(vocab, l_width, 2, seed + 1, projection=True), tokenizer=tokenizer,
         text_encoder_2=_clip(vocab, g_width, 2, seed + 2, projection=True), tokenizer_2=tokenizer,
-        text_encoder_3=_t5(len(t5_tokenizer), t5_width, 4, seed + 3), tokenizer_3=t5_tokenizer)
+        text_encoder_3=_t5(len(t5_tokenizer), t5_width, t5_layers, seed + 3), tokenizer_3=t5_tokenizer)
     pipe.save_pretrained(path)
     fb.restore_clip_tokenizers(path, "tokenizer", "tokenizer_2")
     return path
 
 
-def write_flux(path: Path, seed: int = 0) -> Path:
-    """Flux transformer 2 double + 4 single blocks, 4 heads of 16; CLIP-L 32 wide; a T5 96 wide, 2 layers."""
+def write_flux(path: Path, tiny: bool = False, seed: int = 0) -> Path:
+    """Flux transformer 2 double + 4 single blocks, 4 heads of 16; CLIP-L 32 wide; a T5 96 wide, 2 layers.
+    Tiny: the tests' sizes (1 + 1 blocks, 2 heads of 8; CLIP 16, T5 32)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer, vocab = fb.clip_tokenizer(path / "tokenizer")
     t5_tokenizer = fb.tiny_t5_tokenizer()
-    clip_width, t5_width = 32, 96
+    clip_width, t5_width = (16, 32) if tiny else (32, 96)
     transformer = fb.seeded(seed, lambda: FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * fb.LATENT_CHANNELS, num_layers=2, num_single_layers=4, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
-        guidance_embeds=True, axes_dims_rope=(4, 6, 6)))
+        patch_size=1, in_channels=4 * fb.LATENT_CHANNELS, num_layers=1 if tiny else 2,
+        num_single_layers=1 if tiny else 4, attention_head_dim=8 if tiny else 16,
+        num_attention_heads=2 if tiny else 4, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
+        guidance_embeds=True, axes_dims_rope=(2, 2, 4) if tiny else (4, 6, 6)))
     pipe = FluxPipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**fb.FLUX_SCHEDULER),
         vae=fb.tiny_vae16(seed, **fb.FLUX_VAE),
@@ -116,13 +124,15 @@ def write_flux(path: Path, seed: int = 0) -> Path:
 
 
 WRITERS = {"sdxl": write_sdxl, "sd3": write_sd3, "flux": write_flux}
-TINY_WRITERS = {"sdxl": fb.write_tiny_sdxl_folder, "sd3": fb.write_tiny_sd3_folder, "flux": fb.write_tiny_flux_folder}
 
 
 def write_base(family: str, size: str, path: Path) -> Path:
-    """The ``size`` ("tiny": tests/family_bases.py's; "proportioned": this file's) base of ``family``."""
+    """The ``size`` ("tiny" or "proportioned") base of ``family``, CLIP tokenizers 77 tokens long."""
     if not (path / "model_index.json").is_file():
-        (TINY_WRITERS if size == "tiny" else WRITERS)[family](path)
+        WRITERS[family](path, tiny=size == "tiny")
+        for folder in path.glob("tokenizer*"):
+            if (folder / "merges.txt").is_file():  # a CLIP tokenizer (T5's has no merges)
+                write_tiny_tokenizer(folder, max_length=CLIP_TOKENS)
     return path
 
 

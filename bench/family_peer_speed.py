@@ -7,17 +7,19 @@ both at the same time, one core each; steps per second from each one's own log, 
     python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --family sdxl --size tiny
     python bench/family_peer_speed.py ... --family sd3 --size proportioned --cores 1,0   # cores swapped
 
-``--size tiny`` trains the bases the tests use (tests/family_bases.py); ``--size proportioned`` the
-bases of bench/family_bases_sized.py, whose text encoders weigh against the denoiser as the real
-family's do (SDXL 0.3, SD3 2.8, Flux 0.4), because what the peer repeats at every step (each text
+``--size tiny`` trains bases of about the tests' size; ``--size proportioned`` bases whose text
+encoders weigh against the denoiser as the real family's do (SDXL 0.3, SD3 2.8, Flux 0.4), because what the peer repeats at every step (each text
 encoder on the batch's captions, the VAE on its images) is where a trainer that computes them once
-wins on real models.
+wins on real models (both from bench/family_bases_sized.py, CLIP encoders 77 tokens long as the
+real ones: the peers' SD3 and Flux scripts pad CLIP prompts to 77).
 
 difftrain runs the family's preset (configs/FAMILY-lora.toml) with only what the comparison has to
 match set on the command line: data, resolution, batch 1 x accumulation 1 -> ``--batch``, steps,
 LR (constant, no warm-up), rank and alpha, fp32, no flips, no validation, workers 0. Everything
-else is difftrain's default (its latent cache, its EMA of the adapter). What each side computes per
-step is printed under the table (a benchmark, not a test; results go to docs/fine_tuning.md).
+else is difftrain's default (its latent cache, its text-encoder cache, its EMA of the adapter). Per
+step the peers run the VAE encoder on the batch's images and every text encoder on its captions,
+then the denoiser forward and backward; difftrain reads both from its caches and runs the denoiser
+(a benchmark, not a test; results go to docs/fine_tuning.md).
 """
 
 from __future__ import annotations
