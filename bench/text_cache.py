@@ -1,7 +1,7 @@
 """Step time and peak memory of LoRA fine-tuning with and without the text-embedding cache
-(``text.cache``), on the tiny SD and SDXL bases the tests build (offline, random weights).
+(``text.cache``), on the tiny SD, SDXL, SD3 and Flux bases the tests build (offline, random weights).
 
-    PYTHONPATH=src:. python bench/text_cache.py [--steps 40] [--repeats 2] [--out DIR]
+    PYTHONPATH=src:. python bench/text_cache.py [--steps 40] [--repeats 2] [--families sd sdxl sd3 flux]
 
 Each measurement is its own process (so its peak RSS is its own) running difftrain's training loop
 (``training.loop.train``) on a generated folder of captioned 32 px images, batch 4, LoRA rank 4.
@@ -45,12 +45,13 @@ def one(family: str, mode: str, root: Path, steps: int, run: str) -> dict:
 
 
 def setup(root: Path) -> None:
-    from tests.family_bases import write_tiny_sdxl_folder
+    from tests.family_bases import write_tiny_flux_folder, write_tiny_sd3_folder, write_tiny_sdxl_folder
     from tests.integration.test_text_train import _captioned_folder
     from tests.text_components import write_tiny_sd_folder
 
-    write_tiny_sd_folder(root / "sd")
-    write_tiny_sdxl_folder(root / "sdxl")
+    for family, write in (("sd", write_tiny_sd_folder), ("sdxl", write_tiny_sdxl_folder),
+                          ("sd3", write_tiny_sd3_folder), ("flux", write_tiny_flux_folder)):
+        write(root / family)
     _captioned_folder(root / "data", n=32, size=32)
 
 
@@ -141,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--families", nargs="+", default=["sd", "sdxl", "sd3", "flux"])
     parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -152,7 +154,7 @@ def main() -> None:
         setup(root)
         print("| base | text encoders | step (ms, median) | peak RSS (MiB) |")
         print("|---|---|---|---|")
-        for family in ("sd", "sdxl"):
+        for family in args.families:
             results: dict[str, list[dict]] = {"off": [], "on, built": [], "on, complete": []}
             for k in range(args.repeats):  # alternated, so a busy machine's slow spell hits both
                 results["off"].append(measure(family, "off", root, args.steps, f"{family}-off-{k}"))
@@ -170,14 +172,14 @@ def main() -> None:
         print("| base | step with the encoders (ms, median / min) | step with the cache (ms, median / min) "
               "| saved per step (ms, median of pairs) |")
         print("|---|---|---|---|")
-        for family in ("sd", "sdxl"):
+        for family in args.families:
             r = interleaved_ms(family, root, args.steps)
             print(f"| {family} | {r['encoders_median']:.1f} / {r['encoders_min']:.1f} | {r['cache_median']:.1f} / "
                   f"{r['cache_min']:.1f} | {r['saved_median']:.1f} |")
         print()
         print(f"| base | one batch's text condition ({BATCH} captions): encoders (ms) | from the cache (ms) |")
         print("|---|---|---|")
-        for family in ("sd", "sdxl"):
+        for family in args.families:
             encoders, cache = condition_ms(family, root)
             print(f"| {family} | {encoders:.2f} | {cache:.3f} |")
 

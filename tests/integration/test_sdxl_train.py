@@ -55,17 +55,22 @@ def test_sdxl_lora_trains_from_the_bare_command_and_resumes_exactly(root, capfd)
     assert any(t.abs().sum() > 0 for n, t in state["model"].items() if "lora_B" in n)
 
 
-def test_sdxl_lora_export_loads_in_the_pipeline_and_samples_as_difftrain(root, tmp_path):
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_sdxl_lora_export_loads_in_the_pipeline_and_samples_as_difftrain(root, tmp_path, kind):
     from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionXLPipeline
 
     from difftrain import api
     from difftrain.interop import scheduler_config
     from difftrain.sampling import initial_noise
 
-    if not (root / "straight" / "checkpoints").exists():
-        train(load_config(None, _overrides(root)), root / "straight")
-    out = api.export(root / "straight", tmp_path / "adapter", format="lora")
-    ours = load_model(root / "straight", device="cpu")
+    run = root / "straight"
+    if kind != "lora":  # DoRA: the file carries each module's magnitude vector as well
+        run = tmp_path / kind
+        train(load_config(None, _overrides(root, f"lora.kind={kind}")), run)
+    elif not (run / "checkpoints").exists():
+        train(load_config(None, _overrides(root)), run)
+    out = api.export(run, tmp_path / "adapter", format="lora")
+    ours = load_model(run, device="cpu")
     steps, guidance = 4, 3.0
     expected = generate_images(ours, 2, sampler="ddim", steps=steps, seed=3, prompt=PROMPT, guidance_scale=guidance)
     pipe = StableDiffusionXLPipeline.from_pretrained(str(root / "sdxl"))
