@@ -162,6 +162,18 @@ def _break_zip_header(path: Path) -> None:
         f.write(b"\0" * 64)
 
 
+def _run_state_with(folder: Path, change) -> None:
+    state = torch.load(folder / "run_state.pt", weights_only=True)
+    change(state)
+    torch.save(state, folder / "run_state.pt")
+
+
+def _clashing_key_paths(m) -> None:
+    """Two tensors' key paths where one is a prefix of the other (their tensors would overwrite a dict)."""
+    first, second = list(m.state_dict_metadata)[:2]
+    m.planner_data = {**(m.planner_data or {}), first: ("model", "w"), second: ("model", "w", "x")}
+
+
 def _crafted_run_state(folder: Path) -> None:
     state = torch.load(folder / "run_state.pt", weights_only=True)
     torch.save({**state, "extra": _Payload(folder / "marker")}, folder / "run_state.pt")
@@ -192,6 +204,12 @@ DAMAGE = {
     "run-state-crafted": (_crafted_run_state, "run_state.pt", "other than tensors"),
     "run-state-truncated": (lambda f: _cut(f / "run_state.pt"), "run_state.pt", "cannot load checkpoint"),
     "run-state-missing": (lambda f: (f / "run_state.pt").unlink(), DCP, "no run_state.pt"),
+    "run-state-updates-lie": (lambda f: _run_state_with(f, lambda s: s["ema"].update(num_updates="many")),
+                              "run_state.pt", "ema.num_updates must be a count"),
+    "run-state-stds-missing": (lambda f: _run_state_with(f, lambda s: s["posthoc_ema"].pop("stds", None)),
+                               "run_state.pt", "posthoc_ema.stds must be a list"),
+    "metadata-key-paths-clash": (lambda f: _rewrite_metadata(f, _clashing_key_paths), DCP,
+                                 "clashing with another tensor's"),
 }
 
 

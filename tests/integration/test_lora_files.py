@@ -76,6 +76,15 @@ def test_each_kind_trains_resumes_exactly_and_merges(runs, tmp_path, tiny_overri
     assert (_images(load_model(merged, device="cpu")) - expected).abs().max() < 1e-5
 
 
+def test_a_plain_lora_resumed_as_another_kind_is_one_line(runs, tiny_overrides):
+    from difftrain.models.lora import resume_mismatch
+
+    network = ckpt.load_checkpoint(runs / "lora")["network"]
+    assert "kind" not in network["lora"]  # a plain LoRA's record is as it was before lora.kind
+    cfg = load_config(None, _sd_overrides(runs, tiny_overrides, "lora.kind=dora", "train.total_steps=4"))
+    assert resume_mismatch(cfg.lora, network) == "its adapter has kind 'lora', this config 'dora' (lora.*)"
+
+
 def test_dora_file_loads_in_the_pipeline_with_the_merged_exports_outputs(runs, tmp_path):
     from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
 

@@ -76,6 +76,9 @@ def test_extreme_and_empty_images_are_dropped_with_a_reason():
     assert assign_bucket(0, 0, spec)[0] is None
     shape, how = assign_bucket(200, 20000, spec)  # very tall: cropped to 1:4 at its own size
     assert how == "own size" and shape[0] / shape[1] <= MAX_ASPECT
+    # the short side rounded down to the step must not push the shape past the limit (100 -> 64: 384 was 6:1)
+    assert assign_bucket(400, 100, spec) == ((64, 256), "own size")
+    assert assign_bucket(100, 400, spec) == ((256, 64), "own size")
     plan = assign_buckets([(1, 20000), (512, 512)], spec)
     assert list(plan.dropped) == [0] and plan.shapes[1].tolist() == [512, 512]
     lines = bucket_table(plan, ["thin.png", "square.png"], batch=2)

@@ -124,6 +124,8 @@ def assign_bucket(width: int, height: int, spec: BucketSpec) -> tuple[tuple[int,
     w, h = min(w, int(h * MAX_ASPECT)), min(h, int(w * MAX_ASPECT))
     step = spec.step if min(w, h) >= spec.step else spec.multiple  # a side under one step: both to the multiple
     w2, h2 = w // step * step, h // step * step
+    # Rounding the short side down can push the shape past the limit: cut the long side again.
+    w2, h2 = min(w2, int(h2 * MAX_ASPECT) // step * step), min(h2, int(w2 * MAX_ASPECT) // step * step)
     if w2 < spec.multiple or h2 < spec.multiple:
         return None, (f"too small: {width}x{height}, a side under {spec.multiple} px once cropped to the "
                       f"{MAX_ASPECT:g}:1 aspect limit (data.buckets needs sides of {spec.multiple} px)")

@@ -288,6 +288,7 @@ def resume_mismatch(lora_cfg, record: dict) -> str | None:
     now = {"kind": getattr(lora_cfg, "kind", "lora"), "rank": lora_cfg.rank,
            "alpha": lora_cfg.alpha or float(lora_cfg.rank), "targets": target_modules(lora_cfg, record["base"])}
     for key, value in now.items():
-        if (record_kind(record) if key == "kind" else saved[key]) != value:
-            return f"its adapter has {key} {saved[key]!r}, this config {value!r} (lora.*)"
+        before = record_kind(record) if key == "kind" else saved[key]  # a plain LoRA's record has no "kind"
+        if before != value:
+            return f"its adapter has {key} {before!r}, this config {value!r} (lora.*)"
     return None

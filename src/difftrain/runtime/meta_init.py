@@ -113,17 +113,14 @@ def available() -> bool:
     return True
 
 
-@torch.no_grad()
-def replay(recording: Recording, fill: Callable[[str, torch.Tensor], None], names: set[str] | None = None) -> None:
-    """Run the recorded initialisation of the model built under ``recording`` (and named by its
-    :meth:`Recording.bind`) on the CPU: each
-    parameter is made whole once, alone, and passed to ``fill(name, tensor)`` (float, on the CPU)
-    after its last recorded call. ``names``: the parameters whose values are wanted (default all);
-    the calls on the others still run, on scratch tensors, so the random numbers drawn are the
-    build's. The global CPU generator ends where the ordinary build would leave it.
+def check(recording: Recording, names: set[str] | None = None) -> None:
+    """Raise :class:`NotReplayable` if :func:`replay` could not replay this recording exactly
+    (call it before sharding: the caller can still build the network whole)."""
+    _plan(recording, names)
 
-    Raises :class:`NotReplayable` when a wanted parameter has no recorded initialisation or a call
-    names a tensor that is not one of ``model``'s parameters (a view, another meta tensor)."""
+
+def _plan(recording: Recording, names: set[str] | None):
+    """(wanted names, each name's last call, each name's last overwriting call) of a replayable recording."""
     by_id = recording.params
     wanted = {name for name, _, _ in by_id.values()} if names is None else set(names)
     last_call: dict[str, int] = {}
@@ -143,6 +140,22 @@ def replay(recording: Recording, fill: Callable[[str, torch.Tensor], None], name
     missing = sorted(n for n in wanted if n not in last_overwrite)
     if missing:
         raise NotReplayable(f"parameter {missing[0]} has no initialisation the build recorded")
+    return wanted, last_call, last_overwrite
+
+
+@torch.no_grad()
+def replay(recording: Recording, fill: Callable[[str, torch.Tensor], None], names: set[str] | None = None) -> None:
+    """Run the recorded initialisation of the model built under ``recording`` (and named by its
+    :meth:`Recording.bind`) on the CPU: each
+    parameter is made whole once, alone, and passed to ``fill(name, tensor)`` (float, on the CPU)
+    after its last recorded call. ``names``: the parameters whose values are wanted (default all);
+    the calls on the others still run, on scratch tensors, so the random numbers drawn are the
+    build's. The global CPU generator ends where the ordinary build would leave it.
+
+    Raises :class:`NotReplayable` when a wanted parameter has no recorded initialisation or a call
+    names a tensor that is not one of ``model``'s parameters (a view, another meta tensor)."""
+    by_id = recording.params
+    wanted, last_call, last_overwrite = _plan(recording, names)
     torch.random.set_rng_state(recording.rng)
     live: dict[str, torch.Tensor] = {}
     for k, (func, args, kwargs) in enumerate(recording.recorder.calls):

@@ -165,6 +165,13 @@ def read_run_state(path: Path) -> dict:
         raise CheckpointError(f"cannot load checkpoint {path / RUN_STATE}: {store.load_error(e)}") from None
     if not isinstance(rest, dict) or not isinstance(rest.get("posthoc_ema"), dict) or not isinstance(rest.get("ema"), dict):
         raise CheckpointError(f"{path / RUN_STATE} is not a difftrain sharded checkpoint's run state")
+    # What a resume reads of the averages besides their shards (the lazy schema leaves them to this reader).
+    updates, stds = rest["ema"].get("num_updates"), rest["posthoc_ema"].get("stds")
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+        raise CheckpointError(f"{path / RUN_STATE}: ema.num_updates must be a count, got {updates!r}")
+    if not isinstance(stds, (list, tuple)) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                     for v in stds):
+        raise CheckpointError(f"{path / RUN_STATE}: posthoc_ema.stds must be a list of numbers, got {stds!r}")
     return rest
 
 
@@ -194,7 +201,7 @@ def load_consolidated(path: Path) -> dict:
     (DCP would unpickle them) are never read."""
     rest = read_run_state(path)
     reader = SafeReader(path)  # refuses a crafted or damaged .metadata before DCP reads anything
-    tensors = _empty_state_dict(reader.read_metadata())
+    tensors = _empty_state_dict(reader.read_metadata(), path)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
@@ -213,19 +220,25 @@ def load_consolidated(path: Path) -> dict:
     return state
 
 
-def _empty_state_dict(metadata: md.Metadata) -> dict:
+def _empty_state_dict(metadata: md.Metadata, path: Path) -> dict:
     """The nested state dict a checkpoint's metadata describes, its tensors empty (on the CPU):
-    DCP's flattened keys unflattened through its ``planner_data`` (the key path of each)."""
+    DCP's flattened keys unflattened through its ``planner_data`` (the key path of each). Key paths
+    that are empty, repeated or a prefix of another are a :class:`CheckpointError` naming ``path``."""
     out: dict = {}
     paths = metadata.planner_data or {}
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, md.TensorStorageMetadata):
             continue  # bytes: DCP would unpickle them; difftrain writes none
-        path = tuple(str(p) for p in paths.get(fqn, (fqn,)))
+        keys = tuple(str(p) for p in paths.get(fqn, (fqn,)))
         node = out
-        for key in path[:-1]:
+        for key in keys[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = torch.empty(item.size, dtype=item.properties.dtype)
+            if not isinstance(node, dict):
+                break
+        if not keys or not isinstance(node, dict) or keys[-1] in node:
+            raise CheckpointError(f"sharded checkpoint {path}: its metadata gives {fqn!r} the key path {list(keys)}, "
+                                  "empty or clashing with another tensor's")
+        node[keys[-1]] = torch.empty(item.size, dtype=item.properties.dtype)
     return out
 
 

@@ -15,6 +15,7 @@ sharded checkpoint's run state first and its shards into the sharded state
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -88,7 +89,12 @@ class RunState:
         tc = cfg.train
         conditioning = conditioning or Conditioning(num_classes, channels=cfg.data.channels, resolution=cfg.data.resolution)
         if dctx is not None and builds_sharded(cfg, dctx, network):
-            return cls._build_sharded(cfg, num_classes, conditioning, network, init_weights, dctx)
+            try:
+                return cls._build_sharded(cfg, num_classes, conditioning, network, init_weights, dctx)
+            except meta_init.NotReplayable as e:  # raised before sharding: the network is built whole instead
+                if dctx.is_main:
+                    print(f"difftrain: warning: building the network whole on every rank, then sharding it: {e}",
+                          file=sys.stderr)
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = build_network(cfg, conditioning, network, init_weights)
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
@@ -114,6 +120,8 @@ class RunState:
         with meta_init.recorded_build() as recording:
             model = build_network(cfg, conditioning, network, init_weights)
         recording.bind(model)
+        if init_weights:
+            meta_init.check(recording)  # before anything is sharded, so that build() can still build it whole
         prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
         template = fsdp.meta_template(model)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
