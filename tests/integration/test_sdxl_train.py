@@ -6,6 +6,7 @@ what difftrain samples (DDIM, classifier-free guidance, same initial noise)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from difftrain.runtime.files import cache_dir
 
