@@ -29,8 +29,10 @@ from tests.text_components import write_tiny_sd_folder
 RES = 32
 # The text encoders' outputs move by up to ~1e-6 with the batch they are encoded in (CPU GEMM
 # blocking; the cache encodes in its own batches), so a cached run's weights equal an uncached
-# run's to this tolerance after 4 steps at lr 1e-2, while its LoRA B weights moved by ~1e-2.
-WEIGHTS_ATOL = 1e-5
+# run's to this tolerance after 4 steps at lr 1e-2 (measured 3e-6 and, in a full-suite run, 1.4e-5:
+# Adam's normalised steps amplify such differences where a gradient is near 0), while its LoRA B
+# weights moved by ~1e-2.
+WEIGHTS_ATOL = 1e-4
 
 
 def _overrides(root, base="sdxl", *extra):

@@ -104,7 +104,7 @@ def test_forced_weight_normalisation_puts_rows_back_to_unit_rms_after_every_step
 
     cfg = load_config(None, SMALL + ["model.magnitude_preserving=true", "optim.lr=0.3", "optim.warmup_steps=0"])
     model = build_model(cfg)
-    assert rms_spread(model) < 1e-4
+    assert rms_spread(model) < 1e-3  # EDM2's eps (1e-4 of a unit row) leaves rows just under 1
     x, t = torch.randn(4, 3, 16, 16), torch.randint(0, 100, (4,))
     for hooked in (True, False):
         optimizer = build_optimizer(cfg, model, torch.device("cpu"))
@@ -116,7 +116,7 @@ def test_forced_weight_normalisation_puts_rows_back_to_unit_rms_after_every_step
                 p.grad = torch.randn_like(p) if p.grad is None else p.grad + torch.randn_like(p)
         optimizer.step()
         optimizer.zero_grad()
-        assert (rms_spread(model) < 1e-4) is hooked
+        assert (rms_spread(model) < 1e-3) is hooked
 
 
 def test_mp_model_trains_resumes_exactly_and_exports_the_weights_it_computes_with(tmp_path):
