@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,7 +35,7 @@ PEERS = ROOT.parent / "shared" / "peers"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from family_bases_sized import parameter_counts, write_base  # noqa: E402
-from peer_lora_speed import difftrain_times, peer_times, rate  # noqa: E402  (the same log readers)
+from peer_lora_speed import difftrain_times, peer_times, rate, run_pair  # noqa: E402  (the same runner and log readers)
 
 SCRIPTS = {"sdxl": "train_text_to_image_lora_sdxl.py", "sd3": "train_dreambooth_lora_sd3.py",
            "flux": "train_dreambooth_lora_flux.py"}
@@ -116,18 +113,7 @@ def main() -> int:
     peer = timed + [peer_core, args.peer_python, str(PEERS / SCRIPTS[args.family])] + peer_command(
         args.family, base, data, peer_out, args)
     ours = timed + [our_core] + our_command(args.family, base, data, run_dir, args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PYTHONPATH=os.environ.get("PYTHONPATH", ""))
-    for cmd in (peer, ours):
-        print("$ OMP_NUM_THREADS=1 " + " ".join(cmd))
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(peer_out, ignore_errors=True)
-    with open(work / "peer.log", "w") as peer_log, open(work / "difftrain.log", "w") as our_log:
-        procs = [subprocess.Popen(peer, env=env, stdout=peer_log, stderr=subprocess.STDOUT),
-                 subprocess.Popen(ours, env=env, stdout=our_log, stderr=subprocess.STDOUT)]
-        codes = [proc.wait() for proc in procs]
-    if any(codes):
-        print(f"exit codes: peer {codes[0]}, difftrain {codes[1]}; logs in {work}", file=sys.stderr)
+    if not run_pair(peer, ours, work, run_dir, peer_out):
         return 1
     peer_log, our_log = (work / "peer.log").read_text(), (work / "difftrain.log").read_text()
     peer_sps, p0, p1 = rate(peer_times(peer_log), args.skip)

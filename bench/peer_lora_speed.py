@@ -77,6 +77,24 @@ def difftrain_times(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["time"] for r in rows if "time" in r}
 
 
+def run_pair(peer: list[str], ours: list[str], work: Path, run_dir: Path, peer_out: Path) -> bool:
+    """Run both commands at the same time (one thread each, offline), logs in ``work/peer.log`` and
+    ``work/difftrain.log``, after clearing their output folders; False (with one line) if either failed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+    for cmd in (peer, ours):
+        print("$ OMP_NUM_THREADS=1 " + " ".join(cmd))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(peer_out, ignore_errors=True)
+    with open(work / "peer.log", "w") as peer_log, open(work / "difftrain.log", "w") as our_log:
+        procs = [subprocess.Popen(peer, env=env, stdout=peer_log, stderr=subprocess.STDOUT),
+                 subprocess.Popen(ours, env=env, stdout=our_log, stderr=subprocess.STDOUT)]
+        codes = [proc.wait() for proc in procs]
+    if any(codes):
+        print(f"exit codes: peer {codes[0]}, difftrain {codes[1]}; logs in {work}", file=sys.stderr)
+    return not any(codes)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peer-python", required=True, help="a Python with diffusers, accelerate, peft, datasets")
@@ -110,18 +128,7 @@ def main() -> int:
               "train.device=cpu", "train.precision=fp32", "train.seed=0", "train.progress_bar=false",
               "validation.every_steps=0", f"checkpoint.every_steps={args.steps}"]:
         ours += ["--set", o]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PYTHONPATH=os.environ.get("PYTHONPATH", ""))
-    for cmd in (peer, ours):
-        print("$ OMP_NUM_THREADS=1 " + " ".join(cmd))
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(peer_out, ignore_errors=True)
-    with open(work / "peer.log", "w") as peer_log, open(work / "difftrain.log", "w") as our_log:
-        procs = [subprocess.Popen(peer, env=env, stdout=peer_log, stderr=subprocess.STDOUT),
-                 subprocess.Popen(ours, env=env, stdout=our_log, stderr=subprocess.STDOUT)]
-        codes = [proc.wait() for proc in procs]
-    if any(codes):
-        print(f"exit codes: peer {codes[0]}, difftrain {codes[1]}; logs in {work}", file=sys.stderr)
+    if not run_pair(peer, ours, work, run_dir, peer_out):
         return 1
     peer_sps, p0, p1 = rate(peer_times((work / "peer.log").read_text()), args.skip)
     ours_sps, o0, o1 = rate(difftrain_times(run_dir), args.skip)
