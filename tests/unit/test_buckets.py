@@ -211,3 +211,23 @@ def test_data_check_names_a_1x20000_image_and_never_crashes(tmp_path, capsys):
     assert main(["data", "check", str(tmp_path), "--buckets", "--bucket-resolutions", "32,20", "--multiple", "8",
                  "--workers", "0"]) == 2
     assert "data.bucket_resolutions [32, 20]: 20 is not a positive multiple of 8" in capsys.readouterr().err
+
+
+def test_the_small_bucket_warning_counts_every_process_of_a_global_batch(tmp_path, capsys):
+    """4 landscape and 2 portrait images, batch 2: one process trains all six; two processes take global
+    micro-batches of 4, which the portrait bucket cannot fill (warned, naming both factors); three cannot
+    fill any bucket (one line)."""
+    from difftrain.config import load_config
+    from difftrain.data.prepare import prepare_training_data
+
+    for i, size in enumerate([(64, 32)] * 4 + [(32, 64)] * 2):
+        _write(tmp_path / "d", f"{i}.png", size)
+    cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "data.resolution=32", "data.buckets=aspect",
+                             "data.num_workers=0", "train.batch_size=2"])
+    prepare_training_data(cfg, tmp_path / "run", 8)
+    assert "never train" not in capsys.readouterr().err
+    prepare_training_data(cfg, tmp_path / "run", 8, world_size=2)
+    assert "2 of 6 images are in aspect-ratio buckets smaller than train.batch_size=2 x 2 processes" in (
+        capsys.readouterr().err)
+    with pytest.raises(ValueError, match="no aspect-ratio bucket holds train.batch_size=2 x 3 processes"):
+        prepare_training_data(cfg, tmp_path / "run", 8, world_size=3)

@@ -66,14 +66,14 @@ def with_buckets(dataset: Dataset, d, side_multiple: int) -> Dataset:
     return dataset
 
 
-def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8) -> TrainingData:
+def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8, world_size: int = 1) -> TrainingData:
     """The training and held-out sets of ``cfg``: bad images scanned for (the scan cached in
     ``run_dir``; skipped or fatal per ``data.on_bad_image``), put in aspect-ratio buckets with sides
     multiples of ``side_multiple`` (``data.buckets``), decoded once into the decode cache when
     ``data.cache``, and the held-out share split off.
 
     Raises ValueError naming ``data.path`` when fewer images than ``train.batch_size`` remain (or no
-    bucket holds a batch).
+    bucket holds a global micro-batch: ``train.batch_size`` x ``world_size`` processes).
     """
     d = cfg.data
     dreambooth = bool(cfg.dreambooth.instance_prompt)
@@ -101,14 +101,17 @@ def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8) -> 
             f"data.path {d.path} holds {len(train)} images{held}, fewer than train.batch_size={cfg.train.batch_size}"
         )
     shapes = item_shapes(train)
-    if shapes is not None and usable_images(shapes, cfg.train.batch_size) == 0:
-        raise ValueError(f"data.path {d.path}: no aspect-ratio bucket holds train.batch_size={cfg.train.batch_size} "
-                         f"of its {len(train)} images (difftrain data check --buckets prints the table); lower "
-                         "train.batch_size or set data.buckets = 'off'")
-    if shapes is not None and usable_images(shapes, cfg.train.batch_size) < len(train):
-        import sys
+    if shapes is not None:  # every global micro-batch comes from one bucket (data/buckets.py)
+        batch = cfg.train.batch_size * world_size
+        what = f"train.batch_size={cfg.train.batch_size}" + (f" x {world_size} processes" if world_size > 1 else "")
+        usable = usable_images(shapes, batch)
+        if usable == 0:
+            raise ValueError(f"data.path {d.path}: no aspect-ratio bucket holds {what} of its {len(train)} images "
+                             "(difftrain data check --buckets prints the table); lower train.batch_size or set "
+                             "data.buckets = 'off'")
+        if usable < len(train):
+            import sys
 
-        print(f"difftrain: warning: {len(train) - usable_images(shapes, cfg.train.batch_size)} of {len(train)} images "
-              f"are in aspect-ratio buckets smaller than train.batch_size={cfg.train.batch_size} and never train "
-              "(difftrain data check --buckets lists them)", file=sys.stderr)
+            print(f"difftrain: warning: {len(train) - usable} of {len(train)} images are in aspect-ratio buckets "
+                  f"smaller than {what} and never train (difftrain data check --buckets lists them)", file=sys.stderr)
     return TrainingData(train, heldout, num_classes)

@@ -69,7 +69,7 @@ def train(
 
     # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
     # and VAE (text and latent runs), whose latents of the images are cached once.
-    data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg))  # buckets' sides: the VAE's / UNet's multiple
+    data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg), dctx.world_size)  # buckets: the VAE's multiple
     check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
     conditioning = Conditioning.from_config(cfg, data.num_classes, device, text_cache=True)  # text.cache: encoders load only to fill it
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
