@@ -106,6 +106,21 @@ ABLATION = {
     "edm-lr2e-3-b8": _COSINE + ("diffusion.objective=edm", "optim.lr=2e-3", "train.batch_size=8",
                                 "train.total_steps=8000", "optim.warmup_steps=600"),
 }
+# EDM2's pieces (issue 30) on the default (edm-lr2e-3-b32), each alone, then together. Equal wall
+# clock by the per-step cost measured in one process, one thread, interleaved (/tmp cost probe in
+# docs/quality.md): magnitude-preserving layers x1.18 (2,400 steps), base width 48 x1.66 (1,700).
+_B32 = ABLATION["edm-lr2e-3-b32"]
+_UW, _PM, _B99 = ("diffusion.uncertainty_weighting=true",), ("diffusion.edm_p_mean=-1.6",), ("optim.betas=[0.9,0.99]",)
+_MP = ("model.magnitude_preserving=true", "optim.lr_schedule=inverse_sqrt", "optim.lr=1e-2", "optim.lr_ref_steps=700",
+       "train.total_steps=2400")
+ABLATION |= {
+    "edm-b32-uw": _B32 + _UW,
+    "edm-b32-pm1.6": _B32 + _PM,
+    "edm-b32-beta99": _B32 + _B99,
+    "edm-b32-mp": _B32 + _MP,
+    "edm-b32-w48": _B32 + ("model.base_channels=48", "train.total_steps=1700"),
+    "edm-b32-uw-pm-beta99": _B32 + _UW + _PM + _B99,
+}
 SMOKE_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
 # The CPU mode's recipes: the four objectives at the protocol's LR, then EDM's LR and batch.
 CPU_DEFAULT = ("epsilon", "v-minsnr", "edm", "flow", "edm-lr2e-3", "edm-lr2e-3-b32")
