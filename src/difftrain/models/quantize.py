@@ -2,7 +2,7 @@
 network stored in int8, nf4 or fp8, the adapter trained in float32 over it.
 
     quantize_base(base, "int8")          # in place, before peft wraps the targets; returns the layer count
-    device_refusal("nf4", device)        # None where the kind runs, else why not (one line)
+    device_refusal("nf4", device, world)  # None where the kind runs, else why not (one line)
     quantized_layers(net)                # {module name: kind} of the layers held quantized
 
 The libraries, and why (``pip install 'difftrain[quant]'``):
@@ -104,25 +104,34 @@ class QuantKind:
     runs_on: Callable[[torch.device], bool]
     devices: str  # in words, for the refusal
     peft_flag: str | None
+    ddp: bool  # whether DDP (several processes) was verified to train over it
 
 
 QUANTIZE_KINDS: dict[str, QuantKind] = {
-    "int8": QuantKind(_bnb_linear("int8"), "bitsandbytes", _runs_on("cpu", "cuda"), "cpu and cuda", "is_loaded_in_8bit"),
-    "nf4": QuantKind(_bnb_linear("nf4"), "bitsandbytes", _runs_on("cpu", "cuda"), "cpu and cuda", "is_loaded_in_4bit"),
-    "fp8": QuantKind(_torchao_fp8, "torchao", _runs_on("cpu", "cuda"), "cpu and cuda", None),
+    "int8": QuantKind(_bnb_linear("int8"), "bitsandbytes", _runs_on("cpu", "cuda"), "cpu and cuda", "is_loaded_in_8bit",
+                      ddp=True),
+    "nf4": QuantKind(_bnb_linear("nf4"), "bitsandbytes", _runs_on("cpu", "cuda"), "cpu and cuda", "is_loaded_in_4bit",
+                     ddp=True),
+    # DDP's start-up broadcast reshapes every parameter, which torchao's Float8Tensor refuses (measured here)
+    "fp8": QuantKind(_torchao_fp8, "torchao", _runs_on("cpu", "cuda"), "cpu and cuda", None, ddp=False),
 }
 assert set(QUANTIZE_KINDS) | {"off"} == set(typing.get_args(QuantizeBase))
 
 
-def device_refusal(kind: str, device: torch.device | str) -> str | None:
-    """Why ``model.quantize_base = kind`` cannot run on ``device`` (one line), or None where it can."""
+def device_refusal(kind: str, device: torch.device | str, world_size: int = 1) -> str | None:
+    """Why ``model.quantize_base = kind`` cannot run on ``device`` in ``world_size`` DDP processes (one line),
+    or None where it can."""
     if kind == "off":
         return None
     device, spec = torch.device(device), QUANTIZE_KINDS[kind]
-    if spec.runs_on(device):
-        return None
-    return (f"model.quantize_base='{kind}' ({spec.library}) runs on {spec.devices}, not on {device.type}: "
-            f"set model.quantize_base='off' or train.device to one of them")
+    if not spec.runs_on(device):
+        return (f"model.quantize_base='{kind}' ({spec.library}) runs on {spec.devices}, not on {device.type}: "
+                f"set model.quantize_base='off' or train.device to one of them")
+    if world_size > 1 and not spec.ddp:
+        verified = ", ".join(repr(k) for k, s in QUANTIZE_KINDS.items() if s.ddp)
+        return (f"model.quantize_base='{kind}' ({spec.library}) does not train under DDP ({world_size} processes): "
+                f"use {verified} there, or one process")
+    return None
 
 
 @torch.no_grad()

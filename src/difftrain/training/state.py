@@ -95,7 +95,7 @@ class RunState:
                 if dctx.is_main:
                     print(f"difftrain: warning: building the network whole on every rank, then sharding it: {e}",
                           file=sys.stderr)
-        check_quantize_device(cfg, device)
+        check_quantize_device(cfg, device, dctx.world_size if dctx is not None else 1)
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = build_network(cfg, conditioning, network, init_weights)
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
@@ -329,11 +329,12 @@ def builds_sharded(cfg: Config, dctx: DistContext, network: dict | None = None) 
     return not cfg.lora.rank and family_of_config(cfg) is None
 
 
-def check_quantize_device(cfg: Config, device: torch.device) -> None:
-    """One ValueError when ``model.quantize_base`` cannot run on ``device`` (``models/quantize.py``)."""
+def check_quantize_device(cfg: Config, device: torch.device, world_size: int = 1) -> None:
+    """One ValueError when ``model.quantize_base`` cannot run on ``device`` in ``world_size`` processes
+    (``models/quantize.py``)."""
     from difftrain.models.quantize import device_refusal
 
-    refusal = device_refusal(cfg.model.quantize_base, device)
+    refusal = device_refusal(cfg.model.quantize_base, device, world_size)
     if refusal:
         raise ValueError(refusal)
 
