@@ -208,10 +208,12 @@ def merged_state(state: dict, use_ema: bool = True, *, text_encoder: str | None 
 
     adapter = adapter_of(state, use_ema)
     cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
+    cfg.model.quantize_base = "off"  # folded into the float32 base, never into a quantized copy of it
     net = build_network(cfg, Conditioning.from_config(cfg, state["num_classes"]), state["network"], init_weights=False)
     load_weights(net, adapter.tensors, state["path"], "ema.model" if use_ema else "model")
     merged = net.merged_base_state()
     config = copy.deepcopy(state["config"])
     config.setdefault("lora", {})["rank"] = 0
+    config["model"]["quantize_base"] = "off"  # a whole network: no frozen base left to quantize
     return {**state, "config": config, "network": state["network"]["base"], "model": merged,
             "ema": {**state["ema"], "model": merged}}

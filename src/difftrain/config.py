@@ -37,6 +37,9 @@ OnWriteError = Literal["stop", "continue"]
 # training/optimizers.py's OPTIMIZERS; adamw8bit, prodigy and schedulefree need the optim extra
 OptimizerName = Literal["adamw", "adamw8bit", "prodigy", "adafactor", "schedulefree"]
 OPTIMIZER_PACKAGES = {"adamw8bit": "bitsandbytes", "prodigy": "prodigyopt", "schedulefree": "schedulefree"}  # the optim extra's
+# models/quantize.py's QUANTIZE_KINDS (and "off"): a LoRA run's frozen base held in int8 / nf4 (bitsandbytes)
+# or fp8 (torchao), the quant extra
+QuantizeBase = Literal["off", "int8", "nf4", "fp8"]
 Parallel = Literal["ddp", "fsdp"]  # how torchrun's ranks share the model (runtime/distributed.py, runtime/fsdp.py)
 
 
@@ -179,6 +182,9 @@ class ModelConfig(_Section):
     # one difftrain exported, or one of diffusers' scripts, kohya sd-scripts or ComfyUI (read by the base
     # family's diffusers loader); its rank and kind must be lora.rank / lora.kind's; docs/lora_files.md. "" = off
     init_lora_from: str = ""
+    # a LoRA run's frozen base with every Linear layer held quantized: "int8", "nf4" (bitsandbytes) or "fp8"
+    # (torchao), the adapter trained in float32 over it (models/quantize.py, docs/fine_tuning.md); "off" = float32
+    quantize_base: QuantizeBase = "off"
 
 
 @dataclass
@@ -874,6 +880,23 @@ def _check_lora(cfg: Config) -> None:
            "lora.rank > 0 needs model.init_from: the base network the adapter is trained on")
     _check(not cfg.model.init_lora_from or bool(lc.rank),
            "model.init_lora_from needs a LoRA run: set lora.rank (and lora.kind) to the file's")
+    _check_quantize_base(cfg)
+
+
+def _check_quantize_base(cfg: Config) -> None:
+    """model.quantize_base holds a LoRA run's frozen base quantized; what it does not combine with."""
+    q = cfg.model.quantize_base
+    if q == "off":
+        return
+    why = f"model.quantize_base='{q}'"
+    _check(bool(cfg.lora.rank), f"{why} quantizes a LoRA run's frozen base; full fine-tuning (lora.rank=0) trains "
+                                "every weight, which must stay float32: set lora.rank > 0 or model.quantize_base='off'")
+    _check(cfg.lora.kind in ("lora", "dora"), f"{why} takes lora.kind 'lora' or 'dora' (peft has quantized-layer "
+                                              f"versions of those alone), got lora.kind='{cfg.lora.kind}'")
+    _check(cfg.train.parallel != "fsdp", f"{why} does not combine with train.parallel='fsdp' (FSDP does not shard "
+                                         "quantized layers): use train.parallel='ddp' or model.quantize_base='off'")
+    _check(cfg.train.cuda_graphs != "on", f"{why} is not captured in a CUDA graph (not verified): set "
+                                          "train.cuda_graphs to 'auto' or 'off'")
 
 
 def _check_text_options(cfg: Config) -> None:
@@ -942,6 +965,7 @@ def check_environment(cfg: Config) -> None:
 
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'")
+    _check_quantize_environment(cfg)
     package = OPTIMIZER_PACKAGES.get(cfg.optim.name)
     if package:
         import importlib.util
@@ -958,6 +982,25 @@ def check_environment(cfg: Config) -> None:
                 raise ConfigError(f"{key} {path} does not exist")
             if not where.is_dir():
                 raise ConfigError(f"{key} {path} is not a folder")
+
+
+def _check_quantize_environment(cfg: Config) -> None:
+    """model.quantize_base's library is installed and runs on the run's device."""
+    q = cfg.model.quantize_base
+    if q == "off":
+        return
+    import importlib.util
+
+    from difftrain.models.quantize import QUANTIZE_KINDS, device_refusal
+    from difftrain.runtime.device import resolve_device
+
+    library = QUANTIZE_KINDS[q].library
+    if importlib.util.find_spec(library) is None:
+        raise ConfigError(f"model.quantize_base='{q}' needs the {library} package, which is not installed: "
+                          "pip install 'difftrain[quant]'")
+    refusal = device_refusal(q, resolve_device(cfg.train.device))
+    if refusal:
+        raise ConfigError(refusal)
 
 
 # ---------------------------------------------------------------------------------------------

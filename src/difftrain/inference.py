@@ -16,7 +16,7 @@ from difftrain.runtime.device import resolve_device
 from difftrain.sampling import GRID_NAME, GRID_TEXT, generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
 from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.runtime.progress import CountProgress
-from difftrain.training.state import build_network
+from difftrain.training.state import build_network, check_quantize_device
 
 
 @dataclasses.dataclass
@@ -79,6 +79,7 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     conditioning = Conditioning.from_config(cfg, num_classes, device)
     if state.get("frozen", {}) is not None:  # None: another program's LoRA file, on the base's own parts
         conditioning.check_references(state.get("frozen", {}), state["path"])
+    check_quantize_device(cfg, device)  # a quantized base's run samples on its quantized base, as it validated
     model = build_network(cfg, conditioning, state.get("network"), init_weights=False)
     load_weights(model, tensors, state["path"], key)
     if lora_scale != 1.0:

@@ -122,6 +122,15 @@ def test_a_missing_package_is_found_before_the_run_starts(tiny_overrides, monkey
         check_environment(_cfg(tiny_overrides, name))
 
 
+def test_an_optimizer_the_device_cannot_run_is_one_line(tiny_overrides):
+    # bitsandbytes has no 8-bit optimizer kernels for MPS: refused before anything is built there
+    model = build_unet("tiny", resolution=16, in_channels=3, attention_resolutions=(8,))
+    with pytest.raises(ValueError, match=r"^optim.name='adamw8bit' runs on cpu, cuda, xpu, not on mps: use "
+                                         r"optim.name='adamw' \(or another\) there, or train.device one of those$"):
+        build_optimizer(_cfg(tiny_overrides, "adamw8bit"), model, torch.device("mps"))
+    assert all(OPTIMIZERS[n].devices is None for n in OPTIMIZERS if n != "adamw8bit")  # torch ops: any device
+
+
 def test_the_config_knows_each_optimizers_package():
     assert {n for n, spec in OPTIMIZERS.items() if spec.extra} == set(OPTIMIZER_PACKAGES)
 

@@ -19,10 +19,13 @@ when an adapter is built (``pip install 'difftrain[lora]'``).
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
 from torch import Tensor, nn
+
+from difftrain.models.quantize import quantize_base
 
 NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
 
@@ -227,7 +230,7 @@ def _state_names(base: nn.Module, modules: dict) -> dict[str, str]:
 
 
 def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str,
-               saved: dict | None = None, where: str = "checkpoint") -> LoraNetwork:
+               saved: dict | None = None, where: str = "checkpoint", quantize: str = "off") -> LoraNetwork:
     """Freeze ``base`` and inject LoRA layers of ``lora_cfg`` (``cfg.lora``) into it, in place.
 
     base_record: the base's record (``state.network_record``), which picks the default
@@ -236,6 +239,8 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     saved: the LoRA record of a checkpoint or adapter file (``where``) to rebuild instead: its
     rank, alpha and targets are used (a resume may change lora.dropout), and ``base`` must be
     the base it was trained on (one ValueError if not).
+    quantize: ``model.quantize_base``; other than "off", every Linear layer of the base is held quantized
+    (``models/quantize.py``) after its digest is taken, and peft wraps the quantized layers.
     """
     import_peft()
     targets = target_modules(lora_cfg, base_record)
@@ -252,7 +257,10 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
                          f"{saved['base_source']} (digest {saved['base_digest'][:12]}), and {base_source} holds "
                          f"different weights (digest {digest[:12]}); point model.init_from (or --base) at that base")
     base.requires_grad_(False)
-    import_peft().inject_adapter_in_model(peft_config(kind, rank, alpha, dropout, targets, lora_cfg.init), base)
+    quantize_base(base, quantize)  # the digest above is the unquantized base's: what the adapter loads on
+    with warnings.catch_warnings():  # fp8: peft's torchao layer cannot merge; an export merges on the float32 base
+        warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
+        import_peft().inject_adapter_in_model(peft_config(kind, rank, alpha, dropout, targets, lora_cfg.init), base)
     return LoraNetwork(base, base_record=base_record, base_source=base_source, digest=digest, rank=rank,
                        alpha=alpha, dropout=dropout, targets=targets, kind=kind)
 

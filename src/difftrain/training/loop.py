@@ -18,6 +18,7 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
+from difftrain.models.quantize import logical_numel
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
 from difftrain.runtime.files import cache_dir_error
@@ -325,14 +326,15 @@ class _Timed:
 def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContext) -> str:
     """Device, parameters, images, effective batch, steps and precision of this start."""
     tc, w = cfg.train, dctx.world_size
-    params = sum(p.numel() for p in state.model.parameters())
+    params = sum(logical_numel(p) for p in state.model.parameters())  # nf4 packs two weights a byte
     trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
     base = getattr(state.model, "base", state.model)  # under a LoRA adapter (models/lora.py), its base
     family = getattr(base, "family", None)  # a base family's denoiser (difftrain.families)
     kind = f"{family} {type(base.model).__name__}" if family else f"{cfg.model.preset} UNet"
     network = f"{kind} {params / 1e6:.2f}M parameters"
     if trained < params:  # LoRA: the adapter trains, the base is frozen
-        network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank})"
+        quantized = f", base Linear layers in {cfg.model.quantize_base}" if cfg.model.quantize_base != "off" else ""
+        network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank}{quantized})"
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
     per_step = effective_batch(cfg, w)
     where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)

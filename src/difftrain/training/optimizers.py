@@ -92,17 +92,20 @@ def _schedulefree_bytes(shape: torch.Size) -> int:
 @dataclass(frozen=True)
 class OptimizerSpec:
     """One ``optim.name``: its builder, the extra with its package (None: torch's own), the
-    exact bytes of its state for one fp32 parameter of a shape, and whether FSDP was verified."""
+    exact bytes of its state for one fp32 parameter of a shape, whether FSDP was verified, and the
+    device types its step has kernels for (None: any device torch runs on)."""
 
     build: Callable[[Params, OptimConfig, torch.device], torch.optim.Optimizer]
     extra: str | None
     state_bytes: Callable[[torch.Size], int]
     fsdp: bool
+    devices: tuple[str, ...] | None = None
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(_adamw, None, _adam_bytes, fsdp=True),
-    "adamw8bit": OptimizerSpec(_adamw8bit, "optim", _adamw8bit_bytes, fsdp=False),
+    # bitsandbytes' 8-bit optimizer kernels: CPU, CUDA and XPU (none for MPS)
+    "adamw8bit": OptimizerSpec(_adamw8bit, "optim", _adamw8bit_bytes, fsdp=False, devices=("cpu", "cuda", "xpu")),
     "prodigy": OptimizerSpec(_prodigy, "optim", _prodigy_bytes, fsdp=False),
     "adafactor": OptimizerSpec(_adafactor, None, _adafactor_bytes, fsdp=False),
     "schedulefree": OptimizerSpec(_schedulefree, "optim", _schedulefree_bytes, fsdp=False),
@@ -112,8 +115,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     """``optim.name``'s optimizer over the parameters that train (not a LoRA run's frozen base). A
     model with magnitude-preserving layers (``model.magnitude_preserving``) has their weights put back
-    to unit-RMS rows after every step (EDM2's forced weight normalisation)."""
-    optimizer = OPTIMIZERS[cfg.optim.name].build([p for p in model.parameters() if p.requires_grad], cfg.optim, device)
+    to unit-RMS rows after every step (EDM2's forced weight normalisation). One ValueError when the
+    optimizer has no kernels for ``device``."""
+    spec = OPTIMIZERS[cfg.optim.name]
+    if spec.devices is not None and device.type not in spec.devices:
+        raise ValueError(f"optim.name={cfg.optim.name!r} runs on {', '.join(spec.devices)}, not on {device.type}: "
+                         f"use optim.name='adamw' (or another) there, or train.device one of those")
+    optimizer = spec.build([p for p in model.parameters() if p.requires_grad], cfg.optim, device)
     if cfg.model.magnitude_preserving:
         optimizer.register_step_post_hook(lambda *_: renormalize_magnitude_preserving_(model))
     return optimizer

@@ -95,6 +95,7 @@ class RunState:
                 if dctx.is_main:
                     print(f"difftrain: warning: building the network whole on every rank, then sharding it: {e}",
                           file=sys.stderr)
+        check_quantize_device(cfg, device, dctx.world_size if dctx is not None else 1)
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = build_network(cfg, conditioning, network, init_weights)
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
@@ -328,6 +329,16 @@ def builds_sharded(cfg: Config, dctx: DistContext, network: dict | None = None) 
     return not cfg.lora.rank and family_of_config(cfg) is None
 
 
+def check_quantize_device(cfg: Config, device: torch.device, world_size: int = 1) -> None:
+    """One ValueError when ``model.quantize_base`` cannot run on ``device`` in ``world_size`` processes
+    (``models/quantize.py``)."""
+    from difftrain.models.quantize import device_refusal
+
+    refusal = device_refusal(cfg.model.quantize_base, device, world_size)
+    if refusal:
+        raise ValueError(refusal)
+
+
 def load_resume(source: Path | None, cfg: Config, dctx: DistContext) -> dict | None:
     """The checkpoint ``source`` to resume from, as ``RunState.load_state_dict`` takes it: read whole
     (``load_checkpoint``), or, when it is a sharded checkpoint and the state is built sharded
@@ -373,7 +384,8 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
 
             load_init_weights(base, init_from)
         net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
-                         saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})")
+                         saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})",
+                         quantize=cfg.model.quantize_base)
         if saved_lora is None and cfg.model.init_lora_from:  # a new run's adapter from a LoRA file
             from difftrain.lora_import import init_adapter_from
 
@@ -409,6 +421,7 @@ def _without_lora(cfg: Config) -> Config:
 
     base = copy.deepcopy(cfg)
     base.model.init_lora_from = ""
+    base.model.quantize_base = "off"  # the base is quantized by apply_lora, after its digest
     base.lora.rank = 0  # validated like any change
     return base
 

@@ -1,0 +1,182 @@
+"""A LoRA run's frozen base held quantized (``model.quantize_base``): every ``nn.Linear`` of the base
+network stored in int8, nf4 or fp8, the adapter trained in float32 over it.
+
+    quantize_base(base, "int8")          # in place, before peft wraps the targets; returns the layer count
+    device_refusal("nf4", device, world)  # None where the kind runs, else why not (one line)
+    quantized_layers(net)                # {module name: kind} of the layers held quantized
+
+The libraries, and why (``pip install 'difftrain[quant]'``):
+
+- ``int8`` and ``nf4``: bitsandbytes' ``Linear8bitLt`` (LLM.int8(): int8 weights with row-wise absmax
+  scales, outlier inputs above :data:`INT8_THRESHOLD` in 16-bit) and ``Linear4bit`` (QLoRA's NormalFloat4, blocks of 64, float32
+  compute). Both run on the CPU (bitsandbytes >= 0.45 has CPU kernels; measured here) and on CUDA (its
+  home), and peft puts its LoRA layers on them (``peft.tuners.lora.bnb``): the QLoRA path diffusers'
+  ``BitsAndBytesConfig`` users know.
+- ``fp8``: torchao's ``Float8WeightOnlyConfig`` (float8_e4m3fn weights, one scale per row, the matmul in
+  the input's precision); peft's ``TorchaoLoraLinear`` wraps it. bitsandbytes has no fp8 weights, and
+  torchao's int8 would add nothing over bitsandbytes' (peft's torchao layer takes int8 only besides).
+
+Convolutions (most of a UNet's weights) stay float32: neither library quantizes them, nor does diffusers'.
+The base's digest (what checkpoints and exported adapters record) is taken before quantizing, so an
+adapter trained on the quantized base names the unquantized base it was trained over, and loads on it.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from difftrain.config import QuantizeBase
+from difftrain.runtime.optional import require
+
+EXTRA = "quant"  # the extra that installs every kind's library
+# LLM.int8()'s outlier threshold (Dettmers et al. 2022): input columns above it are multiplied in 16-bit,
+# the rest in int8, where bitsandbytes quantizes the input too (CUDA; and the CPU outside training).
+# 6.0 is the paper's and diffusers' / transformers' BitsAndBytesConfig default.
+INT8_THRESHOLD = 6.0
+
+
+def _bnb_linear(kind: str) -> Callable[[nn.Linear], nn.Module]:
+    """One float32 ``nn.Linear`` -> bitsandbytes' quantized layer of ``kind``, on the CPU, frozen."""
+
+    def convert(linear: nn.Linear) -> nn.Module:
+        bnb = require("bitsandbytes", EXTRA, f"model.quantize_base='{kind}'")
+        _quiet_int8_cast()
+        shape = (linear.in_features, linear.out_features)
+        if kind == "int8":
+            layer = bnb.nn.Linear8bitLt(*shape, bias=linear.bias is not None, has_fp16_weights=False,
+                                        threshold=INT8_THRESHOLD, device="meta")
+            layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
+        else:
+            layer = bnb.nn.Linear4bit(*shape, bias=linear.bias is not None, compute_dtype=torch.float32,
+                                      quant_type="nf4", device="meta")
+            layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4")
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        layer = layer.to("cpu")  # bitsandbytes quantizes when its parameter first moves to a device
+        if kind == "int8":  # the int8 weight and its row scales move to the layer's state now, not at its first call:
+            layer.init_8bit_state()  # so that an EMA copy made before it shares them (shared_state)
+        return layer
+
+    return convert
+
+
+def _quiet_int8_cast() -> None:
+    """Silence bitsandbytes' warning, at every int8 matmul, that it casts the float32 input to float16 to
+    quantize it: that is how LLM.int8() works, not news at each call."""
+    import logging
+
+    log = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(getattr(f, "difftrain", False) for f in log.filters):
+        quiet = logging.Filter()
+        quiet.filter = lambda record: "inputs will be cast from" not in record.getMessage()
+        quiet.difftrain = True
+        log.addFilter(quiet)
+
+
+def _torchao_fp8(linear: nn.Linear) -> nn.Module:
+    """``linear`` with its weight made torchao's Float8Tensor (per-row scales), in place."""
+    require("torchao", EXTRA, "model.quantize_base='fp8'")
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only extensions fail to load on a CPU build
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    quantize_(linear, Float8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda m, _: m is linear)
+    return linear
+
+
+def _runs_on(*devices: str) -> Callable[[torch.device], bool]:
+    return lambda device: device.type in devices
+
+
+@dataclass(frozen=True)
+class QuantKind:
+    """One ``model.quantize_base``: the layer converter, the library, the devices it runs on, and the flag
+    peft reads off the model to pick its LoRA layer for bitsandbytes' layers (None: it needs none)."""
+
+    convert: Callable[[nn.Linear], nn.Module]
+    library: str
+    runs_on: Callable[[torch.device], bool]
+    devices: str  # in words, for the refusal
+    peft_flag: str | None
+    ddp: bool  # whether DDP (several processes) was verified to train over it
+
+
+QUANTIZE_KINDS: dict[str, QuantKind] = {
+    "int8": QuantKind(_bnb_linear("int8"), "bitsandbytes", _runs_on("cpu", "cuda"), "cpu and cuda", "is_loaded_in_8bit",
+                      ddp=True),
+    "nf4": QuantKind(_bnb_linear("nf4"), "bitsandbytes", _runs_on("cpu", "cuda"), "cpu and cuda", "is_loaded_in_4bit",
+                     ddp=True),
+    # DDP's start-up broadcast reshapes every parameter, which torchao's Float8Tensor refuses (measured here)
+    "fp8": QuantKind(_torchao_fp8, "torchao", _runs_on("cpu", "cuda"), "cpu and cuda", None, ddp=False),
+}
+assert set(QUANTIZE_KINDS) | {"off"} == set(typing.get_args(QuantizeBase))
+
+
+def device_refusal(kind: str, device: torch.device | str, world_size: int = 1) -> str | None:
+    """Why ``model.quantize_base = kind`` cannot run on ``device`` in ``world_size`` DDP processes (one line),
+    or None where it can."""
+    if kind == "off":
+        return None
+    device, spec = torch.device(device), QUANTIZE_KINDS[kind]
+    if not spec.runs_on(device):
+        return (f"model.quantize_base='{kind}' ({spec.library}) runs on {spec.devices}, not on {device.type}: "
+                f"set model.quantize_base='off' or train.device to one of them")
+    if world_size > 1 and not spec.ddp:
+        verified = ", ".join(repr(k) for k, s in QUANTIZE_KINDS.items() if s.ddp)
+        return (f"model.quantize_base='{kind}' ({spec.library}) does not train under DDP ({world_size} processes): "
+                f"use {verified} there, or one process")
+    return None
+
+
+@torch.no_grad()
+def quantize_base(base: nn.Module, kind: str) -> int:
+    """Every ``nn.Linear`` of ``base`` held quantized as ``kind`` (:data:`QUANTIZE_KINDS`), in place, frozen;
+    the number of layers converted. "off" leaves ``base`` as it is (0). Call it after the base's weights
+    are loaded and its digest taken, before peft injects the adapter (which then wraps the quantized
+    layers with its matching LoRA layers)."""
+    if kind == "off":
+        return 0
+    spec = QUANTIZE_KINDS[kind]
+    targets = [(name, module) for name, module in base.named_modules() if type(module) is nn.Linear]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = base.get_submodule(parent_name) if parent_name else base
+        setattr(parent, child, spec.convert(linear))
+    base.requires_grad_(False)
+    if spec.peft_flag:
+        setattr(base, spec.peft_flag, True)  # what peft's bitsandbytes dispatch reads off the model it adapts
+    return len(targets)
+
+
+def layer_kind(module: nn.Module) -> str | None:
+    """The ``model.quantize_base`` kind a layer's weight is held in, or None for an unquantized one."""
+    weight = dict(module.named_parameters(recurse=False)).get("weight")  # its own (peft's wrapper only shows its base's)
+    cls = type(weight).__name__ if weight is not None else ""
+    return {"Int8Params": "int8", "Params4bit": "nf4", "Float8Tensor": "fp8"}.get(cls)
+
+
+def quantized_layers(net: nn.Module) -> dict[str, str]:
+    """{module name: kind} of every layer of ``net`` whose own weight is held quantized (under a LoRA layer, its
+    base layer, named as peft names it: ``...to_q.base_layer``)."""
+    return {name: kind for name, module in net.named_modules() if (kind := layer_kind(module))}
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    """The number of weights ``param`` holds: its ``numel``, but an nf4 weight's unpacked shape (bitsandbytes
+    stores two 4-bit weights a byte, as a (numel / 2, 1) uint8 tensor)."""
+    state = getattr(param, "quant_state", None)
+    return int(state.shape.numel()) if state is not None else param.numel()
+
+
+def shared_state(net: nn.Module) -> dict[int, object]:
+    """What a copy of ``net`` for an average (``training/ema.py``) must share with it besides its frozen
+    parameters, as a ``copy.deepcopy`` memo: each bitsandbytes int8 layer's state (its int8 weight and row
+    scales, which the layer keeps there rather than in its parameter). Shared, a copy holds no second int8
+    base, and each layer finds its weight wherever it runs first."""
+    return {id(m.state): m.state for m in net.modules() if layer_kind(m) == "int8"}

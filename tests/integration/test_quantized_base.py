@@ -1,0 +1,252 @@
+"""A LoRA adapter trained over a quantized frozen base (``model.quantize_base``, issue 29 item 3), offline on
+the tiny Stable Diffusion folder: every Linear layer of the base held in int8 / nf4 (bitsandbytes) or fp8
+(torchao) and left as it was, the adapter alone trained; checkpoints hold the adapter alone and resume
+exactly; the exported LoRA, loaded by diffusers onto the unquantized base, samples within a stated
+tolerance of difftrain's own quantized-base samples; bad input is one line, exit 2 (item 6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("torchao")
+
+from difftrain import api  # noqa: E402
+from difftrain.conditioning import Conditioning  # noqa: E402
+from difftrain.config import ConfigError, load_config  # noqa: E402
+from difftrain.inference import generate_images, load_model  # noqa: E402
+from difftrain.models.quantize import QUANTIZE_KINDS, device_refusal, layer_kind, quantized_layers  # noqa: E402
+from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.training.loop import train  # noqa: E402
+from difftrain.training.ema import EMA  # noqa: E402
+from difftrain.training.optimizers import build_optimizer  # noqa: E402
+from difftrain.training.state import build_network  # noqa: E402
+from tests.integration.test_lora import PROMPT, _digests, _one_error_line, _pipeline_images, _sd_overrides  # noqa: E402
+
+KINDS = list(QUANTIZE_KINDS)
+SAMPLE = {"sampler": "ddim", "steps": 5, "seed": 3, "prompt": PROMPT, "guidance_scale": 3.0}
+# The largest pixel difference (images in [-1, 1]) between difftrain's samples on the quantized base and
+# diffusers' samples of the exported LoRA on the float32 base, after 4 steps at lr 1e-2; measured 0.005 (int8),
+# 0.044 (nf4), 0.007 (fp8), where the adapter itself moves the samples by 0.16 to 0.22. The gap is the base's
+# rounding, not the adapter's: the base alone, quantized, is as far from itself in float32.
+TOLERANCE = {"int8": 0.02, "nf4": 0.1, "fp8": 0.03}
+# The layer peft puts on each kind's quantized Linear.
+LORA_LAYER = {"int8": "Linear8bitLt", "nf4": "Linear4bit", "fp8": "TorchaoLoraLinear"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Finished 4-step LoRA runs (rank 4, alpha 8, lr 1e-2) of each kind on the tiny Stable Diffusion UNet."""
+    from tests.conftest import TINY_OVERRIDES
+
+    root = tmp_path_factory.mktemp("quantized")
+    for kind in KINDS:
+        train(load_config(None, _overrides(root, list(TINY_OVERRIDES), kind)), root / kind)
+    return root
+
+
+def _overrides(root, tiny_overrides, kind, *extra):
+    return _sd_overrides(root, tiny_overrides, f"model.quantize_base={kind}", "train.total_steps=4", *extra)
+
+
+def _frozen(net: nn.Module) -> list[torch.Tensor]:
+    """Copies of every frozen tensor of ``net``: parameters and buffers, quantized storage and scales included
+    (a bitsandbytes int8 layer keeps its weight and row scales in its state)."""
+    out = []
+    for p in [p for p in net.parameters() if not p.requires_grad] + list(net.buffers()):
+        if type(p).__name__ == "Float8Tensor":
+            out += [p.qdata.clone(), p.scale.clone()]
+        else:
+            out.append(p.detach().clone())
+            if getattr(p, "quant_state", None) is not None:  # nf4's block scales
+                out.append(p.quant_state.absmax.clone())
+    for m in net.modules():
+        if layer_kind(m) == "int8":
+            out += [m.state.CB.clone(), m.state.SCB.clone()]
+    return out
+
+
+def _storage(net: nn.Module) -> list[torch.Tensor]:
+    """The quantized weights' storage: a bitsandbytes int8 layer's state, every other layer's weight."""
+    return [m.state.CB if kind == "int8" else (m.weight.qdata if kind == "fp8" else m.weight)
+            for m in net.modules() if (kind := layer_kind(m))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_base_linear_is_held_quantized_and_the_adapter_alone_trains(tmp_path, tiny_overrides, kind):
+    cfg = load_config(None, _overrides(tmp_path, tiny_overrides, kind))
+    conditioning = Conditioning.from_config(cfg, 0)
+    plain = build_network(load_config(None, _overrides(tmp_path, tiny_overrides, "off", "lora.rank=0")), conditioning)
+    linears = [n for n, m in plain.named_modules() if type(m) is nn.Linear]
+    net = build_network(cfg, conditioning)
+    layers = quantized_layers(net.base)
+    assert len(layers) == len(linears) > 0 and set(layers.values()) == {kind}
+    for name, module in net.base.named_modules():
+        if name in layers:
+            weight = module.weight
+            dtype = weight.qdata.dtype if kind == "fp8" else weight.dtype
+            assert dtype == {"int8": torch.int8, "nf4": torch.uint8, "fp8": torch.float8_e4m3fn}[kind], name
+    adapted = [m for n, m in net.base.named_modules() if n.endswith("to_q")]
+    assert adapted and all(type(m).__name__ == LORA_LAYER[kind] for m in adapted)
+    # One optimizer step: the adapter moves, every frozen (quantized) tensor stays as it was.
+    frozen, adapter = _frozen(net), {k: v.clone() for k, v in net.state_dict().items()}
+    optimizer = build_optimizer(cfg, net, torch.device("cpu"))
+    ema = EMA(net, decay=0.0, warmup=False)  # made before the network's first call, as RunState.build makes it
+    g = torch.Generator().manual_seed(0)
+    x, t, cond = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([3, 50]), {"prompt_embeds": torch.randn(2, 16, 32, generator=g)}
+    net(x, t, cond).square().mean().backward()
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(frozen, _frozen(net), strict=True))
+    moved = [k for k, v in net.state_dict().items() if not torch.equal(v, adapter[k])]
+    assert moved and all("lora_A" in k or "lora_B" in k for k in moved)
+    # The EMA copy shares the quantized base (no second copy) and computes what the network does.
+    ema.update(net)
+    assert _frozen(ema.model) and all(a.data_ptr() == b.data_ptr() for a, b in zip(_storage(net), _storage(ema.model)))
+    with torch.no_grad():
+        assert torch.equal(ema.model(x, t, cond), net.eval()(x, t, cond))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_checkpoint_holds_the_adapter_alone_and_resume_is_exact(runs, tmp_path, tiny_overrides, kind):
+    state = ckpt.load_checkpoint(runs / kind)
+    assert state["config"]["model"]["quantize_base"] == kind
+    assert state["model"] and all(".lora_A." in n or ".lora_B." in n for n in state["model"])
+    assert all(t.dtype == torch.float32 for t in state["model"].values())
+    # the base's digest is the float32 base's, as an unquantized run records it
+    plain = load_config(None, _overrides(runs, tiny_overrides, "off"))
+    assert state["network"]["base_digest"] == build_network(plain, Conditioning.from_config(plain, 0)).base_digest
+    cfg = load_config(None, _overrides(runs, tiny_overrides, kind))
+    train(cfg, tmp_path / "resumed", stop_at_step=2)
+    assert train(cfg, tmp_path / "resumed").step == 4
+    assert _digests(runs / kind) == _digests(tmp_path / "resumed")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_exported_lora_on_the_float32_base_samples_as_difftrain_does(runs, tmp_path, tiny_overrides, kind):
+    from difftrain.sampling import initial_noise
+
+    cfg = load_config(None, _overrides(runs, tiny_overrides, kind))
+    out = api.export(runs / kind, tmp_path / "adapter", format="lora")
+    noise = initial_noise(2, (4, 8, 8), SAMPLE["seed"])
+    theirs = _pipeline_images(runs / "sd", out, cfg, noise, SAMPLE["steps"], SAMPLE["guidance_scale"])
+    their_base = _pipeline_images(runs / "sd", out, cfg, noise, SAMPLE["steps"], SAMPLE["guidance_scale"], scale=0.0)
+    loaded = load_model(runs / kind, device="cpu")
+    assert set(quantized_layers(loaded.model).values()) == {kind}  # difftrain samples on the quantized base
+    ours = generate_images(loaded, 2, **SAMPLE)
+    loaded.model.set_scale(0.0)
+    our_base = generate_images(loaded, 2, **SAMPLE)
+    gap = (ours - theirs).abs().max().item()
+    assert gap < TOLERANCE[kind], gap
+    # The adapter is not rounded away: what it adds is the same on both bases, and much larger than the gap.
+    effect = (theirs - their_base).abs().max().item()
+    assert effect > 2 * gap and ((ours - our_base) - (theirs - their_base)).abs().max().item() < TOLERANCE[kind]
+    # export --merge folds the adapter into the float32 base: diffusers' own samples.
+    merged = api.export(runs / kind, tmp_path / "merged.safetensors", format="safetensors", merge=True)
+    assert (generate_images(load_model(merged, device="cpu"), 2, **SAMPLE) - theirs).abs().max() < 1e-4
+
+
+# About 25 s on 2 cores: int8 by default, nf4 marked slow.
+@pytest.mark.parametrize("kind", ["int8", pytest.param("nf4", marks=pytest.mark.slow)])
+def test_ddp_on_2_ranks_trains_the_adapter_over_the_quantized_base_as_one_process(tmp_path, kind):
+    """2 gloo ranks x batch 2 against 1 process x batch 4, validated at the end (the EMA on the shared base)."""
+    from multiproc import assert_close_dicts, run_ranks, train_on_rank
+
+    from tests.conftest import TINY_OVERRIDES
+
+    common = _overrides(tmp_path, list(TINY_OVERRIDES), kind, "train.total_steps=3", "train.channels_last=off",
+                        "validation.every_steps=3", "validation.num_images=2", "validation.steps=2",
+                        f"validation.prompts=['{PROMPT}']")
+    train(load_config(None, common + ["train.batch_size=4"]), tmp_path / "one")
+    run_ranks(train_on_rank, 2, str(tmp_path / "two"), common + ["train.batch_size=2"], None)
+    one, two = ckpt.load_checkpoint(tmp_path / "one"), ckpt.load_checkpoint(tmp_path / "two")
+    assert_close_dicts(one["model"], two["model"])
+    assert_close_dicts(one["ema"]["model"], two["ema"]["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line (item 6).
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("lora.rank=0", "full fine-tuning (lora.rank=0) trains every weight"),
+    ("lora.kind=loha", "takes lora.kind 'lora' or 'dora'"),
+    ("train.parallel=fsdp", "does not combine with train.parallel='fsdp'"),
+    ("train.cuda_graphs=on", "is not captured in a CUDA graph"),
+])
+def test_options_that_do_not_combine_with_a_quantized_base_are_one_line(tmp_path, tiny_overrides, capsys, setting,
+                                                                          needle):
+    from difftrain.cli import main
+
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for s in _overrides(tmp_path, tiny_overrides, "int8", setting):
+        args += ["--set", s]
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert "model.quantize_base='int8'" in line and needle in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_missing_library_names_the_extra(tmp_path, tiny_overrides, capsys, monkeypatch, kind):
+    import importlib.util
+    import sys
+
+    from difftrain.cli import main
+    from difftrain.runtime.optional import MissingDependency
+
+    library = QUANTIZE_KINDS[kind].library
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == library else real(name, *a))
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for s in _overrides(tmp_path, tiny_overrides, kind):
+        args += ["--set", s]
+    assert main(args) == 2
+    assert (f"model.quantize_base='{kind}' needs the {library} package, which is not installed: "
+            "pip install 'difftrain[quant]'") in _one_error_line(capsys)
+    monkeypatch.undo()
+    # Past that check (the Python API, a sampler): the same extra, where the library is imported.
+    monkeypatch.setitem(sys.modules, library, None)
+    cfg = load_config(None, _overrides(tmp_path, tiny_overrides, kind))
+    with pytest.raises(MissingDependency, match=rf"model.quantize_base='{kind}' needs the {library}.*difftrain\[quant\]"):
+        build_network(cfg, Conditioning.from_config(cfg, 0))
+
+
+def test_a_device_that_cannot_run_the_kind_is_one_line(tmp_path, tiny_overrides, capsys, monkeypatch):
+    import dataclasses
+
+    from difftrain.cli import main
+
+    for kind in KINDS:
+        line = device_refusal(kind, "mps")
+        assert line.startswith(f"model.quantize_base='{kind}' ({QUANTIZE_KINDS[kind].library}) runs on cpu and cuda, "
+                               "not on mps") and "model.quantize_base='off'" in line
+        assert device_refusal(kind, "cpu") is None
+    assert device_refusal("off", "mps") is None
+    # fp8 under DDP: torchao's Float8Tensor refuses the reshape of DDP's start-up broadcast (measured)
+    assert device_refusal("fp8", "cpu", world_size=2) == (
+        "model.quantize_base='fp8' (torchao) does not train under DDP (2 processes): use 'int8', 'nf4' there, "
+        "or one process")
+    assert device_refusal("int8", "cpu", world_size=2) is None and device_refusal("nf4", "cpu", world_size=2) is None
+    # As the CLI says it: a kind made to run nowhere.
+    nowhere = dataclasses.replace(QUANTIZE_KINDS["nf4"], runs_on=lambda device: False)
+    monkeypatch.setitem(QUANTIZE_KINDS, "nf4", nowhere)
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for s in _overrides(tmp_path, tiny_overrides, "nf4"):
+        args += ["--set", s]
+    assert main(args) == 2
+    assert "model.quantize_base='nf4' (bitsandbytes) runs on cpu and cuda, not on cpu" in _one_error_line(capsys)
+    cfg = load_config(None, _overrides(tmp_path, tiny_overrides, "nf4"))
+    with pytest.raises(ValueError, match="model.quantize_base='nf4'"):
+        train(cfg, tmp_path / "api")  # the Python API: refused where the run state is built
+
+
+def test_a_full_fine_tuning_config_refuses_the_key_when_set_in_python(tiny_overrides):
+    cfg = load_config(None, tiny_overrides)
+    with pytest.raises(ConfigError, match="model.quantize_base='int8' quantizes a LoRA run's frozen base"):
+        cfg.model.quantize_base = "int8"
+    assert cfg.model.quantize_base == "off"
