@@ -63,24 +63,16 @@ def _ref(t: Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
 
-def _tensors(value) -> list[Tensor]:
-    """The tensors in ``value`` (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 class _FusedAttention(torch.autograd.Function):
     """(B, H, L, D) q, k, v -> (B, H, L, Dv): keeps q, k, v, the output and a (B, H, L) float32
     log-sum-exp, as the flash and memory-efficient kernels do; computes nothing (meta tensors)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        # laid out (B, L, H, Dv) and seen as (B, H, L, Dv), as those kernels return it: the caller's
+        # transpose(1, 2).reshape(B, L, H * Dv) is then a view, as on the device
+        out = q.new_empty(*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1]).transpose(-3, -2) if q.dim() >= 3 \
+            else q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -190,7 +182,7 @@ class _Checkpoint:
     blocks: list[dict[StorageWeakRef, Tensor]] = field(default_factory=list)
 
     def __call__(self, block: Callable, *args):
-        for t in _tensors(args):
+        for t in (a for a in args if isinstance(a, Tensor)):  # what torch's checkpoint saves (a tuple's stay referenced)
             ref = _ref(t)
             if ref not in self.skip:
                 self.inputs.setdefault(ref, t)
