@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.tools.meta_step import saved_for_backward
+from difftrain.models.text import first_line
+from difftrain.tools.meta_step import SavedBytes, saved_for_backward
 from difftrain.tools.parallel_memory import optimizer_state, rank_bytes, rank_memory
 from difftrain.training.optimizers import OPTIMIZERS
 
@@ -153,21 +154,25 @@ class _Network:
         return rank_bytes(rest, parallel, ranks) + sum(QUANT_BYTES[quantize](w.numel(), w.shape[0])
                                                        for w in self.linear_weights)
 
-    def activations(self, family, config: dict, batch: int, latent: tuple[int, int], precision: str,
-                    checkpointing: bool, quantize: str, max_sequence_length: int):
-        shapes = family.condition_shapes(config, max_sequence_length)
-        channels = family.latent_channels(config)
+    def activations(self, family, config: dict, cfg, batch: int, latent: tuple[int, int], checkpointing: bool,
+                    quantize: str) -> SavedBytes:
+        """What the training loss of one micro-batch (``per_sample_loss``, as the step computes it) keeps
+        for backward, on meta tensors: latents (B, C, h, w), the family's condition shapes."""
+        from difftrain.diffusion.objective import build_objective, per_sample_loss
+
+        shapes = family.condition_shapes(config, int(getattr(cfg.model, "max_sequence_length", 0)))
+        objective = build_objective(cfg.diffusion)
+        levels = objective.draw_levels(batch, torch.Generator().manual_seed(0), torch.device("cpu")).to("meta")
+        objective = objective.to("meta")
 
         def forward():
-            x = torch.empty(batch, channels, *latent, device="meta")
-            t = torch.empty(batch, device="meta")
+            x0 = torch.empty(batch, family.latent_channels(config), *latent, device="meta")
             cond = {k: torch.empty(batch, *s, device="meta") for k, s in shapes.items()}
-            out = self.denoiser(x, t, cond)
-            return (out.float() - x).pow(2).mean()  # the loss against its target, float32
+            return per_sample_loss(objective, self.model, x0, cond, levels, torch.empty_like(x0)).mean()
 
         quantized = frozenset(id(w) for w in self.linear_weights) if quantize != "off" else frozenset()
-        return saved_for_backward(forward, self.model, precision, self.denoiser.model if checkpointing else None,
-                                  quantized)
+        return saved_for_backward(forward, self.model, cfg.train.precision,
+                                  self.denoiser.model if checkpointing else None, quantized)
 
 
 def _settings(cfg, ranks: int) -> list[Setting]:
@@ -217,18 +222,24 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
     if resolution % factor:
         raise ValueError(f"resolution {resolution} must be a multiple of {factor} for this {family.name} base")
     latent = (resolution // vae_factor(folder), resolution // vae_factor(folder))
-    precision, msl = cfg.train.precision, int(getattr(cfg.model, "max_sequence_length", 0))
+    precision = cfg.train.precision
     text = 0 if text_cache_on(cfg) else 4 * text_encoder_params(folder)
     own = _config_setting(cfg, ranks, parallel)
     settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
     networks = {lora: _Network(family, config, cfg, lora) for lora in (False, True)}
-    acts: dict[tuple, object] = {}
+    acts: dict[tuple, SavedBytes] = {}
+    failed = ""
     rows = []
     for s in settings:
         net = networks[s.lora]
         key = (s.lora, s.checkpointing, s.quantize)
         if key not in acts:
-            acts[key] = net.activations(family, config, batch, latent, precision, s.checkpointing, s.quantize, msl)
+            try:
+                acts[key] = net.activations(family, config, cfg, batch, latent, s.checkpointing, s.quantize)
+            except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:  # a forward meta tensors cannot run
+                acts[key] = SavedBytes(0, 0, 0)
+                failed = (f"not counted: the {family.name} denoiser's forward fails on the meta device ({first_line(e)}); "
+                          "`difftrain estimate --config ...` measures them on a model that fits")
         trained = [p for p in net.model.parameters() if p.requires_grad]
         state = optimizer_state(trained, s.optimizer, s.parallel)
         ema = trained * (1 + len(cfg.ema.posthoc_std))
@@ -252,6 +263,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "lora_parameters": sum(p.numel() for p in lora.parameters() if p.requires_grad),
         "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else "loaded, float32",
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
+        "activations_note": failed or "counted on meta tensors (tools/meta_step.py)",
         "rows": rows,
     }
 
@@ -283,6 +295,8 @@ def format_base(r: dict) -> str:
         ("  text encoders", _gib(own["text_encoders"]) + " GiB"),
         ("  total per rank", _gib(own["total"]) + " GiB"),
     ]
+    if not r["activations_note"].startswith("counted"):
+        head.append(("  activations", r["activations_note"]))
     lines = [f"{k:22s} {v}" for k, v in head]
     cards = "  ".join(f"{c:>3d}G" for c in CARDS_GIB)
     lines += ["", f"{'setting':72s} {'GiB/rank':>8s}  {cards}"]
