@@ -97,12 +97,32 @@ def test_settings_table_and_levers(flux):
     assert "16G" in text and "nf4 base" in text and "4 x FSDP" in text
 
 
-def test_quantized_weight_bytes():
-    """QUANT_BYTES: int8 and fp8 one byte a weight and a float32 scale a row; nf4 half a byte, an int8 scale per
-    64 and a float32 factor per 256 blocks."""
-    n, rows = 3072 * 12288, 3072
-    assert QUANT_BYTES["int8"](n, rows) == QUANT_BYTES["fp8"](n, rows) == n + 4 * rows
-    assert QUANT_BYTES["nf4"](n, rows) == n // 2 + n // 64 + 4 * (n // 16384)
+@pytest.mark.parametrize("kind", ["int8", "fp8", "nf4"])
+def test_quantized_weight_bytes_equal_torchao_to_the_byte(kind):
+    """QUANT_BYTES against the tensors torchao's quantization of a Linear weight holds (its subclasses'
+    inner tensors, each storage's bytes)."""
+    import torch
+
+    pytest.importorskip("torchao")
+    weight = torch.randn(256, 512)
+    if kind == "nf4":
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        held = to_nf4(weight)
+    else:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        layer = torch.nn.Sequential(torch.nn.Linear(512, 256))
+        layer[0].weight.data = weight
+        quantize_(layer, Int8WeightOnlyConfig() if kind == "int8" else Float8WeightOnlyConfig())
+        held = layer[0].weight
+
+    def nbytes(t):
+        if hasattr(t, "__tensor_flatten__"):
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.untyped_storage().nbytes()
+
+    assert nbytes(held) == QUANT_BYTES[kind](weight.numel(), weight.shape[0])
 
 
 def test_known_bases_are_the_public_architectures():

@@ -44,15 +44,16 @@ KNOWN = Path(__file__).parent / "bases"  # known bases: folders of config.json f
 CARDS_GIB = (16, 24, 48, 80)
 HEADROOM = 0.9  # share of a card's memory planned for (the rest: CUDA context, allocator slack)
 GiB = 2**30
-# Bytes of a quantized Linear weight of n elements and `rows` output rows (model.quantize_base):
-# int8 and fp8 weight-only with a float32 scale per output row (torchao's int8 weight-only and
-# float8 layouts, bitsandbytes' Int8Params); nf4 in 64-element blocks, each block's scale quantized to
-# int8 with a float32 factor per 256 blocks (QLoRA's double quantization: torchao's NF4Tensor,
-# bitsandbytes' Linear4bit with compress_statistics).
+# Bytes of a quantized Linear weight of n elements and `rows` output rows (model.quantize_base), in torchao's
+# layouts (checked to the byte in tests/integration/test_estimate_base.py): int8 weight-only, an int8 weight
+# with a float32 scale and an int8 zero point per row; fp8 weight-only, a float8 weight and a float32 scale per
+# row; nf4 (QLoRA's NormalFloat4 with double quantization, NF4Tensor): half a byte a weight, an int8 scale per
+# 64-weight block, a float32 factor per 256 blocks, a float32 mean and the 16-entry float32 code table.
+# bitsandbytes' Int8Params / Linear4bit hold the same within a few bytes a row.
 QUANT_BYTES = {
-    "int8": lambda n, rows: n + 4 * rows,
+    "int8": lambda n, rows: n + 5 * rows,
     "fp8": lambda n, rows: n + 4 * rows,
-    "nf4": lambda n, rows: math.ceil(n / 2) + math.ceil(n / 64) + 4 * math.ceil(n / (64 * 256)),
+    "nf4": lambda n, rows: math.ceil(n / 2) + math.ceil(n / 64) + 4 * math.ceil(n / (64 * 256)) + 4 + 16 * 4,
 }
 
 
