@@ -15,7 +15,8 @@ and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on 
 - gradients of the trained weights; optimizer state by ``optim.name`` (``training/optimizers.py``'s exact
   count per shape); the EMA and each post-hoc EMA (a copy of the trained weights);
 - activations of one micro-batch at ``data.resolution`` (``tools/meta_step.py``: the forward on meta
-  tensors, autocast, fused attention, with and without gradient checkpointing);
+  tensors, autocast, fused attention, with and without gradient checkpointing); under FSDP in bf16 the
+  weights are gathered in bf16, so autocast keeps no copies of them (``SavedBytes.sharded_total``);
 - the frozen text encoders in float32 when the text cache is off (with it on they are never loaded).
 
 The sum is a planning figure (an upper bound of the step's peak, which frees activations as gradients
@@ -247,11 +248,12 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         rank = rank_memory(net.model, state, ema, s.parallel, s.ranks, precision)
         weights = net.weight_bytes(s.quantize, s.parallel, s.ranks)
         a = acts[key]
-        total = weights + rank.grads + rank.optimizer + rank.ema + rank.transient + a.total + text
+        activations = a.sharded_total if s.parallel == "fsdp" and precision != "fp32" else a.total
+        total = weights + rank.grads + rank.optimizer + rank.ema + rank.transient + activations + text
         rows.append({"setting": s.label(), "lora": s.lora, "checkpointing": s.checkpointing, "optimizer": s.optimizer,
                      "quantize_base": s.quantize, "parallel": s.parallel, "ranks": s.ranks,
                      "weights": weights, "grads": rank.grads, "optimizer_state": rank.optimizer, "ema": rank.ema,
-                     "transient": rank.transient, "activations": a.total, "activation_parts": vars(a),
+                     "transient": rank.transient, "activations": activations, "activation_parts": vars(a),
                      "text_encoders": text, "total": total,
                      "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]})
     full, lora = networks[False].model, networks[True].model

@@ -151,17 +151,20 @@ class SavedBytes:
     """Bytes a training forward keeps for its backward pass.
 
     saved: what autograd keeps outside checkpointed blocks (everything, without checkpointing);
-    frozen_casts: of ``saved``, the low-precision copies of frozen weights (a LoRA run's base under
-    autocast: 2 bytes per weight; none for a quantized base); cast_cache: autocast's cached copies of
-    trained weights not already in ``saved`` (alive until the forward ends); checkpoint_inputs: the
-    checkpointed blocks' inputs; largest_block: what recomputing the largest block keeps in backward.
+    frozen_casts, trained_casts: of ``saved``, the low-precision copies of frozen weights (a LoRA run's
+    base under autocast: 2 bytes a weight; none for a quantized base) and of trained ones;
+    cast_cache: autocast's cached copies of trained weights not already in ``saved`` (alive until the
+    forward ends); checkpoint_inputs: the checkpointed blocks' inputs; largest_block: what recomputing
+    the largest block keeps in backward, of which ``largest_block_casts`` are weight copies.
     """
 
     saved: int
     frozen_casts: int
     cast_cache: int
+    trained_casts: int = 0
     checkpoint_inputs: int = 0
     largest_block: int = 0
+    largest_block_casts: int = 0
     blocks: int = 0  # checkpointed block calls seen
 
     @property
@@ -170,6 +173,13 @@ class SavedBytes:
         while the largest checkpointed block is recomputed."""
         held = self.saved + self.checkpoint_inputs
         return held + max(self.cast_cache, self.largest_block)
+
+    @property
+    def sharded_total(self) -> int:
+        """:attr:`total` under FSDP's mixed precision: the weights are gathered in the low dtype (no autocast
+        copies; FSDP frees and gathers them again for backward, its transient), so no weight copy is kept."""
+        return (self.saved - self.frozen_casts - self.trained_casts + self.checkpoint_inputs
+                + self.largest_block - self.largest_block_casts)
 
 
 @dataclass
@@ -220,12 +230,22 @@ def saved_for_backward(forward: Callable[[], Tensor], model: nn.Module, precisio
     quantized_casts = {r for r, (_, kind) in modes.casts.items() if kind == "quantized"}
     frozen_casts = {r for r, (_, kind) in modes.casts.items() if kind == "frozen"}
     trained_casts = {r: c for r, (c, kind) in modes.casts.items() if kind == "trained"}
+    casts = set(modes.casts)
     held = set(outer.kept) | set(check.inputs)
+    blocks = [(_bytes(b, held | quantized_casts), _bytes({r: t for r, t in b.items() if r in casts}, held))
+              for b in check.blocks]
+    largest = max(blocks, default=(0, 0))
+
+    def outer_bytes(refs) -> int:
+        return sum(t.untyped_storage().nbytes() for r, t in outer.kept.items() if r in refs)
+
     return SavedBytes(
         saved=_bytes(outer.kept, quantized_casts),
-        frozen_casts=sum(t.untyped_storage().nbytes() for r, t in outer.kept.items() if r in frozen_casts),
+        frozen_casts=outer_bytes(frozen_casts),
         cast_cache=_bytes(trained_casts, held),
+        trained_casts=outer_bytes(set(trained_casts)),
         checkpoint_inputs=_bytes(check.inputs, set(outer.kept) | quantized_casts),
-        largest_block=max((_bytes(b, held | quantized_casts) for b in check.blocks), default=0),
+        largest_block=largest[0],
+        largest_block_casts=largest[1],
         blocks=len(check.blocks),
     )
