@@ -232,7 +232,7 @@ def saved_for_backward(forward: Callable[[], Tensor], model: nn.Module, precisio
     trained_casts = {r: c for r, (c, kind) in modes.casts.items() if kind == "trained"}
     casts = set(modes.casts)
     held = set(outer.kept) | set(check.inputs)
-    blocks = [(_bytes(b, held | quantized_casts), _bytes({r: t for r, t in b.items() if r in casts}, held))
+    blocks = [(_bytes(b, held | quantized_casts), _bytes({r: t for r, t in b.items() if r in casts}, held | quantized_casts))
               for b in check.blocks]
     largest = max(blocks, default=(0, 0))
 
