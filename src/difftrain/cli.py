@@ -223,12 +223,12 @@ def _estimate(args: argparse.Namespace) -> int:
 
         folder = base_folder(args.base)
         cfg = load_config(args.config, [f"model.init_from={folder}", *args.set])
-        r = count_base(cfg, args.base, ranks=args.world_size or 8, parallel=args.parallel,
+        r = count_base(cfg, args.base, ranks=8 if args.world_size is None else args.world_size, parallel=args.parallel,
                        resolution=args.resolution, batch_size=args.batch_size)
         print(json.dumps(r, indent=1) if args.json else format_base(r))
         return 0
     cfg = load_config(args.config, args.set)
-    args.world_size = args.world_size or 1
+    args.world_size = 1 if args.world_size is None else args.world_size
     if args.unet_config:  # too large to build: counted on the meta device, no step
         r = count_unet_config(cfg, args.unet_config, parallel=args.parallel, world_size=args.world_size)
         print(json.dumps(r, indent=1) if args.json else format_counted(r))

@@ -212,6 +212,8 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
     default ``train.batch_size``) give the activations."""
     from difftrain.families import detect
 
+    if ranks < 1:
+        raise ValueError(f"--world-size must be >= 1, got {ranks}")
     folder = base_folder(base)
     try:
         family = detect(folder)
