@@ -60,6 +60,7 @@ def test_counted_parts_equal_a_real_step_to_the_byte(flux, mode):
         row = _row(counted, lora=mode == "lora", ranks=1, optimizer="adamw", checkpointing=ckpt, quantize_base="off")
         assert counted["rows"][0]["ranks"] == 2 and counted["rows"][0]["checkpointing"] == ckpt  # the config's first
         assert row["weights"] / MiB == measured["params_mib"]
+        assert row["buffers"] / MiB == 2 * measured["buffers_mib"]  # the model's and the EMA's
         assert row["grads"] / MiB == measured["grads_mib"]
         assert row["optimizer_state"] / MiB == measured["optimizer_mib"]
         assert row["ema"] / MiB == measured["ema_mib"]
@@ -76,7 +77,7 @@ def test_settings_table_and_levers(flux):
     _, configs = flux
     r = count_base(_cfg(configs, "train.precision=bf16", "lora.rank=4"), str(configs), ranks=4)
     for row in r["rows"]:
-        parts = ("weights", "grads", "optimizer_state", "ema", "transient", "activations", "text_encoders")
+        parts = ("weights", "buffers", "grads", "optimizer_state", "ema", "transient", "activations", "text_encoders")
         assert row["total"] == sum(row[k] for k in parts)
 
     def total(**k):

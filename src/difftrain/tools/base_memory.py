@@ -12,6 +12,8 @@ and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on 
 
 - weights: the trained ones in float32; the frozen base in float32 as difftrain holds it, or with
   ``model.quantize_base`` its Linear weights at :data:`QUANT_BYTES`;
+- buffers (SD3's position embedding table: 0.84 GiB in SD3.5 Medium), whole on every rank, in the model and
+  in each EMA copy;
 - gradients of the trained weights; optimizer state by ``optim.name`` (``training/optimizers.py``'s exact
   count per shape); the EMA and each post-hoc EMA (a copy of the trained weights);
 - activations of one micro-batch at ``data.resolution`` (``tools/meta_step.py``: the forward on meta
@@ -251,10 +253,12 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         weights = net.weight_bytes(s.quantize, s.parallel, s.ranks)
         a = acts[key]
         activations = a.sharded_total if s.parallel == "fsdp" and precision != "fp32" else a.total
-        total = weights + rank.grads + rank.optimizer + rank.ema + rank.transient + activations + text
+        # buffers: whole on every rank, in the model and in each EMA copy (ema.averaged_copy copies them)
+        buffers = (1 + len(ema) // max(len(trained), 1)) * sum(b.numel() * b.element_size() for b in net.model.buffers())
+        total = weights + buffers + rank.grads + rank.optimizer + rank.ema + rank.transient + activations + text
         rows.append({"setting": s.label(), "lora": s.lora, "checkpointing": s.checkpointing, "optimizer": s.optimizer,
                      "quantize_base": s.quantize, "parallel": s.parallel, "ranks": s.ranks,
-                     "weights": weights, "grads": rank.grads, "optimizer_state": rank.optimizer, "ema": rank.ema,
+                     "weights": weights, "buffers": buffers, "grads": rank.grads, "optimizer_state": rank.optimizer, "ema": rank.ema,
                      "transient": rank.transient, "activations": activations, "activation_parts": vars(a),
                      "text_encoders": text, "total": total,
                      "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]})
@@ -290,6 +294,7 @@ def format_base(r: dict) -> str:
                  f"{'y' if r['ema_copies'] == 1 else 'ies'}"),
         ("your setting", own["setting"]),
         ("  weights", _gib(own["weights"]) + " GiB" + (f" (base {own['quantize_base']})" if own["quantize_base"] != "off" else "")),
+        ("  buffers", _gib(own["buffers"]) + " GiB (model and EMA copies; e.g. SD3's position embedding)"),
         ("  gradients", _gib(own["grads"]) + " GiB"),
         ("  optimizer state", _gib(own["optimizer_state"]) + f" GiB ({own['optimizer']})"),
         ("  EMA", _gib(own["ema"]) + " GiB"),
