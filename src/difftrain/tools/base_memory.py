@@ -83,8 +83,8 @@ def _json(path: Path) -> dict:
 
 
 def denoiser_config(folder: Path) -> dict:
-    """The denoiser's diffusers config: ``transformer/`` or ``unet/config.json``."""
-    for sub in ("transformer", "unet"):
+    """The denoiser's diffusers config: ``transformer/`` or ``unet/config.json`` (a bare denoiser folder's own)."""
+    for sub in ("transformer", "unet", "."):
         if (folder / sub / "config.json").is_file():
             return _json(folder / sub / "config.json")
     raise ValueError(f"--base {folder}: no transformer/config.json nor unet/config.json")
