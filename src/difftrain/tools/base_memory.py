@@ -196,8 +196,12 @@ def _settings(cfg, ranks: int) -> list[Setting]:
 
 
 def _config_setting(cfg, ranks: int, parallel: str | None) -> Setting:
-    return Setting(bool(cfg.lora.rank), cfg.model.gradient_checkpointing, cfg.optim.name,
-                   getattr(cfg.model, "quantize_base", "off"), parallel or cfg.train.parallel, ranks)
+    quantize = str(getattr(cfg.model, "quantize_base", "off") or "off")
+    quantize = "off" if quantize in ("off", "none") else quantize
+    if quantize != "off" and quantize not in QUANT_BYTES:
+        raise ValueError(f"model.quantize_base={quantize!r}: estimate counts {', '.join(QUANT_BYTES)} (or off)")
+    return Setting(bool(cfg.lora.rank), cfg.model.gradient_checkpointing, cfg.optim.name, quantize,
+                   parallel or cfg.train.parallel, ranks)
 
 
 def text_cache_on(cfg) -> bool:
