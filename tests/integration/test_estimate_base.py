@@ -155,3 +155,19 @@ def test_estimate_base_cli(flux, tmp_path, capsys):
     assert main(["estimate", "--base", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert "--base" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_quantize_base_is_the_first_row(flux):
+    """``model.quantize_base`` (read with a default: the key comes with the quantized-base work) sets the
+    config's own row; an unknown value is one ValueError naming the key."""
+    _, configs = flux
+    cfg = _cfg(configs, "lora.rank=4")
+    cfg.model.__dict__["quantize_base"] = "int8"  # as the key will, without this branch's config knowing it
+    r = count_base(cfg, str(configs), ranks=1)
+    own = r["rows"][0]
+    assert own["quantize_base"] == "int8" and own["lora"]
+    plain = _row(r, lora=True, optimizer="adamw", checkpointing=False, quantize_base="off")
+    assert own["weights"] < plain["weights"] and own["activations"] <= plain["activations"]
+    cfg.model.__dict__["quantize_base"] = "int3"
+    with pytest.raises(ValueError, match="model.quantize_base"):
+        count_base(cfg, str(configs), ranks=1)
