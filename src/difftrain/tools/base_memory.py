@@ -130,22 +130,25 @@ class Setting:
 
 
 class _Network:
-    """The denoiser on the meta device, full or with LoRA, and its meta inputs."""
+    """The denoiser on the meta device, whole (full fine-tuning) until :meth:`add_lora` (one build serves both)."""
 
-    def __init__(self, family, config: dict, cfg, lora: bool):
+    def __init__(self, family, config: dict):
         with torch.device("meta"):
             self.denoiser = family.denoiser_from_record({"config": config})
         self.model: nn.Module = self.denoiser
-        if lora:
-            from difftrain.models.lora import import_peft, peft_config, target_modules
+        self.linear_weights: list[nn.Parameter] = []  # the frozen base's Linear weights (what a quantized base holds)
 
-            lc = cfg.lora
-            rank = lc.rank or 16
-            targets = target_modules(lc, self.denoiser.record())
-            self.denoiser.requires_grad_(False)
-            with torch.device("meta"):
-                import_peft().inject_adapter_in_model(
-                    peft_config(lc.kind, rank, lc.alpha or float(rank), lc.dropout, targets, lc.init), self.denoiser)
+    def add_lora(self, cfg) -> None:
+        """Freeze the base and inject ``cfg.lora``'s layers as training does (rank 16 when ``lora.rank`` is 0)."""
+        from difftrain.models.lora import import_peft, peft_config, target_modules
+
+        lc = cfg.lora
+        rank = lc.rank or 16
+        targets = target_modules(lc, self.denoiser.record())
+        self.denoiser.requires_grad_(False)
+        with torch.device("meta"):
+            import_peft().inject_adapter_in_model(
+                peft_config(lc.kind, rank, lc.alpha or float(rank), lc.dropout, targets, lc.init), self.denoiser)
         self.linear_weights = [m.weight for m in self.denoiser.modules()
                                if isinstance(m, nn.Linear) and not m.weight.requires_grad]
 
@@ -204,6 +207,25 @@ def _config_setting(cfg, ranks: int, parallel: str | None) -> Setting:
                    parallel or cfg.train.parallel, ranks)
 
 
+def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text: int) -> dict:
+    """One setting's parts per rank (bytes) and the cards it fits."""
+    precision = cfg.train.precision
+    trained = [p for p in net.model.parameters() if p.requires_grad]
+    state = optimizer_state(trained, s.optimizer, s.parallel)
+    ema = trained * (1 + len(cfg.ema.posthoc_std))
+    rank = rank_memory(net.model, state, ema, s.parallel, s.ranks, precision)
+    weights = net.weight_bytes(s.quantize, s.parallel, s.ranks)
+    activations = a.sharded_total if s.parallel == "fsdp" and precision != "fp32" else a.total
+    # buffers: whole on every rank, in the model and in each EMA copy (ema.averaged_copy copies them)
+    buffers = (1 + len(cfg.ema.posthoc_std) + 1) * sum(b.numel() * b.element_size() for b in net.model.buffers())
+    total = weights + buffers + rank.grads + rank.optimizer + rank.ema + rank.transient + activations + text
+    return {"setting": s.label(), "lora": s.lora, "checkpointing": s.checkpointing, "optimizer": s.optimizer,
+            "quantize_base": s.quantize, "parallel": s.parallel, "ranks": s.ranks, "weights": weights,
+            "buffers": buffers, "grads": rank.grads, "optimizer_state": rank.optimizer, "ema": rank.ema,
+            "transient": rank.transient, "activations": activations, "activation_parts": vars(a),
+            "text_encoders": text, "total": total, "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]}
+
+
 def text_cache_on(cfg) -> bool:
     """Whether the text encoders stay unloaded (``text.cache``: auto is on unless captions change per sample)."""
     mode = cfg.text.cache
@@ -236,48 +258,36 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
     text = 0 if text_cache_on(cfg) else 4 * text_encoder_params(folder)
     own = _config_setting(cfg, ranks, parallel)
     settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
-    networks = {lora: _Network(family, config, cfg, lora) for lora in (False, True)}
-    acts: dict[tuple, SavedBytes] = {}
+    net = _Network(family, config)
+    parameters = sum(p.numel() for p in net.model.parameters())
     failed = ""
-    rows = []
-    for s in settings:
-        net = networks[s.lora]
-        key = (s.lora, s.checkpointing, s.quantize)
-        if key not in acts:
-            try:
-                acts[key] = net.activations(family, config, cfg, batch, latent, s.checkpointing, s.quantize)
-            except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:  # a forward meta tensors cannot run
-                acts[key] = SavedBytes(0, 0, 0)
-                failed = (f"not counted: the {family.name} denoiser's forward fails on the meta device ({first_line(e)}); "
-                          "`difftrain estimate --config ...` measures them on a model that fits")
-        trained = [p for p in net.model.parameters() if p.requires_grad]
-        state = optimizer_state(trained, s.optimizer, s.parallel)
-        ema = trained * (1 + len(cfg.ema.posthoc_std))
-        rank = rank_memory(net.model, state, ema, s.parallel, s.ranks, precision)
-        weights = net.weight_bytes(s.quantize, s.parallel, s.ranks)
-        a = acts[key]
-        activations = a.sharded_total if s.parallel == "fsdp" and precision != "fp32" else a.total
-        # buffers: whole on every rank, in the model and in each EMA copy (ema.averaged_copy copies them)
-        buffers = (1 + len(ema) // max(len(trained), 1)) * sum(b.numel() * b.element_size() for b in net.model.buffers())
-        total = weights + buffers + rank.grads + rank.optimizer + rank.ema + rank.transient + activations + text
-        rows.append({"setting": s.label(), "lora": s.lora, "checkpointing": s.checkpointing, "optimizer": s.optimizer,
-                     "quantize_base": s.quantize, "parallel": s.parallel, "ranks": s.ranks,
-                     "weights": weights, "buffers": buffers, "grads": rank.grads, "optimizer_state": rank.optimizer, "ema": rank.ema,
-                     "transient": rank.transient, "activations": activations, "activation_parts": vars(a),
-                     "text_encoders": text, "total": total,
-                     "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]})
-    full, lora = networks[False].model, networks[True].model
+    rows: dict[Setting, dict] = {}
+    for lora in (False, True):
+        if lora:
+            net.add_lora(cfg)
+        acts: dict[tuple, SavedBytes] = {}
+        for s in (s for s in settings if s.lora == lora):
+            key = (s.checkpointing, s.quantize)
+            if key not in acts:
+                try:
+                    acts[key] = net.activations(family, config, cfg, batch, latent, s.checkpointing, s.quantize)
+                except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:  # a forward meta cannot run
+                    acts[key] = SavedBytes(0, 0, 0)
+                    failed = (f"not counted: the {family.name} denoiser's forward fails on the meta device "
+                              f"({first_line(e)}); `difftrain estimate --config ...` measures them on a model that fits")
+            rows[s] = _row(net, s, acts[key], cfg, text)
+    lora_parameters = sum(p.numel() for p in net.model.parameters() if p.requires_grad)
     return {
         "device": "meta (counted from the configs' shapes, not measured)",
         "base": str(base), "family": family.name, "resolution": resolution, "batch_size": batch,
         "latent": [family.latent_channels(config), *latent], "precision": precision,
-        "parameters": sum(p.numel() for p in full.parameters()),
+        "parameters": parameters,
         "lora_rank": cfg.lora.rank or 16,
-        "lora_parameters": sum(p.numel() for p in lora.parameters() if p.requires_grad),
+        "lora_parameters": lora_parameters,
         "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else "loaded, float32",
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
         "activations_note": failed or "counted on meta tensors (tools/meta_step.py)",
-        "rows": rows,
+        "rows": [rows[s] for s in settings],
     }
 
 
