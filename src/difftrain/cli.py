@@ -218,7 +218,17 @@ def _estimate(args: argparse.Namespace) -> int:
     from difftrain.tools.estimate import estimate, format_estimate
     from difftrain.tools.parallel_memory import count_unet_config, format_counted
 
+    if args.base:  # a base counted on the meta device from its config.json files: every setting against the cards
+        from difftrain.tools.base_memory import base_folder, count_base, format_base
+
+        folder = base_folder(args.base)
+        cfg = load_config(args.config, [f"model.init_from={folder}", *args.set])
+        r = count_base(cfg, args.base, ranks=8 if args.world_size is None else args.world_size, parallel=args.parallel,
+                       resolution=args.resolution, batch_size=args.batch_size)
+        print(json.dumps(r, indent=1) if args.json else format_base(r))
+        return 0
     cfg = load_config(args.config, args.set)
+    args.world_size = 1 if args.world_size is None else args.world_size
     if args.unet_config:  # too large to build: counted on the meta device, no step
         r = count_unet_config(cfg, args.unet_config, parallel=args.parallel, world_size=args.world_size)
         print(json.dumps(r, indent=1) if args.json else format_counted(r))
@@ -538,7 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-lr", action="store_true", help="scale optim.lr linearly from optim.base_batch")
     p.add_argument("--parallel", choices=_parallelisms(),
                    help="memory per rank under DDP (all of it on each rank) or FSDP (sharded) (default ddp)")
-    p.add_argument("--world-size", type=int, default=1, help="ranks for --parallel (default 1)")
+    p.add_argument("--world-size", type=int, help="ranks for --parallel (default 1; with --base: the N of its table, 8)")
+    p.add_argument("--base", metavar="NAME_OR_FOLDER",
+                   help="count a base on the meta device from its config.json files, no weights, no step: a pipeline "
+                        "folder or a known base (sdxl, sd3.5-large, sd3.5-medium, flux-dev); per-rank weights, gradients, "
+                        "optimizer state, EMA, activations (with and without checkpointing), quantized base, for full "
+                        "fine-tuning and LoRA at 1 and N ranks, against 16/24/48/80 GB cards")
+    p.add_argument("--resolution", type=int, help="with --base: image side in pixels (default data.resolution)")
     p.add_argument("--unet-config", metavar="PATH",
                    help="a diffusers UNet2DConditionModel config.json (or its folder) to count on the meta device "
                         "instead: weights, gradients, optimizer state and EMA per rank, no step, no activations")

@@ -275,6 +275,18 @@ class Family(ABC):
         pixels the network trains at. SDXL returns ``{"time_ids": (B, 6)}``."""
         return {}
 
+    def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
+        """The shape of one sample's condition (what :meth:`load_prompt_encoder` and :meth:`image_conditions`
+        give, without the batch) for a denoiser of diffusers ``config``; ``max_sequence_length``:
+        ``model.max_sequence_length`` (0: the pipeline's default). ``difftrain estimate --base`` runs the
+        denoiser on meta tensors of these shapes (``tools/base_memory.py``)."""
+        raise NotImplementedError(f"the {self.name} family does not give its condition's shapes")
+
+    def latent_channels(self, config: dict) -> int:
+        """Channels of the latents difftrain gives the denoiser of diffusers ``config`` (Flux: its 2x2-packed
+        ``in_channels`` / 4)."""
+        return int(config["in_channels"])
+
     def image_side_multiple(self, codec) -> int:
         """The multiple every image side must be: the VAE's downsampling (Flux: times its 2x2 packing)."""
         return int(codec.factor)

@@ -155,6 +155,15 @@ class FluxFamily(TransformerFamily):
                             guidance: float = DEFAULT_GUIDANCE) -> FluxPromptEncoder:
         return FluxPromptEncoder(Path(folder), max_sequence_length, guidance).to(device)
 
+    def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
+        """T5's tokens, ``joint_attention_dim`` wide, the pooled CLIP embedding and the guidance value."""
+        return {"prompt_embeds": (max_sequence_length or DEFAULT_T5_LENGTH, int(config["joint_attention_dim"])),
+                "pooled": (int(config["pooled_projection_dim"]),), "guidance": ()}
+
+    def latent_channels(self, config: dict) -> int:
+        """The VAE's channels: the transformer takes 2x2 patches of them."""
+        return int(config["in_channels"]) // 4
+
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return [*denoiser.model.transformer_blocks, *denoiser.model.single_transformer_blocks]
 

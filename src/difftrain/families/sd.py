@@ -26,6 +26,7 @@ from difftrain.families.base import Denoiser, Family, PromptEncoder, read_json, 
 from difftrain.runtime.optional import require
 
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
+CLIP_TOKENS = 77  # the CLIP tokenizers' model_max_length in the released bases (prompts are padded to it)
 # The "kind" of the network record checkpoints kept of a ConditionUNet before the families package.
 LEGACY_KIND = "diffusers.UNet2DConditionModel"
 
@@ -303,6 +304,11 @@ class SDFamily(Family):
 
     def denoiser_from_record(self, record: dict) -> ConditionUNet:
         return ConditionUNet.from_config(record["config"])
+
+    def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
+        """CLIP's 77 tokens of ``cross_attention_dim``."""
+        dim = config["cross_attention_dim"]
+        return {"prompt_embeds": (CLIP_TOKENS, int(dim if isinstance(dim, int) else dim[0]))}
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> SDPromptEncoder:
         from difftrain.models.text import TextEncoder

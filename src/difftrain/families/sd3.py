@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from difftrain.families import register
 from difftrain.families.base import PromptEncoder, load_part, require_keys
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, parts_digest, t5_length, token_ids
+from difftrain.families.sd import CLIP_TOKENS
 
 DEFAULT_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default (diffusers' SD3 script: 77)
 KEYS = ("prompt_embeds", "pooled")
@@ -134,6 +135,12 @@ class SD3Family(TransformerFamily):
                 "diffusion.flow_logit_mean": 0.0, "diffusion.flow_logit_std": 1.0,
                 "diffusion.flow_train_shift": shift, "diffusion.flow_shift": shift,
                 "diffusion.flow_grid_end": grid_end, "diffusion.flow_dynamic_shift": False}
+
+    def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
+        """CLIP's 77 tokens then T5's, ``joint_attention_dim`` wide, and the pooled CLIP embeddings."""
+        tokens = CLIP_TOKENS + (max_sequence_length or DEFAULT_T5_LENGTH)
+        return {"prompt_embeds": (tokens, int(config["joint_attention_dim"])),
+                "pooled": (int(config["pooled_projection_dim"]),)}
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
                             max_sequence_length: int = 0) -> SD3PromptEncoder:

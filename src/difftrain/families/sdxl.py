@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from difftrain.families import register
 from difftrain.families.base import Denoiser, Family, PromptEncoder, load_part, read_json, require_keys
-from difftrain.families.sd import read_pipeline_lora, save_pipeline_lora, scheduler_training, unet_blocks
+from difftrain.families.sd import CLIP_TOKENS, read_pipeline_lora, save_pipeline_lora, scheduler_training, unet_blocks
 from difftrain.models.text import weights_digest
 from difftrain.runtime.optional import require
 
@@ -141,6 +141,12 @@ class SDXLFamily(Family):
         index = read_json(folder / "model_index.json", f"base {folder}")
         force_zeros = bool(index.get("force_zeros_for_empty_prompt", True))
         return SDXLPromptEncoder(encoders, tokenizers, str(folder), force_zeros).to(device)
+
+    def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
+        """Both CLIPs' 77 tokens (``cross_attention_dim`` wide), the pooled embedding (the class
+        embedding's input less the six time ids' embeddings) and the six time ids."""
+        pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(config["addition_time_embed_dim"])
+        return {"prompt_embeds": (CLIP_TOKENS, int(config["cross_attention_dim"])), "pooled": (pooled,), "time_ids": (6,)}
 
     def image_conditions(self, geometry: Tensor | None, size: tuple[int, int], device) -> dict[str, Tensor]:
         batch = 1 if geometry is None else geometry.shape[0]

@@ -1,0 +1,173 @@
+"""`difftrain estimate --base`: a base counted on the meta device from its config.json files, checked against a
+real CPU step of the same tiny base (tools/estimate.py's measured path): weights, gradients, optimizer state and
+EMA to the byte, the activations autograd keeps to the byte (fp32, with and without checkpointing)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from difftrain.config import load_config  # noqa: E402
+from difftrain.tools.base_memory import QUANT_BYTES, count_base, format_base, known_bases  # noqa: E402
+from difftrain.tools.estimate import estimate  # noqa: E402
+from tests.family_bases import T5_LENGTH, write_tiny_flux_folder  # noqa: E402
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    """A tiny Flux folder with weights, and a copy holding only its config.json files."""
+    root = tmp_path_factory.mktemp("estimate-base")
+    folder = write_tiny_flux_folder(root / "flux")
+    configs = root / "flux-configs"
+    for f in folder.rglob("*.json"):
+        if f.name in ("model_index.json", "config.json", "scheduler_config.json"):
+            (configs / f.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, configs / f.relative_to(folder))
+    assert not list(configs.rglob("*.safetensors"))
+    return folder, configs
+
+
+def _cfg(folder, *extra):
+    return load_config(None, ["data.resolution=32", "data.path=/nonexistent", f"model.init_from={folder}",
+                              f"model.max_sequence_length={T5_LENGTH}", "train.batch_size=2", "optim.warmup_steps=1",
+                              "validation.every_steps=0", "train.progress_bar=false", *extra])
+
+
+def _row(r, **want):
+    return next(row for row in r["rows"] if all(row[k] == v for k, v in want.items()))
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_counted_parts_equal_a_real_step_to_the_byte(flux, mode):
+    """The configs-only folder counted on meta against the weights folder measured on the CPU: weights,
+    gradients, AdamW state, EMA exact; the activations autograd keeps exact (fp32, so the CPU's own
+    precision), with checkpointing the part a real checkpoint shows to hooks (outside + the blocks' inputs)."""
+    folder, configs = flux
+    extra = ["lora.rank=4", "lora.alpha=4"] if mode == "lora" else []
+    for ckpt in (False, True):
+        cfg = _cfg(folder, f"model.gradient_checkpointing={str(ckpt).lower()}", *extra)
+        measured = estimate(cfg, batch_size=2)
+        counted = count_base(_cfg(configs, f"model.gradient_checkpointing={str(ckpt).lower()}", *extra),
+                             str(configs), ranks=2)
+        row = _row(counted, lora=mode == "lora", ranks=1, optimizer="adamw", checkpointing=ckpt, quantize_base="off")
+        assert counted["rows"][0]["ranks"] == 2 and counted["rows"][0]["checkpointing"] == ckpt  # the config's first
+        assert row["weights"] / MiB == measured["params_mib"]
+        assert row["buffers"] / MiB == 2 * measured["buffers_mib"]  # the model's and the EMA's
+        assert row["grads"] / MiB == measured["grads_mib"]
+        assert row["optimizer_state"] / MiB == measured["optimizer_mib"]
+        assert row["ema"] / MiB == measured["ema_mib"]
+        parts = row["activation_parts"]
+        assert (parts["saved"] + parts["checkpoint_inputs"]) / MiB == measured["activations_mib"]
+        assert (parts["blocks"] > 0) == ckpt
+    assert counted["parameters"] == measured["parameters"] if mode == "full" else counted["lora_parameters"] == \
+        measured["trained_parameters"]
+
+
+def test_settings_table_and_levers(flux):
+    """Every row's total is its parts; checkpointing, 8-bit AdamW, a 4-bit base and FSDP each lower the total
+    of an otherwise equal setting; the text encoders count only with the text cache off."""
+    _, configs = flux
+    r = count_base(_cfg(configs, "train.precision=bf16", "lora.rank=4"), str(configs), ranks=4)
+    for row in r["rows"]:
+        parts = ("weights", "buffers", "grads", "optimizer_state", "ema", "transient", "activations", "text_encoders")
+        assert row["total"] == sum(row[k] for k in parts)
+
+    def total(**k):
+        return _row(r, **k)["total"]
+
+    base = dict(lora=True, ranks=1, optimizer="adamw", checkpointing=False, quantize_base="off")
+    assert total(**{**base, "checkpointing": True}) < total(**base)
+    assert total(**{**base, "optimizer": "adamw8bit"}) < total(**base)
+    assert total(**{**base, "quantize_base": "nf4"}) < total(**base)
+    full = dict(lora=False, ranks=4, optimizer="adamw", checkpointing=False)
+    assert total(**full, parallel="fsdp") < total(**full, parallel="ddp")
+    assert {row["ranks"] for row in r["rows"]} == {1, 4}
+    assert not any(row["parallel"] == "fsdp" and row["optimizer"] == "adamw8bit" for row in r["rows"])  # not under FSDP
+    assert all(row["text_encoders"] == 0 for row in r["rows"])  # the text cache is on by default
+    off = count_base(_cfg(configs, "text.cache=off"), str(configs), ranks=1)
+    assert off["rows"][0]["text_encoders"] > 0
+    text = format_base(r)
+    assert "16G" in text and "nf4 base" in text and "4 x FSDP" in text
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "nf4"])
+def test_quantized_weight_bytes_equal_torchao_to_the_byte(kind):
+    """QUANT_BYTES against the tensors torchao's quantization of a Linear weight holds (its subclasses'
+    inner tensors, each storage's bytes)."""
+    import torch
+
+    pytest.importorskip("torchao")
+    weight = torch.randn(256, 512)
+    if kind == "nf4":
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        held = to_nf4(weight)
+    else:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        layer = torch.nn.Sequential(torch.nn.Linear(512, 256))
+        layer[0].weight.data = weight
+        quantize_(layer, Int8WeightOnlyConfig() if kind == "int8" else Float8WeightOnlyConfig())
+        held = layer[0].weight
+
+    def nbytes(t):
+        if hasattr(t, "__tensor_flatten__"):
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.untyped_storage().nbytes()
+
+    assert nbytes(held) == QUANT_BYTES[kind](weight.numel(), weight.shape[0])
+
+
+def test_known_bases_are_the_public_architectures():
+    """The shipped configs build the public models on meta: SDXL's UNet 2,567,463,684 parameters, Flux.1-dev's
+    transformer 11,901,408,320."""
+    import torch
+
+    from difftrain.families import detect
+    from difftrain.tools.base_memory import base_folder, denoiser_config
+
+    assert known_bases() == ["flux-dev", "sd3.5-large", "sd3.5-medium", "sdxl"]
+    for name, params in {"sdxl": 2_567_463_684, "flux-dev": 11_901_408_320}.items():
+        folder = base_folder(name)
+        with torch.device("meta"):
+            net = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})
+        assert sum(p.numel() for p in net.parameters()) == params
+
+
+def test_estimate_base_cli(flux, tmp_path, capsys):
+    """The command (in this process: the subprocess start-up is the CLI tests' own): JSON out, a missing base is
+    one line and exit 2."""
+    from difftrain.cli import main
+
+    _, configs = flux
+    assert main(["estimate", "--base", str(configs), "--set", "data.resolution=32", "--set",
+                 f"model.max_sequence_length={T5_LENGTH}", "--batch-size", "1", "--world-size", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["family"] == "flux" and r["batch_size"] == 1 and {row["ranks"] for row in r["rows"]} == {1, 2}
+    assert main(["estimate", "--base", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "--base" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_quantize_base_is_the_first_row(flux):
+    """``model.quantize_base`` (read with a default: the key comes with the quantized-base work) sets the
+    config's own row; an unknown value is one ValueError naming the key."""
+    _, configs = flux
+    cfg = _cfg(configs, "lora.rank=4")
+    cfg.model.__dict__["quantize_base"] = "int8"  # as the key will, without this branch's config knowing it
+    r = count_base(cfg, str(configs), ranks=1)
+    own = r["rows"][0]
+    assert own["quantize_base"] == "int8" and own["lora"]
+    plain = _row(r, lora=True, optimizer="adamw", checkpointing=False, quantize_base="off")
+    assert own["weights"] < plain["weights"] and own["activations"] <= plain["activations"]
+    cfg.model.__dict__["quantize_base"] = "int3"
+    with pytest.raises(ValueError, match="model.quantize_base"):
+        count_base(cfg, str(configs), ranks=1)
