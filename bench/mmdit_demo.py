@@ -46,10 +46,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from concept_demo import CLASS_PROMPT, NEW_PROMPT, measure, print_table, train, write_rings  # noqa: E402
+from concept_demo import CLASS_PROMPT, NEW_PROMPT, OLD_PROMPTS, measure, print_table, train, write_rings  # noqa: E402
 
 from difftrain.data.builtin import describe_shape, draw_ring, draw_shape, shape_caption  # noqa: E402
 from difftrain.evaluation.prompt_following import judge_image, prompt_following  # noqa: E402
+from difftrain.inference import generate_images, load_model  # noqa: E402
+from difftrain.sampling import make_grid, save_png, to_uint8  # noqa: E402
 from tests import family_bases as fb  # noqa: E402  (tiny random text encoders and tokenizers, built offline)
 
 RESOLUTION = 16  # pixels a side, as configs/text-shapes.toml
@@ -58,7 +60,7 @@ HELD_OUT = 100_000  # shape indices from here on are not used to train the VAE
 
 # Sizes: the demo's and a toy one (the test's). Text encoder widths: CLIP-L + CLIP-G <= T5's.
 SIZES = {
-    "demo": dict(vae_channels=(8, 16), latent_channels=4, layers=4, heads=2, head_dim=32, clip_l=16, clip_g=16,
+    "demo": dict(vae_channels=(32, 32), latent_channels=4, layers=4, heads=2, head_dim=32, clip_l=16, clip_g=16,
                  t5=32),
     "toy": dict(vae_channels=(8, 8), latent_channels=4, layers=1, heads=2, head_dim=8, clip_l=8, clip_g=8, t5=16),
 }
@@ -68,11 +70,6 @@ def shape_images(indices: list[int], resolution: int = RESOLUTION) -> torch.Tens
     """(B, 3, H, W) float32 in [-1, 1]: the built-in shapes ``indices``."""
     a = np.stack([draw_shape(i, resolution)[0] for i in indices])
     return torch.from_numpy(a).permute(0, 3, 1, 2).float() / 127.5 - 1
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, H, W, 3) uint8 of (B, 3, H, W) images in [-1, 1]."""
-    return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def train_vae(size: dict, steps: int, batch: int, lr: float, kl_weight: float, seed: int):
@@ -182,6 +179,21 @@ def trained_parameters(run_dir: Path) -> int:
     return sum(t.numel() for t in ckpt.load_checkpoint(run_dir)["model"].values())
 
 
+def sample_grid(runs: dict[str, Path], path: Path, *, sampler: str, steps: int, guidance: float, seed: int,
+                zoom: int = 3) -> Path:
+    """A PNG of one row per run: 8 samples of NEW_PROMPT, then one of each of 8 old prompts (every
+    sixth: each shape, colour and background), from the noise ``measure`` uses, ``zoom`` x nearest."""
+    rows = []
+    for run in runs.values():
+        loaded = load_model(run, device="cpu")
+        options = {"sampler": sampler, "steps": steps, "guidance_scale": guidance, "seed": seed}
+        rows.append(to_uint8(generate_images(loaded, 8, prompt=NEW_PROMPT, **options)))
+        rows.append(to_uint8(generate_images(loaded, 8, prompt=OLD_PROMPTS[::6], **options)))
+    grid = make_grid(np.concatenate(rows), ncols=16)
+    save_png(grid.repeat(zoom, axis=0).repeat(zoom, axis=1), Path(path))
+    return Path(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", default="runs/mmdit-demo", help="folder for the bases, the images and the fine-tunes")
@@ -209,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-images", type=int, default=64, help="samples of the new prompt per model")
     p.add_argument("--per-prompt", type=int, default=4, help="samples of each of the 48 old prompts per model")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--grid", help="also write a PNG of samples here: per model, 8 of the new prompt and 8 old prompts")
     args = p.parse_args(argv)
     if args.toy:
         args.vae_steps, args.vae_batch, args.base_steps, args.base_batch, args.steps, args.batch = 2, 4, 4, 4, 2, 2
@@ -239,16 +252,21 @@ def main(argv: list[str] | None = None) -> int:
     # 3 and 4. The fine-tunes, then every model judged.
     sample = {"sampler": "euler", "steps": args.sampling_steps, "guidance": args.guidance,
               "new_images": args.new_images, "per_prompt": args.per_prompt, "seed": args.seed}
+    runs = {"base (before)": run}
     rows = [{"mode": "base (before)", "train_s": base_s, "trained": trained_parameters(run), **measure(run, **sample)}]
     print(json.dumps(rows[-1]), file=sys.stderr)
     for name, overrides in modes(args, base.resolve(), images.resolve()).items():
         run_dir = work / name.lower().replace(" + ", "-").replace(" ", "-")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (a kept one would resume, done)
         train_s = train(None, run_dir, overrides)
+        runs[name] = run_dir
         rows.append({"mode": name, "train_s": train_s, "trained": trained_parameters(run_dir),
                      **measure(run_dir, **sample)})
         print(json.dumps(rows[-1]), file=sys.stderr)
 
+    if args.grid:
+        sample_grid(runs, Path(args.grid), sampler="euler", steps=args.sampling_steps, guidance=args.guidance,
+                    seed=args.seed)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"load average {load:.1f} at the start; {time.perf_counter() - start:.0f} s in all")
     print(f"VAE (factor 2, {size['latent_channels']} latent channels) trained {args.vae_steps} steps of "

@@ -62,7 +62,8 @@ def test_pieces_at_a_toy_size(tmp_path):
 @pytest.mark.slow
 def test_the_demo_runs_end_to_end_at_a_toy_size(tmp_path):
     out = tmp_path / "rows.json"
-    assert mmdit_demo.main(["--toy", "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    grid = tmp_path / "grid.png"
+    assert mmdit_demo.main(["--toy", "--work", str(tmp_path / "work"), "--json", str(out), "--grid", str(grid)]) == 0
     result = json.loads(out.read_text())
     rows = {r["mode"]: r for r in result["rows"]}
     assert list(rows) == ["base (before)", "LoRA rank 8", "DreamBooth + LoRA rank 8"]
@@ -71,4 +72,7 @@ def test_the_demo_runs_end_to_end_at_a_toy_size(tmp_path):
         assert all(0 <= r[k] <= 1 for k in ("ring", "red_ring", "old_shape", "old_colour", "old_both"))
     assert 0 < rows["LoRA rank 8"]["trained"] < rows["base (before)"]["trained"]  # the adapter alone
     assert (tmp_path / "work" / "base" / "model_index.json").is_file()  # the exported base
+    from PIL import Image
+
+    assert Image.open(grid).size[1] > 3 * 16 * 3  # three models' rows
     assert len(list((tmp_path / "work" / "dreambooth-lora-rank-8" / "class_images").glob("class_*.png"))) == 2
