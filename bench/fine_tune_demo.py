@@ -33,38 +33,24 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
+from concept_demo import (
+    CLASS_PROMPT,
+    NEW_PROMPT,
+    measure,
+    print_table,
+    train,
+    write_rings,
+)
 
 from difftrain.config import load_config
-from difftrain.data.builtin import BACKGROUNDS, COLOUR_NAMES, SHAPE_CLASSES, ShapeDescription, draw_ring, shape_caption
-from difftrain.evaluation.prompt_following import judge_image, prompt_following
-from difftrain.inference import generate_images, load_model
-from difftrain.sampling import to_uint8
 from difftrain.tools.estimate import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "text-shapes.toml"
-NEW_PROMPT = "a red ring on a dark background"  # the concept taught
-CLASS_PROMPT = "a red disc on a dark background"  # DreamBooth's class: what the base draws nearest to it
-OLD_PROMPTS = [shape_caption(ShapeDescription(s, c, b)) for s in SHAPE_CLASSES for c in COLOUR_NAMES for b in BACKGROUNDS]
-
-
-def write_rings(folder: Path, n: int, resolution: int) -> Path:
-    """``n`` red rings on dark backgrounds as PNGs in ``folder``, with a metadata.jsonl captioning each."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i in range(n):
-        Image.fromarray(draw_ring(i, resolution, hue_deg=(-10, 10), dark=True)).save(folder / f"{i:05d}.png")
-        lines.append(json.dumps({"file_name": f"{i:05d}.png", "text": NEW_PROMPT}))
-    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
 
 
 def modes(args, base: Path, images: Path) -> dict[str, list[str]]:
@@ -85,34 +71,16 @@ def modes(args, base: Path, images: Path) -> dict[str, list[str]]:
     }
 
 
-def train(run_dir: Path, overrides: list[str]) -> float:
-    """Run ``difftrain train`` on configs/text-shapes.toml; its wall-clock seconds."""
-    cmd = [sys.executable, "-m", "difftrain", "train", "--config", str(CONFIG), "--run-dir", str(run_dir)]
-    for o in overrides:
-        cmd += ["--set", o]
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    return time.perf_counter() - start
-
-
 def memory_mib(overrides: list[str], batch: int) -> tuple[float, int]:
     """(``difftrain estimate``'s step total in MiB, parameters trained) of a fine-tune's config."""
     est = estimate(load_config(CONFIG, [o for o in overrides if not o.startswith("dreambooth.")]), batch_size=batch)
     return est["total_mib"], est["trained_parameters"]
 
 
-def measure(run_dir: Path, args) -> dict:
-    """Prompt following of a run's EMA model: the new prompt (ring rate) and the old ones (accuracies)."""
-    loaded = load_model(run_dir, device="cpu")
-    sample = dict(guidance_scale=args.guidance, steps=args.sampling_steps, sampler="ddim", seed=args.seed)
-    new = to_uint8(generate_images(loaded, args.new_images, prompt=NEW_PROMPT, **sample))
-    seen = [judge_image(image) for image in new]
-    asked = [p for p in OLD_PROMPTS for _ in range(args.per_prompt)]
-    old = prompt_following(to_uint8(generate_images(loaded, len(asked), prompt=asked, **sample)), asked)
-    return {"ring": float(np.mean([s == "ring" for s, _ in seen])),
-            "red_ring": float(np.mean([(s, c) == ("ring", "red") for s, c in seen])),
-            "old_shape": old["shape_accuracy"], "old_colour": old["colour_accuracy"], "old_both": old["both_accuracy"],
-            "n_new": args.new_images, "n_old": old["n"]}
+def judge(run_dir: Path, args) -> dict:
+    """concept_demo.measure of a run with this demo's sampling (DDIM)."""
+    return measure(run_dir, sampler="ddim", steps=args.sampling_steps, guidance=args.guidance,
+                   new_images=args.new_images, per_prompt=args.per_prompt, seed=args.seed)
 
 
 def main() -> int:
@@ -143,20 +111,20 @@ def main() -> int:
     # The base.
     base, base_s = Path(args.base) if args.base else work / "base", None
     if not args.base:
-        base_s = train(base, [f"train.total_steps={args.base_steps}", "train.progress_bar=false"])
+        base_s = train(CONFIG, base, [f"train.total_steps={args.base_steps}", "train.progress_bar=false"])
     images = write_rings(work / "rings", args.images, resolution)
 
     # The fine-tunes, then every model judged.
-    rows = [{"mode": "base (before)", "train_s": base_s, **measure(base, args)}]
+    rows = [{"mode": "base (before)", "train_s": base_s, **judge(base, args)}]
     print(json.dumps(rows[-1]), file=sys.stderr)
     for name, overrides in modes(args, base.resolve(), images.resolve()).items():
         if args.only and not any(w.lower() in name.lower() for w in args.only):
             continue
         run_dir = work / name.lower().replace(" + ", "-").replace(" ", "-")
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (a kept one would resume, done)
-        train_s = train(run_dir, overrides)
+        train_s = train(CONFIG, run_dir, overrides)
         mib, trained = memory_mib(overrides, args.batch)
-        rows.append({"mode": name, "train_s": train_s, "step_mib": mib, "trained": trained, **measure(run_dir, args)})
+        rows.append({"mode": name, "train_s": train_s, "step_mib": mib, "trained": trained, **judge(run_dir, args)})
         print(json.dumps(rows[-1]), file=sys.stderr)
 
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
@@ -164,16 +132,7 @@ def main() -> int:
           + (f" trained in {base_s:.0f} s" if base_s else "")
           + f"; fine-tunes {args.steps} steps of {args.batch} on {args.images} ring images; samples DDIM "
           f"{args.sampling_steps} steps, guidance {args.guidance:g}, seed {args.seed}")
-    print(f"| model | trained parameters | step memory MiB | training s | '{NEW_PROMPT}': ring | red ring "
-          "| old prompts: shape | colour | both |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        trained = f"{r['trained']:,}" if "trained" in r else ""
-        mib = f"{r['step_mib']:.0f}" if "step_mib" in r else ""
-        secs = f"{r['train_s']:.0f}" if r["train_s"] else ""
-        print(f"| {r['mode']} | {trained} | {mib} | {secs} | {r['ring']:.0%} | {r['red_ring']:.0%} | "
-              f"{r['old_shape']:.1%} | {r['old_colour']:.1%} | {r['old_both']:.1%} |")
-    print(f"(new prompt: {args.new_images} samples per model; old prompts: {len(OLD_PROMPTS)} x {args.per_prompt})")
+    print_table(rows, args.new_images, args.per_prompt)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
