@@ -8,7 +8,7 @@ The protocol is time_to_fid.py's: 1,000 EMA samples (seed 0, batch 100) of the r
 (its ``evaluation.fid_sampler``), against 2,000 reference images at the run's resolution
 (``reference_statistics``, cached). Weight 1 is the unguided model (the guide is not run). A
 guided step evaluates both networks: ``--steps`` sampler steps cost twice the network
-evaluations of the unguided row; ``--equal-nfe`` halves the guided rows' steps instead, so
+evaluations of the unguided row (which weight 1 in ``--weight`` adds); ``--equal-nfe`` halves the guided rows' steps instead, so
 every row spends about the same network evaluations per image.
 """
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             reference, _, _ = reference_statistics(args.ref, inception, resolution=d.resolution, channels=d.channels,
                                                    num=args.ref_num, batch_size=args.batch_size)
         sampler = loaded.cfg.evaluation.fid_sampler
-        cases = [(None, 1.0)] + [(s, w) for s in args.guide_step for w in args.weight if w != 1.0]
+        cases = ([(None, 1.0)] if 1.0 in args.weight else []) + [(s, w) for s in args.guide_step for w in args.weight if w != 1.0]
         for guide_step, weight in cases:
             model = loaded if guide_step is None else with_guide(loaded, args.guide, weight, guide_step=guide_step)
             steps = args.steps // 2 + 1 if guide_step is not None and args.equal_nfe else args.steps
