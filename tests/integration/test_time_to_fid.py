@@ -192,3 +192,27 @@ def test_the_smoke_mode_keeps_the_preset_its_tables_were_measured_with():
         assert cfg.diffusion.objective == own, name
         if name not in ("v-minsnr", "edm", "flow"):
             assert (cfg.diffusion.schedule, cfg.diffusion.prediction) == ("linear", "epsilon"), name
+
+
+def test_every_edm2_row_of_quality_md_resolves_to_the_recipe_it_was_measured_with():
+    """docs/quality.md's EDM2 table (issue 30): each named row, resolved as ``--cpu-mode --recipes
+    NAME`` resolves it, trains the steps and images its columns say with the piece its label names."""
+    from difftrain.config import load_config
+
+    bench = _bench()
+    rows = _doc_rows("EDM2's pieces on the CPU protocol (issue 30, one seed so far)")
+    assert {r["name"] for r in rows} >= {"edm-b32-uw", "edm-b32-pm1.6", "edm-b32-beta99", "edm-b32-mp", "edm-b32-w48",
+                                         "edm-b32-uw-pm-beta99"}
+    for row in rows:
+        (recipe,) = bench.build_recipes(bench.parse_args(["--cpu-mode", "--recipes", row["name"]]))
+        cfg = load_config(recipe.config, recipe.overrides)
+        label, name = row["label"], row["name"]
+        assert cfg.train.total_steps == row["steps"], label
+        assert cfg.train.batch_size * cfg.train.total_steps == row["images"], label
+        assert cfg.diffusion.objective == "edm" and cfg.model.preset == "tiny", label
+        assert cfg.diffusion.uncertainty_weighting == ("uw" in name), label
+        assert cfg.diffusion.edm_p_mean == (-1.6 if "pm" in name else -1.2), label
+        assert tuple(cfg.optim.betas) == ((0.9, 0.99) if "beta99" in name else (0.9, 0.999)), label
+        assert cfg.model.magnitude_preserving == name.endswith("-mp"), label
+        assert cfg.optim.lr_schedule == ("inverse_sqrt" if name.endswith("-mp") else "cosine"), label
+        assert (cfg.model.base_channels or 32) == (48 if "w48" in name else 32), label
