@@ -250,3 +250,14 @@ def test_a_full_fine_tuning_config_refuses_the_key_when_set_in_python(tiny_overr
     with pytest.raises(ConfigError, match="model.quantize_base='int8' quantizes a LoRA run's frozen base"):
         cfg.model.quantize_base = "int8"
     assert cfg.model.quantize_base == "off"
+
+
+def test_the_config_key_names_every_kind_the_module_holds():
+    """config.QuantizeBase (the key's values) and models/quantize.QUANTIZE_KINDS agree (the module
+    imports nothing from config: no cycle)."""
+    import typing
+
+    from difftrain.config import QuantizeBase
+    from difftrain.models.quantize import QUANTIZE_KINDS
+
+    assert set(QUANTIZE_KINDS) | {"off"} == set(typing.get_args(QuantizeBase))
