@@ -3,25 +3,21 @@ real FID Inception network, a handful of samples; plus its recipe parsing and cu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.bench_modules import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("time_to_fid", REPO / "bench" / "time_to_fid.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("time_to_fid")
 
 
 @pytest.fixture

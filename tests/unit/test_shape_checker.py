@@ -3,8 +3,6 @@ doubled, shuffled, blurred, blob-shaped and bitten ones are not; grids split bac
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,17 +10,14 @@ import pytest
 
 from difftrain.data.builtin import SHAPE_CLASSES, draw_shape
 from difftrain.sampling import make_grid
+from tests.bench_modules import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def checker():
-    spec = importlib.util.spec_from_file_location("shape_checker", REPO / "bench" / "shape_checker.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("shape_checker")
 
 
 @pytest.mark.parametrize("resolution", [16, 32])
