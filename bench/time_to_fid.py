@@ -133,14 +133,15 @@ CPU_PROTOCOL = (f"train.batch_size={PROTOCOL_BATCH}", f"optim.lr={PROTOCOL_LR}",
                 "data.num_workers=1")
 # Every training key of configs/cifar10-16px-cpu.toml as each protocol's tables were measured
 # with it, pinned so that later changes of the preset (it became EDM at batch 32 for 2,816
-# steps) leave docs/quality.md reproducible; applied when the recipes build on that preset,
+# steps, then took EDM2's uncertainty weighting, P_mean -1.6 and beta2 0.99) leave docs/quality.md reproducible; applied when the recipes build on that preset,
 # before the protocol's keys and the recipe's own, which win.
 _PRESET_AS_MEASURED = ("model.preset=tiny", "data.resolution=16", "data.random_flip=true", "data.num_workers=1",
                        "diffusion.num_timesteps=1000", "optim.lr_schedule=cosine", "optim.min_lr_ratio=0.0",
                        "optim.grad_clip=1.0", "ema.decay=0.9999", "train.batch_size=64")
 PRESET_AS_MEASURED = {
     # --cpu-mode (docs/quality.md, "The CPU mode"): the preset of 2026-11-24, EDM.
-    "cpu": _PRESET_AS_MEASURED + ("diffusion.objective=edm",),
+    "cpu": _PRESET_AS_MEASURED + ("diffusion.objective=edm", "diffusion.uncertainty_weighting=false",
+                                  "diffusion.edm_p_mean=-1.2", "optim.betas=[0.9,0.999]"),
     # --smoke ("Smoke mode" and the sections after it): DDPM epsilon on the linear schedule, LR
     # 1e-3 with 30 warm-up steps, planned over 200 steps.
     "smoke": _PRESET_AS_MEASURED + ("diffusion.objective=ddpm", "diffusion.schedule=linear",

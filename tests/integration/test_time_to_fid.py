@@ -196,7 +196,7 @@ def test_every_edm2_row_of_quality_md_resolves_to_the_recipe_it_was_measured_wit
     from difftrain.config import load_config
 
     bench = _bench()
-    rows = _doc_rows("EDM2's pieces on the CPU protocol (issue 30, one seed so far)")
+    rows = _doc_rows("EDM2's pieces on the CPU protocol (issue 30)")
     assert {r["name"] for r in rows} >= {"edm-b32-uw", "edm-b32-pm1.6", "edm-b32-beta99", "edm-b32-mp", "edm-b32-w48",
                                          "edm-b32-uw-pm-beta99"}
     for row in rows:
