@@ -139,8 +139,13 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def fill_shard(model: nn.Module, name: str, whole: torch.Tensor) -> None:
     """Copy this rank's part of ``whole`` (the parameter ``name``'s full value, on any device) into
     the sharded ``model``'s parameter: dim-0 chunks as ``fully_shard`` lays them out
-    (``torch.chunk``), so no collective and no other rank's part is read."""
-    _fill(model.get_parameter(name), name, whole)
+    (``torch.chunk``), so no collective and no other rank's part is read. A buffer (whole on every
+    rank) is copied as it is."""
+    try:
+        target = model.get_parameter(name)
+    except AttributeError:
+        target = model.get_buffer(name)
+    _fill(target, name, whole)
 
 
 @torch.no_grad()

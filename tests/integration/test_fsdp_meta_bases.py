@@ -1,0 +1,103 @@
+"""FSDP's sharded start from a base's files on 2 gloo CPU processes: a base family's denoiser (SD's
+UNet2DConditionModel, Flux's transformer), a LoRA network on it, and difftrain's UNet from a
+``model.init_from`` weights file, each built on the meta device, sharded, and filled one tensor at a
+time from the safetensors files -- the same weights, adapter start, record and base digest as the
+whole build it replaces (``builds_sharded`` forced False), and a LoRA's resume reads its base so too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from conftest import TINY_OVERRIDES  # noqa: E402
+from multiproc import run_ranks  # noqa: E402
+
+from difftrain.config import load_config  # noqa: E402
+
+BUILD = [*TINY_OVERRIDES, "train.device=cpu", "train.channels_last=off", "train.parallel=fsdp", "ema.posthoc_std=[0.1]"]
+
+
+def _built(ctx, runs: list[list[str]]) -> list[dict]:
+    """For each config of ``runs``, the state ``RunState.build`` makes on this rank sharded from the files,
+    then whole and sharded after (``builds_sharded`` forced False): every weight gathered whole, the
+    EMA's, the network's record, the names of what trains."""
+    import difftrain.training.state as state_module
+    from difftrain.training.state import RunState, network_record
+
+    out = []
+    for overrides in runs:
+        both = {}
+        for sharded in (True, False):
+            if not sharded:
+                saved, state_module.builds_sharded = state_module.builds_sharded, lambda *args, **kwargs: False
+            cfg = load_config(None, overrides)
+            state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
+            built_sharded = state.template is not None
+            state.parallelize(ctx)
+            whole, ema = state.evaluation_models()
+            both[sharded] = {"sharded": built_sharded, "weights": nn.Module.state_dict(whole),
+                             "ema": nn.Module.state_dict(ema), "record": network_record(state.model),
+                             "trains": sorted(n for n, p in state.model.named_parameters() if p.requires_grad)}
+            if not sharded:
+                state_module.builds_sharded = saved
+        out.append(both)
+    return out
+
+
+def _same_as_whole(*runs: list[str]) -> list[dict]:
+    """Each config of ``runs`` built sharded from its files equals its whole build, bit for bit (rank 0's)."""
+    results = []
+    for both in run_ranks(_built, 2, list(runs))[0]:
+        new, old = both[True], both[False]
+        assert new["sharded"] and not old["sharded"]
+        assert new["record"] == old["record"] and new["trains"] == old["trains"]
+        for key in ("weights", "ema"):
+            assert new[key].keys() == old[key].keys()
+            assert all(torch.equal(new[key][k], old[key][k]) for k in new[key]), key
+        results.append(new)
+    return results
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory) -> Path:
+    from tests.text_components import write_tiny_sd_folder
+
+    return write_tiny_sd_folder(tmp_path_factory.mktemp("base") / "sd")
+
+
+def test_an_sd_denoiser_and_its_lora_start_sharded_from_the_base_files(sd):
+    """SD's UNet (full fine-tuning) and a LoRA on it (rank 2, gaussian start: A drawn, B zero): the
+    whole build's weights, adapter and record (the base's digest, read one tensor at a time)."""
+    full, lora = _same_as_whole([*BUILD, f"model.init_from={sd}"], [*BUILD, f"model.init_from={sd}", "lora.rank=2"])
+    assert full["record"]["kind"] == "family" and full["trains"]
+    assert lora["record"]["kind"] == "lora" and len(lora["record"]["base_digest"]) == 64
+    assert lora["trains"] and all("lora_" in n for n in lora["trains"])
+
+
+def test_a_flux_transformer_with_lora_starts_sharded_from_its_files(tmp_path):
+    from tests.family_bases import write_tiny_flux_folder
+
+    flux = write_tiny_flux_folder(tmp_path / "flux")
+    (lora,) = _same_as_whole([*BUILD, f"model.init_from={flux}", "lora.rank=2"])
+    assert lora["record"]["base"]["family"] == "flux"
+
+
+def test_difftrains_unet_from_a_weights_file_starts_sharded_from_it(tmp_path):
+    """``model.init_from`` a difftrain weights file, full fine-tuning and as a LoRA base (include_conv)."""
+    from difftrain.interop import save_weights_file
+    from difftrain.training.state import RunState
+
+    cfg = load_config(None, [*TINY_OVERRIDES, "train.device=cpu"])
+    state = RunState.build(cfg, 0, torch.device("cpu")).state_dict()
+    torch.manual_seed(1)
+    for v in state["ema"]["model"].values():
+        v.add_(0.01 * torch.randn_like(v)) if v.is_floating_point() else None
+    base = save_weights_file({**state, "path": "base"}, tmp_path / "base.safetensors")
+    _same_as_whole([*BUILD, f"model.init_from={base}"],
+                   [*BUILD, f"model.init_from={base}", "lora.rank=2", "lora.include_conv=true"])
