@@ -50,54 +50,58 @@ def _built(ctx, runs: list[list[str]]) -> list[dict]:
     return out
 
 
-def _same_as_whole(*runs: list[str]) -> list[dict]:
-    """Each config of ``runs`` built sharded from its files equals its whole build, bit for bit (rank 0's)."""
-    results = []
-    for both in run_ranks(_built, 2, list(runs))[0]:
+def _same_as_whole(results: list[dict]) -> list[dict]:
+    """Each config built sharded from its files equals its whole build, bit for bit (rank 0's)."""
+    out = []
+    for both in results:
         new, old = both[True], both[False]
         assert new["sharded"] and not old["sharded"]
         assert new["record"] == old["record"] and new["trains"] == old["trains"]
         for key in ("weights", "ema"):
             assert new[key].keys() == old[key].keys()
             assert all(torch.equal(new[key][k], old[key][k]) for k in new[key]), key
-        results.append(new)
-    return results
+        out.append(new)
+    return out
 
 
 @pytest.fixture(scope="module")
-def sd(tmp_path_factory) -> Path:
+def built(tmp_path_factory) -> list[dict]:
+    """The five builds, each both ways, on 2 ranks in one spawn (about 60 s on a busy 2-core machine):
+    SD's UNet in full and with LoRA, Flux's transformer with LoRA, difftrain's UNet from a weights file
+    in full and as a LoRA base (with its convolutions)."""
+    from difftrain.interop import save_weights_file
+    from difftrain.training.state import RunState
+    from tests.family_bases import write_tiny_flux_folder
     from tests.text_components import write_tiny_sd_folder
 
-    return write_tiny_sd_folder(tmp_path_factory.mktemp("base") / "sd")
+    root = tmp_path_factory.mktemp("bases")
+    sd, flux = write_tiny_sd_folder(root / "sd"), write_tiny_flux_folder(root / "flux")
+    state = RunState.build(load_config(None, [*TINY_OVERRIDES, "train.device=cpu"]), 0, torch.device("cpu")).state_dict()
+    torch.manual_seed(1)
+    for v in state["ema"]["model"].values():  # not the zero-initialised output layer
+        v.add_(0.01 * torch.randn_like(v)) if v.is_floating_point() else None
+    weights = save_weights_file({**state, "path": "base"}, root / "base.safetensors")
+    runs = [[*BUILD, f"model.init_from={sd}"], [*BUILD, f"model.init_from={sd}", "lora.rank=2"],
+            [*BUILD, f"model.init_from={flux}", "lora.rank=2"], [*BUILD, f"model.init_from={weights}"],
+            [*BUILD, f"model.init_from={weights}", "lora.rank=2", "lora.include_conv=true"]]
+    return run_ranks(_built, 2, runs)[0]
 
 
-def test_an_sd_denoiser_and_its_lora_start_sharded_from_the_base_files(sd):
+def test_an_sd_denoiser_and_its_lora_start_sharded_from_the_base_files(built):
     """SD's UNet (full fine-tuning) and a LoRA on it (rank 2, gaussian start: A drawn, B zero): the
     whole build's weights, adapter and record (the base's digest, read one tensor at a time)."""
-    full, lora = _same_as_whole([*BUILD, f"model.init_from={sd}"], [*BUILD, f"model.init_from={sd}", "lora.rank=2"])
+    full, lora = _same_as_whole(built[:2])
     assert full["record"]["kind"] == "family" and full["trains"]
     assert lora["record"]["kind"] == "lora" and len(lora["record"]["base_digest"]) == 64
     assert lora["trains"] and all("lora_" in n for n in lora["trains"])
 
 
-def test_a_flux_transformer_with_lora_starts_sharded_from_its_files(tmp_path):
-    from tests.family_bases import write_tiny_flux_folder
-
-    flux = write_tiny_flux_folder(tmp_path / "flux")
-    (lora,) = _same_as_whole([*BUILD, f"model.init_from={flux}", "lora.rank=2"])
+def test_a_flux_transformer_with_lora_starts_sharded_from_its_files(built):
+    (lora,) = _same_as_whole(built[2:3])
     assert lora["record"]["base"]["family"] == "flux"
 
 
-def test_difftrains_unet_from_a_weights_file_starts_sharded_from_it(tmp_path):
+def test_difftrains_unet_from_a_weights_file_starts_sharded_from_it(built):
     """``model.init_from`` a difftrain weights file, full fine-tuning and as a LoRA base (include_conv)."""
-    from difftrain.interop import save_weights_file
-    from difftrain.training.state import RunState
-
-    cfg = load_config(None, [*TINY_OVERRIDES, "train.device=cpu"])
-    state = RunState.build(cfg, 0, torch.device("cpu")).state_dict()
-    torch.manual_seed(1)
-    for v in state["ema"]["model"].values():
-        v.add_(0.01 * torch.randn_like(v)) if v.is_floating_point() else None
-    base = save_weights_file({**state, "path": "base"}, tmp_path / "base.safetensors")
-    _same_as_whole([*BUILD, f"model.init_from={base}"],
-                   [*BUILD, f"model.init_from={base}", "lora.rank=2", "lora.include_conv=true"])
+    full, lora = _same_as_whole(built[3:])
+    assert full["record"] == {"kind": "unet"} and lora["record"]["kind"] == "lora"
