@@ -40,7 +40,7 @@ def _built(ctx, runs: list[list[str]]) -> list[dict]:
             state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
             built_sharded = state.template is not None
             state.parallelize(ctx)
-            whole, ema = state.evaluation_models()
+            whole, ema = state.gathered_models()
             both[sharded] = {"sharded": built_sharded, "weights": nn.Module.state_dict(whole),
                              "ema": nn.Module.state_dict(ema), "record": network_record(state.model),
                              "trains": sorted(n for n, p in state.model.named_parameters() if p.requires_grad)}

@@ -178,9 +178,18 @@ class RunState:
         return self.model
 
     def evaluation_models(self) -> tuple[nn.Module, nn.Module]:
-        """(model, EMA model) for evaluation: the run's own, or under FSDP plain copies whose
-        weights are gathered whole onto every rank (a collective: every rank calls this), so the
-        evaluations spread their own share of the work as under DDP."""
+        """(model, EMA model) for evaluation: the run's own; under FSDP, the sharded model and the EMA
+        run through it (``fsdp.AverageView``: its shards swapped in for each forward), both to be run in
+        lockstep by every rank (validation, held-out loss and FID pad the last rank's share), no whole
+        copy of either anywhere."""
+        if self.template is None:
+            return self.model, self.ema.model
+        return self.model, fsdp.AverageView(self.model, self.ema.model)
+
+    def gathered_models(self) -> tuple[nn.Module, nn.Module]:
+        """(model, EMA model) as plain copies whose weights are gathered whole onto every rank under
+        FSDP (a collective: every rank calls this; the run's own otherwise): for what needs the whole
+        weights in each process (tests comparing them)."""
         if self.template is None:
             return self.model, self.ema.model
         device = self.precision.device  # the run's device
