@@ -105,3 +105,73 @@ def test_difftrains_unet_from_a_weights_file_starts_sharded_from_it(built):
     """``model.init_from`` a difftrain weights file, full fine-tuning and as a LoRA base (include_conv)."""
     full, lora = _same_as_whole(built[3:])
     assert full["record"] == {"kind": "unet"} and lora["record"]["kind"] == "lora"
+
+
+def write_sd_unet_folder(path: Path, channels: int) -> Path:
+    """A bare UNet2DConditionModel folder (SD's family), two levels of ``channels`` and twice that, two
+    ResNets a level, cross-attention of width 32: 17.4M parameters at 128 channels, 39.0M at 192."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(channels, 2 * channels),
+            norm_num_groups=32, attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        ).save_pretrained(path)
+    return path
+
+
+def start_up_peaks(ctx, runs: list[list[str]]) -> list[dict]:
+    """For each config of ``runs``, this rank's peak RSS above its start while ``RunState.build`` and
+    ``parallelize`` make the sharded state: from the files (``sharded``), then whole and sharded after
+    (``whole``); freed memory given back between them. Also the parameter count."""
+    import ctypes
+    import gc
+
+    import difftrain.training.state as state_module
+    from difftrain.training.state import RunState
+
+    def reset() -> int:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+
+    out, sharded_build = [], state_module.builds_sharded
+    for overrides in runs:
+        cfg, peaks = load_config(None, overrides), {}
+        for name, builds in (("sharded", sharded_build), ("whole", lambda *args, **kwargs: False)):
+            state_module.builds_sharded = builds
+            start = reset()
+            state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
+            state.parallelize(ctx)
+            peaks[name] = _status_bytes("VmHWM") - start
+            peaks["params"] = sum(p.numel() for p in state.template.parameters())
+            del state
+        state_module.builds_sharded = sharded_build
+        out.append(peaks)
+    return out
+
+
+def _status_bytes(field: str) -> int:
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def test_a_ranks_start_up_from_a_base_holds_no_whole_copy(tmp_path, monkeypatch):
+    """An SD-shaped UNet2DConditionModel of 17.4M parameters (66 MiB of fp32 weights) on 2 ranks, in full
+    (weights, EMA, one post-hoc EMA) and with LoRA (its frozen base shared by the EMA). Each rank's
+    start-up peak from the files stays under the whole weights (LoRA) and twice them (full: its shards
+    are 6 bytes per parameter); the whole build it replaced holds more than either. glibc's mmap
+    threshold is fixed, so that RSS counts live memory (tests/integration/test_fsdp_lockstep_eval.py)."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    unet = write_sd_unet_folder(tmp_path / "unet", 128)
+    runs = [[*BUILD, f"model.init_from={unet}"], [*BUILD, f"model.init_from={unet}", "lora.rank=4"]]
+    for full, lora in run_ranks(start_up_peaks, 2, runs):
+        weights = 4 * full["params"]
+        assert full["sharded"] < 2 * weights < full["whole"], (full, weights)
+        assert lora["sharded"] < weights < lora["whole"], (lora, weights)

@@ -19,8 +19,10 @@ Start-up holds no whole copy of the model (``RunState.build`` with a ``DistConte
 is built on the meta device (``runtime/meta_init.py``), its template, EMA and post-hoc EMAs are
 copies of that (no storage), :func:`shard_model` shards it, :func:`materialize` gives each rank
 storage for its shards alone, and the weights are filled shard by shard: :func:`fill_shard` from
-one whole tensor at a time (a fresh run's replayed initialisation, a ``model.init_from``), or
-``torch.distributed.checkpoint.load`` of a sharded checkpoint, each rank reading its part.
+one whole tensor at a time (a fresh run's replayed initialisation; a ``model.init_from`` -- a base
+family's denoiser, a LoRA's base, difftrain's UNet -- read from its safetensors files one tensor at
+a time: ``runtime/tensor_source.py``), or ``torch.distributed.checkpoint.load`` of a sharded
+checkpoint, each rank reading its part.
 :func:`copy_shards` then makes the averages' shards copies of the model's.
 
 Evaluation during training (validation grids, held-out loss, FID) runs on the sharded model itself,
