@@ -62,8 +62,12 @@ def _rss(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_run(ctx, run_dir: str, cfg_overrides: list[str], stop_at_step: int | None) -> dict:
+def rank_run(ctx, run_dir: str, cfg_overrides: list[str], stop_at_step: int | None, gathered: bool = False) -> dict:
     from difftrain.training.loop import train
+    from difftrain.training.state import RunState
+
+    if gathered:  # evaluation on whole copies gathered onto every rank, as before it ran in lockstep
+        RunState.evaluation_models = RunState.gathered_models
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS now
@@ -104,6 +108,8 @@ def main() -> None:
     parser.add_argument("--start-up-only", action="store_true", help="start-up and resume phases, now and before")
     parser.add_argument("--sd-unet-channels", type=int, default=0,
                         help="start-up from an SD-shaped UNet2DConditionModel folder of this width (full and LoRA)")
+    parser.add_argument("--gathered-evaluation", action="store_true",
+                        help="evaluate on whole copies gathered onto every rank (as before lockstep evaluation)")
     parser.add_argument("--no-validation", action="store_true", help="FSDP runs without validation (no DDP run)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -141,7 +147,7 @@ def main() -> None:
         for name, parallel, stop in runs:
             run = Path(tmp) / parallel
             result = run_ranks(rank_run, 2, str(run), overrides(args.base_channels, parallel, 3, not args.no_validation),
-                               stop, timeout_s=3600)
+                               stop, args.gathered_evaluation, timeout_s=3600)
             rows.append({"run": name, **{f"rank{r['rank']}": r for r in result}})
             print(name, json.dumps([{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in result]),
                   flush=True)

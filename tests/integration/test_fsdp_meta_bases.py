@@ -162,6 +162,7 @@ def _status_bytes(field: str) -> int:
     raise AssertionError(field)
 
 
+@pytest.mark.slow  # about 60 s of CPU on 2 ranks (4 builds of a 17.4M-parameter UNet); the builds' equality runs by default
 def test_a_ranks_start_up_from_a_base_holds_no_whole_copy(tmp_path, monkeypatch):
     """An SD-shaped UNet2DConditionModel of 17.4M parameters (66 MiB of fp32 weights) on 2 ranks, in full
     (weights, EMA, one post-hoc EMA) and with LoRA (its frozen base shared by the EMA). Each rank's
