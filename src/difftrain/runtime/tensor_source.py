@@ -32,16 +32,21 @@ class TensorSource:
 
     @classmethod
     def of_files(cls, files: list[Path], rename: Callable[[str], str] = str) -> TensorSource:
-        """Every tensor of ``files`` (safetensors), under ``rename(key)``."""
+        """Every tensor of ``files`` (safetensors), under ``rename(key)``; one ValueError naming a file
+        whose header cannot be read."""
         from safetensors import safe_open
 
         keys: dict[str, tuple[Path, str]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for k in f.keys():  # noqa: SIM118 - a safe_open, not a dict
-                    keys[rename(k)] = (file, k)
-                    shapes[rename(k)] = tuple(f.get_slice(k).get_shape())
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for k in f.keys():  # noqa: SIM118 - a safe_open, not a dict
+                        keys[rename(k)] = (file, k)
+                        shapes[rename(k)] = tuple(f.get_slice(k).get_shape())
+            except Exception as e:  # noqa: BLE001 - safetensors raises several kinds; one line naming the file
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ValueError(f"cannot read the weights file {file}: {first}") from None
         return cls(keys, shapes)
 
     @classmethod
@@ -60,13 +65,18 @@ class TensorSource:
         return set(self.keys)
 
     def read(self, name: str) -> Tensor:
-        """The whole tensor ``name`` on the CPU (a floating one as float32), the file closed again."""
+        """The whole tensor ``name`` on the CPU (a floating one as float32), the file closed again; one
+        ValueError naming the file when it is not finite."""
         from safetensors import safe_open
 
         file, key = self.keys[name]
         with safe_open(str(file), framework="pt", device="cpu") as f:
             t = f.get_tensor(key)
-        return t.to(torch.float32) if t.is_floating_point() else t
+        if not t.is_floating_point():
+            return t
+        if not torch.isfinite(t).all():  # a NaN base trains and samples nothing
+            raise ValueError(f"weights file {file}: weight {key} is not finite (NaN or infinity)")
+        return t.to(torch.float32)
 
 
 class DeferredWeights:
