@@ -4,11 +4,17 @@ against DDP's whole replica, and against what ``difftrain estimate --parallel fs
 
     PYTHONPATH=src python bench/fsdp_peak_rss.py --base-channels 256     # difftrain's tiny preset widened
     PYTHONPATH=src python bench/fsdp_peak_rss.py --base-channels 192 --start-up-only
+    PYTHONPATH=src python bench/fsdp_peak_rss.py --sd-unet-channels 192   # a base's denoiser and LoRA
 
 ``--start-up-only``: the phases of ``tests/integration/test_fsdp_meta.py::_start_and_resume`` (build
 the sharded state, one step, a sharded checkpoint; then, freed memory given back, a resume from it),
 now and with the whole-then-shard start-up and consolidated resume this replaced (``builds_sharded``
 forced False).
+
+``--sd-unet-channels C``: the start-up (build + shard) of a run from a base's files, an SD-shaped
+UNet2DConditionModel folder of C and 2C channels (``tests/integration/test_fsdp_meta_bases.py``'s
+``start_up_peaks``: 39.0M parameters at 192), in full and with LoRA (rank 4), read from the files one
+tensor at a time and, before, loaded whole and then sharded.
 
 Each rank resets its peak (``/proc/self/clear_refs``) after joining the group with difftrain's
 training modules imported, then runs ``training.loop.train``; the figure is its peak RSS above that
@@ -56,8 +62,12 @@ def _rss(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_run(ctx, run_dir: str, cfg_overrides: list[str], stop_at_step: int | None) -> dict:
+def rank_run(ctx, run_dir: str, cfg_overrides: list[str], stop_at_step: int | None, gathered: bool = False) -> dict:
     from difftrain.training.loop import train
+    from difftrain.training.state import RunState
+
+    if gathered:  # evaluation on whole copies gathered onto every rank, as before it ran in lockstep
+        RunState.evaluation_models = RunState.gathered_models
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS now
@@ -96,9 +106,26 @@ def main() -> None:
     parser.add_argument("--base-channels", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--start-up-only", action="store_true", help="start-up and resume phases, now and before")
+    parser.add_argument("--sd-unet-channels", type=int, default=0,
+                        help="start-up from an SD-shaped UNet2DConditionModel folder of this width (full and LoRA)")
+    parser.add_argument("--gathered-evaluation", action="store_true",
+                        help="evaluate on whole copies gathered onto every rank (as before lockstep evaluation)")
     parser.add_argument("--no-validation", action="store_true", help="FSDP runs without validation (no DDP run)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.sd_unet_channels:
+        from integration.test_fsdp_meta_bases import BUILD, start_up_peaks, write_sd_unet_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            unet = write_sd_unet_folder(Path(tmp) / "unet", args.sd_unet_channels)
+            runs = [[*BUILD, f"model.init_from={unet}"], [*BUILD, f"model.init_from={unet}", "lora.rank=4"]]
+            result = run_ranks(start_up_peaks, 2, runs, timeout_s=3600)
+        for rank, peaks in enumerate(result):
+            for name, p in zip(("full", "LoRA"), peaks):
+                print(f"rank {rank} {name} ({p['params'] / 1e6:.1f}M parameters): " + ", ".join(
+                    f"{k} {p[k] / MiB:.0f} MiB ({p[k] / p['params']:.1f} B/param)" for k in ("sharded", "whole")),
+                    flush=True)
+        return
     rows = []
     whole, fsdp2 = counted(args.base_channels, "ddp", 1), counted(args.base_channels, "fsdp", 2)
     print(f"{whole['params'] / 1e6:.1f}M parameters; counted training state: whole {whole['state_mib']:.0f} MiB, "
@@ -120,7 +147,7 @@ def main() -> None:
         for name, parallel, stop in runs:
             run = Path(tmp) / parallel
             result = run_ranks(rank_run, 2, str(run), overrides(args.base_channels, parallel, 3, not args.no_validation),
-                               stop, timeout_s=3600)
+                               stop, args.gathered_evaluation, timeout_s=3600)
             rows.append({"run": name, **{f"rank{r['rank']}": r for r in result}})
             print(name, json.dumps([{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in result]),
                   flush=True)

@@ -275,24 +275,18 @@ def _read_diffusers_weights(folder: Path) -> dict[str, Tensor]:
         tensors = torch.load(binary, map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"model.init_from {folder}: no diffusion_pytorch_model.safetensors or .bin in it")
-    renamed = {}
-    for name, t in tensors.items():
-        for old, new in _DEPRECATED_ATTENTION.items():
-            name = name.replace(old, new)
-        renamed[name] = t
-    return renamed
+    return {_renamed_attention(name): t for name, t in tensors.items()}
 
 
 def _normal(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Tensor]:
-    """The weights of the diffusers UNet2DModel in ``folder`` under ``model``'s names, or one
-    ValueError naming the folder and the first key (config or weight) that does not match."""
-    from difftrain.models.diffusers_export import diffusers_config, diffusers_name
+def _check_unet_config(model: nn.Module, folder: Path) -> None:
+    """One ValueError naming the first functional config.json key of the UNet2DModel ``folder`` that differs
+    from ``model``'s."""
+    from difftrain.models.diffusers_export import diffusers_config
 
-    folder = _unet_folder(Path(folder))
     theirs_cfg = json.loads((folder / "config.json").read_text())
     ours_cfg = diffusers_config(model)
     for key in _FUNCTIONAL_KEYS:
@@ -300,6 +294,22 @@ def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Te
             raise ValueError(f"model.init_from {folder}: the UNet does not match this model's architecture "
                              f"(model.* / data.* settings): first mismatched key {key!r}: folder "
                              f"{theirs_cfg[key]!r}, this model {_normal(ours_cfg[key])!r}")
+
+
+def _renamed_attention(name: str) -> str:
+    """A weight name of a folder saved before diffusers 0.15, under today's attention names."""
+    for old, new in _DEPRECATED_ATTENTION.items():
+        name = name.replace(old, new)
+    return name
+
+
+def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Tensor]:
+    """The weights of the diffusers UNet2DModel in ``folder`` under ``model``'s names, or one
+    ValueError naming the folder and the first key (config or weight) that does not match."""
+    from difftrain.models.diffusers_export import diffusers_name
+
+    folder = _unet_folder(Path(folder))
+    _check_unet_config(model, folder)
     tensors = _read_diffusers_weights(folder)
     own = model.state_dict()
     training_only = {k: t for k, t in own.items() if k.startswith("logvar.")}  # the loss weighting: kept as built
@@ -332,6 +342,13 @@ def _load_denoiser_weights(model: nn.Module, path: Path) -> None:
     """Load the base folder ``path`` into the family denoiser ``model``, or a ValueError naming the
     folder and the first config key that differs."""
     loaded = load_init_network(path)
+    _check_same_denoiser(model, loaded, path)
+    model.load_state_dict(loaded.state_dict())
+
+
+def _check_same_denoiser(model: nn.Module, loaded: nn.Module, path: Path) -> None:
+    """One ValueError naming the folder and the first config key where ``loaded`` (the folder's denoiser)
+    differs from ``model``."""
     ours, theirs = model.config, loaded.config
     if type(loaded) is not type(model):
         raise ValueError(f"model.init_from {path}: a {loaded.family} base, this network is a {model.family} denoiser")
@@ -339,7 +356,6 @@ def _load_denoiser_weights(model: nn.Module, path: Path) -> None:
         if not key.startswith("_") and ours.get(key) != theirs.get(key):
             raise ValueError(f"model.init_from {path}: the UNet does not match this model's architecture: first "
                              f"mismatched key {key!r}: folder {theirs.get(key)!r}, this model {ours.get(key)!r}")
-    model.load_state_dict(loaded.state_dict())
 
 
 # The diffusion.* keys a model.init_from source may have been trained with otherwise than this run.
@@ -395,6 +411,57 @@ def init_source_changes(cfg) -> list[str]:
                          f"this run fine-tunes it with {ours!r}: allowed for a new run (a resume refuses such a "
                          "change), and its first steps retrain the network to it")
     return lines
+
+
+def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
+    """``model.init_from`` for a network built on the meta device (FSDP's sharded start): instead of loading,
+    record in ``deferred`` (a ``runtime.tensor_source.DeferredWeights``) where each weight lies in the
+    source's safetensors files, checked as :func:`load_init_weights` checks them (names, shapes, config), to
+    be read one tensor at a time. False, with nothing recorded, for a source not held in safetensors files
+    (a checkpoint, a ``.bin``): :func:`load_init_weights` reads it whole."""
+    from difftrain.families import Denoiser, detect
+    from difftrain.families.sd import is_condition_unet_folder
+    from difftrain.runtime.tensor_source import TensorSource
+
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"model.init_from {path} does not exist")
+    built = frozenset()
+    if isinstance(model, Denoiser):
+        try:
+            empty = detect(path).empty_denoiser(path)
+        except ValueError:
+            return False  # not a base folder: load_init_weights says so
+        if empty is None:
+            return False
+        _check_same_denoiser(model, empty[0], path)
+        found = empty[1]
+    elif is_condition_unet_folder(path):
+        return False  # load_init_weights refuses it
+    elif path.is_dir() and ((path / "config.json").is_file() or (path / "unet" / "config.json").is_file()):
+        from difftrain.models.diffusers_export import diffusers_name
+
+        folder = _unet_folder(path)
+        _check_unet_config(model, folder)
+        built = frozenset(k for k in model.state_dict() if k.startswith("logvar."))  # the loss weighting: kept as built
+        ours = {diffusers_name(k): k for k in model.state_dict() if k not in built}
+        found = TensorSource.of_folder(folder, rename=lambda k: ours.get(_renamed_attention(k), "unknown:" + k))
+        if found is None:
+            return False
+    elif is_weights_file(path):
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if (f.metadata() or {}).get("format") != WEIGHTS_FORMAT:
+                return False  # load_weights_file says why
+        found = TensorSource.of_files([path])
+    else:
+        return False
+    try:
+        deferred.add(model, found, built)
+    except ValueError as e:
+        raise ValueError(f"model.init_from {path}: the weights do not match this model's architecture: {e}") from None
+    return True
 
 
 def load_init_weights(model: nn.Module, source: str | Path) -> None:

@@ -57,7 +57,7 @@ def _offload_steps(ctx) -> dict:
             state.precision.step(state.optimizer, net.parameters(), 1.0, torch.tensor(1.0))
             state.optimizer.zero_grad(set_to_none=True)
             state.ema.update(state.model)
-        whole, ema = state.evaluation_models()
+        whole, ema = state.gathered_models()
         out[offload] = {"policy": isinstance(fsdp.offload_policy(offload, ctx.device), CPUOffloadPolicy),
                         "model": whole.state_dict(), "ema": ema.state_dict()}
     return out

@@ -53,7 +53,7 @@ def _lora_steps(ctx: distributed.DistContext, base: str) -> dict:
         state.ema.update(state.model)
     frozen = [p for p in net.parameters() if not p.requires_grad]
     ema_params = {id(p) for p in state.ema.model.parameters()}
-    whole, ema = state.evaluation_models()  # gathered: the base and the adapter
+    whole, ema = state.gathered_models()  # gathered: the base and the adapter
     return {
         "all_sharded": all(isinstance(p, DTensor) for p in [*net.parameters(), *state.ema.model.parameters()]),
         "frozen_shared_with_ema": all(id(p) in ema_params for p in frozen),

@@ -22,24 +22,33 @@ from difftrain.autoguidance import ValidationGuide
 from difftrain.config import Config
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
+from difftrain.runtime.fsdp import in_lockstep
 
 from .evaluate import DatasetCaptions, FIDConditions, fid_result, num_batches, sample_features, statistics_from_features
 from .inception import InceptionFeatures
+from .sample_check import CheckedInception
 
 
 def sharded_sample_features(
-    model: nn.Module, inception: InceptionFeatures, *, num: int, batch_size: int, ctx: DistContext, **options
+    model: nn.Module, inception: InceptionFeatures, *, num: int, batch_size: int, ctx: DistContext,
+    lockstep: bool = False, **options
 ) -> torch.Tensor | None:
     """(num, D + 1) float32 on rank 0's CPU, None on the others: the Inception features of all
     ``num`` samples, then each one's Laplacian energy (the confetti share's input). Rank r draws the batches ``shard(num_batches, ctx)`` of :func:`sample_features`
     (which ``options`` are passed to, ``conditions`` among them), so the features are those of
-    one process, in order."""
+    one process, in order. ``lockstep`` (a sharded model, FSDP): every rank samples as many batches, the
+    last share padded with a repeated batch whose features are dropped (never seen by a checking
+    ``inception``: the padding goes through the FID network alone)."""
     total = num_batches(num, batch_size)
-    mine = range(total)[distributed.shard(total, ctx)]
+    batches, keep = distributed.padded_shard(total, ctx, lockstep)
     energies: list = []
-    features = sample_features(model, inception, num=num, batch_size=batch_size, batches=mine, energies=energies,
-                               **options)
+    features = sample_features(model, inception, num=num, batch_size=batch_size, batches=batches[:keep],
+                               energies=energies, **options)
     parts = [f.cpu() for f in features]
+    if len(batches) > keep:  # as many forwards as every other rank; results dropped
+        plain = inception.inception if isinstance(inception, CheckedInception) else inception
+        for _ in sample_features(model, plain, num=num, batch_size=batch_size, batches=batches[keep:], **options):
+            pass
     local = torch.cat(parts) if parts else torch.zeros(0, inception.feature_dim)
     # The Laplacian energy of each sample rides along as one more column, gathered in the same order.
     local_energy = torch.from_numpy(np.concatenate(energies)).float()[:, None] if energies else torch.zeros(0, 1)
@@ -109,7 +118,7 @@ class TrainingFID:
         features = sharded_sample_features(
             self.guide.wrap(ema_model), tap or self._inception, objective=self.objective, shape=(channels, size, size),
             num=e.fid_num_samples, sampler=e.fid_sampler, steps=e.fid_steps, seed=e.fid_seed,
-            batch_size=e.fid_batch_size, conditions=self._conditions, ctx=self.ctx)
+            batch_size=e.fid_batch_size, conditions=self._conditions, ctx=self.ctx, lockstep=in_lockstep(ema_model))
         checked = tap.result(self.ctx, prefix="fid_samples/") if tap is not None else {}
         if features is None:  # not rank 0
             return {}

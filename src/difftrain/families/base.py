@@ -245,6 +245,34 @@ class Family(ABC):
     def denoiser_from_record(self, record: dict) -> Denoiser:
         """The architecture of a checkpoint's network record (:meth:`Denoiser.record`), weights random."""
 
+    # The denoiser's folder inside a base folder (its config.json and weights): "unet", "transformer".
+    denoiser_subfolder: str = "unet"
+
+    def denoiser_folder(self, folder: Path) -> Path:
+        """The folder holding the denoiser's ``config.json`` and weights (SD: a bare UNet folder is its own)."""
+        return Path(folder) / self.denoiser_subfolder
+
+    def empty_denoiser(self, folder: Path):
+        """(the base's denoiser on the meta device, a ``runtime.tensor_source.TensorSource`` of its weights):
+        the architecture of the folder's config, built as ``from_pretrained`` builds it before loading (nothing
+        initialised, no random number drawn: ``meta_init.empty_build``), and where each weight lies in its
+        safetensors files, read later one tensor at a time (FSDP fills its shards from them). None when the
+        folder has no safetensors weights (a ``.bin``) or their names are not the denoiser's (a layout
+        diffusers renames on load): :meth:`load_denoiser` then reads it whole."""
+        from difftrain.runtime import meta_init
+        from difftrain.runtime.tensor_source import TensorSource
+
+        sub = self.denoiser_folder(folder)
+        source = TensorSource.of_folder(sub)
+        if source is None:
+            return None
+        with meta_init.empty_build():
+            denoiser = self.denoiser_from_record({"config": read_json(sub / "config.json", f"base {folder}")})
+        denoiser.model.register_to_config(_name_or_path=str(sub))  # as from_pretrained records it
+        if set(denoiser.state_dict()) != source.names():
+            return None
+        return denoiser, source
+
     @abstractmethod
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> PromptEncoder:
         """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming

@@ -76,6 +76,7 @@ class TransformerFamily(Family):
     transformer_class = ""
     denoiser_class: type[TransformerDenoiser] = TransformerDenoiser
     lora_prefix = "transformer"
+    denoiser_subfolder = "transformer"
     # Module names of the other transformer family: a LoRA file naming them is not this family's.
     foreign_modules: tuple[str, ...] = ()
 

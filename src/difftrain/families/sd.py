@@ -305,6 +305,9 @@ class SDFamily(Family):
     def denoiser_from_record(self, record: dict) -> ConditionUNet:
         return ConditionUNet.from_config(record["config"])
 
+    def denoiser_folder(self, folder: Path) -> Path:
+        return unet_folder(folder)
+
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """CLIP's 77 tokens of ``cross_attention_dim``."""
         dim = config["cross_attention_dim"]

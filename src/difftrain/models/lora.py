@@ -230,7 +230,8 @@ def _state_names(base: nn.Module, modules: dict) -> dict[str, str]:
 
 
 def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str,
-               saved: dict | None = None, where: str = "checkpoint", quantize: str = "off") -> LoraNetwork:
+               saved: dict | None = None, where: str = "checkpoint", quantize: str = "off",
+               digest: str | None = None) -> LoraNetwork:
     """Freeze ``base`` and inject LoRA layers of ``lora_cfg`` (``cfg.lora``) into it, in place.
 
     base_record: the base's record (``state.network_record``), which picks the default
@@ -241,6 +242,8 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     the base it was trained on (one ValueError if not).
     quantize: ``model.quantize_base``; other than "off", every Linear layer of the base is held quantized
     (``models/quantize.py``) after its digest is taken, and peft wraps the quantized layers.
+    digest: the base's :func:`base_digest`, taken by the caller (a base on the meta device, whose weights
+    are read from its files one tensor at a time); None: taken here.
     """
     import_peft()
     targets = target_modules(lora_cfg, base_record)
@@ -250,7 +253,7 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
         s = saved["lora"]
         targets, rank, alpha, kind = list(s["targets"]), int(s["rank"]), float(s["alpha"]), record_kind(saved)
     _check_targets(base, targets, rank)
-    digest = base_digest(base)
+    digest = digest or base_digest(base)
     # A record without a digest: a LoRA file another program wrote (adapters.read_foreign), put on the base it fits.
     if saved is not None and saved["base_digest"] and digest != saved["base_digest"]:
         raise ValueError(f"{where} is not the base this LoRA adapter was trained on: it was trained on "

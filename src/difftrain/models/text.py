@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -88,10 +89,19 @@ def weights_digest(module: nn.Module, extra: bytes = b"", strip: str = "") -> st
     """SHA-256 (hex) of a module's parameters and persistent float buffers, by sorted name
     (``strip`` removed from the front of names, so a wrapper prefix doesn't count), each
     with its shape and float32 bytes, then ``extra`` (a tokenizer's vocabulary)."""
+    tensors = {n.removeprefix(strip): t for n, t in module.state_dict().items()}
+    return tensors_digest(((name, tensors[name]) for name in sorted(tensors)), extra)
+
+
+def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]], extra: bytes = b"") -> str:
+    """:func:`weights_digest` of (name, tensor) pairs given one at a time in sorted name order (a
+    network's weights read from its files one tensor at a time: ``runtime/tensor_source.py``); tensors
+    that are not floating point are left out."""
     h = hashlib.sha256()
-    tensors = {n.removeprefix(strip): t for n, t in module.state_dict().items() if t.is_floating_point()}
-    for name in sorted(tensors):
-        t = tensors[name].detach().to("cpu", torch.float32).contiguous()
+    for name, t in tensors:
+        if not t.is_floating_point():
+            continue
+        t = t.detach().to("cpu", torch.float32).contiguous()
         h.update(f"{name}:{tuple(t.shape)}\n".encode())
         h.update(t.numpy().tobytes())
     h.update(extra)

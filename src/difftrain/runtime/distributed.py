@@ -203,6 +203,18 @@ def shard(n: int, ctx: DistContext) -> slice:
     return slice(start, start + base + (ctx.rank < extra))
 
 
+def padded_shard(n: int, ctx: DistContext, lockstep: bool) -> tuple[list[int], int]:
+    """(indices, keep): this rank's share of ``n`` items (:func:`shard`), and with ``lockstep`` its
+    indices padded to every rank's count, ceil(n / W), by repeating its last item (item 0 where it has
+    none): a sharded network (FSDP) runs a collective in each forward, so every rank must run as many.
+    The results of ``indices[keep:]`` are dropped."""
+    indices = list(range(n)[shard(n, ctx)])
+    keep = len(indices)
+    if lockstep:
+        indices += [indices[-1] if indices else 0] * (-(-n // ctx.world_size) - keep)
+    return indices, keep
+
+
 def gather_cat(x: torch.Tensor, ctx: DistContext) -> torch.Tensor | None:
     """Concatenate every rank's tensor (N_r, ...), in rank order, on rank 0's CPU (None on the
     others); sent over the control group.

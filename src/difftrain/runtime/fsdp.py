@@ -19,14 +19,19 @@ Start-up holds no whole copy of the model (``RunState.build`` with a ``DistConte
 is built on the meta device (``runtime/meta_init.py``), its template, EMA and post-hoc EMAs are
 copies of that (no storage), :func:`shard_model` shards it, :func:`materialize` gives each rank
 storage for its shards alone, and the weights are filled shard by shard: :func:`fill_shard` from
-one whole tensor at a time (a fresh run's replayed initialisation, a ``model.init_from``), or
-``torch.distributed.checkpoint.load`` of a sharded checkpoint, each rank reading its part.
+one whole tensor at a time (a fresh run's replayed initialisation; a ``model.init_from`` -- a base
+family's denoiser, a LoRA's base, difftrain's UNet -- read from its safetensors files one tensor at
+a time: ``runtime/tensor_source.py``), or ``torch.distributed.checkpoint.load`` of a sharded
+checkpoint, each rank reading its part.
 :func:`copy_shards` then makes the averages' shards copies of the model's.
 
-Evaluation during training (validation grids, held-out loss, FID) spreads its work across
-ranks, each rank running forward passes of its own count: a sharded model cannot do that (every
-forward is a collective), so :func:`unsharded_copy` gathers the whole weights onto every rank
-into a plain copy of the model for the evaluation, and drops it afterwards.
+Evaluation during training (validation grids, held-out loss, FID) runs on the sharded model itself,
+in lockstep: every forward is a collective (each unit's weights all-gathered), so every rank runs the
+same number of forwards over its share of the images, the last share padded
+(``distributed.padded_shard``; :func:`in_lockstep` says when). An average's weights (the EMA) run
+through the same sharded model: :class:`AverageView` swaps its shards into the model's for each call
+and back, so no rank holds a whole copy of either. :func:`unsharded_copy` (whole copies gathered onto
+every rank) remains for what needs the whole weights in one process.
 """
 
 from __future__ import annotations
@@ -139,8 +144,13 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def fill_shard(model: nn.Module, name: str, whole: torch.Tensor) -> None:
     """Copy this rank's part of ``whole`` (the parameter ``name``'s full value, on any device) into
     the sharded ``model``'s parameter: dim-0 chunks as ``fully_shard`` lays them out
-    (``torch.chunk``), so no collective and no other rank's part is read."""
-    _fill(model.get_parameter(name), name, whole)
+    (``torch.chunk``), so no collective and no other rank's part is read. A buffer (whole on every
+    rank) is copied as it is."""
+    try:
+        target = model.get_parameter(name)
+    except AttributeError:
+        target = model.get_buffer(name)
+    _fill(target, name, whole)
 
 
 @torch.no_grad()
@@ -216,3 +226,66 @@ def unsharded_copy(model: nn.Module, template: nn.Module, device: torch.device) 
     for name, buf in model.named_buffers():  # non-persistent buffers too, which the state dict leaves out
         plain.get_buffer(name).copy_(buf)
     return plain.eval().requires_grad_(False)
+
+
+def in_lockstep(model: nn.Module) -> bool:
+    """Whether every rank must run each forward of ``model`` together: a sharded model (its forward
+    all-gathers each unit's weights) or an :class:`AverageView` of one."""
+    return isinstance(model, (FSDPModule, AverageView))
+
+
+class AverageView(nn.Module):
+    """``view(*args)``: the sharded ``model``'s forward with the weights of ``average`` (the EMA or a
+    post-hoc EMA, laid out by :func:`copy_shards` / :func:`shard_like`): each call swaps the average's
+    shards into the model's trainable parameters, runs the model, and swaps them back, in place (one
+    tensor of scratch at a time; frozen weights are shared already). A collective, as the model's
+    forward is. The root's unit keeps its weights gathered after a forward (FSDP2 does not reshard the
+    root after forward, for the backward that usually follows): it is resharded before and after each
+    swap, so that neither the average nor the model runs on the other's gathered weights."""
+
+    def __init__(self, model: nn.Module, average: nn.Module) -> None:
+        super().__init__()
+        self.targets = (model, average)  # a tuple: neither is registered as a submodule of the view
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @torch.no_grad()
+    def _swap(self) -> None:
+        model, average = self.targets
+        model.reshard()  # the root's parameters registered as their shards again
+        if self._pairs is None:
+            own = dict(average.named_parameters())
+            self._pairs = [(p, own[name]) for name, p in model.named_parameters() if own[name] is not p]
+        for p, a in self._pairs:
+            mine, theirs = p.to_local(), a.to_local()
+            scratch = mine.clone()
+            mine.copy_(theirs)
+            theirs.copy_(scratch)
+        model.reshard()
+
+    def parameters(self, recurse: bool = True):  # the average's shards (their device and dtype: the model's)
+        return self.targets[1].parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.targets[1].named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self.targets[0].buffers(recurse)
+
+    def train(self, mode: bool = True) -> AverageView:
+        self.targets[0].train(mode)
+        return super().train(mode)
+
+    def forward(self, *args, **kwargs):
+        self._swap()
+        try:
+            return self.targets[0](*args, **kwargs)
+        finally:
+            self._swap()
+
+    def __getattr__(self, name):  # the model's attributes (num_classes, context_dim, ...)
+        if name in ("targets", "_pairs"):
+            raise AttributeError(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.targets[0], name)

@@ -45,11 +45,12 @@ class _Recorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[Callable, tuple, dict]] = []
+        self.paused = False  # inside empty_build: nothing recorded
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = _target(args, kwargs)
-        if isinstance(target, torch.Tensor) and target.is_meta and _writes(func):
+        if not self.paused and isinstance(target, torch.Tensor) and target.is_meta and _writes(func):
             self.calls.append((func, args, kwargs))
             return target  # on the meta device the write computes nothing
         return func(*args, **kwargs)
@@ -99,9 +100,36 @@ def recorded_build() -> Iterator[Recording]:
     from accelerate import init_empty_weights
 
     recording = Recording()
-    with init_empty_weights(include_buffers=False), recording.recorder:
-        yield recording
+    _ACTIVE.append(recording.recorder)
+    try:
+        with init_empty_weights(include_buffers=False), recording.recorder:
+            yield recording
+    finally:
+        _ACTIVE.pop()
     recording.drew = not torch.equal(torch.random.get_rng_state(), recording.rng)
+
+
+_ACTIVE: list[_Recorder] = []  # the recorders of the recorded_build contexts open now, innermost last
+
+
+@contextlib.contextmanager
+def empty_build() -> Iterator[None]:
+    """A context in which modules are built with their parameters on the meta device and nothing
+    recorded, as diffusers' ``from_pretrained`` builds a model before loading its weights (its
+    initialisation computes nothing and draws no random number); inside :func:`recorded_build` too, whose
+    recording then leaves these parameters out (their values come from files: ``runtime/tensor_source.py``)."""
+    from accelerate import init_empty_weights
+
+    recorder = _ACTIVE[-1] if _ACTIVE else None
+    paused = recorder is not None and recorder.paused
+    if recorder is not None:
+        recorder.paused = True
+    try:
+        with init_empty_weights(include_buffers=False):
+            yield
+    finally:
+        if recorder is not None:
+            recorder.paused = paused
 
 
 def available() -> bool:

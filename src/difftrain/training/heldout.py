@@ -23,6 +23,7 @@ from difftrain.config import Config
 from difftrain.diffusion.objective import Objective, per_sample_loss
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
+from difftrain.runtime.fsdp import in_lockstep
 from difftrain.runtime.seeding import derive_seed
 
 
@@ -51,12 +52,14 @@ class HeldOutLoss:
             conditioning = Conditioning(num_classes, channels=d.channels, resolution=d.resolution)
         channels, resolution = conditioning.network_shape()
         n = min(len(dataset), v.heldout_max_images)
-        mine = distributed.shard(n, self.ctx)
+        # This rank's rows, padded to every rank's count: a sharded model (FSDP) evaluates in lockstep.
+        rows, self.keep = distributed.padded_shard(n, self.ctx, lockstep=True)
+        mine = torch.tensor(rows, dtype=torch.long)
         # Drawn for all N images, whatever this rank keeps: image i's t and noise depend on i alone.
         g = torch.Generator().manual_seed(derive_seed(v.seed, "heldout-noise"))
         t = objective.stratified_levels(n, g)  # (N,) equal counts in every bucket
         noise = torch.randn((n, channels, resolution, resolution), generator=g)  # (N, C, H, W)
-        items = [dataset[i] for i in range(n)[mine]]
+        items = [dataset[i] for i in rows]
         self.x0 = torch.stack([x for x, _ in items]).to(device) if items else torch.zeros_like(noise[mine]).to(device)
         if conditioning.codec is not None and items:  # the mean latent of each image
             from difftrain.data.latents import sample_latents
@@ -77,18 +80,21 @@ class HeldOutLoss:
     @torch.no_grad()
     def per_sample(self, model: nn.Module) -> torch.Tensor:
         """(N_r,) float32 loss of each of this rank's held-out triples (all N in one process), in
-        eval mode (training mode is restored)."""
+        eval mode (training mode is restored). A sharded model (FSDP) runs the padded rows too, so that
+        every rank runs as many forwards; their losses are dropped."""
         was_training = model.training
         model.eval()
         out = []
+        rows = self.x0.shape[0] if in_lockstep(model) else self.keep
         try:
-            for s in range(0, self.x0.shape[0], self.batch_size):
-                x0, t, noise = (a[s : s + self.batch_size] for a in (self.x0, self.t, self.noise))
-                c = condition_rows(self.condition, s, s + self.batch_size)
+            for s in range(0, rows, self.batch_size):
+                e = min(s + self.batch_size, rows)
+                x0, t, noise = (a[s:e] for a in (self.x0, self.t, self.noise))
+                c = condition_rows(self.condition, s, e)
                 out.append(per_sample_loss(self.objective, model, x0, c, t, noise))
         finally:
             model.train(was_training)
-        return torch.cat(out) if out else torch.zeros(0, device=self.x0.device)
+        return torch.cat(out)[: self.keep] if out else torch.zeros(0, device=self.x0.device)
 
     def summarize(self, losses: torch.Tensor, prefix: str) -> dict[str, float]:
         """``{prefix}/loss`` and ``{prefix}/loss_bucket/i`` (empty buckets left out) from the

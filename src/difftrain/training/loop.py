@@ -176,7 +176,7 @@ def train(
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
                 with _Timed(paused, "validation_s"), state.reading_weights():  # schedule-free: its average
-                    model, ema_model = state.evaluation_models()  # themselves; gathered whole under FSDP
+                    model, ema_model = state.evaluation_models()  # themselves; under FSDP the sharded model, in lockstep
                     grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(model, ema_model)
                     del model, ema_model

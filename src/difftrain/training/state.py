@@ -29,6 +29,7 @@ from difftrain.runtime.device import prepare_model
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
+from difftrain.runtime.tensor_source import DeferredWeights
 from difftrain.training import sharded_checkpoint as sharded
 from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.training.ema import EMA
@@ -112,25 +113,33 @@ class RunState:
         """The FSDP state of ``build`` with no whole copy: the network built on the meta device with
         its initialisation recorded (``runtime/meta_init.py``), its template, EMA and post-hoc EMAs
         copied there (no storage), the network sharded and given storage for its shards, then each
-        parameter made whole once, alone, on the CPU (the recorded initialisation replayed with the
-        run's seed: the values of an ordinary build, bit for bit; a ``model.init_from``'s weights
-        are what it copies in) and its shard kept; the averages start as copies of the shards. A
-        resume (``init_weights`` False) leaves the values to ``load_state_dict``."""
+        parameter made whole once, alone, on the CPU and its shard kept: read from the safetensors files
+        of ``model.init_from`` (a base family's denoiser, a LoRA's base, difftrain's UNet from a diffusers
+        folder or weights file: ``runtime/tensor_source.py``), or else the recorded initialisation
+        replayed with the run's seed (the values of an ordinary build, bit for bit: a LoRA adapter's
+        start included; a ``model.init_from`` checkpoint's weights are what it copies in). The averages
+        start as copies of the shards. A resume (``init_weights`` False) leaves the values the checkpoint
+        holds to ``load_state_dict`` (a LoRA's base is still read from its files)."""
         tc, device = cfg.train, dctx.device
         torch.manual_seed(derive_seed(tc.seed, "init"))
+        deferred = DeferredWeights()  # what model.init_from (a base, a LoRA's base) holds: read after sharding
         with meta_init.recorded_build() as recording:
-            model = build_network(cfg, conditioning, network, init_weights)
+            model = build_network(cfg, conditioning, network, init_weights, deferred=deferred)
         recording.bind(model)
+        from_files = deferred.bind(model)
+        replayed = {name for name, _ in model.named_parameters()} - set(from_files)
         if init_weights:
-            meta_init.check(recording)  # before anything is sharded, so that build() can still build it whole
+            meta_init.check(recording, replayed)  # before anything is sharded, so that build() can still build it whole
         prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
         template = fsdp.meta_template(model)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
         fsdp.shard_model(model, dctx, tc.precision, tc.fsdp_offload)
         fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
+        for name, read in from_files.items():  # the base's weights, one whole tensor at a time
+            fsdp.fill_shard(model, name, read())
         if init_weights:
-            meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole))
+            meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole), replayed)
         for average in (ema.model, *posthoc.models):  # each rank averages its own shard
             fsdp.copy_shards(average, model)
         ema.rebind()
@@ -169,9 +178,18 @@ class RunState:
         return self.model
 
     def evaluation_models(self) -> tuple[nn.Module, nn.Module]:
-        """(model, EMA model) for evaluation: the run's own, or under FSDP plain copies whose
-        weights are gathered whole onto every rank (a collective: every rank calls this), so the
-        evaluations spread their own share of the work as under DDP."""
+        """(model, EMA model) for evaluation: the run's own; under FSDP, the sharded model and the EMA
+        run through it (``fsdp.AverageView``: its shards swapped in for each forward), both to be run in
+        lockstep by every rank (validation, held-out loss and FID pad the last rank's share), no whole
+        copy of either anywhere."""
+        if self.template is None:
+            return self.model, self.ema.model
+        return self.model, fsdp.AverageView(self.model, self.ema.model)
+
+    def gathered_models(self) -> tuple[nn.Module, nn.Module]:
+        """(model, EMA model) as plain copies whose weights are gathered whole onto every rank under
+        FSDP (a collective: every rank calls this; the run's own otherwise): for what needs the whole
+        weights in each process (tests comparing them)."""
         if self.template is None:
             return self.model, self.ema.model
         device = self.precision.device  # the run's device
@@ -206,6 +224,8 @@ class RunState:
         """Continue from a checkpoint read by ``load_checkpoint`` (checked against the schema), or by
         :func:`load_resume` for a sharded state: its run state, the shards then read into this
         state's own (every rank calls it)."""
+        if "shards" in state and self.template is None:  # built whole after all (meta_init.NotReplayable)
+            state = load_checkpoint(state["path"])
         if "shards" in state:
             self._load_shards(state)
         else:
@@ -316,17 +336,14 @@ class RunState:
 
 def builds_sharded(cfg: Config, dctx: DistContext, network: dict | None = None) -> bool:
     """Whether ``RunState.build`` builds this run's state sharded, with no whole copy: FSDP on several
-    ranks, difftrain's UNet (from scratch, from ``model.init_from`` or resumed: ``network`` is a
-    checkpoint's record). A base family's denoiser and a LoRA network are still built whole on
-    each rank, then sharded (``RunState.parallelize``), as is every network where accelerate (whose
+    ranks; difftrain's UNet, a base family's denoiser or a LoRA network, from scratch, from
+    ``model.init_from`` or resumed (``network``: a checkpoint's record). Still built whole on each rank,
+    then sharded (``RunState.parallelize``): a LoRA over a quantized base (``model.quantize_base``), a new
+    adapter started from a LoRA file (``model.init_lora_from``), and every network where accelerate (whose
     ``init_empty_weights`` builds on the meta device) is not installed."""
     if cfg.train.parallel != "fsdp" or not dctx.enabled or not meta_init.available():
         return False
-    from difftrain.families import family_of_config
-
-    if network is not None:
-        return network.get("kind") == "unet"
-    return not cfg.lora.rank and family_of_config(cfg) is None
+    return cfg.model.quantize_base == "off" and not (network is None and cfg.model.init_lora_from)
 
 
 def check_quantize_device(cfg: Config, device: torch.device, world_size: int = 1) -> None:
@@ -353,7 +370,7 @@ def load_resume(source: Path | None, cfg: Config, dctx: DistContext) -> dict | N
 
 
 def build_network(cfg: Config, conditioning: Conditioning, network: dict | None = None,
-                  init_weights: bool = True) -> nn.Module:
+                  init_weights: bool = True, deferred: DeferredWeights | None = None) -> nn.Module:
     """The network of a run, on the CPU: difftrain's UNet at the conditioning's shape (latent
     channels and resolution in a latent run, cross-attention in a text run), or a base family's
     denoiser (``difftrain.families``) when ``model.init_from`` names a base folder (or a
@@ -368,6 +385,13 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     With ``lora.rank`` (or a checkpoint's LoRA record), the network is that base, always loaded
     from ``model.init_from`` (checkpoints hold the adapter alone), frozen, with LoRA layers
     injected (``models/lora.py``); a base whose digest differs from the record's is refused.
+
+    deferred: under FSDP's sharded start (built on the meta device, ``RunState._build_sharded``), the
+    weights of ``model.init_from`` are not read: where each lies in its safetensors files is recorded in
+    ``deferred`` (a family's base: ``Family.empty_denoiser``; ``interop.defer_init_weights``), and the
+    caller fills the shards from them one tensor at a time (a LoRA base's digest is read so too). A source
+    that cannot be read so (a checkpoint, a ``.bin``) is loaded as without ``deferred``; a LoRA base of one
+    raises ``meta_init.NotReplayable`` (the caller builds the network whole).
     """
     from difftrain.families import family_of_config, family_of_record
     from difftrain.models.lora import is_lora_record
@@ -378,14 +402,12 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
         from difftrain.models.lora import apply_lora
 
         base = build_network(_without_lora(cfg), conditioning,
-                             saved_lora["base"] if saved_lora else None, init_weights=True)
+                             saved_lora["base"] if saved_lora else None, init_weights=True, deferred=deferred)
         if saved_lora is not None and family_of_record(saved_lora["base"]) is not None:  # its config, weights from init_from
-            from difftrain.interop import load_init_weights
-
-            load_init_weights(base, init_from)
+            _init_weights(base, init_from, deferred)
         net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
                          saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})",
-                         quantize=cfg.model.quantize_base)
+                         quantize=cfg.model.quantize_base, digest=_deferred_digest(base, deferred))
         if saved_lora is None and cfg.model.init_lora_from:  # a new run's adapter from a LoRA file
             from difftrain.lora_import import init_adapter_from
 
@@ -399,9 +421,14 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
             denoiser = family.denoiser_from_record(network)
         else:
             try:
-                denoiser = family.load_denoiser(init_from)
+                empty = family.empty_denoiser(init_from) if deferred is not None else None
+                denoiser = family.load_denoiser(init_from) if empty is None else empty[0]
             except ValueError as e:
                 raise ValueError(f"model.init_from: {e}") from None
+            if empty is not None:
+                deferred.add(*empty)
+            elif deferred is not None:
+                raise meta_init.NotReplayable(f"the base {init_from} holds no safetensors weights of its denoiser")
         # diffusers' activation checkpointing of its blocks (difftrain's UNet: build_model sets its own)
         denoiser.set_gradient_checkpointing(cfg.model.gradient_checkpointing)
         return denoiser
@@ -409,10 +436,33 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     model = build_model(cfg, conditioning.num_classes, context_dim=conditioning.context_dim,
                         in_channels=channels, resolution=resolution)
     if init_from and init_weights:  # existing weights (fine-tuning); the EMA starts from them too
-        from difftrain.interop import load_init_weights
-
-        load_init_weights(model, init_from)
+        _init_weights(model, init_from, deferred)
     return model
+
+
+def _init_weights(model: nn.Module, init_from: str, deferred: DeferredWeights | None) -> None:
+    """``model.init_from`` into ``model``: loaded, or, with ``deferred``, recorded there to be read later
+    where its source allows (``interop.defer_init_weights``)."""
+    from difftrain.interop import defer_init_weights, load_init_weights
+
+    if deferred is None or not defer_init_weights(model, init_from, deferred):
+        load_init_weights(model, init_from)
+
+
+def _deferred_digest(base: nn.Module, deferred: DeferredWeights | None) -> str | None:
+    """The LoRA base's digest read from its files one tensor at a time (``deferred``), or None (no deferred
+    build: ``apply_lora`` takes it from the weights); ``meta_init.NotReplayable`` for a base on the meta
+    device whose weights are not all in files."""
+    if deferred is None:
+        return None
+    from difftrain.models.text import tensors_digest
+
+    if deferred.covers(base):
+        try:
+            return tensors_digest(deferred.tensors(base))
+        except NotImplementedError:  # a weight the build keeps, on the meta device until replayed
+            pass
+    raise meta_init.NotReplayable("the LoRA base's weights are not all in safetensors files (model.init_from)")
 
 
 def _without_lora(cfg: Config) -> Config:

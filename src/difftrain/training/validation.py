@@ -16,6 +16,7 @@ from difftrain.conditioning import Conditioning, map_condition
 from difftrain.config import Config, ConfigError
 from difftrain.runtime import distributed
 from difftrain.runtime.device import is_out_of_memory
+from difftrain.runtime.fsdp import in_lockstep
 from difftrain.sampling import generate, grid_class_labels, grid_columns, initial_noise, make_grid, save_png, to_uint8
 
 DATA_PROMPTS = 8  # rows of a text model's grid when validation.prompts is empty: captions of the training data
@@ -98,10 +99,13 @@ def sample_images(
     """(N, H, W, C) uint8 samples of ``model`` from the plan on rank 0, None on the others.
 
     Rank r samples the rows ``shard(N, ctx)``, and the sampler noise of row i is seeded by
-    (validation.seed, i), so the images are the same on any number of processes.
+    (validation.seed, i), so the images are the same on any number of processes. A sharded model
+    (FSDP) samples in lockstep: every rank as many rows, the last share padded with a repeated row
+    whose image is dropped (``distributed.padded_shard``).
     """
     v = cfg.validation
-    mine = distributed.shard(plan.noise.shape[0], ctx)
+    rows, keep = distributed.padded_shard(plan.noise.shape[0], ctx, in_lockstep(model))
+    mine = torch.tensor(rows, dtype=torch.long)
     images = generate(
         model if plan.guide is None else plan.guide.wrap(model),
         objective=objective,
@@ -112,11 +116,11 @@ def sample_images(
         condition=map_condition(lambda t: t[mine], plan.condition),
         null_condition=plan.null,
         guidance_scale=v.guidance_scale,
-        sample_ids=range(plan.noise.shape[0])[mine],
+        sample_ids=rows,
         decode=conditioning.decode if conditioning.codec is not None else None,
         clip=conditioning.codec is None,  # latents are not bounded to [-1, 1]
     )
-    images = distributed.gather_cat(images, ctx)  # (N, C, H, W) on rank 0, None elsewhere
+    images = distributed.gather_cat(images[:keep], ctx)  # (N, C, H, W) on rank 0, None elsewhere
     return None if images is None else to_uint8(images)
 
 

@@ -1,0 +1,125 @@
+"""Weights read one whole tensor at a time from safetensors files, and the record of which weights a
+network built on the meta device is still to be filled from them.
+
+    source = TensorSource.of_folder(Path("sd/unet"))      # diffusion_pytorch_model(.safetensors | index)
+    t = source.read("conv_in.weight")                      # float32, on the CPU: that tensor alone
+    deferred = DeferredWeights()
+    deferred.add(denoiser, source)                         # the denoiser's weights lie in source
+    readers = deferred.bind(model)                         # model's parameter / buffer name -> reader
+
+FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, so no process holds a base's
+whole weights: each :meth:`TensorSource.read` opens the file, copies one tensor out and closes it
+(safetensors maps the file; a file kept open would leave every page read resident in this process).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+WEIGHTS_STEM = "diffusion_pytorch_model"  # a diffusers model folder's weights file(s)
+
+
+class TensorSource:
+    """Name -> (safetensors file, the tensor's key in it); :meth:`read` gives one whole tensor, float32."""
+
+    def __init__(self, keys: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]]) -> None:
+        self.keys, self.shapes = keys, shapes
+
+    @classmethod
+    def of_files(cls, files: list[Path], rename: Callable[[str], str] = str) -> TensorSource:
+        """Every tensor of ``files`` (safetensors), under ``rename(key)``; one ValueError naming a file
+        whose header cannot be read."""
+        from safetensors import safe_open
+
+        keys: dict[str, tuple[Path, str]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for k in f.keys():  # noqa: SIM118 - a safe_open, not a dict
+                        keys[rename(k)] = (file, k)
+                        shapes[rename(k)] = tuple(f.get_slice(k).get_shape())
+            except Exception as e:  # noqa: BLE001 - safetensors raises several kinds; one line naming the file
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ValueError(f"cannot read the weights file {file}: {first}") from None
+        return cls(keys, shapes)
+
+    @classmethod
+    def of_folder(cls, folder: Path, rename: Callable[[str], str] = str) -> TensorSource | None:
+        """The weights of a diffusers model folder: ``diffusion_pytorch_model.safetensors``, or the files its
+        ``.safetensors.index.json`` names; None when it has neither (a ``.bin``: read whole by its loader)."""
+        single, index = folder / f"{WEIGHTS_STEM}.safetensors", folder / f"{WEIGHTS_STEM}.safetensors.index.json"
+        if single.is_file():
+            return cls.of_files([single], rename)
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return cls.of_files([folder / n for n in names], rename)
+        return None
+
+    def names(self) -> set[str]:
+        return set(self.keys)
+
+    def read(self, name: str) -> Tensor:
+        """The whole tensor ``name`` on the CPU (a floating one as float32), the file closed again; one
+        ValueError naming the file when it is not finite."""
+        from safetensors import safe_open
+
+        file, key = self.keys[name]
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            t = f.get_tensor(key)
+        if not t.is_floating_point():
+            return t
+        if not torch.isfinite(t).all():  # a NaN base trains and samples nothing
+            raise ValueError(f"weights file {file}: weight {key} is not finite (NaN or infinity)")
+        return t.to(torch.float32)
+
+
+class DeferredWeights:
+    """Modules built on the meta device whose weights are to be read from a :class:`TensorSource`
+    (each module's state-dict names are the source's names), filled after the network is sharded."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[nn.Module, TensorSource]] = []
+        self._where: dict[int, Callable[[], Tensor]] = {}  # id of a tensor -> its reader
+
+    def add(self, module: nn.Module, source: TensorSource, built: frozenset[str] = frozenset()) -> None:
+        """``module``'s state-dict entries (parameters and persistent buffers) lie in ``source``, but for
+        ``built`` (kept as the build makes them); a ValueError naming the first tensor missing, unknown or
+        of another shape."""
+        own = {k: tuple(t.shape) for k, t in module.state_dict().items()}
+        missing, extra = sorted(set(own) - source.names() - built), sorted(source.names() - set(own))
+        if missing or extra:
+            raise ValueError(f"first mismatched key {(missing or extra)[0]!r} "
+                             f"({'missing from the files' if missing else 'not in this model'})")
+        for name in sorted(source.names()):
+            if source.shapes[name] != own[name]:
+                raise ValueError(f"first mismatched key {name!r} (shape {source.shapes[name]} in the files, "
+                                 f"{own[name]} in this model)")
+        self.parts.append((module, source))
+        for name, t in module.state_dict(keep_vars=True).items():  # now: a wrapper (peft) may rename them later
+            if name in source.keys:
+                self._where[id(t)] = lambda source=source, name=name: source.read(name)
+
+    def covers(self, module: nn.Module) -> bool:
+        return any(m is module for m, _ in self.parts)
+
+    def tensors(self, module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+        """(state-dict name, whole tensor) of ``module`` (added here), one read at a time, by sorted name
+        (a tensor the build keeps: its own value)."""
+        source = next(s for m, s in self.parts if m is module)
+        own = module.state_dict()  # before a wrapper renames them (the LoRA base's digest is taken first)
+        for name in sorted(own):
+            yield name, source.read(name) if name in source.keys else own[name]
+
+    def bind(self, model: nn.Module) -> dict[str, Callable[[], Tensor]]:
+        """``model``'s parameter and buffer names (``named_parameters`` / ``named_buffers``, before anything
+        replaces them) -> a reader of that tensor's whole value, for every tensor a part holds (found by
+        identity, so a wrapper's renaming -- peft's ``base_layer``, a denoiser's hidden prefix -- is followed)."""
+        where = self._where
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        return {name: where[id(t)] for name, t in named if id(t) in where}

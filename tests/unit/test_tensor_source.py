@@ -1,0 +1,47 @@
+"""runtime/tensor_source.py: weights read one tensor at a time from safetensors files, by name and by
+the identity of the meta-built network's tensors; a damaged or non-finite file is one line naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from difftrain.runtime import meta_init
+from difftrain.runtime.tensor_source import DeferredWeights, TensorSource
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+
+
+def test_a_meta_built_network_is_read_tensor_by_tensor_through_a_wrappers_renaming(tmp_path):
+    real = _net()
+    save_file({k: v.half() for k, v in real.state_dict().items()}, tmp_path / "w.safetensors")
+    with meta_init.empty_build():
+        net = _net()
+    deferred = DeferredWeights()
+    deferred.add(net, TensorSource.of_files([tmp_path / "w.safetensors"]))
+    wrapper = nn.ModuleDict({"inner": net})  # another name for each tensor, as peft's base_layer gives
+    readers = deferred.bind(wrapper)
+    assert sorted(readers) == sorted(f"inner.{k}" for k in real.state_dict())
+    for name, read in readers.items():
+        t = read()
+        assert t.dtype == torch.float32 and torch.equal(t, real.state_dict()[name.removeprefix("inner.")].half().float())
+    assert [n for n, _ in deferred.tensors(net)] == sorted(real.state_dict())
+
+
+def test_a_mismatched_damaged_or_non_finite_file_is_one_line(tmp_path):
+    with meta_init.empty_build():
+        net = _net()
+    state = _net().state_dict()
+    save_file({**state, "0.weight": torch.zeros(4, 5)}, tmp_path / "shape.safetensors")
+    with pytest.raises(ValueError, match=r"^first mismatched key '0.weight' \(shape \(4, 5\) in the files"):
+        DeferredWeights().add(net, TensorSource.of_files([tmp_path / "shape.safetensors"]))
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 8 + b"{not json")
+    with pytest.raises(ValueError, match=r"^cannot read the weights file .*bad.safetensors: "):
+        TensorSource.of_files([tmp_path / "bad.safetensors"])
+    save_file({**state, "1.bias": torch.tensor([0.0, float("nan")])}, tmp_path / "nan.safetensors")
+    with pytest.raises(ValueError, match=r"nan.safetensors: weight 1.bias is not finite"):
+        TensorSource.of_files([tmp_path / "nan.safetensors"]).read("1.bias")
