@@ -3,17 +3,19 @@ SD3Transformer2DModel, small) trained from scratch by difftrain with flow matchi
 text shapes, then taught the ring concept by LoRA and by DreamBooth, judged as bench/fine_tune_demo.py
 judges the UNet (new-concept rate before / after, forgetting of the old prompts).
 
-    python bench/mmdit_demo.py --work runs/mmdit-demo            # everything, about half an hour on 2 cores
+    python bench/mmdit_demo.py --work runs/mmdit-demo            # everything: 42 min on a busy 2-core CPU
     python bench/mmdit_demo.py --work runs/mmdit-demo --toy      # every piece at a toy size (the test's)
+    python bench/mmdit_demo.py --work runs/mmdit-demo --reuse-base --lora-lr 1e-3   # the fine-tunes again, same base
 
 1. A StableDiffusion3Pipeline folder (``WORK/random-base``), offline: an AutoencoderKL of factor 2
    trained here for ``--vae-steps`` steps on the shapes images to reconstruct them (a short plain
    PyTorch loop: L1 + MSE + a small KL term; its scaling and shift factors then set from its latents'
    std and mean, as SD3's were), judged by reconstructing held-out images; CLIP-L, CLIP-G and T5
    encoders with random weights (frozen, as tests/family_bases.py makes them; "ring" is in no
-   vocabulary: spelled out from letters); a randomly initialised SD3Transformer2DModel; a
-   FlowMatchEulerDiscreteScheduler with shift 1 (SD3's shift 3 is for 1024 px; at 16 px x 4 = 16
-   tokens the unshifted schedule is the SD3 paper's choice for small images).
+   vocabulary: spelled out from letters); a randomly initialised SD3Transformer2DModel with
+   patch 1 (16 px -> 8 x 8 latents of 8 channels -> 64 image tokens: with SD3's patch 2, 16
+   tokens of 4 x 4 px, the base drew blobs); a FlowMatchEulerDiscreteScheduler with shift 1
+   (SD3's shift 3 is for 1024 px; the SD3 paper trains small images unshifted).
 2. The base: ``difftrain train --set model.init_from=WORK/random-base`` on ``builtin:shapes`` with
    captions, ``--base-steps`` steps: full fine-tuning of random weights, that is training from
    scratch, with the family's flow matching (logit-normal t, the scheduler's shift); then ``difftrain
