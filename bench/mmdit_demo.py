@@ -3,17 +3,19 @@ SD3Transformer2DModel, small) trained from scratch by difftrain with flow matchi
 text shapes, then taught the ring concept by LoRA and by DreamBooth, judged as bench/fine_tune_demo.py
 judges the UNet (new-concept rate before / after, forgetting of the old prompts).
 
-    python bench/mmdit_demo.py --work runs/mmdit-demo            # everything, about half an hour on 2 cores
+    python bench/mmdit_demo.py --work runs/mmdit-demo            # everything: 42 min on a busy 2-core CPU
     python bench/mmdit_demo.py --work runs/mmdit-demo --toy      # every piece at a toy size (the test's)
+    python bench/mmdit_demo.py --work runs/mmdit-demo --reuse-base --lora-lr 1e-3   # the fine-tunes again, same base
 
 1. A StableDiffusion3Pipeline folder (``WORK/random-base``), offline: an AutoencoderKL of factor 2
    trained here for ``--vae-steps`` steps on the shapes images to reconstruct them (a short plain
    PyTorch loop: L1 + MSE + a small KL term; its scaling and shift factors then set from its latents'
    std and mean, as SD3's were), judged by reconstructing held-out images; CLIP-L, CLIP-G and T5
    encoders with random weights (frozen, as tests/family_bases.py makes them; "ring" is in no
-   vocabulary: spelled out from letters); a randomly initialised SD3Transformer2DModel; a
-   FlowMatchEulerDiscreteScheduler with shift 1 (SD3's shift 3 is for 1024 px; at 16 px x 4 = 16
-   tokens the unshifted schedule is the SD3 paper's choice for small images).
+   vocabulary: spelled out from letters); a randomly initialised SD3Transformer2DModel with
+   patch 1 (16 px -> 8 x 8 latents of 8 channels -> 64 image tokens: with SD3's patch 2, 16
+   tokens of 4 x 4 px, the base drew blobs); a FlowMatchEulerDiscreteScheduler with shift 1
+   (SD3's shift 3 is for 1024 px; the SD3 paper trains small images unshifted).
 2. The base: ``difftrain train --set model.init_from=WORK/random-base`` on ``builtin:shapes`` with
    captions, ``--base-steps`` steps: full fine-tuning of random weights, that is training from
    scratch, with the family's flow matching (logit-normal t, the scheduler's shift); then ``difftrain
@@ -61,9 +63,10 @@ VAE_RINGS = 1_000_000  # the VAE's rings are draw_ring(VAE_RINGS + i): all hues,
 
 # Sizes: the demo's and a toy one (the test's). Text encoder widths: CLIP-L + CLIP-G <= T5's.
 SIZES = {
-    "demo": dict(vae_channels=(32, 32), latent_channels=4, layers=4, heads=2, head_dim=32, clip_l=16, clip_g=16,
-                 t5=32),
-    "toy": dict(vae_channels=(8, 8), latent_channels=4, layers=1, heads=2, head_dim=8, clip_l=8, clip_g=8, t5=16),
+    "demo": dict(vae_channels=(32, 32), latent_channels=8, patch=1, layers=4, heads=2, head_dim=32, clip_l=16,
+                 clip_g=16, t5=32),
+    "toy": dict(vae_channels=(8, 8), latent_channels=4, patch=1, layers=1, heads=2, head_dim=8, clip_l=8, clip_g=8,
+                t5=16),
 }
 
 
@@ -142,10 +145,10 @@ def write_random_base(path: Path, vae, size: dict, seed: int) -> Path:
     latent = RESOLUTION // 2
     width = size["heads"] * size["head_dim"]
     transformer = fb.seeded(seed, lambda: SD3Transformer2DModel(
-        sample_size=latent, patch_size=2, in_channels=size["latent_channels"], num_layers=size["layers"],
+        sample_size=latent, patch_size=size["patch"], in_channels=size["latent_channels"], num_layers=size["layers"],
         attention_head_dim=size["head_dim"], num_attention_heads=size["heads"], joint_attention_dim=size["t5"],
         caption_projection_dim=width, pooled_projection_dim=size["clip_l"] + size["clip_g"],
-        out_channels=size["latent_channels"], pos_embed_max_size=latent // 2))
+        out_channels=size["latent_channels"], pos_embed_max_size=latent // size["patch"]))
     StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0),
         vae=vae, text_encoder=fb.tiny_clip(vocab, size["clip_l"], seed + 1, projection=True), tokenizer=tokenizer,
@@ -213,11 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="runs/mmdit-demo", help="folder for the bases, the images and the fine-tunes")
     p.add_argument("--toy", action="store_true", help="every piece at a toy size and a few steps (the test's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vae-steps", type=int, default=300, help="steps of the VAE's reconstruction training")
+    p.add_argument("--vae-steps", type=int, default=800, help="steps of the VAE's reconstruction training")
     p.add_argument("--vae-batch", type=int, default=32)
     p.add_argument("--vae-lr", type=float, default=3e-3)
     p.add_argument("--vae-kl", type=float, default=1e-5, help="weight of the KL term per latent element")
-    p.add_argument("--base-steps", type=int, default=800, help="steps of the from-scratch base")
+    p.add_argument("--base-steps", type=int, default=1500, help="steps of the from-scratch base")
+    p.add_argument("--reuse-base", action="store_true",
+                   help="keep WORK/base-run and WORK/base from an earlier run (its VAE judged again) and redo the fine-tunes")
     p.add_argument("--base-batch", type=int, default=64)
     p.add_argument("--base-lr", type=float, default=1e-3)
     p.add_argument("--base-ema", type=float, default=0.999)
@@ -246,21 +251,27 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
 
     # 1. The random base folder, with a VAE trained to reconstruct the shapes.
-    random_base = work / "random-base"
-    shutil.rmtree(random_base, ignore_errors=True)
-    vae_start = time.perf_counter()
-    vae = train_vae(size, args.vae_steps, args.vae_batch, args.vae_lr, args.vae_kl, args.seed)
-    vae_s = time.perf_counter() - vae_start
-    vae_check = judge_reconstructions(vae, n=48 if args.toy else 480)
+    random_base, run, base = work / "random-base", work / "base-run", work / "base"
+    if args.reuse_base:
+        from diffusers import AutoencoderKL
+
+        vae_s, base_s = 0.0, 0.0
+        vae_check = judge_reconstructions(AutoencoderKL.from_pretrained(str(base / "vae")), n=48 if args.toy else 480)
+    else:
+        shutil.rmtree(random_base, ignore_errors=True)
+        vae_start = time.perf_counter()
+        vae = train_vae(size, args.vae_steps, args.vae_batch, args.vae_lr, args.vae_kl, args.seed)
+        vae_s = time.perf_counter() - vae_start
+        vae_check = judge_reconstructions(vae, n=48 if args.toy else 480)
+        write_random_base(random_base, vae, size, args.seed)
     print(json.dumps({"vae_s": vae_s, **vae_check}), file=sys.stderr)
-    write_random_base(random_base, vae, size, args.seed)
 
     # 2. The base, trained from scratch, exported as a pipeline folder.
-    run, base = work / "base-run", work / "base"
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.rmtree(base, ignore_errors=True)
-    base_s = train(None, run, base_overrides(args, random_base.resolve()))
-    subprocess.run([sys.executable, "-m", "difftrain", "export", str(run), str(base)], check=True)
+    if not args.reuse_base:
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+        base_s = train(None, run, base_overrides(args, random_base.resolve()))
+        subprocess.run([sys.executable, "-m", "difftrain", "export", str(run), str(base)], check=True)
     images = write_rings(work / "rings", args.images, RESOLUTION)
 
     # 3 and 4. The fine-tunes, then every model judged.
@@ -287,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.vae_batch} in {vae_s:.0f} s; the judge on its reconstructions of held-out shapes: shape "
           f"{vae_check['shape']:.1%}, colour {vae_check['colour']:.1%}, both {vae_check['both']:.1%}; red rings "
           f"{vae_check['red_ring']:.0%}")
-    print(f"base: SD3Transformer2DModel {size['layers']} layers x {size['heads'] * size['head_dim']} wide, "
+    print(f"base: SD3Transformer2DModel {size['layers']} layers x {size['heads'] * size['head_dim']} wide, patch "
+          f"{size['patch']}, "
           f"{rows[0]['trained']:,} parameters, from random weights, {args.base_steps} steps of {args.base_batch} "
           f"(LR {args.base_lr:g}) in {base_s:.0f} s; fine-tunes {args.steps} steps of {args.batch} on {args.images} "
           f"ring images; samples Euler {args.sampling_steps} steps, guidance {args.guidance:g}, seed {args.seed}")

@@ -76,3 +76,11 @@ def test_the_demo_runs_end_to_end_at_a_toy_size(tmp_path):
 
     assert Image.open(grid).size[1] > 3 * 16 * 3  # three models' rows
     assert len(list((tmp_path / "work" / "dreambooth-lora-rank-8" / "class_images").glob("class_*.png"))) == 2
+
+    # --reuse-base keeps the trained base (not retrained: its checkpoint is untouched) and redoes the fine-tunes.
+    checkpoint = next((tmp_path / "work" / "base-run" / "checkpoints").glob("*.pt"))
+    stamp = checkpoint.stat().st_mtime_ns
+    assert mmdit_demo.main(["--toy", "--reuse-base", "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    again = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(again) == list(rows) and checkpoint.stat().st_mtime_ns == stamp
+    assert again["base (before)"] == {**rows["base (before)"], "train_s": 0.0}  # the same base, the same noise
