@@ -98,32 +98,72 @@ def test_settings_table_and_levers(flux):
     assert "16G" in text and "nf4 base" in text and "4 x FSDP" in text
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "nf4"])
-def test_quantized_weight_bytes_equal_torchao_to_the_byte(kind):
-    """QUANT_BYTES against the tensors torchao's quantization of a Linear weight holds (its subclasses'
-    inner tensors, each storage's bytes)."""
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a tensor subclass: its inner tensors')."""
+    seen: dict[int, int] = {}
+
+    def add(t):
+        if hasattr(t, "__tensor_flatten__"):
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        else:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for t in tensors:
+        add(t)
+    return sum(seen.values())
+
+
+def test_fp8_weight_bytes_equal_torchao_to_the_byte():
+    """QUANT_BYTES["fp8"] against the tensors torchao's Float8WeightOnlyConfig makes of a Linear weight."""
     import torch
 
     pytest.importorskip("torchao")
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
     weight = torch.randn(256, 512)
-    if kind == "nf4":
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    layer = torch.nn.Sequential(torch.nn.Linear(512, 256))
+    layer[0].weight.data = weight
+    quantize_(layer, Float8WeightOnlyConfig())
+    assert _storage_bytes([layer[0].weight]) == QUANT_BYTES["fp8"](weight.numel(), weight.shape[0])
 
-        held = to_nf4(weight)
-    else:
-        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-        layer = torch.nn.Sequential(torch.nn.Linear(512, 256))
-        layer[0].weight.data = weight
-        quantize_(layer, Int8WeightOnlyConfig() if kind == "int8" else Float8WeightOnlyConfig())
-        held = layer[0].weight
+def _bnb_held(module) -> list:
+    """The tensors a bitsandbytes layer holds besides its parameters: an int8 layer's state (its int8 weight
+    and row scales), an nf4 weight's quant_state (block absmax, code table, offset, the nested state's)."""
+    import torch
 
-    def nbytes(t):
-        if hasattr(t, "__tensor_flatten__"):
-            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-        return t.untyped_storage().nbytes()
+    held = []
+    state = getattr(module, "state", None)
+    if state is not None and hasattr(state, "SCB"):
+        held += [v for v in vars(state).values() if torch.is_tensor(v)]
+    quant = getattr(dict(module.named_parameters(recurse=False)).get("weight"), "quant_state", None)
+    while quant is not None:
+        held += [v for v in vars(quant).values() if torch.is_tensor(v)]
+        quant = quant.state2
+    return held
 
-    assert nbytes(held) == QUANT_BYTES[kind](weight.numel(), weight.shape[0])
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_quantized_base_weights_equal_bitsandbytes_to_the_byte(flux, kind):
+    """A LoRA over an int8 / nf4 base: estimate's weights (counted on meta from the config.json files) equal
+    the bytes of every distinct storage of the tiny Flux network that training builds
+    (``build_network``: quantized by models/quantize.py with bitsandbytes, peft's layers over it): its
+    parameters and the quantization state bitsandbytes keeps beside them."""
+    pytest.importorskip("bitsandbytes")
+    from difftrain.conditioning import Conditioning
+    from difftrain.models.quantize import quantized_layers
+    from difftrain.training.state import build_network
+
+    folder, configs = flux
+    extra = ("lora.rank=4", "lora.alpha=4", f"model.quantize_base={kind}")
+    cfg = _cfg(folder, *extra)
+    net = build_network(cfg, Conditioning.from_config(cfg, 0))
+    assert set(quantized_layers(net).values()) == {kind}
+    held = list(net.parameters()) + [t for m in net.modules() for t in _bnb_held(m)]
+    counted = count_base(_cfg(configs, *extra), str(configs), ranks=1)
+    assert counted["rows"][0]["quantize_base"] == kind
+    assert counted["rows"][0]["weights"] == _storage_bytes(held)
 
 
 def test_known_bases_are_the_public_architectures():

@@ -47,16 +47,20 @@ KNOWN = Path(__file__).parent / "bases"  # known bases: folders of config.json f
 CARDS_GIB = (16, 24, 48, 80)
 HEADROOM = 0.9  # share of a card's memory planned for (the rest: CUDA context, allocator slack)
 GiB = 2**30
-# Bytes of a quantized Linear weight of n elements and `rows` output rows (model.quantize_base), in torchao's
-# layouts (checked to the byte in tests/integration/test_estimate_base.py): int8 weight-only, an int8 weight
-# with a float32 scale and an int8 zero point per row; fp8 weight-only, a float8 weight and a float32 scale per
-# row; nf4 (QLoRA's NormalFloat4 with double quantization, NF4Tensor): half a byte a weight, an int8 scale per
-# 64-weight block, a float32 factor per 256 blocks, a float32 mean and the 16-entry float32 code table.
-# bitsandbytes' Int8Params / Linear4bit hold the same within a few bytes a row.
+# Bytes of a quantized Linear weight of n elements and `rows` output rows (model.quantize_base), as the library
+# models/quantize.py trains with holds it (checked to the byte in tests/integration/test_estimate_base.py):
+# - int8, bitsandbytes 0.50's Int8Params under Linear8bitLt: the int8 weight (state.CB) and a float32 absmax
+#   scale per row (state.SCB);
+# - nf4, bitsandbytes 0.50's Params4bit (blocks of 64, double quantization: Params4bit's default, which
+#   models/quantize.py keeps): two weights a byte, a uint8 absmax per block, the absmax quantized again in
+#   blocks of 256 (a float32 absmax per 256 blocks and the layer's own copy of the 256-entry float32 dynamic
+#   map), a float32 offset and the 16-entry float32 NF4 code table;
+# - fp8, torchao's Float8WeightOnlyConfig: a float8 weight and a float32 scale per row.
 QUANT_BYTES = {
-    "int8": lambda n, rows: n + 5 * rows,
+    "int8": lambda n, rows: n + 4 * rows,
     "fp8": lambda n, rows: n + 4 * rows,
-    "nf4": lambda n, rows: math.ceil(n / 2) + math.ceil(n / 64) + 4 * math.ceil(n / (64 * 256)) + 4 + 16 * 4,
+    "nf4": lambda n, rows: (math.ceil(n / 2) + math.ceil(n / 64) + 4 * math.ceil(math.ceil(n / 64) / 256)
+                            + 4 + 16 * 4 + 256 * 4),
 }
 
 
