@@ -182,6 +182,39 @@ def test_known_bases_are_the_public_architectures():
         assert sum(p.numel() for p in net.parameters()) == params
 
 
+# The published sizes of the SD3.5 denoisers, from the model cards (huggingface.co/stabilityai/
+# stable-diffusion-3.5-medium: "MMDiT-X ... 2.5 billion parameters"; stable-diffusion-3.5-large: "8.1 billion
+# parameters"; the same in Stability AI's "Introducing Stable Diffusion 3.5", 2024-10-22).
+PUBLISHED = {"sd3.5-medium": 2.5e9, "sd3.5-large": 8.1e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_sd35_counts_are_the_published_sizes(name):
+    """SD3.5's shipped configs (Medium: MMDiT-X, dual attention in blocks 0..12, RMSNorm on q and k) count
+    within 2% of the published size. The published figure counts the weight file's tensors: the parameters
+    (Medium 2,243,171,520) and the learned-size position table diffusers holds as a persistent buffer (Medium
+    384 x 384 x 1536 = 226,492,416); the parameters alone are 10% short of it."""
+    import torch
+
+    from difftrain.families import detect
+    from difftrain.tools.base_memory import base_folder, denoiser_config, stored_parameters, text_encoder_params
+
+    folder = base_folder(name)
+    config = denoiser_config(folder)
+    if name == "sd3.5-medium":
+        assert config["dual_attention_layers"] == list(range(13)) and config["qk_norm"] == "rms_norm"
+    with torch.device("meta"):
+        net = detect(folder).denoiser_from_record({"config": config})
+    assert abs(stored_parameters(net) / PUBLISHED[name] - 1) < 0.02
+    if name == "sd3.5-medium":
+        assert stored_parameters(net) - sum(p.numel() for p in net.parameters()) == 384 * 384 * 1536
+    # the three text encoders (Large's are the same), as the published models count them: CLIP ViT-L/14's
+    # text tower with its projection 123,650,304, OpenCLIP ViT-bigG/14's 694,659,840, T5 v1.1 XXL's encoder
+    # 4,762,310,656
+    if name == "sd3.5-medium":
+        assert text_encoder_params(folder) == 123_650_304 + 694_659_840 + 4_762_310_656
+
+
 def test_estimate_base_cli(flux, tmp_path, capsys):
     """The command (in this process: the subprocess start-up is the CLI tests' own): JSON out, a missing base is
     one line and exit 2."""

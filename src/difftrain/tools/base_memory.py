@@ -116,6 +116,13 @@ def text_encoder_params(folder: Path) -> int:
     return total
 
 
+def stored_parameters(model: nn.Module) -> int:
+    """The numbers the base's weight files hold: its parameters and persistent buffers (its state dict).
+    SD3's position table (226M numbers in SD3.5 Medium) is a buffer in diffusers but a tensor of the file,
+    and the published sizes (2.5B for SD3.5 Medium's MMDiT-X, against 2.24B parameters) count it."""
+    return sum(t.numel() for t in model.state_dict().values())
+
+
 @dataclass(frozen=True)
 class Setting:
     """One way to train: full fine-tuning or LoRA, and the levers."""
@@ -264,6 +271,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
     settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
     net = _Network(family, config)
     parameters = sum(p.numel() for p in net.model.parameters())
+    stored = stored_parameters(net.model)  # before LoRA: the base's own tensors
     failed = ""
     rows: dict[Setting, dict] = {}
     for lora in (False, True):
@@ -286,6 +294,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "base": str(base), "family": family.name, "resolution": resolution, "batch_size": batch,
         "latent": [family.latent_channels(config), *latent], "precision": precision,
         "parameters": parameters,
+        "stored_parameters": stored,
         "lora_rank": cfg.lora.rank or 16,
         "lora_parameters": lora_parameters,
         "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else "loaded, float32",
@@ -305,7 +314,9 @@ def format_base(r: dict) -> str:
     a = own["activation_parts"]
     head = [
         ("device", r["device"]),
-        ("base", f"{r['base']} ({r['family']}): {r['parameters']:,} parameters; LoRA rank {r['lora_rank']}: "
+        ("base", f"{r['base']} ({r['family']}): {r['parameters']:,} parameters"
+                 + (f" ({r['stored_parameters']:,} in its files, buffers included)"
+                    if r["stored_parameters"] != r["parameters"] else "") + f"; LoRA rank {r['lora_rank']}: "
                  f"{r['lora_parameters']:,} trained"),
         ("step", f"{r['resolution']} px, batch {r['batch_size']} per rank, latents {'x'.join(map(str, r['latent']))}, "
                  f"{r['precision']}; text encoders {r['text_encoders']}; {r['ema_copies']} EMA cop"
