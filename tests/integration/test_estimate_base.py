@@ -192,7 +192,7 @@ PUBLISHED = {"sd3.5-medium": 2.5e9, "sd3.5-large": 8.1e9}
 def test_sd35_counts_are_the_published_sizes(name):
     """SD3.5's shipped configs (Medium: MMDiT-X, dual attention in blocks 0..12, RMSNorm on q and k) count
     within 2% of the published size. The published figure counts the weight file's tensors: the parameters
-    (Medium 2,243,171,520) and the learned-size position table diffusers holds as a persistent buffer (Medium
+    (Medium 2,243,171,520) and the position table (a tensor of the file) diffusers holds as a persistent buffer (Medium
     384 x 384 x 1536 = 226,492,416); the parameters alone are 10% short of it."""
     import torch
 
