@@ -43,3 +43,18 @@ def test_short_preset_fits_the_318_second_h100_budget():
     assert cfg.optim.warmup_steps == 500 and cfg.data.cache
     # Stopped 10% short of its plan, the run still ends below 4% of the peak LR.
     assert _lr(cfg, int(0.9 * cfg.train.total_steps)) < 0.04 * cfg.optim.lr
+
+
+def test_the_quickstart_keeps_the_checkpoint_its_samples_are_guided_by():
+    """scripts/quickstart.sh samples with autoguidance by the run's own checkpoint of one step
+    (--guide-step); configs/tiny.toml must write that checkpoint and keep it past the rotation."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "scripts" / "quickstart.sh").read_text()
+    step = int(re.search(r"--guide-step (\d+)", script).group(1))
+    assert re.search(r"--guide-weight [0-9.]+", script)
+    cfg = load_config(root / "configs" / "tiny.toml")
+    ck = cfg.checkpoint
+    assert 0 < step < cfg.train.total_steps
+    assert step % ck.every_steps == 0 and ck.keep_every_steps and step % ck.keep_every_steps == 0
