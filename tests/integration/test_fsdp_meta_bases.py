@@ -1,5 +1,5 @@
 """FSDP's sharded start from a base's files on 2 gloo CPU processes: a base family's denoiser (SD's
-UNet2DConditionModel, Flux's transformer), a LoRA network on it, and difftrain's UNet from a
+UNet2DConditionModel, SDXL's, SD3's and Flux's transformers), a LoRA network on it, and difftrain's UNet from a
 ``model.init_from`` weights file, each built on the meta device, sharded, and filled one tensor at a
 time from the safetensors files -- the same weights, adapter start, record and base digest as the
 whole build it replaces (``builds_sharded`` forced False), and a LoRA's resume reads its base so too."""
@@ -66,16 +66,18 @@ def _same_as_whole(results: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> list[dict]:
-    """The five builds, each both ways, on 2 ranks in one spawn (about 60 s on a busy 2-core machine):
+    """The nine builds, each both ways, on 2 ranks in one spawn (about 60 s on a busy 2-core machine):
     SD's UNet in full and with LoRA, Flux's transformer with LoRA, difftrain's UNet from a weights file
-    in full and as a LoRA base (with its convolutions)."""
+    in full and as a LoRA base (with its convolutions), SDXL's UNet and SD3's transformer in full and
+    with LoRA."""
     from difftrain.interop import save_weights_file
     from difftrain.training.state import RunState
-    from tests.family_bases import write_tiny_flux_folder
+    from tests.family_bases import write_tiny_flux_folder, write_tiny_sd3_folder, write_tiny_sdxl_folder
     from tests.text_components import write_tiny_sd_folder
 
     root = tmp_path_factory.mktemp("bases")
     sd, flux = write_tiny_sd_folder(root / "sd"), write_tiny_flux_folder(root / "flux")
+    sdxl, sd3 = write_tiny_sdxl_folder(root / "sdxl"), write_tiny_sd3_folder(root / "sd3")
     state = RunState.build(load_config(None, [*TINY_OVERRIDES, "train.device=cpu"]), 0, torch.device("cpu")).state_dict()
     torch.manual_seed(1)
     for v in state["ema"]["model"].values():  # not the zero-initialised output layer
@@ -83,7 +85,9 @@ def built(tmp_path_factory) -> list[dict]:
     weights = save_weights_file({**state, "path": "base"}, root / "base.safetensors")
     runs = [[*BUILD, f"model.init_from={sd}"], [*BUILD, f"model.init_from={sd}", "lora.rank=2"],
             [*BUILD, f"model.init_from={flux}", "lora.rank=2"], [*BUILD, f"model.init_from={weights}"],
-            [*BUILD, f"model.init_from={weights}", "lora.rank=2", "lora.include_conv=true"]]
+            [*BUILD, f"model.init_from={weights}", "lora.rank=2", "lora.include_conv=true"],
+            [*BUILD, f"model.init_from={sdxl}"], [*BUILD, f"model.init_from={sdxl}", "lora.rank=2"],
+            [*BUILD, f"model.init_from={sd3}"], [*BUILD, f"model.init_from={sd3}", "lora.rank=2"]]
     return run_ranks(_built, 2, runs)[0]
 
 
@@ -103,8 +107,18 @@ def test_a_flux_transformer_with_lora_starts_sharded_from_its_files(built):
 
 def test_difftrains_unet_from_a_weights_file_starts_sharded_from_it(built):
     """``model.init_from`` a difftrain weights file, full fine-tuning and as a LoRA base (include_conv)."""
-    full, lora = _same_as_whole(built[3:])
+    full, lora = _same_as_whole(built[3:5])
     assert full["record"] == {"kind": "unet"} and lora["record"]["kind"] == "lora"
+
+
+@pytest.mark.parametrize("family, at", [("sdxl", 5), ("sd3", 7)])
+def test_sdxl_and_sd3_denoisers_and_their_loras_start_sharded_from_their_files(built, family, at):
+    """SDXL's UNet (its added time / text embedding) and SD3's transformer (its position table, a buffer),
+    in full and with LoRA: the generic family path, the whole build's weights, EMA, adapter and record."""
+    full, lora = _same_as_whole(built[at:at + 2])
+    assert full["record"]["kind"] == "family" and full["record"]["family"] == family
+    assert lora["record"]["kind"] == "lora" and lora["record"]["base"]["family"] == family
+    assert len(lora["record"]["base_digest"]) == 64 and all("lora_" in n for n in lora["trains"])
 
 
 def write_sd_unet_folder(path: Path, channels: int) -> Path:
