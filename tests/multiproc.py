@@ -79,3 +79,25 @@ def assert_close_dicts(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-5)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=k)
+
+
+def status_bytes(field: str) -> int:
+    """A byte count of /proc/self/status, e.g. "VmRSS" (resident now) or "VmHWM" (peak resident)."""
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def reset_peak(give_back: bool = False) -> int:
+    """Reset this process's peak RSS (VmHWM) to its RSS now, and return that; with ``give_back``,
+    collect garbage and hand freed heap memory back to the OS (``malloc_trim``) first."""
+    if give_back:
+        import ctypes
+        import gc
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS")

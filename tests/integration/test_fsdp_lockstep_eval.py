@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from conftest import TINY_OVERRIDES
-from multiproc import run_ranks
+from multiproc import reset_peak, run_ranks, status_bytes
 
 from difftrain.config import load_config
 
@@ -25,24 +25,6 @@ class _Features:
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         return pixels.float().flatten(1)[:, :4]
-
-
-def _status_bytes(field: str) -> int:
-    for line in open("/proc/self/status").read().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(field)
-
-
-def _reset_peak() -> int:
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
 
 
 def _evaluations(ctx) -> dict:
@@ -83,9 +65,9 @@ def _evaluations(ctx) -> dict:
 
     out = {}
     for name, models in (("lockstep", state.evaluation_models), ("gathered", state.gathered_models)):
-        start = _reset_peak()
+        start = reset_peak(give_back=True)
         out[name] = evaluate(models())
-        out[f"{name}_peak"] = _status_bytes("VmHWM") - start
+        out[f"{name}_peak"] = status_bytes("VmHWM") - start
     out["params"] = sum(p.numel() for p in state.template.parameters())
     return out
 

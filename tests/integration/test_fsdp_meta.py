@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_OVERRIDES
-from multiproc import assert_close_dicts, run_ranks, train_on_rank
+from multiproc import assert_close_dicts, reset_peak, run_ranks, status_bytes, train_on_rank
 
 from difftrain.config import ConfigError, load_config
 from difftrain.training import checkpoint as ckpt
@@ -73,20 +73,6 @@ def test_fsdp_offload_trains_as_without_it_and_needs_fsdp():
         load_config(None, TINY_OVERRIDES + ["train.fsdp_offload=true"])
 
 
-def _status_bytes(field: str) -> int:
-    for line in open("/proc/self/status").read().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(field)
-
-
-def _reset_peak() -> int:
-    """Reset this process's peak RSS (VmHWM) to its RSS now, and return that."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
 def _start_and_resume(ctx, run_dir: str, overrides: list[str]) -> dict:
     """A rank's peak RSS above its start while it builds the sharded state (and takes one step),
     then, that state gone, while it builds it again from the sharded checkpoint it wrote."""
@@ -97,10 +83,10 @@ def _start_and_resume(ctx, run_dir: str, overrides: list[str]) -> dict:
     from difftrain.training.state import RunState, load_resume
 
     cfg = load_config(None, overrides)
-    start = _reset_peak()
+    start = reset_peak()
     state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
     net = state.parallelize(ctx)
-    built = _status_bytes("VmHWM") - start
+    built = status_bytes("VmHWM") - start
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(ctx.rank))
     net(x, torch.full((2,), 10)).square().mean().backward()
     state.precision.step(state.optimizer, net.parameters(), 1.0, torch.tensor(1.0))
@@ -112,11 +98,11 @@ def _start_and_resume(ctx, run_dir: str, overrides: list[str]) -> dict:
     del state, net
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # give the freed memory back, so that the resume's peak counts anew
-    start = _reset_peak()
+    start = reset_peak()
     saved = load_resume(Path(run_dir), cfg, ctx)
     state = RunState.build(cfg, 0, ctx.device, init_weights=False, network=saved["network"], dctx=ctx)
     state.load_state_dict(saved)
-    return {"built": built, "resumed": _status_bytes("VmHWM") - start, "step": state.step,
+    return {"built": built, "resumed": status_bytes("VmHWM") - start, "step": state.step,
             "lazy": "shards" in saved and "model" not in saved}
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from conftest import TINY_OVERRIDES  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
+from multiproc import reset_peak, run_ranks, status_bytes  # noqa: E402
 
 from difftrain.config import load_config  # noqa: E402
 
@@ -140,28 +140,18 @@ def start_up_peaks(ctx, runs: list[list[str]]) -> list[dict]:
     """For each config of ``runs``, this rank's peak RSS above its start while ``RunState.build`` and
     ``parallelize`` make the sharded state: from the files (``sharded``), then whole and sharded after
     (``whole``); freed memory given back between them. Also the parameter count."""
-    import ctypes
-    import gc
-
     import difftrain.training.state as state_module
     from difftrain.training.state import RunState
-
-    def reset() -> int:
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_bytes("VmRSS")
 
     out, sharded_build = [], state_module.builds_sharded
     for overrides in runs:
         cfg, peaks = load_config(None, overrides), {}
         for name, builds in (("sharded", sharded_build), ("whole", lambda *args, **kwargs: False)):
             state_module.builds_sharded = builds
-            start = reset()
+            start = reset_peak(give_back=True)
             state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
             state.parallelize(ctx)
-            peaks[name] = _status_bytes("VmHWM") - start
+            peaks[name] = status_bytes("VmHWM") - start
             peaks["params"] = sum(p.numel() for p in state.template.parameters())
             del state
         state_module.builds_sharded = sharded_build
@@ -169,14 +159,6 @@ def start_up_peaks(ctx, runs: list[list[str]]) -> list[dict]:
     return out
 
 
-def _status_bytes(field: str) -> int:
-    for line in open("/proc/self/status").read().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(field)
-
-
-@pytest.mark.slow  # about 60 s of CPU on 2 ranks (4 builds of a 17.4M-parameter UNet); the builds' equality runs by default
 def test_a_ranks_start_up_from_a_base_holds_no_whole_copy(tmp_path, monkeypatch):
     """An SD-shaped UNet2DConditionModel of 17.4M parameters (66 MiB of fp32 weights) on 2 ranks, in full
     (weights, EMA, one post-hoc EMA) and with LoRA (its frozen base shared by the EMA). Each rank's
