@@ -61,6 +61,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -450,7 +451,7 @@ def curve_points(checkpoints: list[tuple[float, int, Path]], every_s: float) -> 
 def evaluate(runs: list[Run], args, reference, inception) -> None:
     """FID/KID of the EMA samples of every chosen checkpoint of every run."""
     from difftrain.diffusion.objective import DDPMObjective
-    from difftrain.evaluation.evaluate import fid_result, sample_statistics
+    from difftrain.evaluation.evaluate import fid_result, sample_pixels, sample_statistics
     from difftrain.inference import load_model
 
     for run in runs:
@@ -467,19 +468,41 @@ def evaluate(runs: list[Run], args, reference, inception) -> None:
                 shape = (d.channels, d.resolution, d.resolution)
                 # DDPM-family runs: DDIM, eta 0; EDM and flow runs: their own evaluation.fid_sampler.
                 sampler = "ddim" if "ddim" in objective.samplers else loaded.cfg.evaluation.fid_sampler
-            device = next(inception.parameters()).device
+            device = args.device if inception is None else next(inception.parameters()).device
             options = {"eta": 0.0} if sampler == "ddim" else {}
             # About the same network evaluations for every sampler: Heun makes two per step.
             steps = args.steps if objective.sampler_nfe[sampler](args.steps) <= args.steps + 1 else args.steps // 2 + 1
-            stats = sample_statistics(model.to(device), inception, objective=objective.to(device), shape=shape,
-                                      num=args.num_samples, sampler=sampler, steps=steps, seed=args.seed,
-                                      batch_size=args.batch_size, **options)
-            result = fid_result(stats, reference, kid=True, step=step, seconds=round(seconds, 1), sampler=sampler,
-                                sampler_steps=steps, nfe=objective.sampler_nfe[sampler](steps))
+            context = dict(step=step, seconds=round(seconds, 1), sampler=sampler, sampler_steps=steps,
+                           nfe=objective.sampler_nfe[sampler](steps))
+            drawn = dict(objective=objective.to(device), shape=shape, num=args.num_samples, sampler=sampler,
+                         steps=steps, seed=args.seed, batch_size=args.batch_size, **options)
+            kept: list | None = [] if args.save_samples else None
+            if inception is None:  # --no-fid: the samples only, scored elsewhere (bench/fid_of_samples.py)
+                kept = list(sample_pixels(model.to(device), **drawn))
+                result = context
+            else:
+                stats = sample_statistics(model.to(device), inception, keep=kept, **drawn)
+                result = fid_result(stats, reference, kid=True, **context)
             result["eval_s"] = round(time.perf_counter() - t0, 1)
+            if kept is not None:
+                result["samples"] = save_samples(torch.cat(kept), Path(args.save_samples) / f"{run.recipe.name}-step{step}")
             run.results.append(result)
-            print(f"  {run.recipe.name}: step {step} at {seconds:.0f} s: FID {result['fid']:.2f}, "
-                  f"KID {result['kid_mean']:.4f} ({result['eval_s']:.0f} s)", flush=True)
+            scores = f"FID {result['fid']:.2f}, KID {result['kid_mean']:.4f}" if "fid" in result else "samples kept"
+            print(f"  {run.recipe.name}: step {step} at {seconds:.0f} s: {scores} ({result['eval_s']:.0f} s)",
+                  flush=True)
+
+
+def save_samples(images: torch.Tensor, stem: Path, part: int = 5000) -> list[str]:
+    """Write (N, C, H, W) uint8 samples as ``STEM-partK.npz`` files of at most ``part`` images,
+    each an ``images`` array (n, H, W, C) uint8 (what bench/fid_of_samples.py reads); the paths."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    array = images.permute(0, 2, 3, 1).numpy()
+    paths = []
+    for k, start in enumerate(range(0, len(array), part)):
+        path = stem.parent / f"{stem.name}-part{k}.npz"
+        np.savez_compressed(path, images=array[start : start + part])
+        paths.append(str(path))
+    return paths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,7 +515,7 @@ def _fmt(x, spec: str, missing: str = "n/a") -> str:
 
 def best_runs(runs: list[Run], n: int) -> list[Run]:
     """The ``n`` difftrain runs with the lowest final FID."""
-    scored = [r for r in runs if r.results and r.recipe.config is not None]
+    scored = [r for r in runs if r.results and "fid" in r.results[-1] and r.recipe.config is not None]
     return sorted(scored, key=lambda r: r.results[-1]["fid"])[:n]
 
 
@@ -500,7 +523,7 @@ def seed_groups(runs: list[Run]) -> dict[str, list[float]]:
     """Final FID of every scored run, grouped by recipe (its repeats on other seeds included)."""
     groups: dict[str, list[float]] = {}
     for r in runs:
-        if r.results:
+        if r.results and "fid" in r.results[-1]:
             groups.setdefault(r.recipe.base or r.recipe.name, []).append(r.results[-1]["fid"])
     return groups
 
@@ -554,7 +577,7 @@ def tables(runs: list[Run], args, ref_count: int) -> str:
         for r in runs:
             for res in r.results:
                 lines.append(f"| {r.recipe.name} | {res['seconds'] / 60:.2f} | {res['step']:,} | "
-                             f"{res['fid']:.2f} | {res.get('kid_mean', float('nan')):.4f} |")
+                             f"{_fmt(res.get('fid'), '.2f')} | {_fmt(res.get('kid_mean'), '.4f')} |")
     lines += ["", "Overrides:", ""]
     for r in runs:
         if r.recipe.config:
@@ -610,6 +633,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default="/tmp/time_to_fid", help="run folders (deleted and remade per recipe)")
     p.add_argument("--out", help="write the tables (markdown) and results (JSON next to it) here")
     p.add_argument("--inception", help="FID Inception TorchScript (default: as difftrain finds it)")
+    p.add_argument("--save-samples", metavar="DIR", help="also keep every scored checkpoint's samples in DIR "
+                   "(RECIPE-stepN-partK.npz, 5,000 images each; bench/fid_of_samples.py scores them)")
+    p.add_argument("--no-fid", action="store_true", help="sample but do not score (with --save-samples): "
+                   "for a machine without the Inception weights")
     return p
 
 
@@ -632,6 +659,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.curve_every = args.curve_every if args.curve_every is not None else (
         0.0 if cpu or smoke or args.total_steps else args.budget / 4)
     args.checkpoint_every_steps = args.checkpoint_every_steps or (50 if smoke else 400 if cpu else 500)
+    if args.no_fid and not args.save_samples:
+        raise SystemExit("--no-fid keeps nothing without --save-samples DIR")
+    if args.no_fid and args.seeds > 1:
+        raise SystemExit("--seeds ranks by FID: it cannot combine with --no-fid")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
@@ -695,13 +726,17 @@ def main(argv: list[str] | None = None) -> int:
     from difftrain.evaluation.reference import reference_statistics
     from difftrain.evaluation.stats import FeatureStats
 
-    inception = InceptionFeatures(args.inception).to(args.device)
-    if args.ref and Path(args.ref).is_file():
+    inception = reference = None
+    if args.no_fid:
+        pass
+    elif args.ref and Path(args.ref).is_file():
+        inception = InceptionFeatures(args.inception).to(args.device)
         reference = FeatureStats.load(args.ref)
     else:
         source = args.ref or (str(Path(args.data) / "test") if args.data else None)
         if source is None:
             raise SystemExit("no reference: give --ref, or --data with a test/ folder")
+        inception = InceptionFeatures(args.inception).to(args.device)
         cfg = load_config(recipes[0].config, [o for o in recipes[0].overrides if "@" not in o]) if recipes else None
         res = cfg.data.resolution if cfg else args.peer_resolution
         ch = cfg.data.channels if cfg else 3
@@ -718,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluate([r for r in more if not r.skipped or r.checkpoints], args, reference, inception)
         runs += more
 
-    text = tables(runs, args, reference.count)
+    text = tables(runs, args, reference.count if reference else 0)
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text + "\n")

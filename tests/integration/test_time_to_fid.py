@@ -212,3 +212,40 @@ def test_every_edm2_row_of_quality_md_resolves_to_the_recipe_it_was_measured_wit
         assert cfg.model.magnitude_preserving == name.endswith("-mp"), label
         assert cfg.optim.lr_schedule == ("inverse_sqrt" if name.endswith("-mp") else "cosine"), label
         assert (cfg.model.base_channels or 32) == (48 if "w48" in name else 32), label
+
+
+def test_save_samples_splits_into_parts_of_at_most_part_images(tmp_path):
+    import numpy as np
+    import torch
+
+    images = torch.arange(7 * 3 * 2 * 2, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(7, 3, 2, 2)
+    paths = _bench().save_samples(images, tmp_path / "out" / "r-step4", part=3)
+    assert [Path(p).name for p in paths] == ["r-step4-part0.npz", "r-step4-part1.npz", "r-step4-part2.npz"]
+    parts = [np.load(p)["images"] for p in paths]
+    assert [len(a) for a in parts] == [3, 3, 1]
+    assert np.array_equal(np.concatenate(parts), images.permute(0, 2, 3, 1).numpy())  # (N, H, W, C)
+
+
+def test_no_fid_keeps_the_samples_that_the_scored_run_sees(tmp_path, tiny_overrides, inception_weights):
+    """--save-samples with FID and --no-fid (a machine without the Inception weights) keep the
+    same pixels: the samples carried back from a GPU are the ones its FID would have scored."""
+    import numpy as np
+
+    bench = _bench()
+    sets = [o for o in tiny_overrides if not o.startswith(("train.total_steps", "checkpoint.", "validation."))]
+    common = ["--config", str(REPO / "configs" / "tiny.toml"), "--recipes", "lr-decay", "--total-steps", "2",
+              "--set", "data.path=builtin:shapes", "--set", "validation.every_steps=0", "--num-samples", "5",
+              "--steps", "2", "--batch-size", "3", "--ref", "builtin:shapes", "--ref-num", "4", "--no-warm"]
+    for o in sets:
+        common += ["--set", o]
+    for name, extra in (("scored", []), ("kept", ["--no-fid"])):
+        args = common + extra + ["--save-samples", str(tmp_path / name), "--work", str(tmp_path / f"runs-{name}"),
+                                 "--out", str(tmp_path / f"{name}.md")]
+        assert bench.main(args) == 0
+    scored, kept = (json.loads((tmp_path / f"{n}.json").read_text())[0]["results"][-1] for n in ("scored", "kept"))
+    assert math.isfinite(scored["fid"]) and "fid" not in kept and kept["step"] == 2
+    a, b = (np.load(r["samples"][0])["images"] for r in (scored, kept))
+    assert a.shape == (5, 16, 16, 3) and a.dtype == np.uint8 and np.array_equal(a, b)
+    assert "| lr-decay | - |" in (tmp_path / "kept.md").read_text() and "| n/a | n/a |" in (tmp_path / "kept.md").read_text()
+    with pytest.raises(SystemExit, match="--no-fid keeps nothing"):
+        bench.parse_args(["--no-fid", "--recipe", "a=configs/tiny.toml"])

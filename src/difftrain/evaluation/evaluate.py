@@ -121,9 +121,8 @@ class FIDConditions:
         return out
 
 
-def sample_features(
+def sample_pixels(
     model: nn.Module,
-    inception: InceptionFeatures,
     *,
     objective,
     shape: tuple[int, int, int],
@@ -134,19 +133,16 @@ def sample_features(
     batch_size: int = 256,
     batches: Iterable[int] | None = None,
     conditions: FIDConditions | None = None,
-    energies: list | None = None,
     **sampler_options,
 ) -> Iterator[torch.Tensor]:
-    """Inception features, (n_k, D) float32, of batch k of ``num`` samples of ``model`` for each
-    k of ``batches`` in turn (all of them by default). ``shape``: (C, H, W) the network works at
-    (latents in a latent run); ``conditions``: what the samples are conditioned on and how they are
-    decoded (None: unconditional pixels).
+    """Batch k of ``num`` samples of ``model``, (n_k, C, H, W) uint8 as a PNG would store them,
+    for each k of ``batches`` in turn (all of them by default). ``shape``: (C, H, W) the network
+    works at (latents in a latent run); ``conditions``: what the samples are conditioned on and
+    how they are decoded (None: unconditional pixels).
 
     Batch k holds samples ``k * batch_size`` onwards; its initial noise, its labels or captions
     and its sampler noise are seeded by (seed, k), so its samples depend on (seed, batch_size, k)
-    alone: any process can draw any batch. Samples are rounded to uint8, as a PNG would store
-    them, before Inception sees them. ``energies``: a list that gets each batch's Laplacian
-    energies, (n_k,) float64 (``confetti.laplacian_energy``), for the confetti share.
+    alone: any process can draw any batch.
     """
     for k in range(num_batches(num, batch_size)) if batches is None else batches:
         n = min(batch_size, num - k * batch_size)
@@ -159,7 +155,25 @@ def sample_features(
                           sampler=sampler, steps=steps, seed=derive_seed(seed, "fid-sampler", k),
                           condition=condition, null_condition=null,
                           batch_size=batch_size, **options, **sampler_options)
-        pixels = quantize(images)
+        yield quantize(images)
+
+
+def sample_features(
+    model: nn.Module,
+    inception: InceptionFeatures,
+    *,
+    energies: list | None = None,
+    keep: list | None = None,
+    **options,
+) -> Iterator[torch.Tensor]:
+    """Inception features, (n_k, D) float32, of each batch of :func:`sample_pixels` (``options``:
+    its keywords), the samples rounded to uint8 before Inception sees them. ``energies``: a list
+    that gets each batch's Laplacian energies, (n_k,) float64 (``confetti.laplacian_energy``),
+    for the confetti share; ``keep``: a list that gets each batch's pixels, on the CPU.
+    """
+    for pixels in sample_pixels(model, **options):
+        if keep is not None:
+            keep.append(pixels.cpu())
         if energies is not None:
             energies.append(laplacian_energy(pixels))
         yield inception(pixels)
@@ -185,8 +199,8 @@ def sample_statistics(
     """Inception statistics of ``num`` samples of ``model``.
 
     The samples are those of :func:`sample_features` (``options``: its other keywords, objective,
-    shape, seed, batch_size, conditions and the sampler's options), so a result depends on
-    (seed, batch_size), and memory stays at one batch.
+    shape, seed, batch_size, conditions, ``keep`` and the sampler's options), so a result depends
+    on (seed, batch_size), and memory stays at one batch unless ``keep`` asks for the samples.
     """
     if num < 2:
         raise ValueError(f"the number of samples must be >= 2 for a covariance, got {num}")
