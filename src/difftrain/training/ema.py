@@ -123,14 +123,17 @@ class EMA:
 def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weight: float | torch.Tensor) -> None:
     """``averages[i] += weight * (params[i] - averages[i])`` in place, for every i.
 
-    Eagerly this is ``torch._foreach_lerp_`` (bit for bit what runs have always done). While a CUDA
-    graph is being captured (the captured step's 0-dim weight tensor) it is a subtraction, a
-    multiplication by the tensor and an addition: ``_foreach_lerp_`` with a tensor weight cannot be
-    recorded (the capture fails with "operation not permitted when stream is capturing"), the
-    foreach multiplication by a 0-dim tensor can.
+    With a float weight, or on the CPU, this is ``torch._foreach_lerp_`` (bit for bit what runs
+    have always done). With a 0-dim weight tensor on an accelerator (the step's skip gate, the
+    captured step's filled weight) it is a subtraction, a multiplication by the tensor and an
+    addition: ``_foreach_lerp_`` reads a tensor weight back to the host as a number, which waits
+    for the device every step (found on an H100 by
+    ``tests/unit/test_step_sync.py::test_the_step_never_synchronises_with_the_gpu``) and cannot be
+    recorded in a CUDA graph ("operation not permitted when stream is capturing"); the foreach
+    multiplication by a 0-dim tensor does neither.
     """
-    capturing = isinstance(weight, torch.Tensor) and weight.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing:
+    on_device = isinstance(weight, torch.Tensor) and weight.device.type != "cpu"
+    if not on_device:
         torch._foreach_lerp_(averages, params, weight)
         return
     delta = torch._foreach_sub(params, averages)
