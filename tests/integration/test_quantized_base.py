@@ -112,6 +112,36 @@ def test_every_base_linear_is_held_quantized_and_the_adapter_alone_trains(tmp_pa
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_base_quantized_as_it_loads_is_the_base_quantized_after_a_whole_load(tmp_path, tiny_overrides, monkeypatch,
+                                                                                  kind):
+    """Built on the meta device and each Linear quantized as its weight is read from the files (a new run, and a
+    resume's rebuild from the checkpoint's record), against the float base loaded whole and quantized after
+    (``_quantized_base`` off): every frozen tensor (quantized storage and scales included), the adapter's start
+    and the record (the float base's digest) the same, bit for bit."""
+    import difftrain.training.state as state_module
+    from difftrain.training.state import network_record
+
+    cfg = load_config(None, _overrides(tmp_path, tiny_overrides, kind))
+    conditioning = Conditioning.from_config(cfg, 0)
+
+    def built(network=None):
+        torch.manual_seed(0)
+        net = build_network(cfg, conditioning, network)
+        return net, _frozen(net), net.state_dict(), network_record(net)
+
+    new = built()
+    resumed = built(new[3])
+    monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
+    for ours, theirs in ((new, built()), (resumed, built(new[3]))):
+        assert quantized_layers(ours[0]) == quantized_layers(theirs[0]) != {}
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
+        assert ours[3] == theirs[3] and len(ours[3]["base_digest"]) == 64
+        assert not any(p.is_meta for p in ours[0].parameters())
+    # A new run's adapter starts the same (a resume's is the checkpoint's: the whole rebuild draws its own).
+    assert all(torch.equal(new[2][k], v) for k, v in built()[2].items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_checkpoint_holds_the_adapter_alone_and_resume_is_exact(runs, tmp_path, tiny_overrides, kind):
     state = ckpt.load_checkpoint(runs / kind)
     assert state["config"]["model"]["quantize_base"] == kind
