@@ -143,6 +143,13 @@ class DeferredWeights:
     def __init__(self) -> None:
         self.parts: list[tuple[nn.Module, TensorSource]] = []
         self._where: dict[int, Callable[[], Tensor]] = {}  # id of a tensor -> its reader
+        self._later: list[tuple[nn.Module, Callable[[], tuple[TensorSource, frozenset[str]]]]] = []
+
+    def add_later(self, module: nn.Module, source: Callable[[], tuple[TensorSource, frozenset[str]]]) -> None:
+        """:meth:`add` ``module`` with the (source, built) that ``source()`` gives, called by :meth:`bind`: for a
+        source that must be made outside the meta build in progress (a LoRA file put on a base by peft, whose
+        layers an empty build would leave on the meta device)."""
+        self._later.append((module, source))
 
     def add(self, module: nn.Module, source: TensorSource, built: frozenset[str] = frozenset()) -> None:
         """``module``'s state-dict entries (parameters and persistent buffers) lie in ``source``, but for
@@ -176,7 +183,11 @@ class DeferredWeights:
     def bind(self, model: nn.Module) -> dict[str, Callable[[], Tensor]]:
         """``model``'s parameter and buffer names (``named_parameters`` / ``named_buffers``, before anything
         replaces them) -> a reader of that tensor's whole value, for every tensor a part holds (found by
-        identity, so a wrapper's renaming -- peft's ``base_layer``, a denoiser's hidden prefix -- is followed)."""
+        identity, so a wrapper's renaming -- peft's ``base_layer``, a denoiser's hidden prefix -- is followed);
+        the sources given to :meth:`add_later` are made first."""
+        for module, source in self._later:
+            self.add(module, *source())
+        self._later.clear()
         where = self._where
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         return {name: where[id(t)] for name, t in named if id(t) in where}

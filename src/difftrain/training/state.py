@@ -460,15 +460,20 @@ def _init_weights(model: nn.Module, init_from: str, deferred: DeferredWeights | 
 def _start_adapter(net: nn.Module, path: str, deferred: DeferredWeights | None) -> None:
     """``model.init_lora_from`` into the new adapter of ``net``: loaded, or, with ``deferred`` (``net`` on the
     meta device), its tensors recorded there to fill the adapter's shards from (the rest of the adapter keeps
-    the start the build records)."""
+    the start the build records), read once the meta build is over (another program's file is put on a
+    stand-in of the base by peft, which must make real layers)."""
     from difftrain.lora_import import adapter_start, init_adapter_from
     from difftrain.runtime.tensor_source import TensorSource
 
     if deferred is None:
         init_adapter_from(net, path)
         return
-    start = adapter_start(net, path)
-    deferred.add(net, TensorSource.of_tensors(start, Path(path)), built=frozenset(net.state_dict()) - set(start))
+
+    def source() -> tuple[TensorSource, frozenset[str]]:
+        start = adapter_start(net, path)
+        return TensorSource.of_tensors(start, Path(path)), frozenset(net.state_dict()) - set(start)
+
+    deferred.add_later(net, source)
 
 
 def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | None) -> tuple[nn.Module, str] | None:
