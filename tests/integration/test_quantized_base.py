@@ -291,3 +291,73 @@ def test_the_config_key_names_every_kind_the_module_holds():
     from difftrain.models.quantize import QUANTIZE_KINDS
 
     assert set(QUANTIZE_KINDS) | {"off"} == set(typing.get_args(QuantizeBase))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized as it loads: the host's peak.
+
+
+def write_attention_unet_folder(path, channels: int = 320, depth: int = 4):
+    """A bare UNet2DConditionModel folder (SD's family) of one level of ``channels``, ``depth`` transformer
+    layers in each of its three attention blocks, linear projections: mostly Linear weights, as SD's
+    attention-heavy levels are (46.7M parameters at 320 and 4, 75% of them in Linear layers)."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(channels,),
+            norm_num_groups=32, attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D",),
+            up_block_types=("CrossAttnUpBlock2D",), cross_attention_dim=64, transformer_layers_per_block=depth,
+            use_linear_projection=True,
+        ).save_pretrained(path)
+    return path
+
+
+def build_peak(unet: str, kind: str, as_it_loads: bool) -> dict:
+    """In a fresh process (imports done first): the peak RSS above its start while ``build_network`` makes a
+    rank-4 LoRA over ``unet`` quantized as ``kind`` (as it loads, or loaded whole and quantized after), the
+    base's parameter count and its quantized weights' bytes."""
+    import bitsandbytes  # noqa: F401 - imported before the measurement, as peft and diffusers are
+    import diffusers  # noqa: F401
+    import peft  # noqa: F401
+    from multiproc import reset_peak, status_bytes
+
+    import difftrain.training.state as state_module
+    from difftrain.conditioning import Conditioning
+    from difftrain.models.quantize import logical_numel
+    from tests.conftest import TINY_OVERRIDES
+
+    torch.set_num_threads(1)
+    if not as_it_loads:
+        state_module._quantized_base = lambda *args: None
+    cfg = load_config(None, [*TINY_OVERRIDES, "train.device=cpu", f"model.init_from={unet}", "lora.rank=4",
+                             f"model.quantize_base={kind}"])
+    conditioning = Conditioning(0, channels=cfg.data.channels, resolution=cfg.data.resolution)
+    start = reset_peak(give_back=True)
+    net = state_module.build_network(cfg, conditioning)
+    peak = status_bytes("VmHWM") - start
+    frozen = [p for p in net.base.parameters() if not p.requires_grad]
+    return {"peak": peak, "params": sum(logical_numel(p) for p in frozen),
+            "bytes": sum(p.numel() * p.element_size() for p in frozen)}
+
+
+def test_a_base_quantized_as_it_loads_never_holds_the_float_base(tmp_path, monkeypatch):
+    """A 46.7M-parameter UNet (178 MiB of float32 weights, 75% of them in Linear layers), LoRA over it in
+    int8, each build in a fresh process with glibc's mmap threshold fixed (freed blocks given back, so RSS
+    counts live memory): quantized as it loads, the peak stays under the float32 base's size; loaded whole
+    and quantized after, it exceeds it. About 40 s on a busy 2-core machine."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    unet = write_attention_unet_folder(tmp_path / "unet")
+    peaks = {}
+    for as_it_loads in (True, False):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            peaks[as_it_loads] = pool.submit(build_peak, str(unet), "int8", as_it_loads).result(timeout=900)
+    now, before = peaks[True], peaks[False]
+    float_base = 4 * now["params"]
+    assert now["params"] == before["params"] > 40e6 and now["bytes"] == before["bytes"] < float_base / 2
+    assert now["peak"] < float_base < before["peak"], (now, before, float_base)
