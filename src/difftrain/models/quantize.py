@@ -162,7 +162,8 @@ def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callab
     layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's flag."""
     spec = QUANTIZE_KINDS[kind]
     count = 0
-    for name, module in list(base.named_modules()):
+    for name in [n for n, _ in base.named_modules()]:  # names only: a float layer replaced is freed at once
+        module = base.get_submodule(name)
         prefix = f"{name}." if name else ""
         params = dict(module.named_parameters(recurse=False))
         for local, t in [*params.items(), *module.named_buffers(recurse=False)]:
