@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parent)]
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tests")]  # bench/, tests/multiproc.py
 
 
 def child(base: str, kind: str, as_it_loads: bool) -> None:
@@ -48,17 +48,20 @@ def main() -> None:
 
             base = write_wide_flux(Path(tmp) / "flux", 8, 2, 4)
         print("| model.quantize_base | float32 base (MiB) | quantized base (MiB) | peak, loaded whole then quantized "
-              "(MiB) | peak, quantized as it loads (MiB) |")
-        print("|---|--:|--:|--:|--:|")
+              "(MiB) | peak, quantized as it loads (MiB) | held after the build, as it loads (MiB) |")
+        print("|---|--:|--:|--:|--:|--:|")
         for kind in args.kinds:
             got = {}
             for as_it_loads in (False, True):
-                out = subprocess.run([sys.executable, __file__, "--child", str(base), kind, str(int(as_it_loads))],
-                                     check=True, capture_output=True, text=True).stdout
-                got[as_it_loads] = json.loads(out.strip().splitlines()[-1])
+                run = subprocess.run([sys.executable, __file__, "--child", str(base), kind, str(int(as_it_loads))],
+                                     capture_output=True, text=True)
+                if run.returncode:
+                    sys.exit(run.stderr)
+                got[as_it_loads] = json.loads(run.stdout.strip().splitlines()[-1])
             mib = 2 ** 20
             print(f"| {kind} | {4 * got[True]['params'] / mib:.1f} | {got[True]['bytes'] / mib:.1f} | "
-                  f"{got[False]['peak'] / mib:.0f} | {got[True]['peak'] / mib:.0f} |", flush=True)
+                  f"{got[False]['peak'] / mib:.0f} | {got[True]['peak'] / mib:.0f} | {got[True]['held'] / mib:.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
