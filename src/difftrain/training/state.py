@@ -488,9 +488,10 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     from difftrain.interop import defer_init_weights
     from difftrain.models.quantize import quantize_while_loading
 
+    if cfg.model.quantize_base == "off" or not cfg.model.init_from or not meta_init.available():
+        return None
     record = saved_lora["base"] if saved_lora is not None else None
-    family = family_of_record(record) if record is not None else family_of_config(cfg)
-    if cfg.model.quantize_base == "off" or family is None or not cfg.model.init_from or not meta_init.available():
+    if (family_of_record(record) if record is not None else family_of_config(cfg)) is None:
         return None
     files = DeferredWeights()
     with meta_init.empty_build():
