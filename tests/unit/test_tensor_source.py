@@ -50,7 +50,8 @@ def test_a_mismatched_damaged_or_non_finite_file_is_one_line(tmp_path):
 def test_a_bin_folder_and_a_checkpoints_weights_are_read_mapped_one_tensor_at_a_time(tmp_path):
     """A diffusers folder's ``.bin`` (and its sharded index) and a state dict nested in a torch file (a checkpoint's
     ``ema.model``), read through ``torch.load(weights_only=True, mmap=True)``: the file's values, each read a copy
-    of its own; a legacy (pre-zip) ``.bin`` is left to its loader (None), a file without a state dict is one line."""
+    of its own; a legacy (pre-zip) or damaged ``.bin`` is left to its loader (None), a file without a state dict
+    there is one line."""
     real = _net()
     state = {k: v.half() for k, v in real.state_dict().items()}
     (tmp_path / "single").mkdir()
@@ -70,6 +71,11 @@ def test_a_bin_folder_and_a_checkpoints_weights_are_read_mapped_one_tensor_at_a_
                                                             else real.state_dict()["0.weight"])
         assert first.untyped_storage().nbytes() == first.numel() * 4  # its own copy, not a view of the mapped file
     torch.save(state, tmp_path / "single" / "diffusion_pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert TensorSource.of_folder(tmp_path / "single") is None
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "single" / "diffusion_pytorch_model.bin", "w") as z:  # a zip, but no torch file
+        z.writestr("x/data.pkl", b"not a pickle")
     assert TensorSource.of_folder(tmp_path / "single") is None
     with pytest.raises(ValueError, match=r"ckpt.pt holds no state dict \(names -> tensors\) at ema.optimizer$"):
         TensorSource.of_torch_files([tmp_path / "ckpt.pt"], at=("ema", "optimizer"))

@@ -107,7 +107,8 @@ class TensorSource:
     def of_folder(cls, folder: Path, rename: Callable[[str], str] = str) -> TensorSource | None:
         """The weights of a diffusers model folder: ``diffusion_pytorch_model.safetensors`` or ``.bin``, or the
         files its ``.safetensors.index.json`` / ``.bin.index.json`` names; None when it has none of them, or a
-        ``.bin`` in torch's legacy (pre-zip) format, which cannot be mapped (its loader reads it whole)."""
+        ``.bin`` that cannot be mapped (torch's legacy pre-zip format, a damaged file, not a state dict): its
+        loader reads it whole, or says what is wrong with it."""
         for suffix, of in ((".safetensors", cls.of_files), (".bin", cls.of_torch_files)):
             single, index = folder / f"{WEIGHTS_STEM}{suffix}", folder / f"{WEIGHTS_STEM}{suffix}.index.json"
             if single.is_file():
@@ -116,9 +117,12 @@ class TensorSource:
                 files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
             else:
                 continue
-            if suffix == ".bin" and not all(zipfile.is_zipfile(f) for f in files):
+            if suffix == ".safetensors":
+                return of(files, rename=rename)
+            try:  # a .bin that cannot be mapped so: its loader reads it, or says what is wrong with it
+                return of(files, rename=rename) if all(zipfile.is_zipfile(f) for f in files) else None
+            except ValueError:
                 return None
-            return of(files, rename=rename)
         return None
 
     def names(self) -> set[str]:
