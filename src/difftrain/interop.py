@@ -416,9 +416,11 @@ def init_source_changes(cfg) -> list[str]:
 def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     """``model.init_from`` for a network built on the meta device (FSDP's sharded start): instead of loading,
     record in ``deferred`` (a ``runtime.tensor_source.DeferredWeights``) where each weight lies in the
-    source's safetensors files, checked as :func:`load_init_weights` checks them (names, shapes, config), to
-    be read one tensor at a time. False, with nothing recorded, for a source not held in safetensors files
-    (a checkpoint, a ``.bin``): :func:`load_init_weights` reads it whole."""
+    source's files, checked as :func:`load_init_weights` checks them (names, shapes, config), to be read one
+    tensor at a time: safetensors, a ``.bin`` folder's or a checkpoint file's EMA weights (mapped by
+    ``torch.load(weights_only=True, mmap=True)``). False, with nothing recorded, for a source that cannot
+    be read so (a sharded checkpoint's folder, a ``.bin`` in torch's legacy format, a file that is no
+    difftrain checkpoint): :func:`load_init_weights` reads it whole, or says what is wrong with it."""
     from difftrain.families import Denoiser, detect
     from difftrain.families.sd import is_condition_unet_folder
     from difftrain.runtime.tensor_source import TensorSource
@@ -456,12 +458,36 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
                 return False  # load_weights_file says why
         found = TensorSource.of_files([path])
     else:
-        return False
+        found = _checkpoint_source(path)
+        if found is None:
+            return False
     try:
         deferred.add(model, found, built)
     except ValueError as e:
         raise ValueError(f"model.init_from {path}: the weights do not match this model's architecture: {e}") from None
     return True
+
+
+def _checkpoint_source(path: Path):
+    """A ``TensorSource`` of the EMA weights (what :func:`load_init_weights` takes) of the checkpoint file
+    ``path`` names (itself, or a run directory's newest), mapped, nothing read; None for anything else (a
+    sharded checkpoint's folder, a file that is no difftrain checkpoint: ``load_checkpoint`` reads or refuses it)."""
+    import zipfile
+
+    from difftrain.runtime.tensor_source import TensorSource
+    from difftrain.training.checkpoint import FORMAT, OLDER_FORMATS, find_checkpoint
+
+    try:
+        file = find_checkpoint(path)
+        if not file.is_file() or not zipfile.is_zipfile(file):
+            return None
+        head = torch.load(file, map_location="cpu", weights_only=True, mmap=True)  # the index; no tensor read
+        if not isinstance(head, dict) or head.get("format") not in (FORMAT, *OLDER_FORMATS):
+            return None
+        del head
+        return TensorSource.of_torch_files([file], at=("ema", "model"))
+    except Exception:  # noqa: BLE001 - whatever it is, load_checkpoint names it in one line
+        return None
 
 
 def load_init_weights(model: nn.Module, source: str | Path) -> None:

@@ -5,6 +5,7 @@ file as the start of a run's adapter (``model.init_lora_from``).
     fields = read_adapter("adapter/")                         # the fields load_model takes (sample --lora)
     fields = read_foreign("their.safetensors", "sd-folder")   # another program's file, on a base folder
     init_adapter_from(net, "their.safetensors")               # a new LoraNetwork's adapter from a file
+    adapter_start(net, "their.safetensors")                   # the same, as tensors (a net on the meta device)
 
 Every layout goes through the base family's diffusers loader, never a key map of difftrain's: the
 pipeline's ``lora_state_dict`` converts the file (kohya's ``lora_unet_...``, ComfyUI's, diffusers' old
@@ -225,13 +226,25 @@ def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[s
 
 
 def init_adapter_from(net, path: str | Path) -> None:
-    """Copy the LoRA file ``path`` (difftrain's export or another program's) into the adapter of the new
-    LoraNetwork ``net`` (``model.init_lora_from``): the file's kind and rank must be ``net``'s, its
-    modules among ``net``'s adapted layers (modules it lacks keep their start, B = 0); its alpha is
-    folded into ``lora_B`` where it differs from ``net``'s. One ValueError naming the file otherwise."""
+    """Copy the LoRA file ``path`` into the adapter of the new LoraNetwork ``net`` (``model.init_lora_from``):
+    :func:`adapter_start` loaded into it."""
+    import torch
+
+    with torch.no_grad():
+        net.load_state_dict(adapter_start(net, path), strict=False)
+
+
+def adapter_start(net, path: str | Path) -> dict[str, Tensor]:
+    """The adapter tensors (``net``'s state-dict names) the LoRA file ``path`` (difftrain's export or another
+    program's) starts the new LoraNetwork ``net`` from (``model.init_lora_from``): the file's kind and rank must
+    be ``net``'s, its modules among ``net``'s adapted layers (modules it lacks keep their start, B = 0); its
+    alpha is folded into ``lora_B`` where it differs from ``net``'s. One ValueError naming the file otherwise.
+    Reads no weight of ``net`` (it may be on the meta device: FSDP fills its shards from these), and draws no
+    random number: another program's file is put on a stand-in of the base without weights."""
     import torch
 
     from difftrain.families import family_of_record
+    from difftrain.runtime import meta_init
 
     path = adapter_file(path)
     metadata, _ = read_safetensors(path, "model.init_lora_from")
@@ -245,7 +258,11 @@ def init_adapter_from(net, path: str | Path) -> None:
         if family is None:
             raise ValueError(f"{where}: a LoRA file of another program goes on a base family's network (a diffusers "
                              "base folder in model.init_from), not on difftrain's own")
-        settings, tensors = adopt(path, family, family.denoiser_from_record(net.base_record), net.base_source)
+        with torch.random.fork_rng(devices=[]):  # peft's layers draw their start, which the file replaces
+            with meta_init.empty_build():
+                stand_in = family.denoiser_from_record(net.base_record)
+            meta_init.stand_in_weights(stand_in)
+            settings, tensors = adopt(path, family, stand_in, net.base_source)
         kind = settings.get("kind", "lora")
     if kind != net.kind or int(settings["rank"]) != net.rank:
         raise ValueError(f"{where} holds a {kind} adapter of rank {settings['rank']}; this run's is a {net.kind} of rank "
@@ -264,5 +281,4 @@ def init_adapter_from(net, path: str | Path) -> None:
         if key not in own or own[key].shape != value.shape:
             got = "not in this adapter" if key not in own else f"shape {tuple(value.shape)}, this adapter's {tuple(own[key].shape)}"
             raise ValueError(f"{where}: {key} does not fit this run's adapter ({got})")
-    with torch.no_grad():
-        net.load_state_dict({k: v * factor if ".lora_B." in k else v for k, v in tensors.items()}, strict=False)
+    return {k: v * factor if ".lora_B." in k else v for k, v in tensors.items()}

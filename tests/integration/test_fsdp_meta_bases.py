@@ -1,8 +1,10 @@
 """FSDP's sharded start from a base's files on 2 gloo CPU processes: a base family's denoiser (SD's
-UNet2DConditionModel, SDXL's, SD3's and Flux's transformers), a LoRA network on it, and difftrain's UNet from a
-``model.init_from`` weights file, each built on the meta device, sharded, and filled one tensor at a
-time from the safetensors files -- the same weights, adapter start, record and base digest as the
-whole build it replaces (``builds_sharded`` forced False), and a LoRA's resume reads its base so too."""
+UNet2DConditionModel, SDXL's, SD3's and Flux's transformers; SD's from a ``.bin`` folder too), a LoRA network
+on it (its adapter started from ``model.init_lora_from`` too), and difftrain's UNet from a ``model.init_from``
+weights file or checkpoint (``.pt``), each built on the meta device, sharded, and filled one tensor at a
+time from the files (safetensors, or torch's zip files mapped by ``torch.load(mmap=True)``) -- the same
+weights, adapter start, record and base digest as the whole build it replaces (``builds_sharded`` forced
+False), and a LoRA's resume reads its base so too."""
 
 from __future__ import annotations
 
@@ -64,13 +66,59 @@ def _same_as_whole(results: list[dict]) -> list[dict]:
     return out
 
 
+def _perturbed(state: dict, seed: int) -> dict:
+    """``state`` (a run state's ``state_dict``) with its EMA weights moved by noise, in place: not the
+    zero-initialised output layer or LoRA B."""
+    torch.manual_seed(seed)
+    for v in state["ema"]["model"].values():
+        v.add_(0.01 * torch.randn_like(v)) if v.is_floating_point() else None
+    return {**state, "path": "base"}
+
+
+def _bin_folder(sd: Path, out: Path) -> Path:
+    """A copy of the SD folder ``sd`` whose UNet's weights are a ``.bin`` (torch's zip pickle), as older
+    diffusers and many hub folders hold them."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(sd, out)
+    unet = out / "unet" / "diffusion_pytorch_model.safetensors"
+    torch.save(load_file(unet), unet.with_suffix(".bin"))
+    unet.unlink()
+    return out
+
+
+def _lora_files(sd: Path, root: Path) -> tuple[Path, Path]:
+    """(difftrain's own export, another program's file: diffusers' layout without difftrain's record) of a
+    rank-2, alpha-4 adapter on ``sd``, its B not zero."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from difftrain.adapters import export_lora
+    from difftrain.lora_import import ADAPTER_KEY, DIFFUSERS_WEIGHT_NAME
+    from difftrain.training.state import RunState
+
+    cfg = load_config(None, [*TINY_OVERRIDES, "train.device=cpu", f"model.init_from={sd}", "lora.rank=2", "lora.alpha=4"])
+    state = _perturbed(RunState.build(cfg, 0, torch.device("cpu")).state_dict(), 2)
+    own = export_lora(state, root / "own", layout="difftrain")
+    theirs = export_lora(state, root / "theirs", layout="diffusers") / DIFFUSERS_WEIGHT_NAME
+    with safe_open(str(theirs), framework="pt") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != ADAPTER_KEY}
+    save_file(load_file(theirs), theirs, metadata=metadata)
+    return own, theirs
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> list[dict]:
-    """The nine builds, each both ways, on 2 ranks in one spawn (about 60 s on a busy 2-core machine):
+    """The fourteen builds, each both ways, on 2 ranks in one spawn (about 90 s on a busy 2-core machine):
     SD's UNet in full and with LoRA, Flux's transformer with LoRA, difftrain's UNet from a weights file
     in full and as a LoRA base (with its convolutions), SDXL's UNet and SD3's transformer in full and
-    with LoRA."""
+    with LoRA; SD's UNet from a ``.bin`` folder in full and with LoRA started from another program's LoRA
+    file (its alpha folded), SD's LoRA started from difftrain's own export, difftrain's UNet from a
+    checkpoint file in full and as a LoRA base."""
     from difftrain.interop import save_weights_file
+    from difftrain.training.checkpoint import save_checkpoint_file
     from difftrain.training.state import RunState
     from tests.family_bases import write_tiny_flux_folder, write_tiny_sd3_folder, write_tiny_sdxl_folder
     from tests.text_components import write_tiny_sd_folder
@@ -78,17 +126,21 @@ def built(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("bases")
     sd, flux = write_tiny_sd_folder(root / "sd"), write_tiny_flux_folder(root / "flux")
     sdxl, sd3 = write_tiny_sdxl_folder(root / "sdxl"), write_tiny_sd3_folder(root / "sd3")
-    state = RunState.build(load_config(None, [*TINY_OVERRIDES, "train.device=cpu"]), 0, torch.device("cpu")).state_dict()
-    torch.manual_seed(1)
-    for v in state["ema"]["model"].values():  # not the zero-initialised output layer
-        v.add_(0.01 * torch.randn_like(v)) if v.is_floating_point() else None
-    weights = save_weights_file({**state, "path": "base"}, root / "base.safetensors")
+    state = _perturbed(RunState.build(load_config(None, [*TINY_OVERRIDES, "train.device=cpu"]), 0,
+                                      torch.device("cpu")).state_dict(), 1)
+    weights = save_weights_file(state, root / "base.safetensors")
+    save_checkpoint_file({k: v for k, v in state.items() if k != "path"}, root / "base.pt")
+    sd_bin, (own, theirs) = _bin_folder(sd, root / "sd_bin"), _lora_files(sd, root)
     runs = [[*BUILD, f"model.init_from={sd}"], [*BUILD, f"model.init_from={sd}", "lora.rank=2"],
             [*BUILD, f"model.init_from={flux}", "lora.rank=2"], [*BUILD, f"model.init_from={weights}"],
             [*BUILD, f"model.init_from={weights}", "lora.rank=2", "lora.include_conv=true"],
             [*BUILD, f"model.init_from={sdxl}"], [*BUILD, f"model.init_from={sdxl}", "lora.rank=2"],
-            [*BUILD, f"model.init_from={sd3}"], [*BUILD, f"model.init_from={sd3}", "lora.rank=2"]]
-    return run_ranks(_built, 2, runs)[0]
+            [*BUILD, f"model.init_from={sd3}"], [*BUILD, f"model.init_from={sd3}", "lora.rank=2"],
+            [*BUILD, f"model.init_from={sd_bin}"],
+            [*BUILD, f"model.init_from={sd_bin}", "lora.rank=2", f"model.init_lora_from={theirs}"],
+            [*BUILD, f"model.init_from={sd}", "lora.rank=2", "lora.alpha=4", f"model.init_lora_from={own}"],
+            [*BUILD, f"model.init_from={root / 'base.pt'}"], [*BUILD, f"model.init_from={root / 'base.pt'}", "lora.rank=2"]]
+    return run_ranks(_built, 2, runs, timeout_s=1500)[0]
 
 
 def test_an_sd_denoiser_and_its_lora_start_sharded_from_the_base_files(built):
@@ -119,6 +171,20 @@ def test_sdxl_and_sd3_denoisers_and_their_loras_start_sharded_from_their_files(b
     assert full["record"]["kind"] == "family" and full["record"]["family"] == family
     assert lora["record"]["kind"] == "lora" and lora["record"]["base"]["family"] == family
     assert len(lora["record"]["base_digest"]) == 64 and all("lora_" in n for n in lora["trains"])
+
+
+def test_a_bin_folder_a_checkpoint_and_a_lora_file_to_start_from_are_read_sharded_too(built):
+    """SD's UNet from a ``.bin`` folder (mapped, read one tensor at a time) in full and as the base of a LoRA
+    whose adapter starts from another program's file (diffusers' layout, alpha 4 folded into B at this run's
+    alpha 2), a LoRA started from difftrain's own export, difftrain's UNet from a checkpoint file's EMA
+    weights in full and as a LoRA base: each the whole build, bit for bit; the adapters start from the
+    files (B not zero)."""
+    full_bin, lora_bin, lora_own, full_pt, lora_pt = _same_as_whole(built[9:14])
+    assert full_bin["record"]["kind"] == "family" and full_pt["record"] == {"kind": "unet"}
+    for lora in (lora_bin, lora_own):
+        assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora["weights"].items())
+    assert lora_pt["record"]["kind"] == "lora" and len(lora_pt["record"]["base_digest"]) == 64
+    assert lora_bin["record"]["base_digest"] == built[1][True]["record"]["base_digest"]  # the .bin holds SD's weights
 
 
 def write_sd_unet_folder(path: Path, channels: int) -> Path:

@@ -111,6 +111,36 @@ def test_every_base_linear_is_held_quantized_and_the_adapter_alone_trains(tmp_pa
         assert torch.equal(ema.model(x, t, cond), net.eval()(x, t, cond))
 
 
+@pytest.mark.parametrize("kind", ["int8", *(pytest.param(k, marks=pytest.mark.slow) for k in KINDS if k != "int8")])
+def test_the_base_quantized_as_it_loads_is_the_base_quantized_after_a_whole_load(tmp_path, tiny_overrides, monkeypatch,
+                                                                                  kind):
+    """Built on the meta device and each Linear quantized as its weight is read from the files (a new run, and a
+    resume's rebuild from the checkpoint's record), against the float base loaded whole and quantized after
+    (``_quantized_base`` off): every frozen tensor (quantized storage and scales included), the adapter's start
+    and the record (the float base's digest) the same, bit for bit."""
+    import difftrain.training.state as state_module
+    from difftrain.training.state import network_record
+
+    cfg = load_config(None, _overrides(tmp_path, tiny_overrides, kind))
+    conditioning = Conditioning.from_config(cfg, 0)
+
+    def built(network=None):
+        torch.manual_seed(0)
+        net = build_network(cfg, conditioning, network)
+        return net, _frozen(net), net.state_dict(), network_record(net)
+
+    new = built()
+    resumed = built(new[3])
+    monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
+    for ours, theirs in ((new, built()), (resumed, built(new[3]))):
+        assert quantized_layers(ours[0]) == quantized_layers(theirs[0]) != {}
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
+        assert ours[3] == theirs[3] and len(ours[3]["base_digest"]) == 64
+        assert not any(p.is_meta for p in ours[0].parameters())
+    # A new run's adapter starts the same (a resume's is the checkpoint's: the whole rebuild draws its own).
+    assert all(torch.equal(new[2][k], v) for k, v in built()[2].items())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_checkpoint_holds_the_adapter_alone_and_resume_is_exact(runs, tmp_path, tiny_overrides, kind):
     state = ckpt.load_checkpoint(runs / kind)
@@ -261,3 +291,80 @@ def test_the_config_key_names_every_kind_the_module_holds():
     from difftrain.models.quantize import QUANTIZE_KINDS
 
     assert set(QUANTIZE_KINDS) | {"off"} == set(typing.get_args(QuantizeBase))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized as it loads: the host's peak.
+
+
+def write_attention_unet_folder(path, channels: int = 320, depth: int = 4):
+    """A bare UNet2DConditionModel folder (SD's family) of one level of ``channels``, ``depth`` transformer
+    layers in each of its three attention blocks, linear projections: mostly Linear weights, as SD's
+    attention-heavy levels are (46.7M parameters at 320 and 4, 75% of them in Linear layers)."""
+    from diffusers import UNet2DConditionModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(channels,),
+            norm_num_groups=32, attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D",),
+            up_block_types=("CrossAttnUpBlock2D",), cross_attention_dim=64, transformer_layers_per_block=depth,
+            use_linear_projection=True,
+        ).save_pretrained(path)
+    return path
+
+
+def build_peak(unet: str, kind: str, as_it_loads: bool) -> dict:
+    """In a fresh process: the peak RSS above its start while ``build_network`` makes a rank-4 LoRA over
+    ``unet`` quantized as ``kind`` (as it loads, or loaded whole and quantized after), after the same build of
+    a small UNet (so that imports and first-use set-up are done), the RSS it holds after, the base's parameter
+    count and its quantized weights' bytes."""
+    import tempfile
+    from pathlib import Path
+
+    from multiproc import reset_peak, status_bytes
+
+    import difftrain.training.state as state_module
+    from difftrain.conditioning import Conditioning
+    from difftrain.models.quantize import logical_numel
+    from tests.conftest import TINY_OVERRIDES
+
+    torch.set_num_threads(1)
+    if not as_it_loads:
+        state_module._quantized_base = lambda *args: None
+
+    def build(folder):
+        cfg = load_config(None, [*TINY_OVERRIDES, "train.device=cpu", f"model.init_from={folder}", "lora.rank=4",
+                                 f"model.quantize_base={kind}"])
+        return state_module.build_network(cfg, Conditioning(0, channels=cfg.data.channels, resolution=cfg.data.resolution))
+
+    with tempfile.TemporaryDirectory() as tmp:  # a small one first: what the first build imports and sets up
+        build(write_attention_unet_folder(Path(tmp) / "small", channels=32, depth=1))
+    start = reset_peak(give_back=True)
+    net = build(unet)
+    peak, held = status_bytes("VmHWM") - start, status_bytes("VmRSS") - start
+    frozen = [p for p in net.base.parameters() if not p.requires_grad]
+    return {"peak": peak, "held": held, "params": sum(logical_numel(p) for p in frozen),
+            "bytes": sum(p.numel() * p.element_size() for p in frozen)}
+
+
+def test_a_base_quantized_as_it_loads_never_holds_the_float_base(tmp_path, monkeypatch):
+    """A 46.7M-parameter UNet (178 MiB of float32 weights, 75% of them in Linear layers), LoRA over it in
+    int8, each build in a fresh process with glibc's mmap threshold fixed (freed blocks given back, so RSS
+    counts live memory): quantized as it loads, the peak stays under the float32 base's size; loaded whole
+    and quantized after, it exceeds it (measured 110 and 219 MiB against 178: docs/benchmarks.md). About 40 s on
+    a busy 2-core machine."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    unet = write_attention_unet_folder(tmp_path / "unet")
+    peaks = {}
+    for as_it_loads in (True, False):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            peaks[as_it_loads] = pool.submit(build_peak, str(unet), "int8", as_it_loads).result(timeout=900)
+    now, before = peaks[True], peaks[False]
+    float_base = 4 * now["params"]
+    assert now["params"] == before["params"] > 40e6 and now["bytes"] == before["bytes"] < float_base / 2
+    assert now["peak"] < float_base < before["peak"], (now, before, float_base)

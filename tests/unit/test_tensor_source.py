@@ -45,3 +45,37 @@ def test_a_mismatched_damaged_or_non_finite_file_is_one_line(tmp_path):
     save_file({**state, "1.bias": torch.tensor([0.0, float("nan")])}, tmp_path / "nan.safetensors")
     with pytest.raises(ValueError, match=r"nan.safetensors: weight 1.bias is not finite"):
         TensorSource.of_files([tmp_path / "nan.safetensors"]).read("1.bias")
+
+
+def test_a_bin_folder_and_a_checkpoints_weights_are_read_mapped_one_tensor_at_a_time(tmp_path):
+    """A diffusers folder's ``.bin`` (and its sharded index) and a state dict nested in a torch file (a checkpoint's
+    ``ema.model``), read through ``torch.load(weights_only=True, mmap=True)``: the file's values, each read a copy
+    of its own; a legacy (pre-zip) or damaged ``.bin`` is left to its loader (None), a file without a state dict
+    there is one line."""
+    real = _net()
+    state = {k: v.half() for k, v in real.state_dict().items()}
+    (tmp_path / "single").mkdir()
+    torch.save(state, tmp_path / "single" / "diffusion_pytorch_model.bin")
+    (tmp_path / "index").mkdir()
+    torch.save({k: v for k, v in state.items() if k.startswith("0.")}, tmp_path / "index" / "a.bin")
+    torch.save({k: v for k, v in state.items() if k.startswith("1.")}, tmp_path / "index" / "b.bin")
+    weight_map = {k: ("a.bin" if k.startswith("0.") else "b.bin") for k in state}
+    (tmp_path / "index" / "diffusion_pytorch_model.bin.index.json").write_text(f'{{"weight_map": {weight_map}}}'.replace("'", '"'))
+    torch.save({"format": "x", "ema": {"model": real.state_dict()}}, tmp_path / "ckpt.pt")  # float32: read as it is
+    sources = [TensorSource.of_folder(tmp_path / "single"), TensorSource.of_folder(tmp_path / "index"),
+               TensorSource.of_torch_files([tmp_path / "ckpt.pt"], at=("ema", "model"))]
+    for source in sources:
+        assert source.names() == set(state) and source.shapes == {k: tuple(v.shape) for k, v in state.items()}
+        first = source.read("0.weight")
+        assert first.dtype == torch.float32 and torch.equal(first, state["0.weight"].float() if source is not sources[2]
+                                                            else real.state_dict()["0.weight"])
+        assert first.untyped_storage().nbytes() == first.numel() * 4  # its own copy, not a view of the mapped file
+    torch.save(state, tmp_path / "single" / "diffusion_pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert TensorSource.of_folder(tmp_path / "single") is None
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "single" / "diffusion_pytorch_model.bin", "w") as z:  # a zip, but no torch file
+        z.writestr("x/data.pkl", b"not a pickle")
+    assert TensorSource.of_folder(tmp_path / "single") is None
+    with pytest.raises(ValueError, match=r"ckpt.pt holds no state dict \(names -> tensors\) at ema.optimizer$"):
+        TensorSource.of_torch_files([tmp_path / "ckpt.pt"], at=("ema", "optimizer"))

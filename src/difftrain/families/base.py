@@ -256,9 +256,10 @@ class Family(ABC):
         """(the base's denoiser on the meta device, a ``runtime.tensor_source.TensorSource`` of its weights):
         the architecture of the folder's config, built as ``from_pretrained`` builds it before loading (nothing
         initialised, no random number drawn: ``meta_init.empty_build``), and where each weight lies in its
-        safetensors files, read later one tensor at a time (FSDP fills its shards from them). None when the
-        folder has no safetensors weights (a ``.bin``) or their names are not the denoiser's (a layout
-        diffusers renames on load): :meth:`load_denoiser` then reads it whole."""
+        files (safetensors, or a ``.bin`` mapped by ``torch.load(mmap=True)``), read later one tensor at a time
+        (FSDP fills its shards from them, a quantized base its layers). None when the folder has neither (a
+        ``.bin`` in torch's legacy format) or their names are not the denoiser's (a layout diffusers renames
+        on load): :meth:`load_denoiser` then reads it whole."""
         from difftrain.runtime import meta_init
         from difftrain.runtime.tensor_source import TensorSource
 

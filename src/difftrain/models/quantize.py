@@ -2,6 +2,7 @@
 network stored in int8, nf4 or fp8, the adapter trained in float32 over it.
 
     quantize_base(base, "int8")          # in place, before peft wraps the targets; returns the layer count
+    quantize_while_loading(base, "int8", readers)  # a meta-built base filled from its files, quantized layer by layer
     device_refusal("nf4", device, world)  # None where the kind runs, else why not (one line)
     quantized_layers(net)                # {module name: kind} of the layers held quantized
 
@@ -140,7 +141,8 @@ def quantize_base(base: nn.Module, kind: str) -> int:
     if kind == "off":
         return 0
     spec = QUANTIZE_KINDS[kind]
-    targets = [(name, module) for name, module in base.named_modules() if type(module) is nn.Linear]
+    targets = [(name, module) for name, module in base.named_modules()
+               if type(module) is nn.Linear and layer_kind(module) is None]  # (fp8 keeps the class)
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = base.get_submodule(parent_name) if parent_name else base
@@ -149,6 +151,32 @@ def quantize_base(base: nn.Module, kind: str) -> int:
     if spec.peft_flag:
         setattr(base, spec.peft_flag, True)  # what peft's bitsandbytes dispatch reads off the model it adapts
     return len(targets)
+
+
+@torch.no_grad()
+def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callable[[], torch.Tensor]]) -> int:
+    """Fill ``base``, built on the meta device, from ``readers`` (its parameter and buffer names -> the whole
+    tensor, read from its files: ``runtime/tensor_source.py``) one module at a time, each ``nn.Linear``
+    held quantized as ``kind`` as soon as its weight is read: what :func:`quantize_base` makes of the loaded
+    float base, layer for layer, with the float weights of one layer alive at a time; frozen. The number of
+    layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's flag."""
+    spec = QUANTIZE_KINDS[kind]
+    count = 0
+    for name in [n for n, _ in base.named_modules()]:  # names only: a float layer replaced is freed at once
+        module = base.get_submodule(name)
+        prefix = f"{name}." if name else ""
+        params = dict(module.named_parameters(recurse=False))
+        for local, t in [*params.items(), *module.named_buffers(recurse=False)]:
+            read = readers.get(prefix + local)
+            if read is not None:
+                value = read()
+                setattr(module, local, nn.Parameter(value, requires_grad=False) if local in params else value)
+        if type(module) is nn.Linear:
+            parent_name, _, child = name.rpartition(".")
+            setattr(base.get_submodule(parent_name) if parent_name else base, child, spec.convert(module))
+            count += 1
+    base.requires_grad_(False)
+    return count
 
 
 def layer_kind(module: nn.Module) -> str | None:

@@ -132,6 +132,16 @@ def empty_build() -> Iterator[None]:
             recorder.paused = paused
 
 
+def stand_in_weights(module: nn.Module) -> None:
+    """Give every meta parameter of ``module`` (built by :func:`empty_build`) a real stand-in of its shape
+    and dtype on the CPU holding no memory: one zero, expanded (stride 0). For a network whose weights do
+    not matter but must not be meta (peft's layers, put on it, follow their base layer's device)."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(sub, name, nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False))
+
+
 def available() -> bool:
     """Whether :func:`recorded_build` can run here (it needs accelerate's ``init_empty_weights``)."""
     try:

@@ -1,20 +1,27 @@
-"""Weights read one whole tensor at a time from safetensors files, and the record of which weights a
-network built on the meta device is still to be filled from them.
+"""Weights read one whole tensor at a time from a base's files (safetensors, or torch's zip pickles:
+a ``.bin`` folder, a ``.pt`` checkpoint), and the record of which weights a network built on the meta
+device is still to be filled from them.
 
-    source = TensorSource.of_folder(Path("sd/unet"))      # diffusion_pytorch_model(.safetensors | index)
+    source = TensorSource.of_folder(Path("sd/unet"))      # diffusion_pytorch_model(.safetensors | .bin | index)
     t = source.read("conv_in.weight")                      # float32, on the CPU: that tensor alone
     deferred = DeferredWeights()
     deferred.add(denoiser, source)                         # the denoiser's weights lie in source
     readers = deferred.bind(model)                         # model's parameter / buffer name -> reader
 
-FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, so no process holds a base's
-whole weights: each :meth:`TensorSource.read` opens the file, copies one tensor out and closes it
-(safetensors maps the file; a file kept open would leave every page read resident in this process).
+FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, and a quantized base
+(``models/quantize.py``) its layers, so no process holds a base's whole weights. A safetensors read
+opens the file, copies one tensor out and closes it (safetensors maps the file; a file kept open would
+leave every page read resident in this process). A torch file (``torch.save``'s zip format) is opened
+once with ``torch.load(weights_only=True, mmap=True)``: no code runs, and no tensor's bytes are read
+until it is (each read copies that tensor out of the mapping); reopening it per read would unpickle its
+whole index each time. The pages read stay mapped while the source lives: the page cache's (shared by
+every process reading the file, and dropped under memory pressure), not a copy.
 """
 
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,11 +31,25 @@ from torch import Tensor, nn
 WEIGHTS_STEM = "diffusion_pytorch_model"  # a diffusers model folder's weights file(s)
 
 
-class TensorSource:
-    """Name -> (safetensors file, the tensor's key in it); :meth:`read` gives one whole tensor, float32."""
+def _safetensors_tensor(file: Path, key: str) -> Tensor:
+    from safetensors import safe_open
 
-    def __init__(self, keys: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]]) -> None:
-        self.keys, self.shapes = keys, shapes
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return f.get_tensor(key)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+class TensorSource:
+    """Name -> (file, the tensor's key in it); :meth:`read` gives one whole tensor, float32.
+
+    get: how one tensor is read, ``get(file, key)`` (default: from a safetensors file)."""
+
+    def __init__(self, keys: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]],
+                 get: Callable[[Path, str], Tensor] = _safetensors_tensor) -> None:
+        self.keys, self.shapes, self._get = keys, shapes, get
 
     @classmethod
     def of_files(cls, files: list[Path], rename: Callable[[str], str] = str) -> TensorSource:
@@ -45,33 +66,73 @@ class TensorSource:
                         keys[rename(k)] = (file, k)
                         shapes[rename(k)] = tuple(f.get_slice(k).get_shape())
             except Exception as e:  # noqa: BLE001 - safetensors raises several kinds; one line naming the file
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise ValueError(f"cannot read the weights file {file}: {first}") from None
+                raise ValueError(f"cannot read the weights file {file}: {_first_line(e)}") from None
         return cls(keys, shapes)
 
     @classmethod
+    def of_torch_files(cls, files: list[Path], at: tuple[str, ...] = (),
+                       rename: Callable[[str], str] = str) -> TensorSource:
+        """Every tensor of the state dicts in ``files`` (``torch.save``'s zip format: a ``.bin``; ``at``: the
+        keys leading to it inside each file's dict, ``("ema", "model")`` in a checkpoint), under
+        ``rename(key)``, each file opened once with ``torch.load(weights_only=True, mmap=True)`` (no code
+        runs, no tensor read yet) and kept mapped while the source lives; one ValueError naming a file that
+        cannot be read so or holds no dict of tensors there."""
+        keys: dict[str, tuple[Path, str]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        mapped: dict[Path, dict[str, Tensor]] = {}
+        for file in files:
+            try:
+                tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # noqa: BLE001 - torch raises several kinds; one line naming the file
+                raise ValueError(f"cannot read the weights file {file}: {_first_line(e)}") from None
+            for key in at:
+                tensors = tensors.get(key) if isinstance(tensors, dict) else None
+            if not isinstance(tensors, dict) or not all(
+                    isinstance(k, str) and isinstance(t, Tensor) for k, t in tensors.items()):
+                where = f" at {'.'.join(at)}" if at else ""
+                raise ValueError(f"weights file {file} holds no state dict (names -> tensors){where}")
+            mapped[file] = tensors
+            for k, t in tensors.items():
+                keys[rename(k)] = (file, k)
+                shapes[rename(k)] = tuple(t.shape)
+        return cls(keys, shapes, lambda file, key: mapped[file][key].clone())  # the copy leaves the mapping
+
+    @classmethod
+    def of_tensors(cls, tensors: dict[str, Tensor], where: Path) -> TensorSource:
+        """Tensors already in memory (a small file read whole: a LoRA adapter's start), read from ``where``."""
+        return cls({k: (where, k) for k in tensors}, {k: tuple(t.shape) for k, t in tensors.items()},
+                   lambda _file, key: tensors[key])
+
+    @classmethod
     def of_folder(cls, folder: Path, rename: Callable[[str], str] = str) -> TensorSource | None:
-        """The weights of a diffusers model folder: ``diffusion_pytorch_model.safetensors``, or the files its
-        ``.safetensors.index.json`` names; None when it has neither (a ``.bin``: read whole by its loader)."""
-        single, index = folder / f"{WEIGHTS_STEM}.safetensors", folder / f"{WEIGHTS_STEM}.safetensors.index.json"
-        if single.is_file():
-            return cls.of_files([single], rename)
-        if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return cls.of_files([folder / n for n in names], rename)
+        """The weights of a diffusers model folder: ``diffusion_pytorch_model.safetensors`` or ``.bin``, or the
+        files its ``.safetensors.index.json`` / ``.bin.index.json`` names; None when it has none of them, or a
+        ``.bin`` that cannot be mapped (torch's legacy pre-zip format, a damaged file, not a state dict): its
+        loader reads it whole, or says what is wrong with it."""
+        for suffix, of in ((".safetensors", cls.of_files), (".bin", cls.of_torch_files)):
+            single, index = folder / f"{WEIGHTS_STEM}{suffix}", folder / f"{WEIGHTS_STEM}{suffix}.index.json"
+            if single.is_file():
+                files = [single]
+            elif index.is_file():
+                files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            else:
+                continue
+            if suffix == ".safetensors":
+                return of(files, rename=rename)
+            try:  # a .bin that cannot be mapped so: its loader reads it, or says what is wrong with it
+                return of(files, rename=rename) if all(zipfile.is_zipfile(f) for f in files) else None
+            except ValueError:
+                return None
         return None
 
     def names(self) -> set[str]:
         return set(self.keys)
 
     def read(self, name: str) -> Tensor:
-        """The whole tensor ``name`` on the CPU (a floating one as float32), the file closed again; one
-        ValueError naming the file when it is not finite."""
-        from safetensors import safe_open
-
+        """The whole tensor ``name`` on the CPU (a floating one as float32), a copy of its own (a safetensors
+        file closed again); one ValueError naming the file when it is not finite."""
         file, key = self.keys[name]
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            t = f.get_tensor(key)
+        t = self._get(file, key)
         if not t.is_floating_point():
             return t
         if not torch.isfinite(t).all():  # a NaN base trains and samples nothing
@@ -86,6 +147,13 @@ class DeferredWeights:
     def __init__(self) -> None:
         self.parts: list[tuple[nn.Module, TensorSource]] = []
         self._where: dict[int, Callable[[], Tensor]] = {}  # id of a tensor -> its reader
+        self._later: list[tuple[nn.Module, Callable[[], tuple[TensorSource, frozenset[str]]]]] = []
+
+    def add_later(self, module: nn.Module, source: Callable[[], tuple[TensorSource, frozenset[str]]]) -> None:
+        """:meth:`add` ``module`` with the (source, built) that ``source()`` gives, called by :meth:`bind`: for a
+        source that must be made outside the meta build in progress (a LoRA file put on a base by peft, whose
+        layers an empty build would leave on the meta device)."""
+        self._later.append((module, source))
 
     def add(self, module: nn.Module, source: TensorSource, built: frozenset[str] = frozenset()) -> None:
         """``module``'s state-dict entries (parameters and persistent buffers) lie in ``source``, but for
@@ -119,7 +187,11 @@ class DeferredWeights:
     def bind(self, model: nn.Module) -> dict[str, Callable[[], Tensor]]:
         """``model``'s parameter and buffer names (``named_parameters`` / ``named_buffers``, before anything
         replaces them) -> a reader of that tensor's whole value, for every tensor a part holds (found by
-        identity, so a wrapper's renaming -- peft's ``base_layer``, a denoiser's hidden prefix -- is followed)."""
+        identity, so a wrapper's renaming -- peft's ``base_layer``, a denoiser's hidden prefix -- is followed);
+        the sources given to :meth:`add_later` are made first."""
+        for module, source in self._later:
+            self.add(module, *source())
+        self._later.clear()
         where = self._where
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         return {name: where[id(t)] for name, t in named if id(t) in where}

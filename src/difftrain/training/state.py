@@ -336,14 +336,15 @@ class RunState:
 
 def builds_sharded(cfg: Config, dctx: DistContext, network: dict | None = None) -> bool:
     """Whether ``RunState.build`` builds this run's state sharded, with no whole copy: FSDP on several
-    ranks; difftrain's UNet, a base family's denoiser or a LoRA network, from scratch, from
-    ``model.init_from`` or resumed (``network``: a checkpoint's record). Still built whole on each rank,
-    then sharded (``RunState.parallelize``): a LoRA over a quantized base (``model.quantize_base``), a new
-    adapter started from a LoRA file (``model.init_lora_from``), and every network where accelerate (whose
+    ranks; difftrain's UNet, a base family's denoiser or a LoRA network (its adapter started from
+    ``model.init_lora_from`` or not), from scratch, from ``model.init_from`` (safetensors, a ``.bin`` folder,
+    a checkpoint file) or resumed (``network``: a checkpoint's record). Still built whole on each rank, then
+    sharded (``RunState.parallelize``): a LoRA over a quantized base (``model.quantize_base``: its base is
+    quantized as it loads, ``_quantized_base``), and every network where accelerate (whose
     ``init_empty_weights`` builds on the meta device) is not installed."""
     if cfg.train.parallel != "fsdp" or not dctx.enabled or not meta_init.available():
         return False
-    return cfg.model.quantize_base == "off" and not (network is None and cfg.model.init_lora_from)
+    return cfg.model.quantize_base == "off"
 
 
 def check_quantize_device(cfg: Config, device: torch.device, world_size: int = 1) -> None:
@@ -387,11 +388,15 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     injected (``models/lora.py``); a base whose digest differs from the record's is refused.
 
     deferred: under FSDP's sharded start (built on the meta device, ``RunState._build_sharded``), the
-    weights of ``model.init_from`` are not read: where each lies in its safetensors files is recorded in
-    ``deferred`` (a family's base: ``Family.empty_denoiser``; ``interop.defer_init_weights``), and the
-    caller fills the shards from them one tensor at a time (a LoRA base's digest is read so too). A source
-    that cannot be read so (a checkpoint, a ``.bin``) is loaded as without ``deferred``; a LoRA base of one
-    raises ``meta_init.NotReplayable`` (the caller builds the network whole).
+    weights of ``model.init_from`` are not read: where each lies in its files (safetensors, a ``.bin`` folder
+    or a checkpoint file, mapped) is recorded in ``deferred`` (a family's base: ``Family.empty_denoiser``;
+    ``interop.defer_init_weights``), as are the tensors of ``model.init_lora_from``, and the caller fills the
+    shards from them one tensor at a time (a LoRA base's digest is read so too). A source that cannot be
+    read so (a sharded checkpoint's folder, a legacy ``.bin``, a layout diffusers renames on load) is loaded
+    as without ``deferred``; a LoRA base of one raises ``meta_init.NotReplayable`` (the caller builds the
+    network whole).
+
+    ``model.quantize_base`` (no ``deferred``): a family base is quantized as it loads (:func:`_quantized_base`).
     """
     from difftrain.families import family_of_config, family_of_record
     from difftrain.models.lora import is_lora_record
@@ -401,17 +406,20 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     if saved_lora is not None or (network is None and cfg.lora.rank):
         from difftrain.models.lora import apply_lora
 
-        base = build_network(_without_lora(cfg), conditioning,
-                             saved_lora["base"] if saved_lora else None, init_weights=True, deferred=deferred)
-        if saved_lora is not None and family_of_record(saved_lora["base"]) is not None:  # its config, weights from init_from
-            _init_weights(base, init_from, deferred)
+        quantized = _quantized_base(cfg, conditioning, saved_lora) if deferred is None else None
+        if quantized is not None:  # model.quantize_base, each layer quantized as it is read from the files
+            base, digest = quantized
+        else:
+            base = build_network(_without_lora(cfg), conditioning,
+                                 saved_lora["base"] if saved_lora else None, init_weights=True, deferred=deferred)
+            if saved_lora is not None and family_of_record(saved_lora["base"]) is not None:  # its config, weights from init_from
+                _init_weights(base, init_from, deferred)
+            digest = _deferred_digest(base, deferred)
         net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
                          saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})",
-                         quantize=cfg.model.quantize_base, digest=_deferred_digest(base, deferred))
+                         quantize=cfg.model.quantize_base, digest=digest)
         if saved_lora is None and cfg.model.init_lora_from:  # a new run's adapter from a LoRA file
-            from difftrain.lora_import import init_adapter_from
-
-            init_adapter_from(net, cfg.model.init_lora_from)
+            _start_adapter(net, cfg.model.init_lora_from, deferred)
         return net
     family = family_of_record(network) if network is not None else family_of_config(cfg)
     if family is not None and not init_from and network is None:
@@ -447,6 +455,58 @@ def _init_weights(model: nn.Module, init_from: str, deferred: DeferredWeights | 
 
     if deferred is None or not defer_init_weights(model, init_from, deferred):
         load_init_weights(model, init_from)
+
+
+def _start_adapter(net: nn.Module, path: str, deferred: DeferredWeights | None) -> None:
+    """``model.init_lora_from`` into the new adapter of ``net``: loaded, or, with ``deferred`` (``net`` on the
+    meta device), its tensors recorded there to fill the adapter's shards from (the rest of the adapter keeps
+    the start the build records), read once the meta build is over (another program's file is put on a
+    stand-in of the base by peft, which must make real layers)."""
+    from difftrain.lora_import import adapter_start, init_adapter_from
+    from difftrain.runtime.tensor_source import TensorSource
+
+    if deferred is None:
+        init_adapter_from(net, path)
+        return
+
+    def source() -> tuple[TensorSource, frozenset[str]]:
+        start = adapter_start(net, path)
+        return TensorSource.of_tensors(start, Path(path)), frozenset(net.state_dict()) - set(start)
+
+    deferred.add_later(net, source)
+
+
+def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | None) -> tuple[nn.Module, str] | None:
+    """(the LoRA base of ``cfg`` quantized as it loads, its digest) under ``model.quantize_base``: a family's
+    denoiser built on the meta device, its digest read from its files one tensor at a time, then filled from
+    them layer by layer, each Linear quantized as soon as its weight is read (``quantize.quantize_while_loading``):
+    the peak is the quantized base and one float layer, where loading first held the whole float base. The
+    same layers and digest as quantizing after a whole load. None (built whole, quantized after) for
+    quantize_base "off", difftrain's UNet (it builds some weights itself) and a base whose weights are not
+    all in files it can map (``Family.empty_denoiser``)."""
+    from difftrain.families import family_of_config, family_of_record
+    from difftrain.interop import defer_init_weights
+    from difftrain.models.quantize import quantize_while_loading
+
+    if cfg.model.quantize_base == "off" or not cfg.model.init_from or not meta_init.available():
+        return None
+    record = saved_lora["base"] if saved_lora is not None else None
+    if (family_of_record(record) if record is not None else family_of_config(cfg)) is None:
+        return None
+    files = DeferredWeights()
+    with meta_init.empty_build():
+        try:
+            base = build_network(_without_lora(cfg), conditioning, record, deferred=files)
+        except meta_init.NotReplayable:  # no files to read it from
+            return None
+    if record is not None and not defer_init_weights(base, cfg.model.init_from, files):
+        return None
+    readers = files.bind(base)
+    if any(p.is_meta for name, p in base.named_parameters() if name not in readers):
+        return None
+    digest = _deferred_digest(base, files)
+    quantize_while_loading(base, cfg.model.quantize_base, readers)
+    return base, digest
 
 
 def _deferred_digest(base: nn.Module, deferred: DeferredWeights | None) -> str | None:
