@@ -58,3 +58,13 @@ def test_the_quickstart_keeps_the_checkpoint_its_samples_are_guided_by():
     ck = cfg.checkpoint
     assert 0 < step < cfg.train.total_steps
     assert step % ck.every_steps == 0 and ck.keep_every_steps and step % ck.keep_every_steps == 0
+
+
+def test_the_edm2_gpu_preset_is_the_recipe_measured_on_the_h100():
+    """configs/edm2-cifar10-short.toml is the short preset with the overrides of the H100 row of
+    docs/quality.md (FID-10k 29.0), nothing more and nothing less."""
+    short = next(p for p in PRESETS if p.name == "ddpm-cifar10-short.toml")
+    measured = load_config(short, ["diffusion.objective=edm", "optim.lr=4e-4", "diffusion.uncertainty_weighting=true",
+                                   "optim.betas=[0.9,0.99]", "train.compile=off"])
+    preset = load_config(next(p for p in PRESETS if p.name == "edm2-cifar10-short.toml"))
+    assert preset == measured
