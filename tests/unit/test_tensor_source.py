@@ -79,3 +79,23 @@ def test_a_bin_folder_and_a_checkpoints_weights_are_read_mapped_one_tensor_at_a_
     assert TensorSource.of_folder(tmp_path / "single") is None
     with pytest.raises(ValueError, match=r"ckpt.pt holds no state dict \(names -> tensors\) at ema.optimizer$"):
         TensorSource.of_torch_files([tmp_path / "ckpt.pt"], at=("ema", "optimizer"))
+
+
+class _RunsCode:
+    """Unpickled, it would create the file ``marker``: what a hostile ``.bin`` carries."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_torch_file_whose_pickle_would_run_code_is_refused_with_one_line_naming_it(tmp_path):
+    marker = tmp_path / "ran"
+    hostile = tmp_path / "diffusion_pytorch_model.bin"
+    torch.save({"conv_in.weight": torch.zeros(2), "payload": _RunsCode(str(marker))}, hostile)
+    with pytest.raises(ValueError, match="cannot read the weights file .*diffusion_pytorch_model.bin") as e:
+        TensorSource.of_torch_files([hostile])
+    assert "\n" not in str(e.value) and not marker.exists()
+    assert TensorSource.of_folder(tmp_path) is None and not marker.exists()  # not mapped: left to its loader
