@@ -63,10 +63,16 @@ class TransformerDenoiser(Denoiser):
     """A diffusers transformer on (B, 16, h, w) latents; ``check_latent_size`` refuses sides the
     patches cannot divide, in one line."""
 
+    @property
+    def patch(self) -> int:
+        """The side of the square patches the transformer takes its latents in (Flux's 2x2 packing)."""
+        return PATCH
+
     def check_latent_size(self, h: int, w: int) -> None:
-        if h % PATCH or w % PATCH:
+        p = self.patch
+        if h % p or w % p:
             raise ValueError(f"latents of {h}x{w} do not divide into the {self.family} transformer's "
-                             f"{PATCH}x{PATCH} patches: image sides must be multiples of {PATCH} x the VAE's factor")
+                             f"{p}x{p} patches: image sides must be multiples of {p} x the VAE's factor")
 
 
 class TransformerFamily(Family):

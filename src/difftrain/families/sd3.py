@@ -59,9 +59,14 @@ class SD3Denoiser(TransformerDenoiser):
 
     family = "sd3"
 
+    @property
+    def patch(self) -> int:
+        """The transformer's own ``patch_size`` (2 in every released SD3 and SD3.5)."""
+        return int(self.model.config.patch_size)
+
     def check_latent_size(self, h: int, w: int) -> None:
         super().check_latent_size(h, w)
-        p, most = int(self.model.config.patch_size), self.model.config.pos_embed_max_size
+        p, most = self.patch, self.model.config.pos_embed_max_size
         if most is not None and max(h, w) // p > most:
             raise ValueError(f"latents of {h}x{w} are larger than the SD3 transformer's position embedding "
                              f"takes ({most} patches of {p}: at most {most * p} latent pixels a side)")
