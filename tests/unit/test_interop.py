@@ -6,37 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_OVERRIDES
 from difftrain.config import load_config
 from difftrain.diffusion.objective import build_objective
 from difftrain.inference import load_model
 from difftrain.interop import load_weights_file, save_weights_file, scheduler_config
 from difftrain.sampling import guided_network
-from difftrain.training.checkpoint import load_checkpoint, save_checkpoint, state_dict_sha256
+from difftrain.training.checkpoint import state_dict_sha256
 from difftrain.training.state import RunState
+from tests.small_checkpoint import SMALL, make_checkpoint, one_thread  # noqa: F401 - one_thread: the module's autouse fixture
 
-# A very small UNet: the tests compare samplers, not image quality.
-SMALL = TINY_OVERRIDES + ["model.base_channels=8", "model.channel_mult=[1, 2]", "train.progress_bar=false"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_checkpoint(tmp_path, *overrides: str, num_classes: int = 0):
-    """A checkpoint of random (non-zero) weights, written where load_checkpoint reads it."""
-    cfg = load_config(None, SMALL + list(overrides))
-    state = RunState.build(cfg, num_classes, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in state.ema.model.parameters():
-            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    path = save_checkpoint(state.state_dict(), tmp_path / "checkpoints", step=0)
-    return load_checkpoint(path)
 
 
 def test_weights_file_round_trip_and_loads_for_sampling(tmp_path):
