@@ -24,6 +24,9 @@ Reading back, through torch's public ``torch.distributed.checkpoint.load`` and
 * :func:`load_shards`: an FSDP run on any world size fills its own sharded state dicts (weights,
   EMA, post-hoc EMAs, optimizer state) in place, every rank reading only its part of each tensor
   (``RunState.load_shards``); :func:`read_run_state` is the rest, read first to check the resume.
+* :func:`load_part`: the same for one part (``"ema"``), into a sharded model: an FSDP run whose
+  ``model.init_from`` is a sharded checkpoint (``interop.defer_init_weights``); :func:`tensor_shapes`
+  checks that part against the model first, from the metadata alone.
 * :func:`load_consolidated`: one process (no process group needed) reads the whole checkpoint as
   whole tensors, in the keys of a single-file checkpoint plus ``layout = "sharded"`` (the optimizer's
   state keyed by parameter name): ``export``, ``sample``, ``evaluate``, a resume in one process or
@@ -109,8 +112,9 @@ def _check_finite(tensors: dict, dctx: DistContext) -> None:
 
 
 def _first_non_finite(tensors: dict) -> str | None:
-    """'model weight NAME is not finite' for this rank's first non-finite model or EMA shard; None if none."""
-    local = {k: {n: _local(t) for n, t in tensors[k].items()} for k in ("model", "ema")}
+    """'model weight NAME is not finite' for this rank's first non-finite model or EMA shard (of those
+    ``tensors`` holds); None if none."""
+    local = {k: {n: _local(t) for n, t in tensors.get(k, {}).items()} for k in ("model", "ema")}
     try:
         store.check_finite({"model": local["model"], "ema": {"model": local["ema"]}})
     except store.NonFiniteWeights as e:
@@ -180,6 +184,33 @@ def load_shards(path: Path, tensors: dict, dctx: DistContext) -> None:
     the shards of ``path``, written on any world size; each rank reads only its part of each tensor
     (``torch.distributed.checkpoint.load`` through ``SafeReader``). A missing, unexpected or wrongly
     shaped tensor, an unreadable shard or a non-finite weight is one :class:`CheckpointError`."""
+    _load(path, tensors, dctx)
+
+
+def tensor_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor stored under ``key`` (``"ema"``: the EMA weights, what ``model.init_from``
+    takes of a checkpoint) in the sharded checkpoint ``path``, from its checked metadata: nothing else is read.
+    :class:`CheckpointError` naming the file when the metadata is refused."""
+    metadata = SafeReader(path).read_metadata()
+    paths = metadata.planner_data or {}
+    out = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        keys = tuple(str(p) for p in paths.get(fqn, (fqn,)))
+        if isinstance(item, md.TensorStorageMetadata) and len(keys) == 2 and keys[0] == key:
+            out[keys[1]] = tuple(item.size)
+    return out
+
+
+def load_part(path: Path, key: str, tensors: dict, dctx: DistContext) -> None:
+    """Every rank: fill ``tensors`` (the state dict of a sharded model, its DTensors) in place with the
+    tensors stored under ``key`` of the sharded checkpoint ``path`` (``"ema"``: ``model.init_from`` of a
+    sharded checkpoint), each rank reading only its part of each (``torch.distributed.checkpoint.load``
+    through ``SafeReader``); the checkpoint's other tensors are not read. Failures as :func:`load_shards`."""
+    _load(path, {key: tensors}, dctx)
+
+
+def _load(path: Path, tensors: dict, dctx: DistContext) -> None:
+    """``dcp.load`` of ``tensors`` from ``path`` on every rank, failures one :class:`CheckpointError`."""
     try:
         dcp.load(tensors, storage_reader=SafeReader(path))
     except CheckpointException as e:  # a BaseException: a shard file DCP could not read, a key it lacks

@@ -115,7 +115,8 @@ class RunState:
         copied there (no storage), the network sharded and given storage for its shards, then each
         parameter made whole once, alone, on the CPU and its shard kept: read from the safetensors files
         of ``model.init_from`` (a base family's denoiser, a LoRA's base, difftrain's UNet from a diffusers
-        folder or weights file: ``runtime/tensor_source.py``), or else the recorded initialisation
+        folder or weights file: ``runtime/tensor_source.py``; from a sharded checkpoint's folder no tensor is
+        made whole: each rank reads its part of the EMA weights, ``sharded_checkpoint.load_part``), or else the recorded initialisation
         replayed with the run's seed (the values of an ordinary build, bit for bit: a LoRA adapter's
         start included; a ``model.init_from`` checkpoint's weights are what it copies in). The averages
         start as copies of the shards. A resume (``init_weights`` False) leaves the values the checkpoint
@@ -127,7 +128,7 @@ class RunState:
             model = build_network(cfg, conditioning, network, init_weights, deferred=deferred)
         recording.bind(model)
         from_files = deferred.bind(model)
-        replayed = {name for name, _ in model.named_parameters()} - set(from_files)
+        replayed = {name for name, _ in model.named_parameters()} - set(from_files) - deferred.loaded(model)
         if init_weights:
             meta_init.check(recording, replayed)  # before anything is sharded, so that build() can still build it whole
         prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
@@ -138,6 +139,7 @@ class RunState:
         fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
         for name, read in from_files.items():  # the base's weights, one whole tensor at a time
             fsdp.fill_shard(model, name, read())
+        deferred.load_sharded(dctx)  # a sharded checkpoint's weights: each rank reads its own part
         if init_weights:
             meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole), replayed)
         for average in (ema.model, *posthoc.models):  # each rank averages its own shard
@@ -391,10 +393,10 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     weights of ``model.init_from`` are not read: where each lies in its files (safetensors, a ``.bin`` folder
     or a checkpoint file, mapped) is recorded in ``deferred`` (a family's base: ``Family.empty_denoiser``;
     ``interop.defer_init_weights``), as are the tensors of ``model.init_lora_from``, and the caller fills the
-    shards from them one tensor at a time (a LoRA base's digest is read so too). A source that cannot be
-    read so (a sharded checkpoint's folder, a legacy ``.bin``, a layout diffusers renames on load) is loaded
-    as without ``deferred``; a LoRA base of one raises ``meta_init.NotReplayable`` (the caller builds the
-    network whole).
+    shards from them one tensor at a time (a LoRA base's digest is read so too); a sharded checkpoint's folder
+    (difftrain's UNet) is recorded to be read by each rank into its own shards. A source that cannot be read
+    so (a legacy ``.bin``) is loaded as without ``deferred``; a LoRA base of one, or of a sharded checkpoint's
+    folder, raises ``meta_init.NotReplayable`` (the caller builds the network whole).
 
     ``model.quantize_base`` (no ``deferred``): a family base is quantized as it loads (:func:`_quantized_base`).
     """
