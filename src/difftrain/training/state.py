@@ -483,9 +483,11 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     denoiser built on the meta device, its digest read from its files one tensor at a time, then filled from
     them layer by layer, each Linear quantized as soon as its weight is read (``quantize.quantize_while_loading``):
     the peak is the quantized base and one float layer, where loading first held the whole float base. The
-    same layers and digest as quantizing after a whole load. None (built whole, quantized after) for
-    quantize_base "off", difftrain's UNet (it builds some weights itself) and a base whose weights are not
-    all in files it can map (``Family.empty_denoiser``)."""
+    same layers and digest as quantizing after a whole load. difftrain's UNet (from a weights file, a
+    checkpoint file or a diffusers folder) is built so too, with its initialisation recorded and replayed on
+    scratch tensors one at a time, so that the adapter then draws the whole build's random numbers (and what
+    the files do not hold is made as the whole build makes it: :func:`_replayed_unet`). None (built whole, quantized after) for quantize_base "off" and a base whose
+    weights are not all in files it can map (``Family.empty_denoiser``; a sharded checkpoint's folder)."""
     from difftrain.families import family_of_config, family_of_record
     from difftrain.interop import defer_init_weights
     from difftrain.models.quantize import quantize_while_loading
@@ -493,22 +495,54 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     if cfg.model.quantize_base == "off" or not cfg.model.init_from or not meta_init.available():
         return None
     record = saved_lora["base"] if saved_lora is not None else None
-    if (family_of_record(record) if record is not None else family_of_config(cfg)) is None:
-        return None
     files = DeferredWeights()
-    with meta_init.empty_build():
-        try:
-            base = build_network(_without_lora(cfg), conditioning, record, deferred=files)
-        except meta_init.NotReplayable:  # no files to read it from
+    if (family_of_record(record) if record is not None else family_of_config(cfg)) is None:
+        base = _replayed_unet(cfg, conditioning, record, files)
+        if base is None:
             return None
-    if record is not None and not defer_init_weights(base, cfg.model.init_from, files):
-        return None
+    else:
+        with meta_init.empty_build():
+            try:
+                base = build_network(_without_lora(cfg), conditioning, record, deferred=files)
+            except meta_init.NotReplayable:  # no files to read it from
+                return None
+        if record is not None and not defer_init_weights(base, cfg.model.init_from, files):
+            return None
     readers = files.bind(base)
     if any(p.is_meta for name, p in base.named_parameters() if name not in readers):
         return None
     digest = _deferred_digest(base, files)
     quantize_while_loading(base, cfg.model.quantize_base, readers)
     return base, digest
+
+
+def _replayed_unet(cfg: Config, conditioning: Conditioning, record: dict | None,
+                   files: DeferredWeights) -> nn.Module | None:
+    """difftrain's UNet, the LoRA base of ``cfg``, built on the meta device with its initialisation recorded
+    and where its weights lie in ``model.init_from``'s files recorded in ``files``; each parameter the files do
+    not hold made whole from the replayed initialisation, every other recorded call replayed on scratch, so
+    that the global CPU generator ends where the whole build leaves it. None, the generator where it was,
+    when the files do not hold it one tensor at a time or the build cannot be replayed."""
+    with meta_init.recorded_build() as recording:
+        base = build_network(_without_lora(cfg), conditioning, record, deferred=files)
+    recording.bind(base)
+    readers = files.bind(base)
+    try:
+        if not files.covers(base) or files.loaded(base):
+            raise meta_init.NotReplayable("its weights are not all in files read one tensor at a time")
+        built = {name for name, _ in base.named_parameters()} - set(readers)
+        meta_init.replay(recording, lambda name, whole: _set_parameter(base, name, whole), built)
+    except meta_init.NotReplayable:
+        torch.random.set_rng_state(recording.rng)  # the whole build starts where this one did
+        return None
+    return base
+
+
+def _set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """The parameter ``name`` of ``module`` (on the meta device) replaced by ``value``."""
+    owner, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(owner)
+    setattr(parent, leaf, nn.Parameter(value, requires_grad=getattr(parent, leaf).requires_grad))
 
 
 def _deferred_digest(base: nn.Module, deferred: DeferredWeights | None) -> str | None:
