@@ -98,7 +98,7 @@ def phases(ctx, run_dir: str, cfg_overrides: list[str], old: bool) -> dict:
 def init_from_sharded(ctx, run_dir: str, cfg_overrides: list[str]) -> dict:
     """This rank's peak RSS above its start while a run starts from a sharded checkpoint's folder
     (``model.init_from``): each rank reading its part (``now``), then the consolidated read (``before``)."""
-    import difftrain.interop as interop
+    from difftrain import interop
     from difftrain.training import sharded_checkpoint as sharded
     from difftrain.training.state import RunState
     from multiproc import reset_peak, status_bytes
