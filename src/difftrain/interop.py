@@ -259,11 +259,6 @@ def _unet_folder(path: Path) -> Path:
                      "nor unet/config.json)")
 
 
-# Attention names of folders saved by diffusers before 0.15 (google/ddpm-cifar10-32's .bin),
-# renamed on load as diffusers itself does.
-_DEPRECATED_ATTENTION = {".query.": ".to_q.", ".key.": ".to_k.", ".value.": ".to_v.", ".proj_attn.": ".to_out.0."}
-
-
 def _read_diffusers_weights(folder: Path) -> dict[str, Tensor]:
     """The state dict of a diffusers model folder (safetensors preferred, else the .bin)."""
     st, binary = folder / "diffusion_pytorch_model.safetensors", folder / "diffusion_pytorch_model.bin"
@@ -275,7 +270,8 @@ def _read_diffusers_weights(folder: Path) -> dict[str, Tensor]:
         tensors = torch.load(binary, map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"model.init_from {folder}: no diffusion_pytorch_model.safetensors or .bin in it")
-    return {_renamed_attention(name): t for name, t in tensors.items()}
+    renamed = _loaded_names(folder, set(tensors))
+    return {renamed.get(name, name): t for name, t in tensors.items()}
 
 
 def _normal(value):
@@ -296,11 +292,19 @@ def _check_unet_config(model: nn.Module, folder: Path) -> None:
                              f"{theirs_cfg[key]!r}, this model {_normal(ours_cfg[key])!r}")
 
 
-def _renamed_attention(name: str) -> str:
-    """A weight name of a folder saved before diffusers 0.15, under today's attention names."""
-    for old, new in _DEPRECATED_ATTENTION.items():
-        name = name.replace(old, new)
-    return name
+def _loaded_names(folder: Path, names: set[str]) -> dict[str, str]:
+    """Old -> new of the weight ``names`` of the UNet2DModel ``folder`` that diffusers renames on load
+    (attention blocks saved before diffusers 0.15, google/ddpm-cifar10-32's ``.bin``: ``query`` -> ``to_q``...):
+    diffusers' own renaming run on the names (``families.base.loaded_names``) of the folder's UNet2DModel
+    built on the meta device, nothing initialised."""
+    from diffusers import UNet2DModel
+
+    from difftrain.families.base import loaded_names
+    from difftrain.runtime import meta_init
+
+    with meta_init.empty_build() if meta_init.available() else torch.device("meta"):
+        unet = UNet2DModel.from_config(json.loads((folder / "config.json").read_text()))
+    return loaded_names(unet, names)
 
 
 def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Tensor]:
@@ -448,9 +452,11 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
         _check_unet_config(model, folder)
         built = frozenset(k for k in model.state_dict() if k.startswith("logvar."))  # the loss weighting: kept as built
         ours = {diffusers_name(k): k for k in model.state_dict() if k not in built}
-        found = TensorSource.of_folder(folder, rename=lambda k: ours.get(_renamed_attention(k), "unknown:" + k))
+        found = TensorSource.of_folder(folder)
         if found is None:
             return False
+        renamed = _loaded_names(folder, found.names())
+        found = found.renamed({k: ours.get(renamed.get(k, k), "unknown:" + k) for k in found.names()})
     elif is_weights_file(path):
         from safetensors import safe_open
 
