@@ -1,8 +1,9 @@
 """FSDP's sharded start from a base's files on 2 gloo CPU processes: a base family's denoiser (SD's
 UNet2DConditionModel, SDXL's, SD3's and Flux's transformers; SD's from a ``.bin`` folder too), a LoRA network
-on it (its adapter started from ``model.init_lora_from`` too), and difftrain's UNet from a ``model.init_from``
-weights file or checkpoint (``.pt``), each built on the meta device, sharded, and filled one tensor at a
-time from the files (safetensors, or torch's zip files mapped by ``torch.load(mmap=True)``) -- the same
+on it (its adapter started from ``model.init_lora_from`` too; a base saved under names diffusers renames on
+load too), and difftrain's UNet from a ``model.init_from`` weights file or checkpoint (``.pt``), each built on
+the meta device, sharded, and filled one tensor at a time from the files (safetensors, or torch's zip files
+mapped by ``torch.load(mmap=True)``), or from a sharded checkpoint's folder each rank's part -- the same
 weights, adapter start, record and base digest as the whole build it replaces (``builds_sharded`` forced
 False), and a LoRA's resume reads its base so too."""
 
