@@ -20,7 +20,7 @@ tensor at a time and, before, loaded whole and then sharded.
 checkpoint's folder (``step_N.dcp``, written by the same 2 ranks first: weights, EMA, AdamW's moments and a
 post-hoc EMA), each rank reading its part of the EMA weights into its shards (``sharded_checkpoint.load_part``),
 and, before, the checkpoint read consolidated (whole, every tensor of it) while the shards were filled
-(``interop._defer_sharded_checkpoint`` forced False).
+(``interop._sharded_checkpoint_source`` forced to find none).
 
 Each rank resets its peak (``/proc/self/clear_refs``) after joining the group with difftrain's
 training modules imported, then runs ``training.loop.train``; the figure is its peak RSS above that
@@ -111,16 +111,16 @@ def init_from_sharded(ctx, run_dir: str, cfg_overrides: list[str]) -> dict:
                                     c.keep_every_steps, "stop", ctx)
     del state
     cfg = load_config(None, [*cfg_overrides, f"model.init_from={folder}"])
-    out, deferred = {"rank": ctx.rank}, interop._defer_sharded_checkpoint
+    out, deferred = {"rank": ctx.rank}, interop._sharded_checkpoint_source
     for name in ("now", "before"):
         if name == "before":
-            interop._defer_sharded_checkpoint = lambda *args: False
+            interop._sharded_checkpoint_source = lambda *args: (None, None)
         start = reset_peak(give_back=True)
         state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
         state.parallelize(ctx)
         out[name] = (status_bytes("VmHWM") - start) / MiB
         del state
-    interop._defer_sharded_checkpoint = deferred
+    interop._sharded_checkpoint_source = deferred
     return out
 
 

@@ -422,8 +422,8 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     record in ``deferred`` (a ``runtime.tensor_source.DeferredWeights``) where each weight lies in the
     source's files, checked as :func:`load_init_weights` checks them (names, shapes, config), to be read one
     tensor at a time: safetensors, a ``.bin`` folder's or a checkpoint file's EMA weights (mapped by
-    ``torch.load(weights_only=True, mmap=True)``); a sharded checkpoint's EMA weights read by each rank into
-    its own shards once they exist (:func:`_defer_sharded_checkpoint`). False, with nothing recorded, for a
+    ``torch.load(weights_only=True, mmap=True)``); a sharded checkpoint's EMA weights, which a sharded network
+    reads each rank its own part of once its shards exist (:func:`_sharded_checkpoint_source`). False, with nothing recorded, for a
     source that cannot be read so (a ``.bin`` in torch's legacy format, a file that is no difftrain
     checkpoint): :func:`load_init_weights` reads it whole, or says what is wrong with it."""
     from difftrain.families import Denoiser, detect
@@ -433,7 +433,7 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     path = Path(source).expanduser()
     if not path.exists():
         raise ValueError(f"model.init_from {path} does not exist")
-    built = frozenset()
+    built, load = frozenset(), None
     if isinstance(model, Denoiser):
         try:
             empty = detect(path).empty_denoiser(path)
@@ -467,45 +467,38 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     else:
         found = _checkpoint_source(path)
         if found is None:
-            return _defer_sharded_checkpoint(model, path, deferred)
+            found, load = _sharded_checkpoint_source(path)
+            if found is None:
+                return False
     try:
         deferred.add(model, found, built)
     except ValueError as e:
         raise ValueError(f"model.init_from {path}: the weights do not match this model's architecture: {e}") from None
+    if load is not None:
+        deferred.add_loaded(model, load)
     return True
 
 
-def _defer_sharded_checkpoint(model: nn.Module, path: Path, deferred) -> bool:
-    """``model.init_from`` a sharded checkpoint's folder (itself, or a run directory's newest) for a network
-    built on the meta device: its EMA weights (what :func:`load_init_weights` takes) checked against
-    ``model``'s names and shapes from the checkpoint's metadata alone, and recorded in ``deferred`` to be
-    loaded once the network is sharded, each rank reading only its own part of each tensor
-    (``sharded_checkpoint.load_part``: ``torch.distributed.checkpoint.load``, the metadata read by
-    ``training/dcp_reader.py``), no whole tensor made. False for anything else (a file that is no difftrain
-    checkpoint: :func:`load_init_weights` refuses it)."""
+def _sharded_checkpoint_source(path: Path):
+    """(a ``TensorSource`` of the EMA weights, what :func:`load_init_weights` takes, of the sharded checkpoint
+    folder ``path`` names (itself, or a run directory's newest), its loader) for a network built on the meta
+    device: the source's names and shapes from the checkpoint's metadata alone (its tensors read one whole
+    at a time, ``sharded_checkpoint.tensor_source``: a LoRA base's, a quantized base's), and the loader, which
+    fills a sharded network in place with each rank reading only its own part of each tensor, no tensor made
+    whole (``sharded_checkpoint.load_part``: ``torch.distributed.checkpoint.load``, the metadata read by
+    ``training/dcp_reader.py``). (None, None) for anything else (a file that is no difftrain checkpoint:
+    :func:`load_init_weights` refuses it)."""
     from difftrain.training import sharded_checkpoint as sharded
     from difftrain.training.checkpoint_store import find_checkpoint, is_sharded_checkpoint
 
     try:
         folder = find_checkpoint(path)
     except (FileNotFoundError, OSError):
-        return False
+        return None, None
     if not is_sharded_checkpoint(folder):
-        return False
+        return None, None
     load_checkpoint(folder, tensors=False)  # its run state, checked as load_init_weights checks it
-    theirs = sharded.tensor_shapes(folder, "ema")
-    own = {k: tuple(t.shape) for k, t in model.state_dict().items()}
-    missing, extra = sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own))
-    if missing or extra:
-        what = f"lacks {missing[0]!r}" if missing else f"has an unknown weight {extra[0]!r}"
-        raise ValueError(f"model.init_from {path}: the weights do not match this model's architecture: checkpoint "
-                         f"{folder}: key 'ema.model' {what} for this model ({len(missing)} missing, {len(extra)} unknown)")
-    for name in sorted(own):
-        if theirs[name] != own[name]:
-            raise ValueError(f"model.init_from {path}: the weights do not match this model's architecture: checkpoint "
-                             f"{folder}: key ema.model.{name} has shape {theirs[name]}, the model's is {own[name]}")
-    deferred.add_loaded(model, frozenset(own), lambda tensors, dctx: sharded.load_part(folder, "ema", tensors, dctx))
-    return True
+    return sharded.tensor_source(folder, "ema"), lambda tensors, dctx: sharded.load_part(folder, "ema", tensors, dctx)
 
 
 def _checkpoint_source(path: Path):

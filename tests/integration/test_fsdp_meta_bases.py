@@ -164,12 +164,13 @@ def _lora_files(sd: Path, root: Path) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> list[dict]:
-    """The seventeen builds, each both ways, on 2 ranks in one spawn (about 100 s on a busy 2-core machine):
+    """The eighteen builds, each both ways, on 2 ranks in one spawn (about 100 s on a busy 2-core machine):
     SD's UNet in full and with LoRA, Flux's transformer with LoRA, difftrain's UNet from a weights file
     in full and as a LoRA base (with its convolutions), SDXL's UNet and SD3's transformer in full and
     with LoRA; SD's UNet from a ``.bin`` folder in full and with LoRA started from another program's LoRA
     file (its alpha folded), SD's LoRA started from difftrain's own export, difftrain's UNet from a
-    checkpoint file in full and as a LoRA base; difftrain's UNet from a sharded checkpoint's folder; a UNet
+    checkpoint file in full and as a LoRA base; difftrain's UNet from a sharded checkpoint's folder (in full and
+    as a LoRA base); a UNet
     whose weights file holds attention names diffusers renames on load, in full and as a LoRA base."""
     from difftrain.interop import save_weights_file
     from difftrain.training.checkpoint import save_checkpoint_file
@@ -196,7 +197,7 @@ def built(tmp_path_factory) -> list[dict]:
             [*BUILD, f"model.init_from={sd}", "lora.rank=2", "lora.alpha=4", f"model.init_lora_from={own}"],
             [*BUILD, f"model.init_from={root / 'base.pt'}"], [*BUILD, f"model.init_from={root / 'base.pt'}", "lora.rank=2"],
             [*BUILD, f"model.init_from={dcp}"], [*BUILD, f"model.init_from={legacy}"],
-            [*BUILD, f"model.init_from={legacy}", "lora.rank=2"]]
+            [*BUILD, f"model.init_from={legacy}", "lora.rank=2"], [*BUILD, f"model.init_from={dcp}", "lora.rank=2"]]
     return run_ranks(_built, 2, runs, timeout_s=1500)[0]
 
 
@@ -301,12 +302,15 @@ def test_a_ranks_start_up_from_a_base_holds_no_whole_copy(tmp_path, monkeypatch)
 def test_difftrains_unet_from_a_sharded_checkpoint_reads_each_ranks_part_into_its_shards(built):
     """``model.init_from`` a sharded checkpoint's folder (``step_N.dcp``, the same EMA weights as the checkpoint
     file of the runs above): the whole build, bit for bit, with each rank's part read by
-    ``torch.distributed.checkpoint.load`` straight into its shards -- never read whole
-    (``load_consolidated``), as the whole build reads it."""
-    (full,) = _same_as_whole(built[14:15])
+    ``torch.distributed.checkpoint.load`` straight into its shards -- never read consolidated
+    (``load_consolidated``), as the whole build reads it; and as a LoRA base."""
+    (full, lora) = _same_as_whole([built[14], built[17]])
     assert full["record"] == {"kind": "unet"} and full["consolidated"] == 0 and built[14][False]["consolidated"] == 1
     from_file = built[12][True]["weights"]  # the checkpoint file holding the same EMA weights
     assert all(torch.equal(full["weights"][k], from_file[k]) for k in from_file)
+    # As a LoRA base (its digest and its shards: one whole tensor at a time, each read alone by dcp.load),
+    # never read consolidated either: the base of the checkpoint file's LoRA, digest for digest.
+    assert lora["consolidated"] == 0 and lora["record"]["base_digest"] == built[13][True]["record"]["base_digest"]
 
 
 def test_a_base_saved_under_names_diffusers_renames_is_read_sharded_under_the_new_names(built):

@@ -130,7 +130,8 @@ def test_a_sharded_checkpoint_to_start_an_fsdp_run_from_is_checked_from_its_meta
     device, ``interop.defer_init_weights``): checked against the model from its metadata alone, through the
     same allow-list reader (a crafted ``.metadata`` refused, nothing run), a model of another width refused in
     one line naming the first mismatched key, and a matching one recorded to be loaded into its shards by each
-    rank (tests/integration/test_fsdp_meta_bases.py loads it on 2 ranks), no tensor read here."""
+    rank (tests/integration/test_fsdp_meta_bases.py loads it on 2 ranks), no tensor read yet; read one whole
+    tensor at a time too, the checkpoint's EMA weights."""
     from difftrain.conditioning import Conditioning
     from difftrain.interop import defer_init_weights
     from difftrain.runtime import meta_init
@@ -146,10 +147,13 @@ def test_a_sharded_checkpoint_to_start_an_fsdp_run_from_is_checked_from_its_meta
 
     model, deferred = meta_model(), DeferredWeights()
     assert defer_init_weights(model, sharded_run, deferred)  # the run directory: its newest, the sharded folder
-    assert deferred.loaded(model) == set(model.state_dict()) and not deferred.bind(model)
     assert all(p.is_meta for p in model.parameters())  # nothing read yet
+    assert deferred.loaded(model) == set(model.state_dict())  # a sharded network: each rank its part, in place
+    # What needs whole tensors (a LoRA base, a quantized one) reads them one at a time, through the same reader.
+    readers, ema = deferred.bind(model), ckpt.load_checkpoint(sharded_run)["ema"]["model"]
+    assert readers.keys() == ema.keys() and all(torch.equal(readers[k](), ema[k]) for k in list(ema)[:5])
     with pytest.raises(ValueError, match=r"^model\.init_from .*: the weights do not match this model's architecture: "
-                                         r"checkpoint .*step_00000002\.dcp: key ema\.model\.\S+ has shape"):
+                                         r"first mismatched key '\S+' \(shape"):
         defer_init_weights(meta_model("model.base_channels=16"), sharded_run, DeferredWeights())
     run, marker = crafted_run
     with pytest.raises(ckpt.CheckpointError, match="never holds"):

@@ -141,11 +141,11 @@ def test_the_base_quantized_as_it_loads_is_the_base_quantized_after_a_whole_load
     assert all(torch.equal(new[2][k], v) for k, v in built()[2].items())
 
 
-@pytest.mark.parametrize("source", ["weights", "diffusers"])
+@pytest.mark.parametrize("source", ["weights", "diffusers", "sharded"])
 def test_difftrains_unet_as_a_quantized_base_is_quantized_as_it_loads_as_after_a_whole_load(tmp_path, tiny_overrides,
                                                                                              monkeypatch, source):
     """difftrain's own UNet as the LoRA base (``model.init_from`` a weights file; a diffusers folder, read
-    under difftrain's names), int8: built
+    under difftrain's names; a sharded checkpoint's folder), int8: built
     on the meta device with its initialisation recorded and each Linear quantized as its weight is read,
     against the float base built and loaded whole and quantized after (``_quantized_base`` off): every frozen
     tensor, the adapter's start (the replay draws the whole build's random numbers) and the record (the float
@@ -158,8 +158,13 @@ def test_difftrains_unet_as_a_quantized_base_is_quantized_as_it_loads_as_after_a
     state = {**RunState.build(base_cfg, 0, torch.device("cpu")).state_dict(), "path": "base"}
     for v in state["ema"]["model"].values():  # weights of their own, not the seed's
         v.add_(0.01 * torch.randn_like(v))
-    init_from = (save_weights_file(state, tmp_path / "base.safetensors") if source == "weights"
-                 else export_diffusers(state, tmp_path / "base"))
+    if source == "sharded":  # a sharded checkpoint's folder: its tensors read one at a time through dcp.load
+        from tests.integration.test_fsdp_meta_bases import _sharded_checkpoint
+
+        init_from = _sharded_checkpoint(state, tmp_path / "checkpoints")
+    else:
+        init_from = (save_weights_file(state, tmp_path / "base.safetensors") if source == "weights"
+                     else export_diffusers(state, tmp_path / "base"))
     cfg = load_config(None, [*tiny_overrides, "train.device=cpu", f"model.init_from={init_from}", "lora.rank=2",
                              "model.quantize_base=int8"])
     conditioning = Conditioning.from_config(cfg, 0)

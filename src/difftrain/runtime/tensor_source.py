@@ -7,7 +7,7 @@ device is still to be filled from them.
     deferred = DeferredWeights()
     deferred.add(denoiser, source)                         # the denoiser's weights lie in source
     readers = deferred.bind(model)                         # model's parameter / buffer name -> reader
-    deferred.add_loaded(unet, names, load)                 # or: filled whole-module once sharded, each rank its part
+    deferred.add_loaded(unet, load)                        # or: filled in place once sharded, each rank its part
 
 FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, and a quantized base
 (``models/quantize.py``) its layers, so no process holds a base's whole weights. A safetensors read
@@ -162,8 +162,7 @@ class DeferredWeights:
         self.parts: list[tuple[nn.Module, TensorSource]] = []
         self._where: dict[int, Callable[[], Tensor]] = {}  # id of a tensor -> its reader
         self._later: list[tuple[nn.Module, Callable[[], tuple[TensorSource, frozenset[str]]]]] = []
-        self._loaders: list[tuple[nn.Module, Callable]] = []  # (module, load(state_dict, dctx)): add_loaded
-        self._loaded: set[int] = set()  # ids of the tensors a loader fills
+        self._loaders: list[tuple[nn.Module, frozenset[str], Callable]] = []  # (module, its names, load): add_loaded
 
     def add_later(self, module: nn.Module, source: Callable[[], tuple[TensorSource, frozenset[str]]]) -> None:
         """:meth:`add` ``module`` with the (source, built) that ``source()`` gives, called by :meth:`bind`: for a
@@ -189,23 +188,27 @@ class DeferredWeights:
             if name in source.keys:
                 self._where[id(t)] = lambda source=source, name=name: source.read(name)
 
-    def add_loaded(self, module: nn.Module, names: frozenset[str], load: Callable) -> None:
-        """``module``'s state-dict entries ``names`` are filled not one whole tensor at a time but by
-        ``load(module.state_dict(), dctx)`` once the network is sharded (:meth:`load_sharded`): in place,
-        each rank reading its own part only (a sharded checkpoint: ``sharded_checkpoint.load_part``)."""
-        self._loaders.append((module, load))
-        self._loaded |= {id(t) for name, t in module.state_dict(keep_vars=True).items() if name in names}
+    def add_loaded(self, module: nn.Module, load: Callable) -> None:
+        """``module`` (added with its source too) can be filled without making any tensor whole:
+        ``load(module.state_dict(), dctx)`` once the network is sharded (:meth:`load_sharded`), in place, each
+        rank reading its own part only (a sharded checkpoint: ``sharded_checkpoint.load_part``) -- as long as
+        its state-dict names are still those it has now (a wrapper that renames them, peft's, leaves it to its
+        source, read one tensor at a time)."""
+        self._loaders.append((module, frozenset(module.state_dict()), load))
+
+    def _active_loaders(self) -> list[tuple[nn.Module, Callable]]:
+        return [(m, load) for m, names, load in self._loaders if set(m.state_dict()) == names]
 
     def loaded(self, model: nn.Module) -> set[str]:
-        """``model``'s parameter and buffer names (as :meth:`bind` names them) that a loader of
-        :meth:`add_loaded` fills."""
+        """``model``'s parameter and buffer names (as :meth:`bind` names them) that :meth:`load_sharded` fills."""
+        ids = {id(t) for m, _ in self._active_loaders() for t in m.state_dict(keep_vars=True).values()}
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-        return {name for name, t in named if id(t) in self._loaded}
+        return {name for name, t in named if id(t) in ids}
 
     def load_sharded(self, dctx) -> None:
-        """Every rank (a collective): run each loader of :meth:`add_loaded` on its module's state dict,
-        the module sharded by now (``runtime/fsdp.py``; ``dctx``: its ranks)."""
-        for module, load in self._loaders:
+        """Every rank (a collective): run each loader of :meth:`add_loaded` whose module keeps its names on
+        its module's state dict, the module sharded by now (``runtime/fsdp.py``; ``dctx``: its ranks)."""
+        for module, load in self._active_loaders():
             load(module.state_dict(), dctx)
 
     def covers(self, module: nn.Module) -> bool:

@@ -127,8 +127,9 @@ class RunState:
         with meta_init.recorded_build() as recording:
             model = build_network(cfg, conditioning, network, init_weights, deferred=deferred)
         recording.bind(model)
-        from_files = deferred.bind(model)
-        replayed = {name for name, _ in model.named_parameters()} - set(from_files) - deferred.loaded(model)
+        loaded = deferred.loaded(model)  # a sharded checkpoint's weights: each rank reads its own part, once sharded
+        from_files = {name: read for name, read in deferred.bind(model).items() if name not in loaded}
+        replayed = {name for name, _ in model.named_parameters()} - set(from_files) - loaded
         if init_weights:
             meta_init.check(recording, replayed)  # before anything is sharded, so that build() can still build it whole
         prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
@@ -139,7 +140,7 @@ class RunState:
         fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
         for name, read in from_files.items():  # the base's weights, one whole tensor at a time
             fsdp.fill_shard(model, name, read())
-        deferred.load_sharded(dctx)  # a sharded checkpoint's weights: each rank reads its own part
+        deferred.load_sharded(dctx)
         if init_weights:
             meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole), replayed)
         for average in (ema.model, *posthoc.models):  # each rank averages its own shard
@@ -394,9 +395,9 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     or a checkpoint file, mapped) is recorded in ``deferred`` (a family's base: ``Family.empty_denoiser``;
     ``interop.defer_init_weights``), as are the tensors of ``model.init_lora_from``, and the caller fills the
     shards from them one tensor at a time (a LoRA base's digest is read so too); a sharded checkpoint's folder
-    (difftrain's UNet) is recorded to be read by each rank into its own shards. A source that cannot be read
-    so (a legacy ``.bin``) is loaded as without ``deferred``; a LoRA base of one, or of a sharded checkpoint's
-    folder, raises ``meta_init.NotReplayable`` (the caller builds the network whole).
+    (difftrain's UNet) is recorded to be read by each rank into its own shards (a LoRA base of one: one tensor
+    at a time). A source that cannot be read so (a legacy ``.bin``) is loaded as without ``deferred``; a LoRA
+    base of one raises ``meta_init.NotReplayable`` (the caller builds the network whole).
 
     ``model.quantize_base`` (no ``deferred``): a family base is quantized as it loads (:func:`_quantized_base`).
     """
@@ -484,10 +485,10 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     them layer by layer, each Linear quantized as soon as its weight is read (``quantize.quantize_while_loading``):
     the peak is the quantized base and one float layer, where loading first held the whole float base. The
     same layers and digest as quantizing after a whole load. difftrain's UNet (from a weights file, a
-    checkpoint file or a diffusers folder) is built so too, with its initialisation recorded and replayed on
+    checkpoint file, a sharded checkpoint's folder or a diffusers folder) is built so too, with its initialisation recorded and replayed on
     scratch tensors one at a time, so that the adapter then draws the whole build's random numbers (and what
     the files do not hold is made as the whole build makes it: :func:`_replayed_unet`). None (built whole, quantized after) for quantize_base "off" and a base whose
-    weights are not all in files it can map (``Family.empty_denoiser``; a sharded checkpoint's folder)."""
+    weights are not all in files it can map (``Family.empty_denoiser``)."""
     from difftrain.families import family_of_config, family_of_record
     from difftrain.interop import defer_init_weights
     from difftrain.models.quantize import quantize_while_loading
@@ -528,7 +529,7 @@ def _replayed_unet(cfg: Config, conditioning: Conditioning, record: dict | None,
     recording.bind(base)
     readers = files.bind(base)
     try:
-        if not files.covers(base) or files.loaded(base):
+        if not files.covers(base):
             raise meta_init.NotReplayable("its weights are not all in files read one tensor at a time")
         built = {name for name, _ in base.named_parameters()} - set(readers)
         meta_init.replay(recording, lambda name, whole: _set_parameter(base, name, whole), built)
