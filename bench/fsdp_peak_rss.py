@@ -16,6 +16,12 @@ UNet2DConditionModel folder of C and 2C channels (``tests/integration/test_fsdp_
 ``start_up_peaks``: 39.0M parameters at 192), in full and with LoRA (rank 4), read from the files one
 tensor at a time and, before, loaded whole and then sharded.
 
+``--init-from-sharded``: the start-up (build + shard) of a run whose ``model.init_from`` is a sharded
+checkpoint's folder (``step_N.dcp``, written by the same 2 ranks first: weights, EMA, AdamW's moments and a
+post-hoc EMA), each rank reading its part of the EMA weights into its shards (``sharded_checkpoint.load_part``),
+and, before, the checkpoint read consolidated (whole, every tensor of it) while the shards were filled
+(``interop._sharded_checkpoint_source`` forced to find none).
+
 Each rank resets its peak (``/proc/self/clear_refs``) after joining the group with difftrain's
 training modules imported, then runs ``training.loop.train``; the figure is its peak RSS above that
 start, in MiB (the start itself is printed too). "estimate" is ``tools/parallel_memory.counted_memory``
@@ -89,6 +95,35 @@ def phases(ctx, run_dir: str, cfg_overrides: list[str], old: bool) -> dict:
                                  for k, v in _start_and_resume(ctx, run_dir, cfg_overrides).items()}}
 
 
+def init_from_sharded(ctx, run_dir: str, cfg_overrides: list[str]) -> dict:
+    """This rank's peak RSS above its start while a run starts from a sharded checkpoint's folder
+    (``model.init_from``): each rank reading its part (``now``), then the consolidated read (``before``)."""
+    from difftrain import interop
+    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.training.state import RunState
+    from multiproc import reset_peak, status_bytes
+
+    cfg = load_config(None, cfg_overrides)
+    state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
+    state.parallelize(ctx)
+    c = cfg.checkpoint
+    folder = sharded.save_or_report(state, state.state_dict(), Path(run_dir) / "checkpoints", 1, c.keep_last,
+                                    c.keep_every_steps, "stop", ctx)
+    del state
+    cfg = load_config(None, [*cfg_overrides, f"model.init_from={folder}"])
+    out, deferred = {"rank": ctx.rank}, interop._sharded_checkpoint_source
+    for name in ("now", "before"):
+        if name == "before":
+            interop._sharded_checkpoint_source = lambda *args: (None, None)
+        start = reset_peak(give_back=True)
+        state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
+        state.parallelize(ctx)
+        out[name] = (status_bytes("VmHWM") - start) / MiB
+        del state
+    interop._sharded_checkpoint_source = deferred
+    return out
+
+
 def counted(base_channels: int, parallel: str, world: int) -> dict:
     from difftrain.tools.parallel_memory import counted_memory
     from difftrain.training.state import build_network
@@ -108,6 +143,8 @@ def main() -> None:
     parser.add_argument("--start-up-only", action="store_true", help="start-up and resume phases, now and before")
     parser.add_argument("--sd-unet-channels", type=int, default=0,
                         help="start-up from an SD-shaped UNet2DConditionModel folder of this width (full and LoRA)")
+    parser.add_argument("--init-from-sharded", action="store_true",
+                        help="start-up from a sharded checkpoint's folder (model.init_from), now and before")
     parser.add_argument("--gathered-evaluation", action="store_true",
                         help="evaluate on whole copies gathered onto every rank (as before lockstep evaluation)")
     parser.add_argument("--no-validation", action="store_true", help="FSDP runs without validation (no DDP run)")
@@ -130,6 +167,13 @@ def main() -> None:
     whole, fsdp2 = counted(args.base_channels, "ddp", 1), counted(args.base_channels, "fsdp", 2)
     print(f"{whole['params'] / 1e6:.1f}M parameters; counted training state: whole {whole['state_mib']:.0f} MiB, "
           f"FSDP x2 per rank {fsdp2['state_mib']:.0f} MiB (+ transient: {fsdp2['total_mib']:.0f})", flush=True)
+    if args.init_from_sharded:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = run_ranks(init_from_sharded, 2, tmp, overrides(args.base_channels, "fsdp", 3), timeout_s=3600)
+        print("model.init_from a sharded checkpoint, start-up peak above start (MiB)",
+              json.dumps([{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in result]),
+              flush=True)
+        return
     if args.start_up_only:
         for old in (False, True):
             with tempfile.TemporaryDirectory() as tmp:

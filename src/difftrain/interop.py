@@ -259,11 +259,6 @@ def _unet_folder(path: Path) -> Path:
                      "nor unet/config.json)")
 
 
-# Attention names of folders saved by diffusers before 0.15 (google/ddpm-cifar10-32's .bin),
-# renamed on load as diffusers itself does.
-_DEPRECATED_ATTENTION = {".query.": ".to_q.", ".key.": ".to_k.", ".value.": ".to_v.", ".proj_attn.": ".to_out.0."}
-
-
 def _read_diffusers_weights(folder: Path) -> dict[str, Tensor]:
     """The state dict of a diffusers model folder (safetensors preferred, else the .bin)."""
     st, binary = folder / "diffusion_pytorch_model.safetensors", folder / "diffusion_pytorch_model.bin"
@@ -275,7 +270,8 @@ def _read_diffusers_weights(folder: Path) -> dict[str, Tensor]:
         tensors = torch.load(binary, map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"model.init_from {folder}: no diffusion_pytorch_model.safetensors or .bin in it")
-    return {_renamed_attention(name): t for name, t in tensors.items()}
+    renamed = _loaded_names(folder, set(tensors))
+    return {renamed.get(name, name): t for name, t in tensors.items()}
 
 
 def _normal(value):
@@ -296,11 +292,19 @@ def _check_unet_config(model: nn.Module, folder: Path) -> None:
                              f"{theirs_cfg[key]!r}, this model {_normal(ours_cfg[key])!r}")
 
 
-def _renamed_attention(name: str) -> str:
-    """A weight name of a folder saved before diffusers 0.15, under today's attention names."""
-    for old, new in _DEPRECATED_ATTENTION.items():
-        name = name.replace(old, new)
-    return name
+def _loaded_names(folder: Path, names: set[str]) -> dict[str, str]:
+    """Old -> new of the weight ``names`` of the UNet2DModel ``folder`` that diffusers renames on load
+    (attention blocks saved before diffusers 0.15, google/ddpm-cifar10-32's ``.bin``: ``query`` -> ``to_q``...):
+    diffusers' own renaming run on the names (``families.base.loaded_names``) of the folder's UNet2DModel
+    built on the meta device, nothing initialised."""
+    from diffusers import UNet2DModel
+
+    from difftrain.families.base import loaded_names
+    from difftrain.runtime import meta_init
+
+    with meta_init.empty_build() if meta_init.available() else torch.device("meta"):
+        unet = UNet2DModel.from_config(json.loads((folder / "config.json").read_text()))
+    return loaded_names(unet, names)
 
 
 def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Tensor]:
@@ -418,9 +422,10 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     record in ``deferred`` (a ``runtime.tensor_source.DeferredWeights``) where each weight lies in the
     source's files, checked as :func:`load_init_weights` checks them (names, shapes, config), to be read one
     tensor at a time: safetensors, a ``.bin`` folder's or a checkpoint file's EMA weights (mapped by
-    ``torch.load(weights_only=True, mmap=True)``). False, with nothing recorded, for a source that cannot
-    be read so (a sharded checkpoint's folder, a ``.bin`` in torch's legacy format, a file that is no
-    difftrain checkpoint): :func:`load_init_weights` reads it whole, or says what is wrong with it."""
+    ``torch.load(weights_only=True, mmap=True)``); a sharded checkpoint's EMA weights, which a sharded network
+    reads each rank its own part of once its shards exist (:func:`_sharded_checkpoint_source`). False, with nothing recorded, for a
+    source that cannot be read so (a ``.bin`` in torch's legacy format, a file that is no difftrain
+    checkpoint): :func:`load_init_weights` reads it whole, or says what is wrong with it."""
     from difftrain.families import Denoiser, detect
     from difftrain.families.sd import is_condition_unet_folder
     from difftrain.runtime.tensor_source import TensorSource
@@ -428,7 +433,7 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     path = Path(source).expanduser()
     if not path.exists():
         raise ValueError(f"model.init_from {path} does not exist")
-    built = frozenset()
+    built, load = frozenset(), None
     if isinstance(model, Denoiser):
         try:
             empty = detect(path).empty_denoiser(path)
@@ -447,9 +452,11 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
         _check_unet_config(model, folder)
         built = frozenset(k for k in model.state_dict() if k.startswith("logvar."))  # the loss weighting: kept as built
         ours = {diffusers_name(k): k for k in model.state_dict() if k not in built}
-        found = TensorSource.of_folder(folder, rename=lambda k: ours.get(_renamed_attention(k), "unknown:" + k))
+        found = TensorSource.of_folder(folder)
         if found is None:
             return False
+        renamed = _loaded_names(folder, found.names())
+        found = found.renamed({k: ours.get(renamed.get(k, k), "unknown:" + k) for k in found.names()})
     elif is_weights_file(path):
         from safetensors import safe_open
 
@@ -460,12 +467,38 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     else:
         found = _checkpoint_source(path)
         if found is None:
-            return False
+            found, load = _sharded_checkpoint_source(path)
+            if found is None:
+                return False
     try:
         deferred.add(model, found, built)
     except ValueError as e:
         raise ValueError(f"model.init_from {path}: the weights do not match this model's architecture: {e}") from None
+    if load is not None:
+        deferred.add_loaded(model, load)
     return True
+
+
+def _sharded_checkpoint_source(path: Path):
+    """(a ``TensorSource`` of the EMA weights, what :func:`load_init_weights` takes, of the sharded checkpoint
+    folder ``path`` names (itself, or a run directory's newest), its loader) for a network built on the meta
+    device: the source's names and shapes from the checkpoint's metadata alone (its tensors read one whole
+    at a time, ``sharded_checkpoint.tensor_source``: a LoRA base's, a quantized base's), and the loader, which
+    fills a sharded network in place with each rank reading only its own part of each tensor, no tensor made
+    whole (``sharded_checkpoint.load_part``: ``torch.distributed.checkpoint.load``, the metadata read by
+    ``training/dcp_reader.py``). (None, None) for anything else (a file that is no difftrain checkpoint:
+    :func:`load_init_weights` refuses it)."""
+    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.training.checkpoint_store import find_checkpoint, is_sharded_checkpoint
+
+    try:
+        folder = find_checkpoint(path)
+    except (FileNotFoundError, OSError):
+        return None, None
+    if not is_sharded_checkpoint(folder):
+        return None, None
+    load_checkpoint(folder, tensors=False)  # its run state, checked as load_init_weights checks it
+    return sharded.tensor_source(folder, "ema"), lambda tensors, dctx: sharded.load_part(folder, "ema", tensors, dctx)
 
 
 def _checkpoint_source(path: Path):

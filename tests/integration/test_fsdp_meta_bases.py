@@ -1,8 +1,9 @@
 """FSDP's sharded start from a base's files on 2 gloo CPU processes: a base family's denoiser (SD's
 UNet2DConditionModel, SDXL's, SD3's and Flux's transformers; SD's from a ``.bin`` folder too), a LoRA network
-on it (its adapter started from ``model.init_lora_from`` too), and difftrain's UNet from a ``model.init_from``
-weights file or checkpoint (``.pt``), each built on the meta device, sharded, and filled one tensor at a
-time from the files (safetensors, or torch's zip files mapped by ``torch.load(mmap=True)``) -- the same
+on it (its adapter started from ``model.init_lora_from`` too; a base saved under names diffusers renames on
+load too), and difftrain's UNet from a ``model.init_from`` weights file or checkpoint (``.pt``), each built on
+the meta device, sharded, and filled one tensor at a time from the files (safetensors, or torch's zip files
+mapped by ``torch.load(mmap=True)``), or from a sharded checkpoint's folder each rank's part -- the same
 weights, adapter start, record and base digest as the whole build it replaces (``builds_sharded`` forced
 False), and a LoRA's resume reads its base so too."""
 
@@ -29,21 +30,25 @@ def _built(ctx, runs: list[list[str]]) -> list[dict]:
     """For each config of ``runs``, the state ``RunState.build`` makes on this rank sharded from the files,
     then whole and sharded after (``builds_sharded`` forced False): every weight gathered whole, the
     EMA's, the network's record, the names of what trains."""
+    import difftrain.training.checkpoint as checkpoint_module
     import difftrain.training.state as state_module
     from difftrain.training.state import RunState, network_record
 
-    out = []
+    out, consolidated = [], []
+    whole_read = checkpoint_module.load_consolidated
+    checkpoint_module.load_consolidated = lambda path: consolidated.append(path) or whole_read(path)
     for overrides in runs:
         both = {}
         for sharded in (True, False):
             if not sharded:
                 saved, state_module.builds_sharded = state_module.builds_sharded, lambda *args, **kwargs: False
             cfg = load_config(None, overrides)
+            consolidated.clear()
             state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
             built_sharded = state.template is not None
             state.parallelize(ctx)
             whole, ema = state.gathered_models()
-            both[sharded] = {"sharded": built_sharded, "weights": nn.Module.state_dict(whole),
+            both[sharded] = {"sharded": built_sharded, "consolidated": len(consolidated), "weights": nn.Module.state_dict(whole),
                              "ema": nn.Module.state_dict(ema), "record": network_record(state.model),
                              "trains": sorted(n for n, p in state.model.named_parameters() if p.requires_grad)}
             if not sharded:
@@ -89,6 +94,54 @@ def _bin_folder(sd: Path, out: Path) -> Path:
     return out
 
 
+# The attention names diffusers renames on load (blocks saved before diffusers 0.15), as such a file holds them.
+_LEGACY_ATTENTION = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+
+
+def write_legacy_unet_folder(path: Path) -> Path:
+    """A bare UNet2DConditionModel folder (SD's family) with plain attention blocks (``AttnDownBlock2D``,
+    ``AttnUpBlock2D``: diffusers' deprecated-attention blocks) whose weights file holds their old names
+    (``query``, ``key``, ``value``, ``proj_attn``), which ``from_pretrained`` renames as it loads."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file, save_file
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            norm_num_groups=32, attention_head_dim=8, down_block_types=("AttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "AttnUpBlock2D"), cross_attention_dim=32,
+        ).save_pretrained(path)
+    weights = path / "diffusion_pytorch_model.safetensors"
+    tensors, renamed = load_file(weights), {}
+    for name, t in tensors.items():
+        if name.startswith(("down_blocks.0.attentions.", "up_blocks.1.attentions.")):
+            for new, old in _LEGACY_ATTENTION.items():
+                name = name.replace(new, old)
+        renamed[name] = t
+    assert len({k for k in renamed if ".query." in k}) == 3 * 2  # three blocks' weight and bias
+    save_file(renamed, weights)
+    return path
+
+
+def _sharded_checkpoint(state: dict, root: Path) -> Path:
+    """The sharded checkpoint folder (``step_00000000.dcp``) an FSDP run would write of ``state`` (a run
+    state's ``state_dict``), written in this process (one shard file) by the FSDP save path."""
+    import warnings
+
+    from difftrain.config import config_from_dict
+    from difftrain.runtime import distributed
+    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.training.state import RunState
+
+    cpu = torch.device("cpu")
+    run_state = RunState.build(config_from_dict(state["config"]), state["num_classes"], cpu, init_weights=False)
+    run_state.load_state_dict(state)
+    with warnings.catch_warnings():  # DCP without a process group: "assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        return sharded.save_or_report(run_state, run_state.state_dict(), root, 0, 3, 0, "stop", distributed.setup(cpu, 60))
+
+
 def _lora_files(sd: Path, root: Path) -> tuple[Path, Path]:
     """(difftrain's own export, another program's file: diffusers' layout without difftrain's record) of a
     rank-2, alpha-4 adapter on ``sd``, its B not zero."""
@@ -111,12 +164,14 @@ def _lora_files(sd: Path, root: Path) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> list[dict]:
-    """The fourteen builds, each both ways, on 2 ranks in one spawn (about 90 s on a busy 2-core machine):
+    """The eighteen builds, each both ways, on 2 ranks in one spawn (about 100 s on a busy 2-core machine):
     SD's UNet in full and with LoRA, Flux's transformer with LoRA, difftrain's UNet from a weights file
     in full and as a LoRA base (with its convolutions), SDXL's UNet and SD3's transformer in full and
     with LoRA; SD's UNet from a ``.bin`` folder in full and with LoRA started from another program's LoRA
     file (its alpha folded), SD's LoRA started from difftrain's own export, difftrain's UNet from a
-    checkpoint file in full and as a LoRA base."""
+    checkpoint file in full and as a LoRA base; difftrain's UNet from a sharded checkpoint's folder (in full and
+    as a LoRA base); a UNet
+    whose weights file holds attention names diffusers renames on load, in full and as a LoRA base."""
     from difftrain.interop import save_weights_file
     from difftrain.training.checkpoint import save_checkpoint_file
     from difftrain.training.state import RunState
@@ -131,6 +186,7 @@ def built(tmp_path_factory) -> list[dict]:
     weights = save_weights_file(state, root / "base.safetensors")
     save_checkpoint_file({k: v for k, v in state.items() if k != "path"}, root / "base.pt")
     sd_bin, (own, theirs) = _bin_folder(sd, root / "sd_bin"), _lora_files(sd, root)
+    dcp, legacy = _sharded_checkpoint(state, root / "checkpoints"), write_legacy_unet_folder(root / "legacy")
     runs = [[*BUILD, f"model.init_from={sd}"], [*BUILD, f"model.init_from={sd}", "lora.rank=2"],
             [*BUILD, f"model.init_from={flux}", "lora.rank=2"], [*BUILD, f"model.init_from={weights}"],
             [*BUILD, f"model.init_from={weights}", "lora.rank=2", "lora.include_conv=true"],
@@ -139,7 +195,9 @@ def built(tmp_path_factory) -> list[dict]:
             [*BUILD, f"model.init_from={sd_bin}"],
             [*BUILD, f"model.init_from={sd_bin}", "lora.rank=2", f"model.init_lora_from={theirs}"],
             [*BUILD, f"model.init_from={sd}", "lora.rank=2", "lora.alpha=4", f"model.init_lora_from={own}"],
-            [*BUILD, f"model.init_from={root / 'base.pt'}"], [*BUILD, f"model.init_from={root / 'base.pt'}", "lora.rank=2"]]
+            [*BUILD, f"model.init_from={root / 'base.pt'}"], [*BUILD, f"model.init_from={root / 'base.pt'}", "lora.rank=2"],
+            [*BUILD, f"model.init_from={dcp}"], [*BUILD, f"model.init_from={legacy}"],
+            [*BUILD, f"model.init_from={legacy}", "lora.rank=2"], [*BUILD, f"model.init_from={dcp}", "lora.rank=2"]]
     return run_ranks(_built, 2, runs, timeout_s=1500)[0]
 
 
@@ -239,3 +297,27 @@ def test_a_ranks_start_up_from_a_base_holds_no_whole_copy(tmp_path, monkeypatch)
         weights = 4 * full["params"]
         assert full["sharded"] < 3 * weights < full["whole"], (full, lora, weights)  # 3: weights, EMA, post-hoc EMA
         assert lora["sharded"] < weights < lora["whole"], (full, lora, weights)
+
+
+def test_difftrains_unet_from_a_sharded_checkpoint_reads_each_ranks_part_into_its_shards(built):
+    """``model.init_from`` a sharded checkpoint's folder (``step_N.dcp``, the same EMA weights as the checkpoint
+    file of the runs above): the whole build, bit for bit, with each rank's part read by
+    ``torch.distributed.checkpoint.load`` straight into its shards -- never read consolidated
+    (``load_consolidated``), as the whole build reads it; and as a LoRA base."""
+    (full, lora) = _same_as_whole([built[14], built[17]])
+    assert full["record"] == {"kind": "unet"} and full["consolidated"] == 0 and built[14][False]["consolidated"] == 1
+    from_file = built[12][True]["weights"]  # the checkpoint file holding the same EMA weights
+    assert all(torch.equal(full["weights"][k], from_file[k]) for k in from_file)
+    # As a LoRA base (its digest and its shards: one whole tensor at a time, each read alone by dcp.load),
+    # never read consolidated either: the base of the checkpoint file's LoRA, digest for digest.
+    assert lora["consolidated"] == 0 and lora["record"]["base_digest"] == built[13][True]["record"]["base_digest"]
+
+
+def test_a_base_saved_under_names_diffusers_renames_is_read_sharded_under_the_new_names(built):
+    """A UNet2DConditionModel whose file holds the pre-0.15 attention names (``query``, ``proj_attn``...),
+    in full and as a LoRA base: built sharded (not whole with a warning), each weight read under the name
+    ``from_pretrained`` gives it (diffusers' own renaming, run on the names): the whole build, bit for bit,
+    the LoRA base's digest included."""
+    full, lora = _same_as_whole(built[15:17])
+    assert full["record"]["kind"] == "family" and any(".to_q." in k and "attentions" in k for k in full["weights"])
+    assert lora["record"]["kind"] == "lora" and len(lora["record"]["base_digest"]) == 64

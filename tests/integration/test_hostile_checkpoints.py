@@ -125,6 +125,42 @@ def test_a_crafted_dcp_metadata_runs_no_code(crafted_run, command, tmp_path, cap
     assert not marker.exists()
 
 
+def test_a_sharded_checkpoint_to_start_an_fsdp_run_from_is_checked_from_its_metadata_alone(sharded_run, crafted_run):
+    """FSDP's sharded start from a sharded checkpoint's folder (``model.init_from``; the network on the meta
+    device, ``interop.defer_init_weights``): checked against the model from its metadata alone, through the
+    same allow-list reader (a crafted ``.metadata`` refused, nothing run), a model of another width refused in
+    one line naming the first mismatched key, and a matching one recorded to be loaded into its shards by each
+    rank (tests/integration/test_fsdp_meta_bases.py loads it on 2 ranks), no tensor read yet; read one whole
+    tensor at a time too, the checkpoint's EMA weights."""
+    from difftrain.conditioning import Conditioning
+    from difftrain.interop import defer_init_weights
+    from difftrain.runtime import meta_init
+    from difftrain.runtime.tensor_source import DeferredWeights
+    from difftrain.training.state import build_network
+
+    saved = ckpt.load_checkpoint(sharded_run, tensors=False)
+
+    def meta_model(*overrides):
+        cfg = load_config(None, [*RUN, *overrides])
+        with meta_init.empty_build():
+            return build_network(cfg, Conditioning.from_config(cfg, saved["num_classes"], torch.device("cpu")))
+
+    model, deferred = meta_model(), DeferredWeights()
+    assert defer_init_weights(model, sharded_run, deferred)  # the run directory: its newest, the sharded folder
+    assert all(p.is_meta for p in model.parameters())  # nothing read yet
+    assert deferred.loaded(model) == set(model.state_dict())  # a sharded network: each rank its part, in place
+    # What needs whole tensors (a LoRA base, a quantized one) reads them one at a time, through the same reader.
+    readers, ema = deferred.bind(model), ckpt.load_checkpoint(sharded_run)["ema"]["model"]
+    assert readers.keys() == ema.keys() and all(torch.equal(readers[k](), ema[k]) for k in list(ema)[:5])
+    with pytest.raises(ValueError, match=r"^model\.init_from .*: the weights do not match this model's architecture: "
+                                         r"first mismatched key '\S+' \(shape"):
+        defer_init_weights(meta_model("model.base_channels=16"), sharded_run, DeferredWeights())
+    run, marker = crafted_run
+    with pytest.raises(ckpt.CheckpointError, match="never holds"):
+        defer_init_weights(meta_model(), run / "checkpoints" / DCP, DeferredWeights())
+    assert not marker.exists()
+
+
 def _rewrite_metadata(folder: Path, change) -> None:
     """Unpickle the (test's own, trusted) metadata, ``change(metadata)``, write it back."""
     path = folder / ".metadata"

@@ -141,6 +141,53 @@ def test_the_base_quantized_as_it_loads_is_the_base_quantized_after_a_whole_load
     assert all(torch.equal(new[2][k], v) for k, v in built()[2].items())
 
 
+@pytest.mark.parametrize("source", ["weights", "diffusers", "sharded"])
+def test_difftrains_unet_as_a_quantized_base_is_quantized_as_it_loads_as_after_a_whole_load(tmp_path, tiny_overrides,
+                                                                                             monkeypatch, source):
+    """difftrain's own UNet as the LoRA base (``model.init_from`` a weights file; a diffusers folder, read
+    under difftrain's names; a sharded checkpoint's folder), int8: built
+    on the meta device with its initialisation recorded and each Linear quantized as its weight is read,
+    against the float base built and loaded whole and quantized after (``_quantized_base`` off): every frozen
+    tensor, the adapter's start (the replay draws the whole build's random numbers) and the record (the float
+    base's digest) the same, bit for bit, a resume's rebuild included."""
+    import difftrain.training.state as state_module
+    from difftrain.interop import export_diffusers, save_weights_file
+    from difftrain.training.state import RunState, network_record
+
+    base_cfg = load_config(None, [*tiny_overrides, "train.device=cpu"])
+    state = {**RunState.build(base_cfg, 0, torch.device("cpu")).state_dict(), "path": "base"}
+    for v in state["ema"]["model"].values():  # weights of their own, not the seed's
+        v.add_(0.01 * torch.randn_like(v))
+    if source == "sharded":  # a sharded checkpoint's folder: its tensors read one at a time through dcp.load
+        from tests.integration.test_fsdp_meta_bases import _sharded_checkpoint
+
+        init_from = _sharded_checkpoint(state, tmp_path / "checkpoints")
+    else:
+        init_from = (save_weights_file(state, tmp_path / "base.safetensors") if source == "weights"
+                     else export_diffusers(state, tmp_path / "base"))
+    cfg = load_config(None, [*tiny_overrides, "train.device=cpu", f"model.init_from={init_from}", "lora.rank=2",
+                             "model.quantize_base=int8"])
+    conditioning = Conditioning.from_config(cfg, 0)
+
+    def built(network=None):
+        torch.manual_seed(0)
+        net = build_network(cfg, conditioning, network)
+        return net, _frozen(net), net.state_dict(), network_record(net), torch.random.get_rng_state()
+
+    new = built()
+    assert state_module._quantized_base(cfg, conditioning, None) is not None  # the path under test, not the fallback
+    resumed = built(new[3])
+    monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
+    for ours, theirs in ((new, built()), (resumed, built(new[3]))):
+        assert quantized_layers(ours[0]) == quantized_layers(theirs[0]) != {}
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
+        assert ours[3] == theirs[3] and len(ours[3]["base_digest"]) == 64
+        assert not any(p.is_meta for p in ours[0].parameters())
+        assert torch.equal(ours[4], theirs[4])  # the generator where the whole build leaves it
+    whole = built()[2]
+    assert new[2].keys() == whole.keys() and all(torch.equal(new[2][k], v) for k, v in whole.items())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_checkpoint_holds_the_adapter_alone_and_resume_is_exact(runs, tmp_path, tiny_overrides, kind):
     state = ckpt.load_checkpoint(runs / kind)

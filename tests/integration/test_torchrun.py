@@ -385,3 +385,42 @@ def test_a_rank_stopped_during_start_up_ends_the_other_with_the_same_one_line_an
     assert len(lines) == 1 and "Traceback" not in err0 and "internal error" not in err0, err0
     assert lines[0].startswith("difftrain train: error: rank 0 of 2, during start-up: a collective"), lines[0]
     assert "no checkpoint is on disk" in lines[0], lines[0]
+
+
+@pytest.mark.slow  # about 90 s on a busy 2-core machine: two torchrun runs of 2 processes, one restarted
+def test_an_fsdp_run_started_from_a_base_through_the_meta_path_survives_a_killed_rank_and_resumes_exactly(tmp_path):
+    """``train.parallel='fsdp'`` full fine-tuning of the tiny Stable Diffusion UNet from its base folder, its
+    shards filled from the base's files on the meta device (no whole build: no warning saying so); rank 1
+    SIGKILLed mid-run, torchrun restarts the group (``--max-restarts 1``), which resumes from its newest
+    sharded checkpoint, each rank reading its part: the uninterrupted run's weights and EMA, digest for digest."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from tests.integration.test_lora import _sd_overrides
+
+    launch = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    overrides = _sd_overrides(tmp_path, list(ELASTIC), "lora.rank=0", "train.parallel=fsdp", "train.channels_last=off",
+                              "train.batch_size=2", "train.total_steps=8", "train.collective_timeout_s=60")
+    straight = tmp_path / "straight"
+    agent = _torchrun(straight, overrides, *launch)
+    log = _wait(agent, straight)
+    assert agent.returncode == 0, log
+    assert "building the network whole" not in log, log  # started through the meta path
+    run = tmp_path / "run"
+    agent = _torchrun(run, overrides, *launch)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
+        assert agent.poll() is None and time.monotonic() < deadline, Path(f"{run}.log").read_text()
+        time.sleep(0.02)
+    os.kill(_rank_pid(agent, 1), signal.SIGKILL)  # mid-run, without warning
+    log = _wait(agent, run)
+    assert agent.returncode == 0, log  # one command: torchrun restarted the group, which finished
+    assert "building the network whole" not in log, log
+
+    starts = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert [s["elastic_restart"] for s in starts] == [0, 1], starts
+    assert 2 <= starts[1]["resumed_at_step"] < 8, starts  # resumed from a sharded checkpoint of the faulty run
+    a, b = ckpt.load_checkpoint(straight), ckpt.load_checkpoint(run)
+    assert a["path"].endswith("step_00000008.dcp") and b["path"].endswith("step_00000008.dcp")
+    assert a["network"]["kind"] == "family"
+    assert ckpt.state_dict_sha256(a["model"]) == ckpt.state_dict_sha256(b["model"])
+    assert ckpt.state_dict_sha256(a["ema"]["model"]) == ckpt.state_dict_sha256(b["ema"]["model"])

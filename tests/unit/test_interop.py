@@ -105,6 +105,42 @@ def test_init_from_a_diffusers_folder_starts_from_its_weights(tmp_path):
     assert state_dict_sha256(fresh.model.state_dict()) != state_dict_sha256(state["ema"]["model"])
 
 
+def test_init_from_a_folder_saved_under_the_attention_names_diffusers_renames_reads_them_renamed(tmp_path):
+    """A UNet2DModel folder whose weights hold the attention names of diffusers before 0.15 (``query``,
+    ``key``, ``value``, ``proj_attn``, as google/ddpm-cifar10-32's ``.bin``): loaded whole, and recorded for a
+    meta-built network (FSDP's sharded start) and read one tensor at a time, each under the name diffusers'
+    own renaming gives it (run on the names): the folder's weights either way."""
+    pytest.importorskip("diffusers")
+    from safetensors.torch import load_file, save_file
+
+    from difftrain.api import export
+    from difftrain.conditioning import Conditioning
+    from difftrain.interop import defer_init_weights
+    from difftrain.runtime import meta_init
+    from difftrain.runtime.tensor_source import DeferredWeights
+    from difftrain.training.state import build_network
+
+    state = make_checkpoint(tmp_path)
+    weights = export(tmp_path, tmp_path / "pipe") / "unet" / "diffusion_pytorch_model.safetensors"
+    old = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+    tensors = {}
+    for name, t in load_file(weights).items():
+        for new, was in old.items():
+            name = name.replace(new, was)
+        tensors[name] = t
+    assert any(".proj_attn." in k for k in tensors)
+    save_file(tensors, weights)
+    cfg = load_config(None, SMALL + [f"model.init_from={weights.parent}"])
+    built = RunState.build(cfg, 0, torch.device("cpu"))
+    assert state_dict_sha256(built.model.state_dict()) == state_dict_sha256(state["ema"]["model"])
+    with meta_init.empty_build():
+        model = build_network(cfg, Conditioning(0, channels=3, resolution=16), init_weights=False)
+    deferred = DeferredWeights()
+    assert defer_init_weights(model, weights.parent, deferred)
+    read = {name: reader() for name, reader in deferred.bind(model).items()}
+    assert state_dict_sha256(read) == state_dict_sha256(state["ema"]["model"])
+
+
 def test_init_from_a_different_architecture_names_the_folder_and_key(tmp_path):
     pytest.importorskip("diffusers")
     from difftrain.api import export

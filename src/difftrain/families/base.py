@@ -195,6 +195,19 @@ def drop_rows(cond: Condition, null: Condition, drop: Tensor) -> Condition:
 # The family.
 
 
+def loaded_names(model: nn.Module, names: set[str]) -> dict[str, str]:
+    """The name each of ``names`` (a diffusers model's weights file) is loaded under by ``from_pretrained``:
+    diffusers' own renaming (``ModelMixin._fix_state_dict_keys_on_load``, which it applies to a model's
+    weights when they are one file, not an index of shards) run on the names alone: given a dict of
+    name -> name, it moves each entry it renames, so the dict it leaves maps new name -> old."""
+    fix = getattr(model, "_fix_state_dict_keys_on_load", None)
+    if fix is None:  # a diffusers version without it renames nothing
+        return {}
+    table = {name: name for name in names}
+    fix(table)
+    return {old: new for new, old in table.items() if old != new}
+
+
 class Family(ABC):
     """One base family, registered by name (``families.register``) and detected from a folder.
 
@@ -257,9 +270,11 @@ class Family(ABC):
         the architecture of the folder's config, built as ``from_pretrained`` builds it before loading (nothing
         initialised, no random number drawn: ``meta_init.empty_build``), and where each weight lies in its
         files (safetensors, or a ``.bin`` mapped by ``torch.load(mmap=True)``), read later one tensor at a time
-        (FSDP fills its shards from them, a quantized base its layers). None when the folder has neither (a
-        ``.bin`` in torch's legacy format) or their names are not the denoiser's (a layout diffusers renames
-        on load): :meth:`load_denoiser` then reads it whole."""
+        (FSDP fills its shards from them, a quantized base its layers). Weights saved under names diffusers
+        renames on load (attention blocks saved before diffusers 0.15: ``query`` / ``key`` / ``value`` /
+        ``proj_attn``) are found under the names ``from_pretrained`` gives them (:func:`loaded_names`). None
+        when the folder has neither (a ``.bin`` in torch's legacy format) or their names are still not the
+        denoiser's: :meth:`load_denoiser` then reads it whole (or says what is wrong)."""
         from difftrain.runtime import meta_init
         from difftrain.runtime.tensor_source import TensorSource
 
@@ -270,6 +285,8 @@ class Family(ABC):
         with meta_init.empty_build():
             denoiser = self.denoiser_from_record({"config": read_json(sub / "config.json", f"base {folder}")})
         denoiser.model.register_to_config(_name_or_path=str(sub))  # as from_pretrained records it
+        if set(denoiser.state_dict()) != source.names() and not source.from_index:
+            source = source.renamed(loaded_names(denoiser.model, source.names()))
         if set(denoiser.state_dict()) != source.names():
             return None
         return denoiser, source

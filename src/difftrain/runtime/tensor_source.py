@@ -7,6 +7,7 @@ device is still to be filled from them.
     deferred = DeferredWeights()
     deferred.add(denoiser, source)                         # the denoiser's weights lie in source
     readers = deferred.bind(model)                         # model's parameter / buffer name -> reader
+    deferred.add_loaded(unet, load)                        # or: filled in place once sharded, each rank its part
 
 FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, and a quantized base
 (``models/quantize.py``) its layers, so no process holds a base's whole weights. A safetensors read
@@ -50,6 +51,7 @@ class TensorSource:
     def __init__(self, keys: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]],
                  get: Callable[[Path, str], Tensor] = _safetensors_tensor) -> None:
         self.keys, self.shapes, self._get = keys, shapes, get
+        self.from_index = False  # of_folder: the files an index (``*.index.json``) names, not one weights file
 
     @classmethod
     def of_files(cls, files: list[Path], rename: Callable[[str], str] = str) -> TensorSource:
@@ -117,13 +119,25 @@ class TensorSource:
                 files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
             else:
                 continue
-            if suffix == ".safetensors":
-                return of(files, rename=rename)
-            try:  # a .bin that cannot be mapped so: its loader reads it, or says what is wrong with it
-                return of(files, rename=rename) if all(zipfile.is_zipfile(f) for f in files) else None
+            try:
+                source = of(files, rename=rename) if suffix == ".safetensors" or all(
+                    zipfile.is_zipfile(f) for f in files) else None
             except ValueError:
-                return None
+                if suffix == ".safetensors":
+                    raise
+                return None  # a .bin that cannot be mapped so: its loader reads it, or says what is wrong with it
+            if source is not None:
+                source.from_index = not single.is_file()
+            return source
         return None
+
+    def renamed(self, names: dict[str, str]) -> TensorSource:
+        """This source with each name ``old`` of ``names`` (old -> new) read as ``new`` (the other names kept):
+        the same files and keys in them."""
+        source = TensorSource({names.get(n, n): where for n, where in self.keys.items()},
+                              {names.get(n, n): shape for n, shape in self.shapes.items()}, self._get)
+        source.from_index = self.from_index
+        return source
 
     def names(self) -> set[str]:
         return set(self.keys)
@@ -148,6 +162,7 @@ class DeferredWeights:
         self.parts: list[tuple[nn.Module, TensorSource]] = []
         self._where: dict[int, Callable[[], Tensor]] = {}  # id of a tensor -> its reader
         self._later: list[tuple[nn.Module, Callable[[], tuple[TensorSource, frozenset[str]]]]] = []
+        self._loaders: list[tuple[nn.Module, frozenset[str], Callable]] = []  # (module, its names, load): add_loaded
 
     def add_later(self, module: nn.Module, source: Callable[[], tuple[TensorSource, frozenset[str]]]) -> None:
         """:meth:`add` ``module`` with the (source, built) that ``source()`` gives, called by :meth:`bind`: for a
@@ -172,6 +187,29 @@ class DeferredWeights:
         for name, t in module.state_dict(keep_vars=True).items():  # now: a wrapper (peft) may rename them later
             if name in source.keys:
                 self._where[id(t)] = lambda source=source, name=name: source.read(name)
+
+    def add_loaded(self, module: nn.Module, load: Callable) -> None:
+        """``module`` (added with its source too) can be filled without making any tensor whole:
+        ``load(module.state_dict(), dctx)`` once the network is sharded (:meth:`load_sharded`), in place, each
+        rank reading its own part only (a sharded checkpoint: ``sharded_checkpoint.load_part``) -- as long as
+        its state-dict names are still those it has now (a wrapper that renames them, peft's, leaves it to its
+        source, read one tensor at a time)."""
+        self._loaders.append((module, frozenset(module.state_dict()), load))
+
+    def _active_loaders(self) -> list[tuple[nn.Module, Callable]]:
+        return [(m, load) for m, names, load in self._loaders if set(m.state_dict()) == names]
+
+    def loaded(self, model: nn.Module) -> set[str]:
+        """``model``'s parameter and buffer names (as :meth:`bind` names them) that :meth:`load_sharded` fills."""
+        ids = {id(t) for m, _ in self._active_loaders() for t in m.state_dict(keep_vars=True).values()}
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        return {name for name, t in named if id(t) in ids}
+
+    def load_sharded(self, dctx) -> None:
+        """Every rank (a collective): run each loader of :meth:`add_loaded` whose module keeps its names on
+        its module's state dict, the module sharded by now (``runtime/fsdp.py``; ``dctx``: its ranks)."""
+        for module, load in self._active_loaders():
+            load(module.state_dict(), dctx)
 
     def covers(self, module: nn.Module) -> bool:
         return any(m is module for m, _ in self.parts)

@@ -24,6 +24,9 @@ Reading back, through torch's public ``torch.distributed.checkpoint.load`` and
 * :func:`load_shards`: an FSDP run on any world size fills its own sharded state dicts (weights,
   EMA, post-hoc EMAs, optimizer state) in place, every rank reading only its part of each tensor
   (``RunState.load_shards``); :func:`read_run_state` is the rest, read first to check the resume.
+* :func:`load_part`: the same for one part (``"ema"``), into a sharded model: an FSDP run whose
+  ``model.init_from`` is a sharded checkpoint (``interop.defer_init_weights``); :func:`tensor_source`,
+  the same part read one whole tensor at a time, for what needs whole tensors (a LoRA base, a quantized one).
 * :func:`load_consolidated`: one process (no process group needed) reads the whole checkpoint as
   whole tensors, in the keys of a single-file checkpoint plus ``layout = "sharded"`` (the optimizer's
   state keyed by parameter name): ``export``, ``sample``, ``evaluate``, a resume in one process or
@@ -51,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.files import atomic_write, fsync_dir
+from difftrain.runtime.tensor_source import TensorSource
 from difftrain.training import checkpoint_store as store
 from difftrain.training.checkpoint_store import RUN_STATE, CheckpointError, is_sharded_checkpoint, sharded_name  # noqa: F401
 from difftrain.training.dcp_reader import SafeReader
@@ -109,8 +113,9 @@ def _check_finite(tensors: dict, dctx: DistContext) -> None:
 
 
 def _first_non_finite(tensors: dict) -> str | None:
-    """'model weight NAME is not finite' for this rank's first non-finite model or EMA shard; None if none."""
-    local = {k: {n: _local(t) for n, t in tensors[k].items()} for k in ("model", "ema")}
+    """'model weight NAME is not finite' for this rank's first non-finite model or EMA shard (of those
+    ``tensors`` holds); None if none."""
+    local = {k: {n: _local(t) for n, t in tensors.get(k, {}).items()} for k in ("model", "ema")}
     try:
         store.check_finite({"model": local["model"], "ema": {"model": local["ema"]}})
     except store.NonFiniteWeights as e:
@@ -180,6 +185,49 @@ def load_shards(path: Path, tensors: dict, dctx: DistContext) -> None:
     the shards of ``path``, written on any world size; each rank reads only its part of each tensor
     (``torch.distributed.checkpoint.load`` through ``SafeReader``). A missing, unexpected or wrongly
     shaped tensor, an unreadable shard or a non-finite weight is one :class:`CheckpointError`."""
+    _load(path, tensors, dctx)
+
+
+def tensor_source(path: Path, key: str) -> TensorSource:
+    """The tensors stored under ``key`` (``"ema"``: the EMA weights, what ``model.init_from`` takes of a
+    checkpoint) in the sharded checkpoint ``path`` as a ``runtime.tensor_source.TensorSource``: names and
+    shapes from its checked metadata (nothing else read yet), each read one whole tensor, alone, through
+    ``torch.distributed.checkpoint.load`` in this process (``no_dist``), for what needs whole tensors in turn
+    (a LoRA base's digest and its shards, a base quantized as it loads). :class:`CheckpointError` naming the
+    file when the metadata is refused or a shard cannot be read."""
+    reader = SafeReader(path)  # refuses a crafted or damaged .metadata before anything is read
+    metadata = reader.read_metadata()
+    paths = metadata.planner_data or {}
+    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        keys = tuple(str(p) for p in paths.get(fqn, (fqn,)))
+        if isinstance(item, md.TensorStorageMetadata) and len(keys) == 2 and keys[0] == key:
+            specs[keys[1]] = (item.size, item.properties.dtype)
+
+    def read(_folder: Path, name: str) -> torch.Tensor:
+        t = torch.empty(specs[name][0], dtype=specs[name][1])
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({key: {name: t}}, storage_reader=reader, no_dist=True)
+        except CheckpointException as e:  # a BaseException: a shard file DCP could not read
+            raise CheckpointError(f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
+        return t
+
+    return TensorSource({name: (path, name) for name in specs}, {name: tuple(size) for name, (size, _) in specs.items()},
+                        read)
+
+
+def load_part(path: Path, key: str, tensors: dict, dctx: DistContext) -> None:
+    """Every rank: fill ``tensors`` (the state dict of a sharded model, its DTensors) in place with the
+    tensors stored under ``key`` of the sharded checkpoint ``path`` (``"ema"``: ``model.init_from`` of a
+    sharded checkpoint), each rank reading only its part of each (``torch.distributed.checkpoint.load``
+    through ``SafeReader``); the checkpoint's other tensors are not read. Failures as :func:`load_shards`."""
+    _load(path, {key: tensors}, dctx)
+
+
+def _load(path: Path, tensors: dict, dctx: DistContext) -> None:
+    """``dcp.load`` of ``tensors`` from ``path`` on every rank, failures one :class:`CheckpointError`."""
     try:
         dcp.load(tensors, storage_reader=SafeReader(path))
     except CheckpointException as e:  # a BaseException: a shard file DCP could not read, a key it lacks

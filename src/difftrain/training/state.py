@@ -115,7 +115,8 @@ class RunState:
         copied there (no storage), the network sharded and given storage for its shards, then each
         parameter made whole once, alone, on the CPU and its shard kept: read from the safetensors files
         of ``model.init_from`` (a base family's denoiser, a LoRA's base, difftrain's UNet from a diffusers
-        folder or weights file: ``runtime/tensor_source.py``), or else the recorded initialisation
+        folder or weights file: ``runtime/tensor_source.py``; from a sharded checkpoint's folder no tensor is
+        made whole: each rank reads its part of the EMA weights, ``sharded_checkpoint.load_part``), or else the recorded initialisation
         replayed with the run's seed (the values of an ordinary build, bit for bit: a LoRA adapter's
         start included; a ``model.init_from`` checkpoint's weights are what it copies in). The averages
         start as copies of the shards. A resume (``init_weights`` False) leaves the values the checkpoint
@@ -126,8 +127,9 @@ class RunState:
         with meta_init.recorded_build() as recording:
             model = build_network(cfg, conditioning, network, init_weights, deferred=deferred)
         recording.bind(model)
-        from_files = deferred.bind(model)
-        replayed = {name for name, _ in model.named_parameters()} - set(from_files)
+        loaded = deferred.loaded(model)  # a sharded checkpoint's weights: each rank reads its own part, once sharded
+        from_files = {name: read for name, read in deferred.bind(model).items() if name not in loaded}
+        replayed = {name for name, _ in model.named_parameters()} - set(from_files) - loaded
         if init_weights:
             meta_init.check(recording, replayed)  # before anything is sharded, so that build() can still build it whole
         prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
@@ -138,6 +140,7 @@ class RunState:
         fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
         for name, read in from_files.items():  # the base's weights, one whole tensor at a time
             fsdp.fill_shard(model, name, read())
+        deferred.load_sharded(dctx)
         if init_weights:
             meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole), replayed)
         for average in (ema.model, *posthoc.models):  # each rank averages its own shard
@@ -391,10 +394,10 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     weights of ``model.init_from`` are not read: where each lies in its files (safetensors, a ``.bin`` folder
     or a checkpoint file, mapped) is recorded in ``deferred`` (a family's base: ``Family.empty_denoiser``;
     ``interop.defer_init_weights``), as are the tensors of ``model.init_lora_from``, and the caller fills the
-    shards from them one tensor at a time (a LoRA base's digest is read so too). A source that cannot be
-    read so (a sharded checkpoint's folder, a legacy ``.bin``, a layout diffusers renames on load) is loaded
-    as without ``deferred``; a LoRA base of one raises ``meta_init.NotReplayable`` (the caller builds the
-    network whole).
+    shards from them one tensor at a time (a LoRA base's digest is read so too); a sharded checkpoint's folder
+    (difftrain's UNet) is recorded to be read by each rank into its own shards (a LoRA base of one: one tensor
+    at a time). A source that cannot be read so (a legacy ``.bin``) is loaded as without ``deferred``; a LoRA
+    base of one raises ``meta_init.NotReplayable`` (the caller builds the network whole).
 
     ``model.quantize_base`` (no ``deferred``): a family base is quantized as it loads (:func:`_quantized_base`).
     """
@@ -481,9 +484,11 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     denoiser built on the meta device, its digest read from its files one tensor at a time, then filled from
     them layer by layer, each Linear quantized as soon as its weight is read (``quantize.quantize_while_loading``):
     the peak is the quantized base and one float layer, where loading first held the whole float base. The
-    same layers and digest as quantizing after a whole load. None (built whole, quantized after) for
-    quantize_base "off", difftrain's UNet (it builds some weights itself) and a base whose weights are not
-    all in files it can map (``Family.empty_denoiser``)."""
+    same layers and digest as quantizing after a whole load. difftrain's UNet (from a weights file, a
+    checkpoint file, a sharded checkpoint's folder or a diffusers folder) is built so too, with its initialisation recorded and replayed on
+    scratch tensors one at a time, so that the adapter then draws the whole build's random numbers (and what
+    the files do not hold is made as the whole build makes it: :func:`_replayed_unet`). None (built whole, quantized after) for quantize_base "off" and a base whose
+    weights are not all in files it can map (``Family.empty_denoiser``)."""
     from difftrain.families import family_of_config, family_of_record
     from difftrain.interop import defer_init_weights
     from difftrain.models.quantize import quantize_while_loading
@@ -491,22 +496,54 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     if cfg.model.quantize_base == "off" or not cfg.model.init_from or not meta_init.available():
         return None
     record = saved_lora["base"] if saved_lora is not None else None
-    if (family_of_record(record) if record is not None else family_of_config(cfg)) is None:
-        return None
     files = DeferredWeights()
-    with meta_init.empty_build():
-        try:
-            base = build_network(_without_lora(cfg), conditioning, record, deferred=files)
-        except meta_init.NotReplayable:  # no files to read it from
+    if (family_of_record(record) if record is not None else family_of_config(cfg)) is None:
+        base = _replayed_unet(cfg, conditioning, record, files)
+        if base is None:
             return None
-    if record is not None and not defer_init_weights(base, cfg.model.init_from, files):
-        return None
+    else:
+        with meta_init.empty_build():
+            try:
+                base = build_network(_without_lora(cfg), conditioning, record, deferred=files)
+            except meta_init.NotReplayable:  # no files to read it from
+                return None
+        if record is not None and not defer_init_weights(base, cfg.model.init_from, files):
+            return None
     readers = files.bind(base)
     if any(p.is_meta for name, p in base.named_parameters() if name not in readers):
         return None
     digest = _deferred_digest(base, files)
     quantize_while_loading(base, cfg.model.quantize_base, readers)
     return base, digest
+
+
+def _replayed_unet(cfg: Config, conditioning: Conditioning, record: dict | None,
+                   files: DeferredWeights) -> nn.Module | None:
+    """difftrain's UNet, the LoRA base of ``cfg``, built on the meta device with its initialisation recorded
+    and where its weights lie in ``model.init_from``'s files recorded in ``files``; each parameter the files do
+    not hold made whole from the replayed initialisation, every other recorded call replayed on scratch, so
+    that the global CPU generator ends where the whole build leaves it. None, the generator where it was,
+    when the files do not hold it one tensor at a time or the build cannot be replayed."""
+    with meta_init.recorded_build() as recording:
+        base = build_network(_without_lora(cfg), conditioning, record, deferred=files)
+    recording.bind(base)
+    readers = files.bind(base)
+    try:
+        if not files.covers(base):
+            raise meta_init.NotReplayable("its weights are not all in files read one tensor at a time")
+        built = {name for name, _ in base.named_parameters()} - set(readers)
+        meta_init.replay(recording, lambda name, whole: _set_parameter(base, name, whole), built)
+    except meta_init.NotReplayable:
+        torch.random.set_rng_state(recording.rng)  # the whole build starts where this one did
+        return None
+    return base
+
+
+def _set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """The parameter ``name`` of ``module`` (on the meta device) replaced by ``value``."""
+    owner, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(owner)
+    setattr(parent, leaf, nn.Parameter(value, requires_grad=getattr(parent, leaf).requires_grad))
 
 
 def _deferred_digest(base: nn.Module, deferred: DeferredWeights | None) -> str | None:
