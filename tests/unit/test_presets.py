@@ -60,6 +60,21 @@ def test_the_quickstart_keeps_the_checkpoint_its_samples_are_guided_by():
     assert step % ck.every_steps == 0 and ck.keep_every_steps and step % ck.keep_every_steps == 0
 
 
+def test_the_quickstart_is_the_recipe_measured_on_shapes():
+    """configs/tiny.toml and scripts/quickstart.sh are the row of docs/quickstart_shapes.md that
+    became the quickstart (53 of 64 clean on average over two seeds): the UNet at 24 channels,
+    3,200 steps of batch 32, guided by its step-1,600 checkpoint at weight 3."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "scripts" / "quickstart.sh").read_text()
+    cfg = load_config(root / "configs" / "tiny.toml")
+    assert (cfg.model.preset, cfg.model.base_channels) == ("tiny", 24)
+    assert (cfg.train.total_steps, cfg.train.batch_size, cfg.optim.lr) == (3200, 32, 2e-3)
+    assert cfg.diffusion.objective == "edm" and cfg.diffusion.uncertainty_weighting
+    assert re.search(r"--guide-step 1600 --guide-weight 3\b", script)
+
+
 def test_the_edm2_gpu_preset_is_the_recipe_measured_on_the_h100():
     """configs/edm2-cifar10-short.toml is the short preset with the overrides of the H100 row of
     docs/quality.md (FID-10k 29.0), nothing more and nothing less."""
