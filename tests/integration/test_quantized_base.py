@@ -71,6 +71,15 @@ def _frozen(net: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _assert_same_build(ours: tuple, theirs: tuple) -> None:
+    """Two builds ``(network, frozen tensors, state dict, record, ...)`` of a quantized base: the same layers
+    quantized, every frozen tensor equal bit for bit, the same record (the float base's digest), nothing on meta."""
+    assert quantized_layers(ours[0]) == quantized_layers(theirs[0]) != {}
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
+    assert ours[3] == theirs[3] and len(ours[3]["base_digest"]) == 64
+    assert not any(p.is_meta for p in ours[0].parameters())
+
+
 def _storage(net: nn.Module) -> list[torch.Tensor]:
     """The quantized weights' storage: a bitsandbytes int8 layer's state, every other layer's weight."""
     return [m.state.CB if kind == "int8" else (m.weight.qdata if kind == "fp8" else m.weight)
@@ -133,10 +142,7 @@ def test_the_base_quantized_as_it_loads_is_the_base_quantized_after_a_whole_load
     resumed = built(new[3])
     monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
     for ours, theirs in ((new, built()), (resumed, built(new[3]))):
-        assert quantized_layers(ours[0]) == quantized_layers(theirs[0]) != {}
-        assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
-        assert ours[3] == theirs[3] and len(ours[3]["base_digest"]) == 64
-        assert not any(p.is_meta for p in ours[0].parameters())
+        _assert_same_build(ours, theirs)
     # A new run's adapter starts the same (a resume's is the checkpoint's: the whole rebuild draws its own).
     assert all(torch.equal(new[2][k], v) for k, v in built()[2].items())
 
@@ -179,10 +185,7 @@ def test_difftrains_unet_as_a_quantized_base_is_quantized_as_it_loads_as_after_a
     resumed = built(new[3])
     monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
     for ours, theirs in ((new, built()), (resumed, built(new[3]))):
-        assert quantized_layers(ours[0]) == quantized_layers(theirs[0]) != {}
-        assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
-        assert ours[3] == theirs[3] and len(ours[3]["base_digest"]) == 64
-        assert not any(p.is_meta for p in ours[0].parameters())
+        _assert_same_build(ours, theirs)
         assert torch.equal(ours[4], theirs[4])  # the generator where the whole build leaves it
     whole = built()[2]
     assert new[2].keys() == whole.keys() and all(torch.equal(new[2][k], v) for k, v in whole.items())
