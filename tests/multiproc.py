@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +35,33 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str, timeout_s: float) -> None:
+# The ranks start from a fork server that has imported these once (per test process), not each from a
+# fresh interpreter ("spawn", about 2 CPU seconds of imports per rank on a 2-core machine). A rank forked
+# from it is as a spawned one: its own process, modules as imported (no monkeypatch of the caller's), and
+# the caller's environment, working folder and sys.path as they are at the call (passed along below, not
+# the server's).
+_PRELOAD = ["torch", "torch.distributed", "difftrain.config", "difftrain.runtime.distributed",
+            "difftrain.training.loop", "difftrain.training.state"]
+mp.set_forkserver_preload(_PRELOAD)
+# Variables a process reads as it starts (glibc's malloc, the loader, Python, OpenMP): a caller that
+# changes one (test_fsdp_lockstep_eval.py sets MALLOC_MMAP_THRESHOLD_) gets ranks spawned afresh.
+_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON", "OMP_", "KMP_", "MKL_")
+
+
+def _start_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_AT_START)}
+
+
+_SERVER_START = _start_variables()  # the server is started later by this process, with these
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str, timeout_s: float,
+            caller: tuple[dict[str, str], str, list[str]]) -> None:
+    environ, cwd, path = caller
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(1)
     ctx = distributed.setup(torch.device("cpu"), timeout_s)
@@ -46,7 +73,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, out_dir: str
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, collective_timeout_s: float = 600.0) -> list:
-    """``fn(ctx, *args)`` on ``world_size`` spawned processes; their results in rank order.
+    """``fn(ctx, *args)`` on ``world_size`` new processes (from the fork server above); their results in rank order.
 
     ``fn`` must be a module-level function and its result something ``torch.save`` can write.
     A process that raises fails the call with its traceback; a hang is killed after
@@ -54,8 +81,10 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, collective_t
     """
     with tempfile.TemporaryDirectory() as out_dir:
         procs = mp.start_processes(
-            _worker, (world_size, free_port(), fn, args, out_dir, collective_timeout_s), nprocs=world_size, join=False,
-            start_method="spawn",
+            _worker, (world_size, free_port(), fn, args, out_dir, collective_timeout_s,
+                      (dict(os.environ), os.getcwd(), list(sys.path))),
+            nprocs=world_size, join=False,
+            start_method="forkserver" if _start_variables() == _SERVER_START else "spawn",
         )
         deadline = time.monotonic() + timeout_s
         while not procs.join(timeout=1.0):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fid_standin import write_standin
+from fid_standin import use_standin, write_standin
 
 from difftrain.cli import main
 from difftrain.config import load_config
@@ -58,8 +58,10 @@ def _scripted(monkeypatch, fids):
 
 
 def test_best_survives_keep_last_and_resume_and_rising_fid_warns(tmp_path, tiny_overrides, monkeypatch, capsys):
-    for k, v in _env(tmp_path).items():
-        monkeypatch.setenv(k, v)
+    # In this process the stand-in can have 64 features (2048 in the subprocesses below, which read
+    # the weights from the environment alone): the FIDs are scripted, and a 2048x2048 covariance's
+    # eigendecomposition per FID is most of this test's time.
+    use_standin(monkeypatch, write_standin(tmp_path / "standin.pt", 64), 64, tmp_path / "cache")
     run = tmp_path / "run"
     _scripted(monkeypatch, [50.0, 30.0, 40.0, 45.0])
     train(load_config(None, tiny_overrides + FID_EVERY_2 + ["train.total_steps=8"]), run)

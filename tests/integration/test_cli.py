@@ -94,15 +94,28 @@ def test_posthoc_ema_writes_a_checkpoint_that_sample_and_inspect_read(tmp_path, 
     assert "sigma_rel must be in (0, 0.3)" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def step_2_checkpoint(tmp_path_factory) -> Path:
+    """A tiny run's step-2 checkpoint (``train --stop-at-step 2``), trained once for the damage cases
+    below, each of which damages its own copy; trained in this process, as the file is not what they test."""
+    from conftest import TINY_OVERRIDES
+
+    from difftrain.config import load_config
+    from difftrain.training.loop import train
+
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    train(load_config(None, list(TINY_OVERRIDES)), run_dir, stop_at_step=2)
+    return run_dir / "checkpoints" / "step_00000002.pt"
+
+
 @pytest.mark.parametrize("damage", ["wrong shape", "missing key", "not a dict", "all NaN"])
-def test_a_checkpoint_with_wrong_contents_is_one_line_in_every_command(tmp_path, tiny_overrides, damage):
+def test_a_checkpoint_with_wrong_contents_is_one_line_in_every_command(tmp_path, tiny_overrides, step_2_checkpoint,
+                                                                       damage):
     """train --resume, sample and diagnose: exit 2 and one line naming the file and the key."""
     import torch
 
-    run_dir = tmp_path / "run"
     sets = [a for o in tiny_overrides for a in ("--set", o)]
-    run("train", *sets, "--stop-at-step", "2", "--run-dir", str(run_dir))
-    state = torch.load(run_dir / "checkpoints" / "step_00000002.pt", weights_only=True)
+    state = torch.load(step_2_checkpoint, weights_only=True)
     conv = next(k for k, v in state["model"].items() if v.ndim == 4)
     if damage == "wrong shape":
         state["model"][conv] = torch.zeros(1, 1, 1, 1)

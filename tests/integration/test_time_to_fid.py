@@ -1,5 +1,6 @@
 """bench/time_to_fid.py end to end on tiny settings: the real CLI, SIGTERM at the budget, the
-real FID Inception network, a handful of samples; plus its recipe parsing and curve points."""
+real FID Inception network (the script's other runs here: a 64-feature stand-in), a handful of
+samples; plus its recipe parsing and curve points."""
 
 from __future__ import annotations
 
@@ -28,6 +29,17 @@ def inception_weights():
         return find_inception_weights()
     except FileNotFoundError as e:
         pytest.skip(f"FID Inception weights not available: {e}")
+
+
+@pytest.fixture
+def standin_fid(tmp_path, monkeypatch):
+    """The FID stand-in network at 64 features in place of Inception (tests/fid_standin.py), for the
+    tests below whose subject is not the network: a 2048x2048 covariance's eigendecomposition per
+    FID and Inception's forward passes are much of their work. test_time_to_fid_end_to_end keeps
+    the real network."""
+    from fid_standin import use_standin, write_standin
+
+    use_standin(monkeypatch, write_standin(tmp_path / "standin.pt", 64), 64, tmp_path / "cache")
 
 
 def test_parse_recipe_keeps_bracketed_lists_whole():
@@ -102,7 +114,7 @@ def test_time_to_fid_end_to_end(tmp_path, tiny_overrides, inception_weights, mon
 
 
 def test_step_budget_pairs_on_one_core_each_and_the_best_two_on_a_second_seed(tmp_path, tiny_overrides,
-                                                                              inception_weights):
+                                                                              standin_fid):
     """The CPU mode's shape on tiny settings: a step budget, two runs at a time pinned to their
     own cores, then the best two again on seed 1, and the line that says how sure the order is."""
     bench = _bench()
@@ -226,7 +238,7 @@ def test_save_samples_splits_into_parts_of_at_most_part_images(tmp_path):
     assert np.array_equal(np.concatenate(parts), images.permute(0, 2, 3, 1).numpy())  # (N, H, W, C)
 
 
-def test_no_fid_keeps_the_samples_that_the_scored_run_sees(tmp_path, tiny_overrides, inception_weights):
+def test_no_fid_keeps_the_samples_that_the_scored_run_sees(tmp_path, tiny_overrides, standin_fid):
     """--save-samples with FID and --no-fid (a machine without the Inception weights) keep the
     same pixels: the samples carried back from a GPU are the ones its FID would have scored."""
     import numpy as np
