@@ -231,3 +231,52 @@ def test_foreach_lerp_with_a_tensor_weight_equals_the_number_weight():
     foreach_lerp_(by_tensor, params, torch.tensor(0.01))
     for a, b in zip(by_tensor, by_number):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_schedule_free_step_averages_its_x_without_switching_the_optimizer_or_copying_weights():
+    """The EMAs take in schedule-free's average x (as inside ``reading_weights``), but a step
+    neither switches the optimizer to eval mode nor keeps a copy of every parameter (issue 39)."""
+    cfg = load_config(None, TINY_OVERRIDES + ["optim.name=schedulefree", "optim.lr_schedule=constant",
+                                              "ema.posthoc_std=[0.05,0.1]", "ema.update_every_steps=2"])
+    device = torch.device("cpu")
+    batch = (torch.rand(4, 3, 16, 16) * 2 - 1, torch.zeros(4, dtype=torch.long))
+
+    def run(step):
+        torch.manual_seed(0)
+        state, objective = RunState.build(cfg, 0, device), build_objective(cfg.diffusion)
+        metrics, batches = StepMetrics(device), iter([batch] * 8)
+        for _ in range(4):
+            step(state, objective, batches, 1e-3, metrics)
+        return state
+
+    switches = []
+    optimizer_class = type(RunState.build(cfg, 0, device).optimizer)
+    eval_mode = optimizer_class.eval
+    try:
+        optimizer_class.eval = lambda self: (switches.append(1), eval_mode(self))[1]
+        state = run(train_step)
+    finally:
+        optimizer_class.eval = eval_mode
+    assert switches == [] and not any("y" in s for s in state.optimizer.state.values())
+
+    def reference_step(state, objective, batches, lr, metrics):
+        """The step as before: every parameter switched to x (a copy of y kept) for the averages."""
+        ema_update, posthoc_update = state.ema.update, state.posthoc.update
+
+        def in_x(update):
+            def wrapped(model, *args, read=None, **kwargs):
+                assert read is not None  # the step offers x one tensor at a time
+                with state.reading_weights():
+                    return update(model, *args, **kwargs)
+            return wrapped
+        state.ema.update, state.posthoc.update = in_x(ema_update), in_x(posthoc_update)
+        try:
+            return train_step(state, objective, batches, lr, metrics)
+        finally:
+            state.ema.update, state.posthoc.update = ema_update, posthoc_update
+
+    reference = run(reference_step)
+    for got, want in [(state.model, reference.model), (state.ema.model, reference.ema.model),
+                      *zip(state.posthoc.models, reference.posthoc.models)]:
+        assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
+    assert state.ema.num_updates == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -72,27 +72,29 @@ class EMA:
         return min(self.decay, (1 + t) / (10 + t))
 
     @torch.no_grad()
-    def update(self, model: nn.Module, apply: torch.Tensor | None = None) -> None:
+    def update(self, model: nn.Module, apply: torch.Tensor | None = None, read: Reader | None = None) -> None:
         """Move the average towards ``model``'s weights.
 
         Args:
             model: the trained model (same architecture, unwrapped).
             apply: optional 0-dim float tensor, 1 to update and 0 to leave the average as it is
                 (a skipped optimizer step); keeps the update free of host synchronisation.
+            read: optional map from a parameter to the weights averaged in its place (a
+                schedule-free optimizer's x: ``optimizers.averaged_weights``).
         """
         weight = 1.0 - self.current_decay()
         if apply is not None:
             weight = apply.to(torch.float32) * weight
-        self.lerp_(model, weight)
+        self.lerp_(model, weight, read)
         self.num_updates += 1
 
     @torch.no_grad()
-    def lerp_(self, model: nn.Module, weight: float | torch.Tensor) -> None:
+    def lerp_(self, model: nn.Module, weight: float | torch.Tensor, read: Reader | None = None) -> None:
         """``ema += weight * (params - ema)`` and copy the buffers; ``weight`` may be a 0-dim
         device tensor (a captured step fills it before each replay). Counts no update."""
         params = trainable(list(model.parameters()), self._trained)  # under no_grad: no detach needed
         if params:
-            foreach_lerp_(self._ema_params, params, weight)
+            foreach_lerp_(self._ema_params, params, weight, read)
         for ema_buf, buf in zip(self._ema_buffers, model.buffers()):
             ema_buf.copy_(buf)
 
@@ -120,8 +122,15 @@ class EMA:
             model.load_state_dict(backup)
 
 
-def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weight: float | torch.Tensor) -> None:
-    """``averages[i] += weight * (params[i] - averages[i])`` in place, for every i.
+Reader = Callable[[torch.Tensor], torch.Tensor]
+
+
+def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weight: float | torch.Tensor,
+                  read: Reader | None = None) -> None:
+    """``averages[i] += weight * (read(params[i]) - averages[i])`` in place, for every i.
+
+    ``read`` (None: the parameters themselves) gives the weights to average for one parameter;
+    it is called one tensor at a time, so at most one parameter-sized temporary is alive.
 
     With a float weight, or on the CPU, this is ``torch._foreach_lerp_`` (bit for bit what runs
     have always done). With a 0-dim weight tensor on an accelerator (the step's skip gate, the
@@ -132,6 +141,10 @@ def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weig
     recorded in a CUDA graph ("operation not permitted when stream is capturing"); the foreach
     multiplication by a 0-dim tensor does neither.
     """
+    if read is not None:
+        for average, p in zip(averages, params):
+            foreach_lerp_([average], [read(p)], weight)
+        return
     on_device = isinstance(weight, torch.Tensor) and weight.device.type != "cpu"
     if not on_device:
         torch._foreach_lerp_(averages, params, weight)

@@ -4,6 +4,7 @@ what its state costs per parameter, and the schedule-free train/eval switch.
     optimizer = build_optimizer(cfg, model, device)       # over the parameters that train
     with reading_weights(optimizer):                      # schedule-free: the averaged weights x
         model.state_dict()                                # (a no-op for every other optimizer)
+    read = averaged_weights(optimizer)                    # or x one tensor at a time (EMA updates)
 """
 
 from __future__ import annotations
@@ -169,6 +170,26 @@ def reading_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield
     finally:
         to_training(optimizer)
+
+
+def averaged_weights(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For a schedule-free optimizer in train mode, a function from one parameter (holding the
+    iterate y) to its average x, the value ``optimizer.eval()`` would put there,
+    ``x = lerp(y, z, 1 - 1 / beta1)`` (Defazio et al. 2024), computed out of place for that one
+    tensor; None for every other optimizer, whose parameters are what an average reads.
+
+    The EMAs read x this way each step (``training/step.py``), so a step copies no parameter:
+    :func:`reading_weights` keeps a copy of every y while the parameters hold x.
+    """
+    if not (_schedule_free(optimizer) and optimizer.param_groups[0]["train_mode"]):
+        return None
+    weight = {p: 1 - 1 / group["betas"][0] for group in optimizer.param_groups for p in group["params"]}
+
+    def read(p: torch.Tensor) -> torch.Tensor:
+        z = optimizer.state[p].get("z") if p in weight else None
+        return p if z is None else torch.lerp(p, z, weight[p])  # not trained, or not stepped yet: x = y
+
+    return read
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.files import atomic_write
 from difftrain.runtime.fsdp import full_tensor
 from difftrain.training.checkpoint import load_weights
-from difftrain.training.ema import averaged_copy, foreach_lerp_, trainable
+from difftrain.training.ema import Reader, averaged_copy, foreach_lerp_, trainable
 
 SIGMA_REL_MAX = 0.3  # sigma_rel peaks at ~0.3003 (gamma ~ -0.38); 0.2887 is gamma = 0, the plain mean
 SNAPSHOT_DIR = "ema_snapshots"
@@ -140,17 +140,18 @@ class PowerEMA:
         return [1.0 - power_beta(t, g) for g in self.gammas]
 
     @torch.no_grad()
-    def update(self, model: nn.Module, t: int) -> None:
-        """Average in ``model``'s weights after optimizer step ``t`` (counted from 1)."""
-        self.lerp_(model, self.weights(t))
+    def update(self, model: nn.Module, t: int, read: Reader | None = None) -> None:
+        """Average in ``model``'s weights after optimizer step ``t`` (counted from 1); ``read``
+        as in :meth:`EMA.update`."""
+        self.lerp_(model, self.weights(t), read)
 
     @torch.no_grad()
-    def lerp_(self, model: nn.Module, weights: Sequence[float] | torch.Tensor) -> None:
+    def lerp_(self, model: nn.Module, weights: Sequence[float] | torch.Tensor, read: Reader | None = None) -> None:
         """``avg_k += weights[k] * (params - avg_k)`` for each k; copy the buffers."""
         params = trainable(list(model.parameters()), self._trained)  # under no_grad: no detach needed
         for k, avg in enumerate(self.models):
             if params:
-                foreach_lerp_(trainable(list(avg.parameters()), self._trained), params, weights[k])
+                foreach_lerp_(trainable(list(avg.parameters()), self._trained), params, weights[k], read)
             for avg_buf, buf in zip(avg.buffers(), model.buffers()):
                 avg_buf.copy_(buf)
 

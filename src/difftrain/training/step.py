@@ -25,6 +25,7 @@ from difftrain.dreambooth import loss_weights
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.seeding import derive_seed, step_generator
+from difftrain.training.optimizers import averaged_weights
 from difftrain.training.state import RunState
 
 NUM_LOSS_BUCKETS = 10  # the loss is also reported per tenth of the noise levels
@@ -178,15 +179,15 @@ def _update(state: RunState, step_loss: torch.Tensor, metrics: StepMetrics,
     average takes in the same weights again): their profile needs one update per step.
     """
     grad_norm, finite = state.precision.step(state.optimizer, state.model.parameters(), state.cfg.optim.grad_clip, step_loss)
-    with state.reading_weights():  # the averages take in a schedule-free optimizer's x
-        if captured is not None:  # the EMA weight is 0 between updates
-            ema_weight, posthoc_weights = captured
-            state.ema.lerp_(state.model, finite.float() * ema_weight)
-            state.posthoc.lerp_(state.model, posthoc_weights)
-        else:
-            if (state.step + 1) % state.cfg.ema.update_every_steps == 0:
-                state.ema.update(state.model, apply=finite.float())
-            state.posthoc.update(state.model, state.step + 1)
+    read = averaged_weights(state.optimizer)  # the averages take in a schedule-free optimizer's x
+    if captured is not None:  # the EMA weight is 0 between updates
+        ema_weight, posthoc_weights = captured
+        state.ema.lerp_(state.model, finite.float() * ema_weight, read)
+        state.posthoc.lerp_(state.model, posthoc_weights, read)
+    else:
+        if (state.step + 1) % state.cfg.ema.update_every_steps == 0:
+            state.ema.update(state.model, apply=finite.float(), read=read)
+        state.posthoc.update(state.model, state.step + 1, read=read)
     metrics.add_step(step_loss, grad_norm, finite)
 
 
