@@ -555,6 +555,10 @@ def _follow_base(cfg: Config, chosen: set[str]) -> None:
         family = family_of_config(cfg)
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}" if cfg.model.family == "auto" else str(e)) from None
+    if family is not None and cfg.train.cuda_graphs == "on":
+        raise ConfigError(f"train.cuda_graphs='on' captures difftrain's own networks; a base family's step "
+                          f"({family.name}: its conditions are dicts of text embeddings) is not captured in a CUDA "
+                          "graph (not verified): set train.cuda_graphs to 'auto' or 'off'")
     if family is None or not cfg.model.init_from:
         return
     try:
@@ -562,7 +566,7 @@ def _follow_base(cfg: Config, chosen: set[str]) -> None:
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}") from None
     d, v = cfg.data, cfg.validation
-    if not (d.cache or d.heldout_fraction or v.memorization not in ("auto", "off") or cfg.train.cuda_graphs == "on"):
+    if not (d.cache or d.heldout_fraction or v.memorization not in ("auto", "off")):
         defaults.setdefault("data.buckets", "aspect")  # photos of every shape; not where a chosen option needs squares
     for dotted, value in defaults.items():
         if dotted not in chosen:

@@ -55,6 +55,16 @@ def test_a_base_decides_its_parts_and_schedule_unless_the_user_set_them(sd_folde
     assert own.model.text_encoder == "" and not own.data.captions
 
 
+def test_cuda_graphs_on_with_a_base_family_is_refused_in_one_line(sd_folder):
+    """A family's step feeds dict conditions, which the captured step never took (issue 39: it
+    crashed on the first step on CUDA); refused when the config is read, on any device."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.init_from={sd_folder}", "lora.rank=4", "train.cuda_graphs=on"])
+    message = str(info.value)
+    assert "\n" not in message and "train.cuda_graphs='on'" in message and "(sd:" in message and "'auto' or 'off'" in message
+    assert load_config(None, [f"model.init_from={sd_folder}", "lora.rank=4", "train.cuda_graphs=auto"])
+
+
 def test_drop_rows_replaces_dropped_rows_by_the_null_condition_without_a_host_read():
     cond = {"prompt_embeds": torch.ones(3, 2, 4), "pooled": torch.ones(3, 5)}
     null = {"prompt_embeds": torch.zeros(1, 2, 4), "pooled": torch.full((1, 5), 7.0)}
