@@ -26,6 +26,7 @@ Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
 FlowTSampling = Literal["logit_normal", "mode", "uniform"]  # diffusion/flow.py T_SAMPLINGS
+FlowLoss = Literal["velocity", "x0"]  # diffusion/flow.py FLOW_LOSSES
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -220,6 +221,9 @@ class DiffusionConfig(_Section):
     flow_max_shift: float = 1.15  # mu at flow_max_seq_len tokens (Flux's scheduler max_shift)
     flow_base_seq_len: int = 256  # tokens of flow_base_shift (base_image_seq_len)
     flow_max_seq_len: int = 4096  # tokens of flow_max_shift (max_image_seq_len)
+    # what flow training regresses: "velocity" (eps - x0, weight 1: rectified flow, the SD3 paper's loss) or "x0"
+    # (the denoised image x_t - t v, = the velocity error x t^2: diffusers' SD3 script's --precondition_outputs 1)
+    flow_loss: FlowLoss = "velocity"
     noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 

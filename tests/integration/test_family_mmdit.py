@@ -79,6 +79,41 @@ def test_flux_prompt_encoder_and_denoiser_equal_the_pipelines(flux_folder):
     assert len(family.fsdp_units(net)) == 2
 
 
+def test_sd3_without_t5_encodes_zeros_as_the_pipeline_and_trains(tmp_path):
+    """A base without text_encoder_3/ and tokenizer_3/: the T5 part is zeros (the transformer's
+    joint_attention_dim wide), what StableDiffusion3Pipeline(text_encoder_3=None).encode_prompt gives;
+    a LoRA run on it trains a step and samples its validation grid."""
+    from difftrain.config import load_config
+    from difftrain.training.loop import train
+    from tests.integration.test_text_train import _captioned_folder
+
+    folder = write_tiny_sd3_folder(tmp_path / "no_t5", t5=False)
+    assert not (folder / "text_encoder_3").exists() and not (folder / "tokenizer_3").exists()
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(str(folder), text_encoder_3=None, tokenizer_3=None)
+    enc = SD3Family().load_prompt_encoder(folder, max_sequence_length=T5_LENGTH)
+    assert enc.t5 is None and enc.dim == pipe.transformer.config.joint_attention_dim
+    cond = enc.encode(CAPTIONS)
+    embeds, _, pooled, _ = pipe.encode_prompt(CAPTIONS, None, None, do_classifier_free_guidance=False,
+                                              max_sequence_length=T5_LENGTH)
+    assert cond["prompt_embeds"].shape == embeds.shape == (2, 16 + T5_LENGTH, enc.dim)
+    close(cond["prompt_embeds"], embeds)
+    close(cond["pooled"], pooled)
+    assert not cond["prompt_embeds"][:, 16:].any()  # the T5 part: zeros
+    assert SD3Family().load_prompt_encoder(folder).t5_length == 256  # the pipeline's default, no tokenizer to cap it
+    _captioned_folder(tmp_path / "data", n=4, size=32)
+    cfg = load_config(None, ["data.resolution=32", "data.num_workers=0", f"data.path={tmp_path / 'data'}",
+                             f"model.init_from={folder}", f"model.max_sequence_length={T5_LENGTH}", "lora.rank=2",
+                             "train.total_steps=1", "train.batch_size=2", "train.progress_bar=false",
+                             "checkpoint.every_steps=1", "validation.every_steps=1", "validation.steps=1",
+                             "validation.num_images=1", "validation.prompts=['a red square']", "text.cache=off"])
+    assert train(cfg, tmp_path / "run").step == 1
+    assert list((tmp_path / "run" / "samples").glob("*.png"))
+    (folder / "tokenizer_3").mkdir()  # half a T5: one line naming the missing part
+    with pytest.raises(ValueError, match="text_encoder_3") as info:
+        SD3Family().load_prompt_encoder(folder)
+    assert "\n" not in str(info.value)
+
+
 def test_families_are_registered_and_detected(sd3_folder, flux_folder):
     from difftrain.families import detect, family_named, family_of_record
 
