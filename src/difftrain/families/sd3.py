@@ -37,7 +37,7 @@ Training (the script): x_t = (1 - sigma) x0 + sigma eps; sigma = the scheduler's
   rectified flow and of the SD3 paper (Esser et al. 2024, sec. 2), the target the transformer
   outputs, which keeps the loss of the low-noise samples instead of shrinking it by sigma^2; the
   script's is diffusion.flow_loss = "x0" (the same loss: tests/unit/test_objectives.py). Their
-  logged losses differ (the x0 loss is the velocity loss times the mean sigma^2).
+  logged losses differ (each sample's x0 loss is its velocity loss times sigma^2).
 Sampling (the pipeline): set_timesteps(N) makes linspace(1, sigma_min, N) (sigma_min = the
   shifted 1/1000), shifted again, then 0: here diffusion.flow_shift = shift and
   diffusion.flow_grid_end = sigma_min; CFG with guidance_scale 7.0 by default.
