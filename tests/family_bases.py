@@ -203,3 +203,12 @@ def write_tiny_flux_folder(path: str | Path, seed: int = 0) -> Path:
     pipe.save_pretrained(path)
     restore_clip_tokenizers(path, "tokenizer")
     return path
+
+
+def with_run_conditions(family, cond: dict) -> dict:
+    """``cond`` (a family's prompt-encoder output, batch-first) with the family's per-run scalars at their
+    defaults (``Family.run_conditions``: Flux's distilled guidance 3.5), as ``Conditioning`` adds them."""
+    from difftrain.config import Config
+
+    n = next(iter(cond.values())).shape[0]
+    return cond | {k: torch.full((n,), v) for k, v in family.run_conditions(Config()).items()}

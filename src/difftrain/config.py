@@ -171,6 +171,9 @@ class ModelConfig(_Section):
     # optimizer step (forced weight normalisation; pair it with optim.lr_schedule = "inverse_sqrt")
     magnitude_preserving: bool = False
     max_sequence_length: int = 0  # T5 tokens per prompt of an SD3 / Flux base; 0 = its pipeline's default (256 / 512)
+    # Flux (guidance-distilled, its transformer's guidance_embeds): the guidance input every training sample gets
+    # (diffusers' Flux script's --guidance_scale default); validation.distilled_guidance is the samples'. Other bases: unused
+    distilled_guidance: float = 3.5
     # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
     # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers
     # UNet2DConditionModel folder (or a Stable Diffusion folder) makes the network that UNet, to fine-tune
@@ -301,6 +304,9 @@ class ValidationConfig(_Section):
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
     guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
+    # Flux: the guidance input of the grids, FID and DreamBooth class samples, and of `sample` unless
+    # --distilled-guidance (FluxPipeline's guidance_scale default); other bases: unused
+    distilled_guidance: float = 3.5
     guide: str = ""  # autoguidance of the grids and FID samples: a guide checkpoint or run (a weaker model); "" = none
     guide_weight: float = 2.0  # autoguidance weight w: D_guide + w (D - D_guide); 2 network evaluations per step
     raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
@@ -703,6 +709,9 @@ def _check_text(cfg: Config) -> None:
            f"validation.prompts holds {len(v.prompts)} prompts, more than validation.num_images={v.num_images}")
     _check(v.guidance_scale >= 0, f"validation.guidance_scale must be >= 0, got {v.guidance_scale}")
     _check(v.guide_weight >= 0, f"validation.guide_weight must be >= 0, got {v.guide_weight}")
+    for key, value in (("model.distilled_guidance", m.distilled_guidance),
+                       ("validation.distilled_guidance", v.distilled_guidance)):
+        _check(value >= 0, f"{key} must be >= 0 (Flux's guidance input; 3.5 its default), got {value}")
     _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
 
 

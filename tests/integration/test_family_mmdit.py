@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.family_bases import T5_LENGTH, write_tiny_flux_folder, write_tiny_sd3_folder
+from tests.family_bases import T5_LENGTH, with_run_conditions, write_tiny_flux_folder, write_tiny_sd3_folder
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -66,6 +66,8 @@ def test_flux_prompt_encoder_and_denoiser_equal_the_pipelines(flux_folder):
     embeds, pooled, text_ids = pipe.encode_prompt(CAPTIONS, None, max_sequence_length=T5_LENGTH)
     close(cond["prompt_embeds"], embeds)
     close(cond["pooled"], pooled)
+    assert set(cond) == {"prompt_embeds", "pooled"}  # the guidance is the run's, not the text's
+    cond = with_run_conditions(family, cond)
     assert torch.equal(cond["guidance"], torch.full((2,), 3.5))
     x, t = torch.randn(2, 16, 8, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([900.0, 25.0])
     packed = diffusers.FluxPipeline._pack_latents(x, 2, 16, 8, 6)
@@ -155,7 +157,7 @@ def test_bad_input_gets_one_line(tmp_path, sd3_folder, flux_folder, which):
         family.load_prompt_encoder(folder, max_sequence_length=600)
     assert "\n" not in str(info.value) and str(folder) in str(info.value)
     net = family.load_denoiser(folder)
-    cond = family.load_prompt_encoder(folder).encode(["a"])
+    cond = with_run_conditions(family, family.load_prompt_encoder(folder).encode(["a"]))
     with pytest.raises(ValueError, match="patches") as info:
         net(torch.zeros(1, 16, 7, 8), torch.tensor([500.0]), cond)
     assert "\n" not in str(info.value)
@@ -234,7 +236,7 @@ def _difftrain_sample(family, folder, x_T, steps, guidance_scale):
     obj = FlowObjective(shift=d["diffusion.flow_shift"], grid_end=d["diffusion.flow_grid_end"],
                         dynamic_shift=d["diffusion.flow_dynamic_shift"])
     enc, net = family.load_prompt_encoder(folder), family.load_denoiser(folder)
-    cond, null = enc.encode(["a red circle"]), enc.encode([""])
+    cond, null = (with_run_conditions(family, enc.encode(c)) for c in (["a red circle"], [""]))
 
     def network(x, t):
         if guidance_scale <= 1:
@@ -300,7 +302,7 @@ def test_a_lora_file_of_diffusers_scripts_samples_on_the_base_it_names(tmp_path,
         for layer in net.model.modules():
             if hasattr(layer, "scaling") and "default" in getattr(layer, "scaling", {}):
                 layer.scaling["default"] = 2.0
-    cond = family.load_prompt_encoder(folder).encode(CAPTIONS, "cpu")
+    cond = with_run_conditions(family, family.load_prompt_encoder(folder).encode(CAPTIONS, "cpu"))
     x, t = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([900.0, 25.0])
     with torch.no_grad():
         close(loaded.model(x, t, cond), net(x, t, cond))
