@@ -120,7 +120,9 @@ class DataConfig(_Section):
     path: str = "builtin:shapes"  # a folder of images, tar shards (a-{0000..0099}.tar), a HF dataset, or builtin:NAME
     image_column: str = "image"  # Hugging Face datasets: the column holding the images
     label_column: str = ""  # Hugging Face datasets: the column of class labels ("" = none; class_conditional needs one)
-    resolution: int = 32  # pixels; short side resized (antialiased), then center-cropped
+    # pixels; short side resized (antialiased), then center-cropped. A base folder (model.init_from) makes it the
+    # base's native size unless set (its pipeline's default: denoiser sample_size x VAE factor, SDXL 1024, SD 1.5 512)
+    resolution: int = 32
     channels: int = 3  # 3 = RGB, 1 = grayscale
     random_flip: bool = True  # random horizontal flip
     color_jitter: float = 0.0  # relative strength of brightness/contrast/saturation jitter
@@ -557,8 +559,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), value
 
 def _follow_base(cfg: Config, chosen: set[str]) -> None:
     """Give the keys a base folder decides (``Family.training_defaults``: its text encoder and VAE,
-    captions, the schedule and prediction of its scheduler config) the base's values, where the preset
-    and the ``--set`` options (``chosen``) do not name them: a base fine-tunes as it was trained."""
+    captions, the schedule and prediction of its scheduler config; ``data.resolution``: the base's native
+    size, ``Family.native_resolution``) the base's values, where the preset and the ``--set`` options
+    (``chosen``) do not name them: a base fine-tunes as it was trained."""
     from difftrain.families import family_of_config  # local: the families load diffusers lazily
 
     try:
@@ -571,6 +574,9 @@ def _follow_base(cfg: Config, chosen: set[str]) -> None:
         defaults = family.training_defaults(Path(cfg.model.init_from).expanduser())
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}") from None
+    native = family.native_resolution(Path(cfg.model.init_from).expanduser())
+    if native is not None:  # the base's own size (its pipeline's default), not difftrain's 32 px default
+        defaults.setdefault("data.resolution", native)
     d, v = cfg.data, cfg.validation
     if not (d.cache or d.heldout_fraction or v.memorization not in ("auto", "off") or cfg.train.cuda_graphs == "on"):
         defaults.setdefault("data.buckets", "aspect")  # photos of every shape; not where a chosen option needs squares

@@ -148,6 +148,10 @@ def test_training_defaults_follow_the_schedulers(sd3_folder, flux_folder):
     flux = FluxFamily().training_defaults(flux_folder)
     assert flux["diffusion.flow_dynamic_shift"] and flux["diffusion.flow_t_sampling"] == "uniform"
     assert flux["diffusion.flow_train_shift"] == 1.0
+    # data.resolution: the pipelines' default height, sample_size x the VAE's factor (4 in the tiny bases); Flux's
+    # transformer has no sample_size: FluxPipeline's default_sample_size 128
+    assert SD3Family().native_resolution(sd3_folder) == 8 * 4
+    assert FluxFamily().native_resolution(flux_folder) == 128 * 4 == _pipe("FluxPipeline", flux_folder).default_sample_size * 4
 
 
 @pytest.mark.parametrize("which", ["sd3", "flux"])

@@ -139,6 +139,7 @@ class FluxFamily(TransformerFamily):
                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2")
     foreign_modules = ("attn2", "pos_embed")  # SD3.5's second attention, SD3's position embedding
+    default_sample_size = 128  # FluxPipeline's (its transformer's config has no sample_size): 1024 px with factor 8
 
     def training_defaults(self, folder: Path) -> dict[str, object]:
         """The base's parts, captions on, and rectified flow as diffusers' Flux script trains it:
