@@ -81,6 +81,9 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     num_classes = state["num_classes"]
     device = resolve_device(device)
     conditioning = Conditioning.from_config(cfg, num_classes, device)
+    if distilled_guidance is not None and "guidance" not in conditioning.sample_values:
+        raise ValueError(f"--distilled-guidance given, but {state['path']} is not a model of a guidance-distilled base "
+                         "(Flux): it has no guidance input")
     if state.get("frozen", {}) is not None:  # None: another program's LoRA file, on the base's own parts
         conditioning.check_references(state.get("frozen", {}), state["path"])
     check_quantize_device(cfg, device)  # a quantized base's run samples on its quantized base, as it validated

@@ -96,3 +96,15 @@ def test_the_configured_guidance_reaches_the_transformer_and_not_the_text_cache(
 
     with pytest.raises(ConfigError, match="validation.distilled_guidance must be >= 0"):
         load_model(tmp_path / "run", device="cpu", distilled_guidance=-1.0)
+
+
+def test_distilled_guidance_is_refused_for_a_model_without_a_guidance_input(tmp_path, capsys):
+    """``sample --distilled-guidance`` on a model of difftrain's own UNet: one line, exit 2."""
+    from difftrain.cli import main
+    from tests.small_checkpoint import make_checkpoint
+
+    make_checkpoint(tmp_path)
+    assert main(["sample", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "out"), "--num", "1", "--steps",
+                 "1", "--distilled-guidance", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--distilled-guidance given" in err[0] and "no guidance input" in err[0], err
