@@ -457,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text-conditioned models: the prompt of every image (given once), or of each image (given --num times)")
     p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale (labels or prompts)")
     p.add_argument("--distilled-guidance", type=float,
-                   help="a Flux base's guidance input (guidance-distilled; default: the run's validation.distilled_guidance, 3.5)")
+                   help="a Flux base's guidance input (guidance-distilled; default: the run's "
+                        "validation.distilled_guidance, 3.5)")
     _guide_options(p)
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     _frozen_part_options(p)

@@ -174,7 +174,8 @@ class ModelConfig(_Section):
     magnitude_preserving: bool = False
     max_sequence_length: int = 0  # T5 tokens per prompt of an SD3 / Flux base; 0 = its pipeline's default (256 / 512)
     # Flux (guidance-distilled, its transformer's guidance_embeds): the guidance input every training sample gets
-    # (diffusers' Flux script's --guidance_scale default); validation.distilled_guidance is the samples'. Other bases: unused
+    # (diffusers' Flux script's --guidance_scale default); validation.distilled_guidance is the samples'.
+    # Other bases: unused
     distilled_guidance: float = 3.5
     # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
     # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers

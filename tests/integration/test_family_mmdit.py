@@ -151,7 +151,8 @@ def test_training_defaults_follow_the_schedulers(sd3_folder, flux_folder):
     # data.resolution: the pipelines' default height, sample_size x the VAE's factor (4 in the tiny bases); Flux's
     # transformer has no sample_size: FluxPipeline's default_sample_size 128
     assert SD3Family().native_resolution(sd3_folder) == 8 * 4
-    assert FluxFamily().native_resolution(flux_folder) == 128 * 4 == _pipe("FluxPipeline", flux_folder).default_sample_size * 4
+    flux_pipe = _pipe("FluxPipeline", flux_folder)
+    assert FluxFamily().native_resolution(flux_folder) == 128 * 4 == flux_pipe.default_sample_size * flux_pipe.vae_scale_factor
 
 
 @pytest.mark.parametrize("which", ["sd3", "flux"])

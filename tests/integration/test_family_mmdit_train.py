@@ -13,7 +13,8 @@ pytest.importorskip("peft")
 from difftrain.config import load_config  # noqa: E402
 from difftrain.training import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
-from tests.family_bases import T5_LENGTH, with_run_conditions, write_tiny_flux_folder, write_tiny_sd3_folder  # noqa: E402
+from tests.family_bases import (T5_LENGTH, with_run_conditions, write_tiny_flux_folder,  # noqa: E402
+                                write_tiny_sd3_folder)
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
 
 WRITERS = {"sd3": write_tiny_sd3_folder, "flux": write_tiny_flux_folder}

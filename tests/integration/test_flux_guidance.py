@@ -86,7 +86,8 @@ def test_the_configured_guidance_reaches_the_transformer_and_not_the_text_cache(
 
     from difftrain.cli import main
 
-    for option, want in (([], 5.0), (["--distilled-guidance", "6.5"], 6.5)):  # the run's validation value, or the option's
+    # sample: the run's validation value, or the option's
+    for option, want in (([], 5.0), (["--distilled-guidance", "6.5"], 6.5)):
         seen.clear()
         assert main(["sample", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / f"out{want}"), "--num",
                      "1", "--steps", "1", "--sampler", "euler", "--prompt", "a red square", "--device", "cpu",

@@ -268,7 +268,7 @@ class Family(ABC):
         except ValueError:
             return None  # an unreadable config: loading that part says what is wrong, in one line
         size = config.get("sample_size", self.default_sample_size)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or not isinstance(blocks, list) or not blocks:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or not (isinstance(blocks, list) and blocks):
             return None
         return size * 2 ** (len(blocks) - 1)
 
