@@ -146,10 +146,11 @@ def restore_clip_tokenizers(path: Path, *names: str) -> None:
         write_tiny_tokenizer(path / name)
 
 
-def write_tiny_sd3_folder(path: str | Path, seed: int = 0) -> Path:
+def write_tiny_sd3_folder(path: str | Path, seed: int = 0, t5: bool = True) -> Path:
     """Write a StableDiffusion3Pipeline folder into ``path`` (model_index.json, transformer/, vae/,
     text_encoder{,_2,_3}/, tokenizer{,_2,_3}/, scheduler/); ``StableDiffusion3Pipeline.from_pretrained``
-    loads it and samples 32 px images."""
+    loads it and samples 32 px images. ``t5=False``: without text_encoder_3/ and tokenizer_3/ (SD3 without
+    T5: ``from_pretrained(path, text_encoder_3=None, tokenizer_3=None)`` loads it)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     path = Path(path)
@@ -168,8 +169,8 @@ def write_tiny_sd3_folder(path: str | Path, seed: int = 0) -> Path:
         tokenizer=tokenizer,
         text_encoder_2=tiny_clip(vocab, CLIP_G_WIDTH, seed + 2, projection=True),
         tokenizer_2=tokenizer,
-        text_encoder_3=tiny_t5_encoder(len(t5_tokenizer), T5_WIDTH, seed + 3),
-        tokenizer_3=t5_tokenizer,
+        text_encoder_3=tiny_t5_encoder(len(t5_tokenizer), T5_WIDTH, seed + 3) if t5 else None,
+        tokenizer_3=t5_tokenizer if t5 else None,
     )
     pipe.save_pretrained(path)
     restore_clip_tokenizers(path, "tokenizer", "tokenizer_2")
@@ -202,3 +203,12 @@ def write_tiny_flux_folder(path: str | Path, seed: int = 0) -> Path:
     pipe.save_pretrained(path)
     restore_clip_tokenizers(path, "tokenizer")
     return path
+
+
+def with_run_conditions(family, cond: dict) -> dict:
+    """``cond`` (a family's prompt-encoder output, batch-first) with the family's per-run scalars at their
+    defaults (``Family.run_conditions``: Flux's distilled guidance 3.5), as ``Conditioning`` adds them."""
+    from difftrain.config import Config
+
+    n = next(iter(cond.values())).shape[0]
+    return cond | {k: torch.full((n,), v) for k, v in family.run_conditions(Config()).items()}

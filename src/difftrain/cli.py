@@ -113,7 +113,7 @@ def _sample(args: argparse.Namespace) -> int:
     _make_folder(Path(args.out), "--out")
     loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device,
                         text_encoder=args.text_encoder, vae=args.vae, lora=args.lora, lora_scale=args.lora_scale,
-                        base=args.base)
+                        base=args.base, distilled_guidance=args.distilled_guidance)
     from difftrain.autoguidance import with_guide
 
     loaded = with_guide(loaded, args.guide, args.guide_weight, guide_step=args.guide_step, use_ema=not args.no_ema)
@@ -456,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append",
                    help="text-conditioned models: the prompt of every image (given once), or of each image (given --num times)")
     p.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance scale (labels or prompts)")
+    p.add_argument("--distilled-guidance", type=float,
+                   help="a Flux base's guidance input (guidance-distilled; default: the run's "
+                        "validation.distilled_guidance, 3.5)")
     _guide_options(p)
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     _frozen_part_options(p)

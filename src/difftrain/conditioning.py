@@ -89,6 +89,9 @@ class Conditioning:
         self._null_text: Tensor | None = None  # the empty caption's encoding (1, L, D), once
         self._null_tokens: dict[str, Tensor] = {}  # the empty caption's token ids (1, L), once per device
         self.family = None  # a base family's text (difftrain.families): text is then its PromptEncoder
+        # the family's per-run scalars (Family.run_conditions: Flux's distilled guidance), training's and sampling's
+        self.train_values: dict[str, float] = {}
+        self.sample_values: dict[str, float] = {}
         if codec is not None and resolution % codec.factor:
             raise ValueError(f"data.resolution={resolution} must be a multiple of the VAE's downsampling factor "
                              f"{codec.factor} (model.vae {codec.source})")
@@ -126,6 +129,8 @@ class Conditioning:
             codec = LatentCodec.from_path(cfg.model.vae).to(device)
         made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution)
         made.family = family
+        if family is not None:
+            made.train_values, made.sample_values = family.run_conditions(cfg), family.run_conditions(cfg, True)
         if family is not None and codec is not None and cfg.data.resolution % family.image_side_multiple(codec):
             raise ValueError(f"data.resolution={cfg.data.resolution} must be a multiple of "
                              f"{family.image_side_multiple(codec)} for the {family.name} base {cfg.model.init_from} "
@@ -170,7 +175,8 @@ class Conditioning:
             cond = self.text.encode(list(second), device)
             if drop is not None:
                 cond = drop_rows(cond, self.text.null(1, device), drop)
-            return cond | self._image_conditions(len(second), device, geometry, size)
+            n = len(second)
+            return cond | self._image_conditions(n, device, geometry, size) | self._run_values(n, device)
         if self.text is not None:
             ids = to_device_async(self.text.tokenize(list(second)), device)  # (B, L), made on the host
             if drop is not None:  # the empty caption's tokens on the dropped rows, chosen on the device
@@ -194,14 +200,15 @@ class Conditioning:
         if self.text is None:
             raise ValueError("prompts need a text-conditioned model (model.text_encoder)")
         if self.family is not None:
-            return self.text.encode(list(prompts), device) | self._image_conditions(len(prompts), device)
+            return (self.text.encode(list(prompts), device) | self._image_conditions(len(prompts), device)
+                    | self._run_values(len(prompts), device, sampling=True))
         return self.text.encode_ids(self.text.tokenize(list(prompts)).to(device))
 
     def null(self, n: int, device: torch.device | str = "cpu") -> Tensor | None:
         """The null condition for ``n`` rows: the null label (n,), the empty caption's embedding
         (n, L, D), or None for an unconditional run."""
         if self.family is not None:
-            return self.text.null(n, device) | self._image_conditions(n, device)
+            return self.text.null(n, device) | self._image_conditions(n, device) | self._run_values(n, device, True)
         if self.text is not None:
             if self._null_text is None or self._null_text.device != torch.device(device):
                 self._null_text = self.text.encode_ids(self.text.tokenize([""]).to(device))
@@ -218,6 +225,12 @@ class Conditioning:
         if geometry is not None:
             return self.family.image_conditions(geometry.to(device), size, device)
         return expand_rows(self.family.image_conditions(None, size, device), n)
+
+    def _run_values(self, n: int, device, sampling: bool = False) -> dict[str, Tensor]:
+        """The family's per-run scalars as (n,) float32 rows: training's (:meth:`condition`) or, with
+        ``sampling``, the samples' (:meth:`prompts`, :meth:`null`); Flux: ``{"guidance": ...}``."""
+        values = self.sample_values if sampling else self.train_values
+        return {k: torch.full((n,), v, device=device) for k, v in values.items()}
 
     def pixel_size(self, x: Tensor) -> tuple[int, int]:
         """(H, W) in pixels of a batch of what the network denoises (latents: times the VAE's factor)."""

@@ -26,6 +26,7 @@ Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
 FlowTSampling = Literal["logit_normal", "mode", "uniform"]  # diffusion/flow.py T_SAMPLINGS
+FlowLoss = Literal["velocity", "x0"]  # diffusion/flow.py FLOW_LOSSES
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -119,7 +120,9 @@ class DataConfig(_Section):
     path: str = "builtin:shapes"  # a folder of images, tar shards (a-{0000..0099}.tar), a HF dataset, or builtin:NAME
     image_column: str = "image"  # Hugging Face datasets: the column holding the images
     label_column: str = ""  # Hugging Face datasets: the column of class labels ("" = none; class_conditional needs one)
-    resolution: int = 32  # pixels; short side resized (antialiased), then center-cropped
+    # pixels; short side resized (antialiased), then center-cropped. A base folder (model.init_from) makes it the
+    # base's native size unless set (its pipeline's default: denoiser sample_size x VAE factor, SDXL 1024, SD 1.5 512)
+    resolution: int = 32
     channels: int = 3  # 3 = RGB, 1 = grayscale
     random_flip: bool = True  # random horizontal flip
     color_jitter: float = 0.0  # relative strength of brightness/contrast/saturation jitter
@@ -170,6 +173,10 @@ class ModelConfig(_Section):
     # optimizer step (forced weight normalisation; pair it with optim.lr_schedule = "inverse_sqrt")
     magnitude_preserving: bool = False
     max_sequence_length: int = 0  # T5 tokens per prompt of an SD3 / Flux base; 0 = its pipeline's default (256 / 512)
+    # Flux (guidance-distilled, its transformer's guidance_embeds): the guidance input every training sample gets
+    # (diffusers' Flux script's --guidance_scale default); validation.distilled_guidance is the samples'.
+    # Other bases: unused
+    distilled_guidance: float = 3.5
     # start from these weights instead of random ones (a new run; a resume loads its checkpoint):
     # a diffusers UNet2DModel folder, a difftrain .safetensors, or a checkpoint / run directory; a diffusers
     # UNet2DConditionModel folder (or a Stable Diffusion folder) makes the network that UNet, to fine-tune
@@ -220,6 +227,9 @@ class DiffusionConfig(_Section):
     flow_max_shift: float = 1.15  # mu at flow_max_seq_len tokens (Flux's scheduler max_shift)
     flow_base_seq_len: int = 256  # tokens of flow_base_shift (base_image_seq_len)
     flow_max_seq_len: int = 4096  # tokens of flow_max_shift (max_image_seq_len)
+    # what flow training regresses: "velocity" (eps - x0, weight 1: rectified flow, the SD3 paper's loss) or "x0"
+    # (the denoised image x_t - t v, = the velocity error x t^2: diffusers' SD3 script's --precondition_outputs 1)
+    flow_loss: FlowLoss = "velocity"
     noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
 
 
@@ -297,6 +307,9 @@ class ValidationConfig(_Section):
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
     guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
+    # Flux: the guidance input of the grids, FID and DreamBooth class samples, and of `sample` unless
+    # --distilled-guidance (FluxPipeline's guidance_scale default); other bases: unused
+    distilled_guidance: float = 3.5
     guide: str = ""  # autoguidance of the grids and FID samples: a guide checkpoint or run (a weaker model); "" = none
     guide_weight: float = 2.0  # autoguidance weight w: D_guide + w (D - D_guide); 2 network evaluations per step
     raw_grid: bool = False  # also a grid from the raw (non-EMA) weights, in samples/raw/
@@ -547,8 +560,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), value
 
 def _follow_base(cfg: Config, chosen: set[str]) -> None:
     """Give the keys a base folder decides (``Family.training_defaults``: its text encoder and VAE,
-    captions, the schedule and prediction of its scheduler config) the base's values, where the preset
-    and the ``--set`` options (``chosen``) do not name them: a base fine-tunes as it was trained."""
+    captions, the schedule and prediction of its scheduler config; ``data.resolution``: the base's native
+    size, ``Family.native_resolution``) the base's values, where the preset and the ``--set`` options
+    (``chosen``) do not name them: a base fine-tunes as it was trained."""
     from difftrain.families import family_of_config  # local: the families load diffusers lazily
 
     try:
@@ -565,6 +579,9 @@ def _follow_base(cfg: Config, chosen: set[str]) -> None:
         defaults = family.training_defaults(Path(cfg.model.init_from).expanduser())
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}") from None
+    native = family.native_resolution(Path(cfg.model.init_from).expanduser())
+    if native is not None:  # the base's own size (its pipeline's default), not difftrain's 32 px default
+        defaults.setdefault("data.resolution", native)
     d, v = cfg.data, cfg.validation
     if not (d.cache or d.heldout_fraction or v.memorization not in ("auto", "off")):
         defaults.setdefault("data.buckets", "aspect")  # photos of every shape; not where a chosen option needs squares
@@ -703,6 +720,9 @@ def _check_text(cfg: Config) -> None:
            f"validation.prompts holds {len(v.prompts)} prompts, more than validation.num_images={v.num_images}")
     _check(v.guidance_scale >= 0, f"validation.guidance_scale must be >= 0, got {v.guidance_scale}")
     _check(v.guide_weight >= 0, f"validation.guide_weight must be >= 0, got {v.guide_weight}")
+    for key, value in (("model.distilled_guidance", m.distilled_guidance),
+                       ("validation.distilled_guidance", v.distilled_guidance)):
+        _check(value >= 0, f"{key} must be >= 0 (Flux's guidance input; 3.5 its default), got {value}")
     _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
 
 

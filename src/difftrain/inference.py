@@ -36,7 +36,8 @@ class LoadedModel:
 
 def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str = "auto", *,
                text_encoder: str | None = None, vae: str | None = None, lora: str | Path | None = None,
-               lora_scale: float = 1.0, base: str | None = None) -> LoadedModel:
+               lora_scale: float = 1.0, base: str | None = None,
+               distilled_guidance: float | None = None) -> LoadedModel:
     """The network of a checkpoint (file, checkpoints/ folder or run directory), EMA weights
     unless ``use_ema`` is False, on ``device``. A weights file (``.safetensors``, from ``difftrain
     export --format safetensors``) holds one set of weights, used whatever ``use_ema`` says.
@@ -49,7 +50,8 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     put on the base it was trained on (its ``model.init_from``, or ``base`` where that moved; the
     digest must match), or a LoRA file of another program (diffusers' scripts, kohya sd-scripts,
     ComfyUI) put on the base folder ``base`` (``lora_import.py``); ``lora_scale`` scales the adapter of
-    it or of a LoRA run's checkpoint (1 = as trained, 0 = the base alone)."""
+    it or of a LoRA run's checkpoint (1 = as trained, 0 = the base alone). ``distilled_guidance``: a Flux
+    base's guidance input for the samples instead of the run's ``validation.distilled_guidance``."""
     from difftrain.interop import is_weights_file, load_weights_file
 
     if (checkpoint is None) == (lora is None):
@@ -74,9 +76,14 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
             raise ValueError(f"--base given, but {state['path']} holds no LoRA adapter (--base is where an "
                              "adapter's base is now)")
         cfg.model.init_from = base  # where the adapter's base is now (checked by digest); validated like any change
+    if distilled_guidance is not None:
+        cfg.validation.distilled_guidance = distilled_guidance  # validated: one line naming the key
     num_classes = state["num_classes"]
     device = resolve_device(device)
     conditioning = Conditioning.from_config(cfg, num_classes, device)
+    if distilled_guidance is not None and "guidance" not in conditioning.sample_values:
+        raise ValueError(f"--distilled-guidance given, but {state['path']} is not a model of a guidance-distilled base "
+                         "(Flux): it has no guidance input")
     if state.get("frozen", {}) is not None:  # None: another program's LoRA file, on the base's own parts
         conditioning.check_references(state.get("frozen", {}), state["path"])
     check_quantize_device(cfg, device)  # a quantized base's run samples on its quantized base, as it validated

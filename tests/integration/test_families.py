@@ -65,6 +65,26 @@ def test_cuda_graphs_on_with_a_base_family_is_refused_in_one_line(sd_folder):
     assert load_config(None, [f"model.init_from={sd_folder}", "lora.rank=4", "train.cuda_graphs=auto"])
 
 
+def test_a_base_trains_at_its_native_resolution_unless_the_user_set_one(sd_folder, tmp_path):
+    """data.resolution unset: the base's own size, as its pipeline's default height (the UNet's sample_size 8
+    x the tiny VAE's factor 2 = 16 px), not difftrain's 32; set (to 32 as well), in a preset or by --set: kept.
+    difftrain's own UNet (no family, or a UNet2DModel folder) keeps 32."""
+    assert FAMILIES["sd"].native_resolution(sd_folder) == 16
+    assert load_config(None, [f"model.init_from={sd_folder}"]).data.resolution == 16
+    assert load_config(None, [f"model.init_from={sd_folder}", "data.resolution=32"]).data.resolution == 32
+    preset = tmp_path / "preset.toml"
+    preset.write_text("[data]\nresolution = 32\n")
+    assert load_config(preset, [f"model.init_from={sd_folder}"]).data.resolution == 32
+    assert load_config(None, values={"model": {"init_from": str(sd_folder)}}).data.resolution == 16
+    assert load_config(None, [f"model.init_from={sd_folder}", "model.family="]).data.resolution == 32
+    assert load_config(None, [f"model.init_from={sd_folder / 'unet'}"]).data.resolution == 32  # a bare UNet: no VAE
+    assert load_config().data.resolution == 32
+    own = tmp_path / "ddpm"  # a UNet2DModel folder: difftrain's own UNet takes it, at its own default
+    own.mkdir()
+    (own / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel", "sample_size": 8}))
+    assert load_config(None, [f"model.init_from={own}"]).data.resolution == 32
+
+
 def test_drop_rows_replaces_dropped_rows_by_the_null_condition_without_a_host_read():
     cond = {"prompt_embeds": torch.ones(3, 2, 4), "pooled": torch.ones(3, 5)}
     null = {"prompt_embeds": torch.zeros(1, 2, 4), "pooled": torch.full((1, 5), 7.0)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.family_bases import T5_LENGTH, write_tiny_flux_folder, write_tiny_sd3_folder
+from tests.family_bases import T5_LENGTH, with_run_conditions, write_tiny_flux_folder, write_tiny_sd3_folder
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -66,6 +66,8 @@ def test_flux_prompt_encoder_and_denoiser_equal_the_pipelines(flux_folder):
     embeds, pooled, text_ids = pipe.encode_prompt(CAPTIONS, None, max_sequence_length=T5_LENGTH)
     close(cond["prompt_embeds"], embeds)
     close(cond["pooled"], pooled)
+    assert set(cond) == {"prompt_embeds", "pooled"}  # the guidance is the run's, not the text's
+    cond = with_run_conditions(family, cond)
     assert torch.equal(cond["guidance"], torch.full((2,), 3.5))
     x, t = torch.randn(2, 16, 8, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([900.0, 25.0])
     packed = diffusers.FluxPipeline._pack_latents(x, 2, 16, 8, 6)
@@ -77,6 +79,41 @@ def test_flux_prompt_encoder_and_denoiser_equal_the_pipelines(flux_folder):
     net = family.load_denoiser(flux_folder)
     close(net(x, t, cond), diffusers.FluxPipeline._unpack_latents(want, 8 * 4, 6 * 4, 4))
     assert len(family.fsdp_units(net)) == 2
+
+
+def test_sd3_without_t5_encodes_zeros_as_the_pipeline_and_trains(tmp_path):
+    """A base without text_encoder_3/ and tokenizer_3/: the T5 part is zeros (the transformer's
+    joint_attention_dim wide), what StableDiffusion3Pipeline(text_encoder_3=None).encode_prompt gives;
+    a LoRA run on it trains a step and samples its validation grid."""
+    from difftrain.config import load_config
+    from difftrain.training.loop import train
+    from tests.integration.test_text_train import _captioned_folder
+
+    folder = write_tiny_sd3_folder(tmp_path / "no_t5", t5=False)
+    assert not (folder / "text_encoder_3").exists() and not (folder / "tokenizer_3").exists()
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(str(folder), text_encoder_3=None, tokenizer_3=None)
+    enc = SD3Family().load_prompt_encoder(folder, max_sequence_length=T5_LENGTH)
+    assert enc.t5 is None and enc.dim == pipe.transformer.config.joint_attention_dim
+    cond = enc.encode(CAPTIONS)
+    embeds, _, pooled, _ = pipe.encode_prompt(CAPTIONS, None, None, do_classifier_free_guidance=False,
+                                              max_sequence_length=T5_LENGTH)
+    assert cond["prompt_embeds"].shape == embeds.shape == (2, 16 + T5_LENGTH, enc.dim)
+    close(cond["prompt_embeds"], embeds)
+    close(cond["pooled"], pooled)
+    assert not cond["prompt_embeds"][:, 16:].any()  # the T5 part: zeros
+    assert SD3Family().load_prompt_encoder(folder).t5_length == 256  # the pipeline's default, no tokenizer to cap it
+    _captioned_folder(tmp_path / "data", n=4, size=32)
+    cfg = load_config(None, ["data.resolution=32", "data.num_workers=0", f"data.path={tmp_path / 'data'}",
+                             f"model.init_from={folder}", f"model.max_sequence_length={T5_LENGTH}", "lora.rank=2",
+                             "train.total_steps=1", "train.batch_size=2", "train.progress_bar=false",
+                             "checkpoint.every_steps=1", "validation.every_steps=1", "validation.steps=1",
+                             "validation.num_images=1", "validation.prompts=['a red square']", "text.cache=off"])
+    assert train(cfg, tmp_path / "run").step == 1
+    assert list((tmp_path / "run" / "samples").glob("*.png"))
+    (folder / "tokenizer_3").mkdir()  # half a T5: one line naming the missing part
+    with pytest.raises(ValueError, match="text_encoder_3") as info:
+        SD3Family().load_prompt_encoder(folder)
+    assert "\n" not in str(info.value)
 
 
 def test_families_are_registered_and_detected(sd3_folder, flux_folder):
@@ -111,6 +148,11 @@ def test_training_defaults_follow_the_schedulers(sd3_folder, flux_folder):
     flux = FluxFamily().training_defaults(flux_folder)
     assert flux["diffusion.flow_dynamic_shift"] and flux["diffusion.flow_t_sampling"] == "uniform"
     assert flux["diffusion.flow_train_shift"] == 1.0
+    # data.resolution: the pipelines' default height, sample_size x the VAE's factor (4 in the tiny bases); Flux's
+    # transformer has no sample_size: FluxPipeline's default_sample_size 128
+    assert SD3Family().native_resolution(sd3_folder) == 8 * 4
+    flux_pipe = _pipe("FluxPipeline", flux_folder)
+    assert FluxFamily().native_resolution(flux_folder) == 128 * 4 == flux_pipe.default_sample_size * flux_pipe.vae_scale_factor
 
 
 @pytest.mark.parametrize("which", ["sd3", "flux"])
@@ -120,7 +162,7 @@ def test_bad_input_gets_one_line(tmp_path, sd3_folder, flux_folder, which):
         family.load_prompt_encoder(folder, max_sequence_length=600)
     assert "\n" not in str(info.value) and str(folder) in str(info.value)
     net = family.load_denoiser(folder)
-    cond = family.load_prompt_encoder(folder).encode(["a"])
+    cond = with_run_conditions(family, family.load_prompt_encoder(folder).encode(["a"]))
     with pytest.raises(ValueError, match="patches") as info:
         net(torch.zeros(1, 16, 7, 8), torch.tensor([500.0]), cond)
     assert "\n" not in str(info.value)
@@ -199,7 +241,7 @@ def _difftrain_sample(family, folder, x_T, steps, guidance_scale):
     obj = FlowObjective(shift=d["diffusion.flow_shift"], grid_end=d["diffusion.flow_grid_end"],
                         dynamic_shift=d["diffusion.flow_dynamic_shift"])
     enc, net = family.load_prompt_encoder(folder), family.load_denoiser(folder)
-    cond, null = enc.encode(["a red circle"]), enc.encode([""])
+    cond, null = (with_run_conditions(family, enc.encode(c)) for c in (["a red circle"], [""]))
 
     def network(x, t):
         if guidance_scale <= 1:
@@ -265,7 +307,7 @@ def test_a_lora_file_of_diffusers_scripts_samples_on_the_base_it_names(tmp_path,
         for layer in net.model.modules():
             if hasattr(layer, "scaling") and "default" in getattr(layer, "scaling", {}):
                 layer.scaling["default"] = 2.0
-    cond = family.load_prompt_encoder(folder).encode(CAPTIONS, "cpu")
+    cond = with_run_conditions(family, family.load_prompt_encoder(folder).encode(CAPTIONS, "cpu"))
     x, t = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([900.0, 25.0])
     with torch.no_grad():
         close(loaded.model(x, t, cond), net(x, t, cond))

@@ -13,7 +13,8 @@ pytest.importorskip("peft")
 from difftrain.config import load_config  # noqa: E402
 from difftrain.training import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
-from tests.family_bases import T5_LENGTH, write_tiny_flux_folder, write_tiny_sd3_folder  # noqa: E402
+from tests.family_bases import (T5_LENGTH, with_run_conditions, write_tiny_flux_folder,  # noqa: E402
+                                write_tiny_sd3_folder)
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
 
 WRITERS = {"sd3": write_tiny_sd3_folder, "flux": write_tiny_flux_folder}
@@ -102,7 +103,8 @@ def _lora_export_loads_in_the_pipeline(tmp_path, bases, name):
     pipe = getattr(diffusers, family.pipeline_class).from_pretrained(str(bases[name]))
     pipe.load_lora_weights(str(tmp_path / "lora"))
     ours = load_model(tmp_path / "straight", device="cpu").model.eval()
-    cond = family.load_prompt_encoder(bases[name], max_sequence_length=T5_LENGTH).encode(["a red square"])
+    cond = with_run_conditions(family, family.load_prompt_encoder(bases[name], max_sequence_length=T5_LENGTH)
+                               .encode(["a red square"]))
     x, t = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([700.0])
     theirs = family.denoiser_class(pipe.transformer)  # the pipeline's transformer behind difftrain's call
     with torch.no_grad():

@@ -84,6 +84,10 @@ def test_literal_choices_match_the_registries():
     assert set(OBJECTIVE_SAMPLERS["ddpm"]) == set(SAMPLERS)
     assert set(OBJECTIVE_SAMPLERS) == set(OBJECTIVES)
     assert set(typing.get_args(C.ObjectiveName)) == set(OBJECTIVES)
+    from difftrain.diffusion.flow import FLOW_LOSSES, T_SAMPLINGS
+
+    assert set(typing.get_args(C.FlowLoss)) == set(FLOW_LOSSES)
+    assert set(typing.get_args(C.FlowTSampling)) == set(T_SAMPLINGS)
 
 
 def test_incompatible_keys_are_the_architecture_ones():

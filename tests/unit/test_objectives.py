@@ -216,6 +216,40 @@ def test_flow_path_velocity_and_logit_normal_levels():
     assert torch.bincount(obj.bucket(strat, 10), minlength=10).tolist() == [3] * 10
 
 
+def test_flow_x0_loss_is_sigma_squared_times_the_velocity_loss_and_the_x0_error():
+    """``diffusion.flow_loss = "x0"`` (diffusers' SD3 script's --precondition_outputs 1: the output made
+    x0_hat = x_t - sigma v_hat, the loss ||x0_hat - x0||^2) is sigma^2 times the velocity loss and equals
+    the x0 error computed directly; the default "velocity" is the plain velocity error, unchanged."""
+    from difftrain.config import load_config
+    from difftrain.diffusion.objective import build_objective
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.rand(6, 3, 4, 4, generator=g) * 2 - 1, torch.randn(6, 3, 4, 4, generator=g)
+    t = torch.tensor([0.02, 0.2, 0.45, 0.6, 0.85, 0.99])
+    head = torch.nn.Conv2d(3, 3, 1)
+    torch.nn.init.normal_(head.weight, generator=g)  # some network, far from the target
+
+    def net(x, cond, condition):
+        return head(x) * (cond.view(-1, 1, 1, 1) / 1000)
+
+    velocity = build_objective(load_config(None, ["diffusion.objective=flow"]).diffusion)
+    x0_cfg = load_config(None, ["diffusion.objective=flow", "diffusion.flow_loss=x0"])
+    x0_loss = build_objective(x0_cfg.diffusion)
+    assert velocity.loss == "velocity" and x0_loss.loss == "x0"
+    with torch.no_grad():
+        plain = per_sample_loss(velocity, net, x0, None, t, noise)
+        weighted = per_sample_loss(x0_loss, net, x0, None, t, noise)
+        b = velocity.noised(x0, t, noise)
+        out = net(b.input, b.cond, None)
+    tv = t.view(-1, 1, 1, 1)
+    torch.testing.assert_close(plain, (out - (noise - x0)).square().mean((1, 2, 3)))  # off: unchanged
+    torch.testing.assert_close(weighted, t.square() * plain)
+    x0_hat = b.input - tv * out  # the script's model_pred * (-sigmas) + noisy_model_input
+    torch.testing.assert_close(weighted, (x0_hat - x0).square().mean((1, 2, 3)), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        FlowObjective(loss="eps")
+
+
 def test_flow_grid_uniform_and_shifted():
     torch.testing.assert_close(flow_times(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0], dtype=torch.float64))
     shifted = flow_times(4, shift=3.0)

@@ -14,7 +14,9 @@ digest that checkpoints name, the condition's keys and shapes) and one safetenso
 ``SHA256(caption)[:32].safetensors``, whose tensors are the family's :class:`Condition` for that one
 caption (each (1, ...) float32, exactly what ``PromptEncoder.encode([caption])`` returns) and whose
 metadata names the store key and the caption; ``null.safetensors`` is the null condition
-(``PromptEncoder.null(1)``: caption dropout's, guidance's).
+(``PromptEncoder.null(1)``: caption dropout's, guidance's). Only the text encoders' outputs are cached: a
+run's own settings that enter the condition (``Family.run_conditions``: Flux's distilled guidance) are
+added by ``Conditioning`` at each use, so changing them needs no new store.
 
 KEY is a SHA-256 of the cache version, the family, its prompt options (``Family.prompt_options``: today SD3's
 and Flux's T5 ``max_sequence_length``; any option a family adds there enters the key) and the (relative path, size, mtime) of every file of the
@@ -47,8 +49,11 @@ from torch import Tensor, nn
 from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
 from difftrain.runtime.files import cache_dir as default_cache_dir
 
-# Bump when what the cache holds for the same inputs changes.
-TEXT_CACHE_VERSION = 1
+# Bump when what the cache holds for the same inputs changes. 2: Flux's entries no longer hold the
+# distilled "guidance" (a setting of the run, Family.run_conditions, that version 1 stored in every entry
+# though it was no part of the key); a version-1 store is another key, so it is never read: a run builds
+# version 2 beside it.
+TEXT_CACHE_VERSION = 2
 MANIFEST = "manifest.json"
 NULL_ENTRY = "null"
 MARK = "difftrain-text-cache"  # the metadata value that tells a cache entry from another safetensors file

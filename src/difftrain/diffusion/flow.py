@@ -7,8 +7,14 @@ a_t = 1 - t, b_t = t; Liu et al. eq. 1):
 
     x_t = (1 - t) x0 + t eps,     v = dx_t/dt = eps - x0
 
-The network regresses v with weight 1 (the conditional flow matching loss, Lipman et al. eq. 9;
-diffusers' compute_loss_weighting_for_sd3 "none"/"logit_normal"/"mode": ones). Training t is
+The network regresses v with weight 1 (``loss`` "velocity": the conditional flow matching loss,
+Lipman et al. eq. 9, and SD3's (sec. 2, the velocity loss its weightings w_t multiply);
+diffusers' compute_loss_weighting_for_sd3 "none"/"logit_normal"/"mode": ones), or, with ``loss``
+"x0", the error of the denoised image x0_hat = x_t - t v_hat (diffusers' SD3 script's default
+``--precondition_outputs 1``: it turns the output into x0_hat and regresses x0). Since
+x0_hat - x0 = x_t - t v_hat - x0 = t (v - v_hat), that is the velocity error weighted by t^2:
+difftrain keeps the velocity target and gives it the weight t^2 (the same loss, the same
+gradients). Training t is
 drawn by one of (``t_sampling``; SD3 sec. 3.1, diffusers' compute_density_for_timestep_sampling
 from the same draws):
 
@@ -56,6 +62,21 @@ def _view(v: Tensor, like: Tensor) -> Tensor:
 T_SAMPLINGS = ("logit_normal", "mode", "uniform")
 
 
+def _velocity_weight(t: Tensor) -> Tensor:
+    """Weight 1: the velocity error ||v - v_hat||^2 (Lipman et al. eq. 9; SD3 sec. 2)."""
+    return torch.ones_like(t, dtype=torch.float32)
+
+
+def _x0_weight(t: Tensor) -> Tensor:
+    """Weight t^2: ||x0 - x0_hat||^2 = t^2 ||v - v_hat||^2 with x0_hat = x_t - t v_hat (diffusers' SD3
+    script's --precondition_outputs 1, its default)."""
+    return t.float().square()
+
+
+# name (``diffusion.flow_loss``) -> t (B,) -> the per-sample weight (B,) float32 of the velocity error.
+FLOW_LOSSES = {"velocity": _velocity_weight, "x0": _x0_weight}
+
+
 def mode_times(u: Tensor, scale: float) -> Tensor:
     """SD3's mode sampling (eq. 20): t = 1 - u - scale (cos^2(pi u / 2) - 1 + u) of u in [0, 1]
     (any shape, float64 kept); decreasing in u for 0 <= scale < 1 / (pi / 2 - 1) ~ 1.75."""
@@ -79,6 +100,8 @@ class FlowObjective:
         grid_end: None = the sampling grid linspace(1, 0, N + 1); else linspace(1, end, N) then 0.
         dynamic_shift: sample with Flux's resolution-dependent shift (ignores ``shift``) from
             the latents' token count (h / 2)(w / 2) through base/max shift at base/max seq len.
+        loss: a key of :data:`FLOW_LOSSES`: "velocity" (weight 1) or "x0" (the denoised image's
+            error, weight t^2: diffusers' SD3 script's default).
     """
 
     family = "flow"
@@ -91,9 +114,12 @@ class FlowObjective:
     def __init__(self, logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0,
                  t_sampling: str = "logit_normal", mode_scale: float = 1.29, train_shift: float = 1.0,
                  grid_end: float | None = None, dynamic_shift: bool = False, base_shift: float = 0.5,
-                 max_shift: float = 1.15, base_seq_len: int = 256, max_seq_len: int = 4096):
+                 max_shift: float = 1.15, base_seq_len: int = 256, max_seq_len: int = 4096, loss: str = "velocity"):
         if t_sampling not in T_SAMPLINGS:
             raise ValueError(f"t_sampling must be one of {', '.join(T_SAMPLINGS)}, got {t_sampling!r}")
+        if loss not in FLOW_LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(FLOW_LOSSES)}, got {loss!r}")
+        self.loss = loss
         self.logit_mean, self.logit_std, self.shift = logit_mean, logit_std, shift
         self.t_sampling, self.mode_scale, self.train_shift = t_sampling, mode_scale, train_shift
         self.grid_end, self.dynamic_shift = grid_end, dynamic_shift
@@ -168,12 +194,12 @@ class FlowObjective:
         return flow_times(steps, self.shift, self.grid_end, mu)
 
     def noised(self, x0: Tensor, levels: Tensor, noise: Tensor) -> Noised:
-        """x_t = (1 - t) x0 + t eps, cond 1000 t, target v = eps - x0, weight 1.
+        """x_t = (1 - t) x0 + t eps, cond 1000 t, target v = eps - x0, weight 1 (``loss`` "x0": t^2).
         x0, noise: (B, C, H, W); levels: (B,) t."""
         t = _view(levels, x0)
         noise = noise.to(x0.dtype)
         x_t = (1.0 - t) * x0 + t * noise
-        return Noised(x_t, self.cond(levels), noise - x0, torch.ones_like(levels, dtype=torch.float32))
+        return Noised(x_t, self.cond(levels), noise - x0, FLOW_LOSSES[self.loss](levels))
 
     def x0_hat(self, b: Noised, out: Tensor, levels: Tensor) -> Tensor:
         """x0_hat = x_t - t v_hat from the network output on ``b.input`` = x_t."""

@@ -173,7 +173,8 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
     "edm": lambda d: EDMObjective(d.edm_sigma_data, d.edm_p_mean, d.edm_p_std, d.sigma_min, d.sigma_max, d.rho),
     "flow": lambda d: FlowObjective(d.flow_logit_mean, d.flow_logit_std, d.flow_shift, d.flow_t_sampling,
                                     d.flow_mode_scale, d.flow_train_shift, d.flow_grid_end, d.flow_dynamic_shift,
-                                    d.flow_base_shift, d.flow_max_shift, d.flow_base_seq_len, d.flow_max_seq_len),
+                                    d.flow_base_shift, d.flow_max_shift, d.flow_base_seq_len, d.flow_max_seq_len,
+                                    d.flow_loss),
 }
 
 # name -> the samplers of that family (config validation; the CLI offers their union).

@@ -248,6 +248,30 @@ class Family(ABC):
         "model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True}``
         (read from the folder's scheduler config)."""
 
+    # The denoiser's sample_size (latent pixels) where its config gives none: FluxPipeline's fixed
+    # default_sample_size (128); the other pipelines read the denoiser's config.
+    default_sample_size: int | None = None
+
+    def native_resolution(self, folder: Path) -> int | None:
+        """The image side in pixels the base was made for: its pipeline's default height and width, the
+        denoiser's config ``sample_size`` (else :attr:`default_sample_size`) times the VAE's factor
+        2 ** (len(vae/config.json block_out_channels) - 1), as the diffusers pipelines compute them. None
+        for a folder without ``vae/config.json`` (a bare UNet folder) or without an integer size; the
+        config gives ``data.resolution`` this value unless the user set it (``config._follow_base``)."""
+        folder = Path(folder)
+        vae = folder / "vae" / "config.json"
+        if not vae.is_file():
+            return None
+        try:
+            blocks = read_json(vae, f"base {folder}").get("block_out_channels")
+            config = read_json(self.denoiser_folder(folder) / "config.json", f"base {folder}")
+        except ValueError:
+            return None  # an unreadable config: loading that part says what is wrong, in one line
+        size = config.get("sample_size", self.default_sample_size)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or not (isinstance(blocks, list) and blocks):
+            return None
+        return size * 2 ** (len(blocks) - 1)
+
     # -- parts ------------------------------------------------------------------------------------
 
     @abstractmethod
@@ -305,6 +329,13 @@ class Family(ABC):
     def prompt_options(self, cfg) -> dict[str, object]:
         """Keyword arguments of :meth:`load_prompt_encoder` the run's config gives (none by default;
         SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
+        return {}
+
+    def run_conditions(self, cfg, sampling: bool = False) -> dict[str, float]:
+        """The scalars every sample of a run is conditioned on alike, by condition key: a setting of the
+        run, not an output of the text encoders (so never in the text cache). ``sampling``: the samples'
+        value (validation grids, FID, ``sample``) instead of the training one. None by default; Flux:
+        ``{"guidance": model.distilled_guidance}`` (sampling: ``validation.distilled_guidance``)."""
         return {}
 
     def load_codec(self, folder: Path, device: torch.device | str = "cpu"):

@@ -26,11 +26,15 @@ Transformer call: transformer(hidden_states=packed, timestep=sigma in [0, 1] (it
 Training (the script): sigma = the scheduler's sigmas at floor(1000 u), u by weighting_scheme
   "none" (uniform) by default; the scheduler has use_dynamic_shifting, so those sigmas are NOT
   shifted: training t is uniform and unshifted here too (diffusion.flow_t_sampling = "uniform",
-  flow_train_shift 1). guidance = the script's --guidance_scale (3.5) for every sample.
+  flow_train_shift 1); the loss is the velocity error, weight 1 (difftrain's flow_loss "velocity").
+  guidance = the script's --guidance_scale (default 3.5) for every sample: here
+  model.distilled_guidance (default 3.5, the script's), a setting of the run that Conditioning adds to
+  every condition (Family.run_conditions), not a text-encoder output: the text cache does not hold it.
 Sampling (the pipeline): sigmas linspace(1, 1/N, N), shifted by e^mu with mu linear in the
   packed token count (h/2)(w/2) through (base_image_seq_len, base_shift) and (max_image_seq_len,
   max_shift) (calculate_shift), then 0: here diffusion.flow_dynamic_shift with the scheduler's
-  four values; guidance_scale 3.5 by default, no CFG.
+  four values; guidance_scale 3.5 by default, no CFG: here validation.distilled_guidance (3.5), which
+  ``sample --distilled-guidance`` overrides.
 LoRA: peft on the attention projections and feed-forwards (the script's default targets); files
   in FluxLoraLoaderMixin's format (``transformer.`` + peft names), written by
   FluxPipeline.save_lora_weights, read by its lora_state_dict.
@@ -48,7 +52,6 @@ from difftrain.families.base import Denoiser, PromptEncoder, load_part, require_
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, parts_digest, t5_length, token_ids
 
 DEFAULT_T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (and its most); diffusers' script: 512
-DEFAULT_GUIDANCE = 3.5  # diffusers' script's --guidance_scale and FluxPipeline's guidance_scale default
 KEYS = ("prompt_embeds", "pooled", "guidance")
 
 
@@ -75,7 +78,7 @@ class FluxDenoiser(TransformerDenoiser):
     """``net(x (B, 16, h, w), t (B,) = 1000 t, cond) -> (B, 16, h, w)`` velocity eps - x0: a
     FluxTransformer2DModel called as FluxPipeline calls it (packing, ids and t / 1000 inside).
     cond: {"prompt_embeds": (B, L_t5, joint_attention_dim), "pooled": (B, pooled_projection_dim),
-    "guidance": (B,) (used when the transformer has guidance_embeds)}."""
+    "guidance": (B,) (used when the transformer has guidance_embeds; :meth:`FluxFamily.run_conditions`)}."""
 
     family = "flux"
 
@@ -94,10 +97,10 @@ class FluxDenoiser(TransformerDenoiser):
 
 class FluxPromptEncoder(PromptEncoder):
     """CLIP and T5 of a Flux folder, frozen: ``encode(captions, device) -> {"prompt_embeds": (B, t5_length,
-    W_t5), "pooled": (B, W_clip), "guidance": (B,)}`` as FluxPipeline.encode_prompt; ``guidance`` is the
-    distilled guidance value every sample is trained and sampled with (the same in the null condition)."""
+    W_t5), "pooled": (B, W_clip)}`` as FluxPipeline.encode_prompt. The distilled guidance is not a text
+    output: it is the run's (:meth:`FluxFamily.run_conditions`)."""
 
-    def __init__(self, folder: Path, max_sequence_length: int = 0, guidance: float = DEFAULT_GUIDANCE):
+    def __init__(self, folder: Path, max_sequence_length: int = 0):
         super().__init__()
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
@@ -108,7 +111,6 @@ class FluxPromptEncoder(PromptEncoder):
         self.tok_t5 = load_part(folder, "tokenizer_2", T5TokenizerFast, "T5 tokenizer")
         self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
         self.clip_length = int(self.tok_clip.model_max_length)
-        self.guidance = float(guidance)
         self.digest = parts_digest([self.clip, self.t5], [self.tok_clip, self.tok_t5],
                                    f"t5_length={self.t5_length}")
 
@@ -122,8 +124,7 @@ class FluxPromptEncoder(PromptEncoder):
         pooled = self.clip(token_ids(self.tok_clip, captions, self.clip_length, self.clip.device),
                            output_hidden_states=False).pooler_output
         t5 = self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
-        return {"prompt_embeds": t5.float().to(device), "pooled": pooled.float().to(device),
-                "guidance": torch.full((len(captions),), self.guidance, device=device)}
+        return {"prompt_embeds": t5.float().to(device), "pooled": pooled.float().to(device)}
 
 
 class FluxFamily(TransformerFamily):
@@ -138,6 +139,7 @@ class FluxFamily(TransformerFamily):
                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2")
     foreign_modules = ("attn2", "pos_embed")  # SD3.5's second attention, SD3's position embedding
+    default_sample_size = 128  # FluxPipeline's (its transformer's config has no sample_size): 1024 px with factor 8
 
     def training_defaults(self, folder: Path) -> dict[str, object]:
         """The base's parts, captions on, and rectified flow as diffusers' Flux script trains it:
@@ -151,12 +153,20 @@ class FluxFamily(TransformerFamily):
                 "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
                 "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096))}
 
-    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu", max_sequence_length: int = 0,
-                            guidance: float = DEFAULT_GUIDANCE) -> FluxPromptEncoder:
-        return FluxPromptEncoder(Path(folder), max_sequence_length, guidance).to(device)
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
+                            max_sequence_length: int = 0) -> FluxPromptEncoder:
+        return FluxPromptEncoder(Path(folder), max_sequence_length).to(device)
+
+    def run_conditions(self, cfg, sampling: bool = False) -> dict[str, float]:
+        """``{"guidance": ...}``: the distilled guidance input, ``model.distilled_guidance`` in training (3.5,
+        diffusers' Flux script's --guidance_scale default), ``validation.distilled_guidance`` in sampling
+        (3.5, FluxPipeline's guidance_scale default)."""
+        value = cfg.validation.distilled_guidance if sampling else cfg.model.distilled_guidance
+        return {"guidance": float(value)}
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
-        """T5's tokens, ``joint_attention_dim`` wide, the pooled CLIP embedding and the guidance value."""
+        """T5's tokens, ``joint_attention_dim`` wide, the pooled CLIP embedding and the guidance value
+        (the run's: :meth:`run_conditions`)."""
         return {"prompt_embeds": (max_sequence_length or DEFAULT_T5_LENGTH, int(config["joint_attention_dim"])),
                 "pooled": (int(config["pooled_projection_dim"]),), "guidance": ()}
 

@@ -11,7 +11,10 @@ Prompts -> conditioning (``encode_prompt``). Three text encoders read the same c
   with T5's sequence along the token axis:
       prompt_embeds = cat([pad(cat([h_L, h_G], -1), T5 width), t5], dim=1)    (B, 77 + L_t5, 4096)
   T5 (text_encoder_3, T5EncoderModel, tokenizer_3) reads max_sequence_length tokens (the
-  pipeline's default 256, at most 512); its last hidden state. A folder without T5 makes zeros.
+  pipeline's default 256, at most 512); its last hidden state. Without T5 (the pipeline loaded with
+  text_encoder_3=None; here a folder without text_encoder_3/ and tokenizer_3/), _get_t5_prompt_embeds
+  returns zeros (B, max_sequence_length, transformer.config.joint_attention_dim) and the CLIP states
+  are padded to that width: SD3PromptEncoder does the same.
       pooled = cat([text_embeds_L, text_embeds_G], -1)                       (B, 768 + 1280 = 2048)
   (``text_embeds``: the projected pooler output, ``output[0]`` of CLIPTextModelWithProjection.)
   The negative / dropped prompt is ``encode([""])``: the pipeline encodes "" through all three
@@ -24,10 +27,17 @@ Transformer call: transformer(hidden_states=x (B, 16, h, w), timestep=1000 sigma
   noise - x0 (the scheduler steps x += (sigma_next - sigma) out), difftrain's v = eps - x0
   exactly: no sign flip. difftrain's flow objective conditions the network on 1000 t, which is
   SD3's timestep as it is.
-Training (the script): x_t = (1 - sigma) x0 + sigma eps, target eps - x0, weighting "none" (1);
-  sigma = the scheduler's sigmas at floor(1000 u) with u from compute_density_for_timestep_sampling
-  (logit_normal by default, mean 0, std 1; or mode with scale 1.29); those sigmas are already
-  shifted by the scheduler's shift (3.0): here diffusion.flow_train_shift = shift.
+Training (the script): x_t = (1 - sigma) x0 + sigma eps; sigma = the scheduler's sigmas at
+  floor(1000 u) with u from compute_density_for_timestep_sampling (logit_normal by default, mean 0,
+  std 1; or mode with scale 1.29); those sigmas are already shifted by the scheduler's shift (3.0):
+  here diffusion.flow_train_shift = shift. Its loss, by default (--precondition_outputs 1): the
+  output is made x0_hat = model_pred * (-sigma) + x_t and regressed onto x0 (weighting "none"), i.e.
+  the velocity error weighted by sigma^2; with --precondition_outputs 0, target eps - x0, weight 1.
+  difftrain trains the latter by default (diffusion.flow_loss = "velocity"): the velocity loss of
+  rectified flow and of the SD3 paper (Esser et al. 2024, sec. 2), the target the transformer
+  outputs, which keeps the loss of the low-noise samples instead of shrinking it by sigma^2; the
+  script's is diffusion.flow_loss = "x0" (the same loss: tests/unit/test_objectives.py). Their
+  logged losses differ (each sample's x0 loss is its velocity loss times sigma^2).
 Sampling (the pipeline): set_timesteps(N) makes linspace(1, sigma_min, N) (sigma_min = the
   shifted 1/1000), shifted again, then 0: here diffusion.flow_shift = shift and
   diffusion.flow_grid_end = sigma_min; CFG with guidance_scale 7.0 by default.
@@ -44,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import PromptEncoder, load_part, require_keys
+from difftrain.families.base import PromptEncoder, load_part, read_json, require_keys
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, parts_digest, t5_length, token_ids
 from difftrain.families.sd import CLIP_TOKENS
 
@@ -81,7 +91,10 @@ class SD3Denoiser(TransformerDenoiser):
 class SD3PromptEncoder(PromptEncoder):
     """CLIP-L, CLIP-G and T5 of an SD3 folder, frozen: ``encode(captions, device) -> {"prompt_embeds":
     (B, L_clip + t5_length, W_t5), "pooled": (B, P_L + P_G)}`` as StableDiffusion3Pipeline.encode_prompt
-    (clip_skip None). Its null condition encode([""]) is the pipeline's negative prompt."""
+    (clip_skip None). Its null condition encode([""]) is the pipeline's negative prompt. A folder with
+    neither ``text_encoder_3/`` nor ``tokenizer_3/`` is SD3 without T5: the T5 part is zeros
+    (t5_length tokens, the transformer's ``joint_attention_dim`` wide), as the pipeline makes them when
+    its text_encoder_3 is None; ``t5`` is then None."""
 
     def __init__(self, folder: Path, max_sequence_length: int = 0):
         super().__init__()
@@ -90,19 +103,35 @@ class SD3PromptEncoder(PromptEncoder):
         self.source = str(folder)
         self.clip_l = frozen(load_part(folder, "text_encoder", CLIPTextModelWithProjection, "CLIP-L text encoder"))
         self.clip_g = frozen(load_part(folder, "text_encoder_2", CLIPTextModelWithProjection, "CLIP-G text encoder"))
-        self.t5 = frozen(load_part(folder, "text_encoder_3", T5EncoderModel, "T5 text encoder"))
         self.tok_l = load_part(folder, "tokenizer", CLIPTokenizer, "CLIP-L tokenizer")
         self.tok_g = load_part(folder, "tokenizer_2", CLIPTokenizer, "CLIP-G tokenizer")
-        self.tok_t5 = load_part(folder, "tokenizer_3", T5TokenizerFast, "T5 tokenizer")
+        self.t5 = self.tok_t5 = None
+        if (folder / "text_encoder_3").is_dir() or (folder / "tokenizer_3").is_dir():  # one without the other: one line
+            self.t5 = frozen(load_part(folder, "text_encoder_3", T5EncoderModel, "T5 text encoder"))
+            self.tok_t5 = load_part(folder, "tokenizer_3", T5TokenizerFast, "T5 tokenizer")
+            self.width = int(self.t5.config.d_model)
+        else:
+            width = read_json(folder / "transformer" / "config.json", f"base {folder}").get("joint_attention_dim")
+            if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
+                raise ValueError(f"{folder}: transformer/config.json gives no joint_attention_dim, the width of the "
+                                 "zeros that stand for T5 in a base without text_encoder_3/")
+            self.width = width
         self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
         self.clip_length = int(self.tok_l.model_max_length)
-        self.digest = parts_digest([self.clip_l, self.clip_g, self.t5], [self.tok_l, self.tok_g, self.tok_t5],
-                                   f"t5_length={self.t5_length}")
+        t5 = [] if self.t5 is None else [self.t5]
+        self.digest = parts_digest([self.clip_l, self.clip_g, *t5], [self.tok_l, self.tok_g, *[self.tok_t5] * len(t5)],
+                                   f"t5_length={self.t5_length}" + ("" if t5 else f",t5=zeros({self.width})"))
 
     @property
     def dim(self) -> int:
-        """The width of ``prompt_embeds`` (T5's d_model)."""
-        return int(self.t5.config.d_model)
+        """The width of ``prompt_embeds`` (T5's d_model; without T5 the transformer's joint_attention_dim)."""
+        return self.width
+
+    def _t5(self, captions: list[str]) -> Tensor:
+        """(B, t5_length, width): T5's last hidden state, or zeros without T5 (the pipeline's)."""
+        if self.t5 is None:
+            return torch.zeros(len(captions), self.t5_length, self.width, device=self.clip_l.device)
+        return self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
 
     @torch.no_grad()
     def encode(self, captions: list[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
@@ -111,7 +140,7 @@ class SD3PromptEncoder(PromptEncoder):
             out = model(token_ids(tok, captions, self.clip_length, model.device), output_hidden_states=True)
             embeds.append(out.hidden_states[-2])
             pooled.append(out.text_embeds)
-        t5 = self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
+        t5 = self._t5(captions)
         clip = torch.cat(embeds, dim=-1)
         clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return {"prompt_embeds": torch.cat([clip, t5], dim=-2).float().to(device),
