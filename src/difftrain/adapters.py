@@ -96,6 +96,8 @@ DIFFUSERS_KINDS = ("lora", "dora")
 # weight's rows, or of the adapted weight's columns; peft by the adapted weight's rows), so no file makes
 # ComfyUI apply a peft DoRA exactly; --merge folds it into the base. docs/lora_files.md has the facts.
 KOHYA_KINDS = ("lora", "loha", "lokr")
+
+
 def _family_of(adapter: Adapter, layout: str):
     """The base family of ``adapter``, or one ValueError for difftrain's own networks."""
     from difftrain.families import family_of_record
