@@ -124,9 +124,10 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "dif
     ``text_encoder`` / ``vae``: where a Stable Diffusion fine-tune's frozen parts are now.
 
     A LoRA run: ``format="lora"`` writes the adapter alone in ``lora_layout`` (``out/pytorch_lora_weights.safetensors``:
-    "diffusers", which the family pipeline's ``load_lora_weights(out)`` reads; "kohya", which it, ComfyUI and
-    A1111 read; "difftrain", for difftrain's own networks and LoHa / LoKr; None: diffusers where it loads,
-    else difftrain; docs/lora_files.md); ``merge`` folds it into the base first, for the whole-network formats."""
+    "diffusers", which the family pipeline's ``load_lora_weights(out)`` reads (and ComfyUI, for SD3 and Flux);
+    "kohya", which ComfyUI and A1111 read (and load_lora_weights, for a plain LoRA of SD or SDXL); "difftrain",
+    for difftrain alone; None: the one that loads in the most programs, ``adapters.default_layout``;
+    docs/lora_files.md); ``merge`` folds it into the base first, for the whole-network formats."""
     from difftrain.adapters import export_lora, merged_state
     from difftrain.interop import export_diffusers, save_weights_file
     from difftrain.models.lora import is_lora_record

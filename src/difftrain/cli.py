@@ -580,9 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: fold the adapter into the base and export the whole network")
     p.add_argument("--layout", "--lora-layout", dest="lora_layout", choices=_lora_layouts(), default=None,
-                   help="file layout of --format lora: diffusers (load_lora_weights), kohya (lora_unet_... with alpha: "
-                        "ComfyUI, A1111, load_lora_weights), difftrain (sample --lora only: difftrain's own networks, "
-                        "LoHa, LoKr); default diffusers where the base family's pipeline loads it, else difftrain")
+                   help="file layout of --format lora: diffusers (load_lora_weights; ComfyUI too for SD3 / Flux), "
+                        "kohya (lora_unet_... with alpha: ComfyUI, A1111, and load_lora_weights for SD / SDXL), "
+                        "difftrain (sample --lora only); default: the one that loads in the most programs "
+                        "(docs/lora_files.md); the export names any that does not load it")
     p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA")
     _frozen_part_options(p)
     p.set_defaults(func=_export)

@@ -7,12 +7,15 @@ file as the start of a run's adapter (``model.init_lora_from``).
     init_adapter_from(net, "their.safetensors")               # a new LoraNetwork's adapter from a file
     adapter_start(net, "their.safetensors")                   # the same, as tensors (a net on the meta device)
 
-Every layout goes through the base family's diffusers loader, never a key map of difftrain's: the
+Another program's file goes through the base family's diffusers loader, never a key map of difftrain's: the
 pipeline's ``lora_state_dict`` converts the file (kohya's ``lora_unet_...``, ComfyUI's, diffusers' old
 and peft names; ``Family.lora_state``), diffusers' ``convert_unet_state_dict_to_peft`` names it as peft
 does, and the denoiser's ``load_lora_adapter`` builds peft's layers with the file's ranks, alphas and
 DoRA magnitudes. difftrain then reads those layers back as one adapter: one rank, the most common
 alpha, each other module's alpha folded into its ``lora_B`` (the same function).
+
+difftrain's own kohya-layout files (LoHa and LoKr too, which diffusers does not read) are named back by the
+module names of their base (:func:`kohya_tensors`).
 
 A file applies whole or not at all: a file some of whose modules are not in the base is refused with
 one line saying how many matched (a LoRA of another base of the same family would change half the
@@ -153,11 +156,46 @@ def read_foreign(path: Path, base: str | Path) -> dict:
             "step": 0, "weights": "raw", "tensors": tensors}
 
 
-def kohya_tensors(path: Path, family, record: dict) -> dict[str, Tensor]:
-    """The adapter (peft's names) of a kohya-layout file difftrain exported, converted back by the
-    family's pipeline (``lora_state``: its alpha is the record's, so nothing is folded)."""
-    state, _, _, _ = family.lora_state(path, record["base"]["config"])
-    return peft_names(state, family.lora_prefix)
+def _folds(key: str) -> bool:
+    """Whether ``key`` (peft's names) is the factor a kind's scale folds into: LoRA's and DoRA's ``lora_B``,
+    LoKr's ``lokr_w1`` (or ``lokr_w1_a``); each kind's delta is linear in it."""
+    return ".lora_B." in key or key.endswith((".lokr_w1", ".lokr_w1_a"))
+
+
+def fold_scale(tensors: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """``tensors`` (peft's names) with ``scale`` multiplied into each module's up factor (:func:`_folds`): the
+    same adapter at scale 1 (DoRA's m (W + s B A) / ||W + s B A|| sees s B alone); 1 / scale undoes it."""
+    return {k: (t * scale if _folds(k) and scale != 1 else t).detach().cpu().contiguous() for k, t in tensors.items()}
+
+
+def kohya_name(prefix: str, module: str) -> str:
+    """kohya's (and ComfyUI's) name of a denoiser module: ``prefix`` + its diffusers path with "." -> "_"."""
+    return prefix + module.replace(".", "_")
+
+
+KOHYA_BACK = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
+
+
+def kohya_tensors(path: Path, family, record: dict, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter (peft's names) of a kohya-layout file difftrain exported (``adapters.kohya_layout``):
+    each ``<kohya_prefix><module with _>`` named back after the module of the base (a stand-in built from
+    the record, without weights) it names, ``.alpha`` dropped (the record holds it), LoKr's folded scale
+    divided out. One CheckpointError for a name of no module."""
+    from difftrain.runtime import meta_init
+
+    with meta_init.empty_build():
+        stand_in = family.denoiser_from_record(record["base"])
+    modules = {kohya_name(family.kohya_prefix, n): n for n, _ in stand_in.model.named_modules() if n}
+    out = {}
+    for key, t in tensors.items():
+        name, _, leaf = key.partition(".")
+        if leaf == "alpha":
+            continue
+        if name not in modules:
+            raise CheckpointError(f"LoRA adapter {path}: {key} names no module of its {family.name} base")
+        out[modules[name] + KOHYA_BACK.get("." + leaf, "." + leaf)] = t
+    s = record["lora"]
+    return fold_scale(out, int(s["rank"]) / float(s["alpha"])) if record_kind(record) == "lokr" else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +239,8 @@ def _record_fields(path: Path, metadata: dict) -> dict:
         assert record["format"] == ADAPTER_FORMAT and record["layout"] in LAYOUTS
         fields = {"path": str(path), "config": tomllib.loads(record["config"]), "network": record["network"],
                   "frozen": record["frozen"], "num_classes": 0, "step": record["step"],
-                  "weights": record.get("weights", "ema"), "layout": record["layout"]}
+                  "weights": record.get("weights", "ema"), "layout": record["layout"],
+                  "folded_scale": float(record.get("folded_scale", 1.0))}
     except (AssertionError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"LoRA adapter {path}: bad difftrain metadata ({type(e).__name__} {e})") from None
     check_schema(fields, path, _RECORD_KEYS, "LoRA adapter")  # the record, checked as a checkpoint's is
@@ -211,8 +250,9 @@ def _record_fields(path: Path, metadata: dict) -> dict:
 
 
 def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The adapter (peft's names) of a file difftrain wrote: as they are (difftrain layout), or read back
-    by the base family's pipeline (``read_lora``: diffusers layout; ``lora_state_dict``: kohya layout)."""
+    """The adapter (peft's names) of a file difftrain wrote: as they are (difftrain layout), read back by
+    the base family's pipeline (``read_lora``: diffusers layout, its folded scale divided out), or named back
+    (kohya layout: :func:`kohya_tensors`)."""
     from difftrain.families import family_of_record
 
     if fields["layout"] == "difftrain":
@@ -220,9 +260,9 @@ def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[s
     family = family_of_record(fields["network"]["base"])
     if family is None:
         raise CheckpointError(f"LoRA adapter {path}: its base is a network of no base family")
-    if fields["layout"] == "diffusers":
-        return family.read_lora(path)
-    return kohya_tensors(path, family, fields["network"])
+    if fields["layout"] == "diffusers":  # the adapter's scale folded into lora_B (files before issue 39: 1)
+        return fold_scale(family.read_lora(path), 1 / fields["folded_scale"])
+    return kohya_tensors(path, family, fields["network"], tensors)
 
 
 def init_adapter_from(net, path: str | Path) -> None:

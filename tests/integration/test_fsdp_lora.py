@@ -67,7 +67,7 @@ def test_fsdp_lora_resumes_on_one_process_as_ddp_trains_and_exports_the_same_ada
     assert_close_dicts(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "one" / snapshot)["model"])
     files = [load_file(export(run, tmp_path / run.name, format="lora") / "pytorch_lora_weights.safetensors")
              for run in (root / "ddp", tmp_path / "one")]
-    assert files[0] and all(k.startswith("unet.") for k in files[0])
+    assert files[0] and all(k.startswith("lora_unet_") for k in files[0])  # the default layout: kohya's
     assert_close_dicts(*files)
 
 

@@ -1,6 +1,6 @@
 """LoRA end to end, offline: train an adapter on a tiny random Stable Diffusion UNet
-(tests/text_components.py), resume it exactly, export it in diffusers' layout, load it with
-``StableDiffusionPipeline.load_lora_weights`` and compare the samples with difftrain's own."""
+(tests/text_components.py), resume it exactly, export it (kohya's layout: a plain UNet LoRA's default),
+load it with ``StableDiffusionPipeline.load_lora_weights`` and compare the samples with difftrain's own."""
 
 from __future__ import annotations
 
@@ -404,7 +404,17 @@ class _Payload:
 
 
 def _first_nan(weights) -> None:
-    weights[sorted(weights)[0]][0] = float("nan")
+    weights[sorted(k for k in weights if weights[k].dim())[0]][0] = float("nan")  # a factor, not a 0-d alpha
+
+
+def _misnamed(weights) -> None:
+    key = sorted(k for k in weights if k.endswith(".lora_down.weight"))[0]
+    weights[key.replace("attn1", "attn9")] = weights.pop(key)
+
+
+def _wrong_shape(weights) -> None:
+    key = sorted(k for k in weights if k.endswith(".lora_down.weight"))[0]
+    weights[key] = torch.zeros(weights[key].shape[0], 999)
 
 
 def _cut(path, keep: int) -> None:
@@ -416,6 +426,8 @@ ADAPTER_DAMAGE = {  # case -> (damage(path), what the line says)
     "step-negative": (lambda p: _rewritten(p, record=lambda r: r.update(step=-5)), "'step' must be an integer >= 0"),
     "not-a-lora-record": (lambda p: _rewritten(p, record=lambda r: r.update(network={"kind": "unet"})),
                           "not a LoRA adapter's"),
+    "names-no-module": (lambda p: _rewritten(p, tensors=_misnamed), "attn9_to_k.lora_down.weight names no module of its sd"),
+    "shape-lies": (lambda p: _rewritten(p, tensors=_wrong_shape), "has shape (4, 999)"),
     "crafted-pickle": (lambda p: torch.save({"x": _Payload(p.parent / "marker")}, p), "cannot read LoRA adapter"),
     "truncated": (lambda p: _cut(p, 100), "cannot read LoRA adapter"),
     "header-claims-more-bytes": (lambda p: _cut(p, p.stat().st_size - 64), "cannot read LoRA adapter"),
@@ -441,4 +453,4 @@ def test_a_hostile_adapter_is_one_line_naming_the_file(adapter_file, case, tmp_p
     assert code == 2 and str(path) in line and says in line, line
     assert not list(out.glob("*.png")) and not (tmp_path / "marker").exists()
     if case == "nan-weights":
-        assert "unet." in line  # the first bad tensor, by its name in the file
+        assert "lora_unet_" in line  # the first bad tensor, by its name in the file (the default layout: kohya's)

@@ -85,13 +85,14 @@ def test_a_plain_lora_resumed_as_another_kind_is_one_line(runs, tiny_overrides):
     assert resume_mismatch(cfg.lora, network) == "its adapter has kind 'lora', this config 'dora' (lora.*)"
 
 
-def test_dora_file_loads_in_the_pipeline_with_the_merged_exports_outputs(runs, tmp_path):
+def test_dora_file_loads_in_the_pipeline_with_the_merged_exports_outputs(runs, tmp_path, capsys):
     from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
 
     from difftrain.interop import scheduler_config
     from difftrain.sampling import initial_noise
 
     adapter = api.export(runs / "dora", tmp_path / "adapter", format="lora")  # the default layout: diffusers'
+    assert "loads in diffusers, not in ComfyUI" in capsys.readouterr().err  # export says so, and names --merge
     merged = api.export(runs / "dora", tmp_path / "merged", format="diffusers", merge=True)
     ours = load_model(runs / "dora", device="cpu")
     theirs = _theirs(runs / "sd", adapter, ours.cfg)
@@ -106,17 +107,30 @@ def test_dora_file_loads_in_the_pipeline_with_the_merged_exports_outputs(runs, t
 
 
 @pytest.mark.parametrize("kind", ["loha", "lokr"])
-def test_loha_and_lokr_refuse_the_diffusers_and_kohya_layouts_in_one_line(runs, tmp_path, capsys, kind):
+def test_loha_and_lokr_export_kohyas_layout_for_comfyui_and_refuse_the_diffusers_one(runs, tmp_path, capsys, kind):
+    """LoHa and LoKr: no pipeline's load_lora_weights reads them, so the diffusers layout is one line; the
+    default is kohya's / LyCORIS' layout (lora_unet_... with hada_* / lokr_* and alpha), which ComfyUI applies
+    at the trained strength (test_lora_comfyui.py) and sample --lora reads back; the export says where it loads."""
+    from safetensors import safe_open
+
     from difftrain.cli import main
 
-    for layout in ("diffusers", "kohya"):
-        assert main(["export", str(runs / kind), str(tmp_path / layout), "--format", "lora", "--layout", layout]) == 2
-        line = _one_error_line(capsys)
-        assert f"lora.kind={kind} adapter has no {layout} layout" in line and "--merge" in line, line
-    # difftrain's layout (the default for these kinds) is read back by sample --lora.
+    assert main(["export", str(runs / kind), str(tmp_path / "diffusers"), "--format", "lora", "--layout", "diffusers"]) == 2
+    line = _one_error_line(capsys)
+    assert f"lora.kind={kind} adapter has no diffusers layout" in line and "--merge" in line and "--layout kohya" in line
     assert main(["export", str(runs / kind), str(tmp_path / "own"), "--format", "lora"]) == 0
+    err = capsys.readouterr().err
+    assert "loads in ComfyUI, not in diffusers" in err and "--merge" in err, err
+    with safe_open(str(tmp_path / "own" / "pytorch_lora_weights.safetensors"), framework="pt") as f:
+        keys, metadata = list(f.keys()), f.metadata()
+    assert all(k.startswith("lora_unet_") for k in keys) and any(k.endswith(".alpha") for k in keys)
+    assert any(f".{'hada' if kind == 'loha' else 'lokr'}_w1" in k for k in keys)
+    assert metadata["ss_network_module"] == "lycoris.kohya" and kind in metadata["ss_network_args"]
     expected = _images(load_model(runs / kind, device="cpu"))
     assert (_images(load_model(None, lora=tmp_path / "own", device="cpu")) - expected).abs().max() < 1e-6
+    # difftrain's own layout still reads back as it did
+    assert main(["export", str(runs / kind), str(tmp_path / "dt"), "--format", "lora", "--layout", "difftrain"]) == 0
+    assert (_images(load_model(None, lora=tmp_path / "dt", device="cpu")) - expected).abs().max() < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +169,11 @@ def test_kohya_export_loads_in_diffusers_with_the_same_outputs(runs, tmp_path, c
     assert alpha.item() == 8.0  # the run's alpha (scale 2), per module
     ours = load_model(runs / "lora", device="cpu")
     expected = _images(ours)
-    diffusers_layout = api.export(runs / "lora", tmp_path / "diffusers", format="lora")
+    diffusers_layout = api.export(runs / "lora", tmp_path / "diffusers", format="lora", lora_layout="diffusers")
+    assert "loads in diffusers, not in ComfyUI" in capsys.readouterr().err  # ComfyUI maps none of its keys
+    default = api.export(runs / "lora", tmp_path / "default", format="lora")  # kohya's: it loads everywhere
+    with safe_open(str(default / "pytorch_lora_weights.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(keys)
     via_kohya, via_diffusers = _theirs(runs / "sd", file, ours.cfg), _theirs(runs / "sd", diffusers_layout, ours.cfg)
     assert (via_kohya - via_diffusers).abs().max() < 1e-5
     assert (via_kohya - expected).abs().max() < 1e-4

@@ -126,7 +126,7 @@ def test_sdxl_dreambooth_with_prior_preservation_resumes_exactly(root, tmp_path)
 
 
 def test_sdxl_kohya_export_loads_in_the_pipeline_as_the_diffusers_layout(root, tmp_path):
-    """export --layout kohya (lora_unet_... with alpha, diffusers' convert_state_dict_to_kohya): what
+    """export --layout kohya (lora_unet_... with alpha, kohya's names): what
     StableDiffusionXLPipeline.load_lora_weights samples equals the diffusers layout's, and sample --lora
     reads it back to the run's samples."""
     from diffusers import StableDiffusionXLPipeline

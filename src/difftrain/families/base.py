@@ -233,11 +233,15 @@ class Family(ABC):
     applies_shift_factor: bool = False
     # The denoiser's prefix in the pipeline's LoRA files ("unet." / "transformer.").
     lora_prefix: str = "unet"
-    # Whether a LoRA file in kohya's layout (lora_unet_<module>.lora_down.weight / lora_up.weight / alpha, what
-    # ComfyUI and A1111 read) can be written by diffusers' convert_state_dict_to_kohya and read back by the
-    # pipeline: the UNet families. SD3's and Flux's kohya names are another network's (SGM / BFL, fused qkv),
-    # which no diffusers converter writes.
+    # Whether a plain LoRA in kohya's layout (lora_unet_<module>.lora_down.weight / lora_up.weight / alpha, what
+    # ComfyUI and A1111 read) is also read by the pipeline's load_lora_weights: the UNet families. SD3's and
+    # Flux's kohya names are another network's (SGM / BFL, fused qkv); their diffusers layout is the one that
+    # loads in both diffusers and ComfyUI.
     writes_kohya_lora: bool = False
+    # The prefix of the kohya-layout names ComfyUI maps to the denoiser: "lora_unet_" + the diffusers module path
+    # with "_" for the UNets, "lora_transformer_" + the same for SD3 and Flux (comfy/lora.py model_lora_keys_unet;
+    # docs/lora_files.md). LoHa and LoKr files take these names with LyCORIS' tensor names (hada_w1_a, lokr_w1).
+    kohya_prefix: str = "lora_unet_"
 
     # -- what the base decides ------------------------------------------------------------------
 

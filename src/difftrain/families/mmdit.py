@@ -82,6 +82,7 @@ class TransformerFamily(Family):
     transformer_class = ""
     denoiser_class: type[TransformerDenoiser] = TransformerDenoiser
     lora_prefix = "transformer"
+    kohya_prefix = "lora_transformer_"  # what ComfyUI maps for SD3 and Flux (OneTrainer's names)
     denoiser_subfolder = "transformer"
     # Module names of the other transformer family: a LoRA file naming them is not this family's.
     foreign_modules: tuple[str, ...] = ()

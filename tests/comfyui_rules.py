@@ -1,0 +1,172 @@
+"""ComfyUI's LoRA loading rules, as facts, to check difftrain's LoRA files against offline (no ComfyUI here).
+
+    applied = comfyui_apply(file_tensors, "flux", base_weights)   # {module: the weight ComfyUI would run}
+    applied.not_loaded                                             # the file's keys ComfyUI would skip
+
+Facts read from ComfyUI's source, Comfy-Org/ComfyUI at a125cd84b054a57729b5eecab930ca9408719832
+(2025-10-12): comfy/lora.py (``model_lora_keys_unet``: which key names map to a denoiser weight;
+``load_lora``: the ``.alpha`` / ``.dora_scale`` tensors and the adapter classes tried per key),
+comfy/utils.py (``unet_to_diffusers``, ``mmdit_to_diffusers``, ``flux_to_diffusers``: which diffusers
+modules it maps), comfy/weight_adapter/{lora,loha,lokr,base}.py (``calculate_weight``,
+``weight_decompose``), comfy/lora_convert.py (``convert_lora``: no conversion applies to these files).
+Written here independently from those facts (ComfyUI is GPL; none of its code is in difftrain).
+
+The rules:
+
+* A key ``x`` of the file is a module ComfyUI knows when ``x`` is one of the names below of a diffusers
+  module its maps cover (module path ``m``, ``m_`` = ``m`` with "." -> "_"):
+  SD / SDXL (a UNet): ``lora_unet_<m_>``, ``lycoris_<m_>``, and the old diffusers ``[unet.]<m with
+  .to_ -> .processor.to_, a trailing .to_out.0 -> .to_out>``; never ``unet.<m>`` (peft's names).
+  SD3: ``transformer.<m>``, ``base_model.model.<m>``, ``lora_transformer_<m_>``, ``lycoris_<m_>``.
+  Flux: ``transformer.<m>``, ``lycoris_<m_>``, ``lora_transformer_<m_>``.
+* Per known ``x``: alpha = ``x.alpha`` (a number) if present; every adapter kind is tried:
+  LoRA: up / down = ``x.lora_up.weight`` / ``x.lora_down.weight``, or ``x_lora.up.weight`` /
+  ``x_lora.down.weight``, or ``x.lora_B.weight`` / ``x.lora_A.weight`` (and three rarer pairs);
+  delta = (alpha / rank) up @ down, rank = down's first dimension; scale 1 without an alpha tensor.
+  LoHa: ``x.hada_w1_a, hada_w1_b, hada_w2_a, hada_w2_b``; delta = (alpha / hada_w1_b's first dim)
+  (w1a @ w1b) * (w2a @ w2b); 1 without alpha.
+  LoKr: ``x.lokr_w1`` or ``lokr_w1_a @ lokr_w1_b``, ``x.lokr_w2`` or ``lokr_w2_a @ lokr_w2_b``;
+  delta = s kron(w1, w2), s = alpha / dim where dim is the first dimension of the last decomposed
+  factor's ``_b`` (w2's if decomposed, else w1's), and s = 1 when neither is decomposed or no alpha.
+  DoRA (``x.dora_scale``, shape (out, 1) or (1, in)): W' = dora_scale (W + delta) / (n + eps), n the
+  row norms of the BASE weight W when dora_scale's first dim is out, else the column norms of
+  W + delta (peft's DoRA: m (W + delta) / row norms of W + delta).
+* Every key of the file not consumed above is logged "lora key not loaded" and ignored.
+* Strength 1 (the LoraLoader node's default): W' = W + delta.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+_ATTN = r"(to_q|to_k|to_v|to_out\.0)"
+_UNET_BLOCK = r"(down_blocks\.\d+|up_blocks\.\d+|mid_block)"
+# comfy/utils.py unet_to_diffusers: UNET_MAP_ATTENTIONS, TRANSFORMER_BLOCKS, UNET_MAP_RESNET, UNET_MAP_BASIC.
+UNET_MODULES = [
+    rf"{_UNET_BLOCK}\.attentions\.\d+\.transformer_blocks\.\d+\.(attn1|attn2)\.{_ATTN}",
+    rf"{_UNET_BLOCK}\.attentions\.\d+\.transformer_blocks\.\d+\.(ff\.net\.0\.proj|ff\.net\.2|norm1|norm2|norm3)",
+    rf"{_UNET_BLOCK}\.attentions\.\d+\.(proj_in|proj_out|norm)",
+    rf"{_UNET_BLOCK}\.resnets\.\d+\.(conv1|conv2|time_emb_proj|conv_shortcut|norm1|norm2)",
+    r"down_blocks\.\d+\.downsamplers\.0\.conv", r"up_blocks\.\d+\.upsamplers\.0\.conv",
+    r"(conv_in|conv_out|conv_norm_out|(time_embedding|add_embedding|class_embedding)\.linear_[12])",
+]
+# comfy/utils.py mmdit_to_diffusers (MMDIT_MAP_BLOCK, MMDIT_MAP_BASIC; qkv and attn2 slices).
+SD3_MODULES = [
+    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
+    rf"transformer_blocks\.\d+\.attn2\.{_ATTN}",
+    r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+    r"transformer_blocks\.\d+\.(norm1|norm1_context)\.linear",
+    r"(context_embedder|pos_embed\.proj|proj_out|norm_out\.linear|time_text_embed\.(timestep|text)_embedder\.linear_[12])",
+]
+# comfy/utils.py flux_to_diffusers (double and single blocks; qkv and linear1 slices).
+FLUX_MODULES = [
+    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
+    r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+    r"transformer_blocks\.\d+\.(norm1|norm1_context)\.linear",
+    r"single_transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v)",
+    r"single_transformer_blocks\.\d+\.(proj_mlp|proj_out|norm\.linear)",
+    r"(x_embedder|context_embedder|proj_out|norm_out\.linear|time_text_embed\.(timestep|text|guidance)_embedder\.linear_[12])",
+]
+
+
+def _old_diffusers(m: str) -> str:
+    name = m.replace(".to_", ".processor.to_")
+    return name[:-2] if name.endswith(".to_out.0") else name
+
+
+# family -> (the modules it maps, the key names of a module m) (comfy/lora.py model_lora_keys_unet)
+NAMES = {
+    "sd": (UNET_MODULES, lambda m: [f"lora_unet_{m.replace('.', '_')}", f"lycoris_{m.replace('.', '_')}",
+                                    _old_diffusers(m), "unet." + _old_diffusers(m)]),
+    "sd3": (SD3_MODULES, lambda m: [f"transformer.{m}", f"base_model.model.{m}", f"lora_transformer_{m.replace('.', '_')}",
+                                    f"lycoris_{m.replace('.', '_')}"]),
+    "flux": (FLUX_MODULES, lambda m: [f"transformer.{m}", f"lycoris_{m.replace('.', '_')}",
+                                      f"lora_transformer_{m.replace('.', '_')}"]),
+}
+NAMES["sdxl"] = NAMES["sd"]
+
+# comfy/weight_adapter/lora.py LoRAAdapter.load: (up, down) name pairs, in the order tried.
+LORA_PAIRS = [(".lora_up.weight", ".lora_down.weight"), ("_lora.up.weight", "_lora.down.weight"),
+              (".lora_B.weight", ".lora_A.weight"), (".lora.up.weight", ".lora.down.weight"), (".lora_B", ".lora_A"),
+              (".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),
+              (".lora_B.default.weight", ".lora_A.default.weight")]
+LOHA = (".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b")
+LOKR = (".lokr_w1", ".lokr_w2", ".lokr_w1_a", ".lokr_w1_b", ".lokr_w2_a", ".lokr_w2_b")
+
+
+def key_map(family: str, modules: list[str]) -> dict[str, str]:
+    """ComfyUI's names -> the diffusers module they patch, for a denoiser whose modules with weights are
+    ``modules`` (diffusers paths)."""
+    patterns, names = NAMES[family]
+    known = [m for m in modules if any(re.fullmatch(p, m) for p in patterns)]
+    return {name: m for m in known for name in names(m)}
+
+
+@dataclass
+class Applied:
+    """What ComfyUI does with a file: ``weights`` {module: the weight it runs}; ``not_loaded``: its keys
+    it logs as "lora key not loaded"."""
+
+    weights: dict[str, Tensor] = field(default_factory=dict)
+    not_loaded: list[str] = field(default_factory=list)
+
+
+def _delta(x: str, file: dict[str, Tensor], alpha: float | None, used: set[str]) -> Tensor | None:
+    """The delta of the adapter of key ``x`` (ComfyUI's rules, float32), or None."""
+    f = {k: v.float() for k, v in file.items() if k.startswith(x)}
+    delta = None
+    for up, down in LORA_PAIRS:
+        if x + up in f:
+            u, d = f[x + up], f[x + down]
+            used.update({x + up, x + down})
+            delta = (alpha / d.shape[0] if alpha is not None else 1.0) * (u.flatten(1) @ d.flatten(1))
+            break
+    if x + LOHA[0] in f:
+        w1a, w1b, w2a, w2b = (f[x + n] for n in LOHA)
+        used.update(x + n for n in LOHA)
+        delta = (alpha / w1b.shape[0] if alpha is not None else 1.0) * ((w1a @ w1b) * (w2a @ w2b))
+    if any(x + n in f for n in LOKR):
+        used.update(x + n for n in LOKR if x + n in f)
+        dim = None
+        w1 = f.get(x + ".lokr_w1")
+        if w1 is None:
+            dim, w1 = f[x + ".lokr_w1_b"].shape[0], f[x + ".lokr_w1_a"] @ f[x + ".lokr_w1_b"]
+        w2 = f.get(x + ".lokr_w2")
+        if w2 is None:
+            dim, w2 = f[x + ".lokr_w2_b"].shape[0], f[x + ".lokr_w2_a"] @ f[x + ".lokr_w2_b"]
+        delta = (alpha / dim if alpha is not None and dim is not None else 1.0) * torch.kron(w1, w2)
+    return delta
+
+
+def comfyui_apply(file: dict[str, Tensor], family: str, base: dict[str, Tensor]) -> Applied:
+    """The weights ComfyUI's LoraLoader (strength 1) runs with ``file`` on a ``family`` base whose
+    module weights are ``base`` ({diffusers module path: weight (out, in)})."""
+    out, used = Applied(), set()
+    for x, module in key_map(family, list(base)).items():
+        alpha = float(file[x + ".alpha"]) if x + ".alpha" in file else None
+        if x + ".alpha" in file:
+            used.add(x + ".alpha")
+        dora_scale = file.get(x + ".dora_scale")
+        if dora_scale is not None:
+            used.add(x + ".dora_scale")
+        delta = _delta(x, file, alpha, used)
+        if delta is None:
+            continue
+        w = base[module].float()
+        delta = delta.reshape(w.shape)
+        if dora_scale is None:
+            out.weights[module] = w + delta
+            continue
+        adapted = w + delta
+        eps = torch.finfo(w.dtype).eps
+        if dora_scale.shape[0] == w.shape[0]:
+            norm = w.reshape(w.shape[0], -1).norm(dim=1, keepdim=True)
+        else:
+            norm = adapted.reshape(w.shape[0], -1).norm(dim=0, keepdim=True)
+        out.weights[module] = adapted * (dora_scale.float() / (norm + eps))  # (out, 1) or (1, in)
+    out.not_loaded = sorted(set(file) - used)
+    return out
