@@ -84,7 +84,8 @@ def test_built_once_then_reused(codec, tmp_path):
     assert counting.calls == 6 and counting.images == 20  # 3 batches, each with its mirror images
     second = with_latent_cache(ds, codec=counting, random_flip=True, cache_dir=tmp_path, batch_size=4)
     assert counting.calls == 6 and second.path == first.path
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.path.name, first.path.stem + ".targets.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.path.name, first.path.stem + ".targets.json",
+                                                                 first.path.stem + ".geometry.json"])
     assert (len(second), second.num_classes, second.classes) == (10, 3, ["disc", "square", "triangle"])
     assert (second.latent_channels, second.latent_resolution) == (4, 8)
 
