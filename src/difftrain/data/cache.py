@@ -126,8 +126,9 @@ class CachedImageDataset(Dataset):
     long)``, or ``(image, caption str, geometry)`` for a captioned folder, equal to
     ``folder_dataset[(index, sample_seed)]``. Captions are kept in memory as the folder read
     them (the cache holds pixels only, so its key ignores them), and each image's geometry (its file's
-    original size and crop, SDXL's size conditioning) is made from the sizes the folder's scan found. The cache file is built on first use
-    and opened read-only (memory-mapped, shared by DataLoader workers through the page cache).
+    original size and crop, SDXL's size conditioning) is made from the sizes the folder's scan found. The
+    cache file is built on first use and opened read-only (memory-mapped, shared by DataLoader workers
+    through the page cache).
     """
 
     def __init__(self, dataset: ImageFolderDataset, cache_dir: str | Path | None = None, num_workers: int = 0):
