@@ -1,6 +1,7 @@
 """The step never waits for the device: nothing in difftrain's step reads a tensor's values back
-to the host (on the CPU, by tensor methods that would sync on CUDA, patched to raise; on CUDA,
-torch's sync debug mode)."""
+to the host, nor copies host values to the device with a blocking copy (on the CPU, by tensor methods
+that would sync on CUDA, patched to raise; on CUDA, torch's sync debug mode), for difftrain's UNet and
+for the base families (SDXL's time_ids and both SDXL's and SD's token ids)."""
 
 from __future__ import annotations
 
