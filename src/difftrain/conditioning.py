@@ -18,6 +18,7 @@ run or a sampler that loads it checks that the parts it finds are the same.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -88,6 +89,7 @@ class Conditioning:
         self.channels, self.resolution = channels, resolution
         self._null_text: Tensor | None = None  # the empty caption's encoding (1, L, D), once
         self._null_tokens: dict[str, Tensor] = {}  # the empty caption's token ids (1, L), once per device
+        self._warned_sizes = False  # the one warning for training images without their sizes
         self.family = None  # a base family's text (difftrain.families): text is then its PromptEncoder
         # the family's per-run scalars (Family.run_conditions: Flux's distilled guidance), training's and sampling's
         self.train_values: dict[str, float] = {}
@@ -163,8 +165,9 @@ class Conditioning:
 
         second: the loader's second entry: labels (B,) long, or captions (a list of B strings).
         drop: (B,) bool, the rows whose label or caption is dropped (classifier-free guidance), or None.
-        geometry: (B, 4) long, each image's original (height, width) and crop (top, left), as a bucketed
-            dataset gives them (``data/buckets.py``); None: uncropped at ``size``.
+        geometry: (B, 4) long on the host, each image's original (height, width) and crop (top, left), as
+            every dataset of difftrain gives them (the loader's third entry); None (a dataset that carries
+            none: warned once where the family conditions on them): uncropped at ``size``.
         size: the batch's (H, W) in pixels; None: (data.resolution, data.resolution).
         Returns labels (B,) long (the null label where dropped), text embeddings (B, L, D) float32
         (of "" where dropped), or None for an unconditional run.
@@ -176,7 +179,13 @@ class Conditioning:
             if drop is not None:
                 cond = drop_rows(cond, self.text.null(1, device), drop)
             n = len(second)
-            return cond | self._image_conditions(n, device, geometry, size) | self._run_values(n, device)
+            image = self._image_conditions(n, device, geometry, size)
+            if geometry is None and image and not self._warned_sizes:
+                self._warned_sizes = True
+                h, w = size if size is not None else (self.resolution, self.resolution)
+                print(f"difftrain: warning: the training data gives no original size and crop per image; the "
+                      f"{self.family.name} base's size conditioning takes each as {h}x{w}, uncropped", file=sys.stderr)
+            return cond | image | self._run_values(n, device)
         if self.text is not None:
             ids = to_device_async(self.text.tokenize(list(second)), device)  # (B, L), made on the host
             if drop is not None:  # the empty caption's tokens on the dropped rows, chosen on the device
@@ -220,10 +229,11 @@ class Conditioning:
     def _image_conditions(self, n: int, device, geometry: Tensor | None = None,
                           size: tuple[int, int] | None = None) -> dict[str, Tensor]:
         """The family's per-image condition of ``n`` rows (SDXL's time_ids) at ``size`` (H, W) pixels
-        (default the run's square), from each image's ``geometry`` (n, 4) where given, else uncropped."""
+        (default the run's square), from each image's ``geometry`` (n, 4) where given (on the host: the family
+        copies what it makes of it without waiting for the device), else uncropped."""
         size = tuple(size) if size is not None else (self.resolution, self.resolution)
         if geometry is not None:
-            return self.family.image_conditions(geometry.to(device), size, device)
+            return self.family.image_conditions(geometry, size, device)
         return expand_rows(self.family.image_conditions(None, size, device), n)
 
     def _run_values(self, n: int, device, sampling: bool = False) -> dict[str, Tensor]:

@@ -338,7 +338,7 @@ def test_small_images_are_skipped_unless_min_image_size_accepts_and_upscales_the
     log = (tmp_path / "upscaled" / "bad_images.log").read_text()
     assert "tiny.png" in log and "0.png" not in log  # still too small: 8 < 12
     assert ckpt.load_checkpoint(tmp_path / "upscaled")["step"] == 2
-    x, _ = build_dataset(str(root), resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)[(0, 0)]
+    x, *_ = build_dataset(str(root), resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)[(0, 0)]
     assert x.shape == (3, 16, 16)  # upscaled to the resolution
     with pytest.raises(Exception, match="data.min_image_size must be in"):
         load_config(None, tiny_overrides + ["data.min_image_size=17"])

@@ -192,7 +192,8 @@ def test_bucketed_folder_items_and_loader(tmp_path):
         images, _, geometry = next(loader)
         assert images.shape[0] == 2 and geometry.shape == (2, 4)
     ds.set_buckets(None)
-    assert len(ds[0]) == 2 and ds[0][0].shape == (3, 32, 32)  # square crops again
+    assert ds[0][0].shape == (3, 32, 32)  # square crops again, the square crop's geometry
+    assert ds[0][2].tolist() == list(crop_geometry(tuple(ds.sizes()[0].tolist()), (32, 32))[1])
 
 
 def test_data_check_names_a_1x20000_image_and_never_crashes(tmp_path, capsys):

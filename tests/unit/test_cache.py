@@ -30,8 +30,8 @@ def test_cached_items_equal_the_folder_items(tmp_path):
         cached = CachedImageDataset(folder, tmp_path / "cache")
         assert len(cached) == len(folder) and cached.num_classes == 2
         for key in [0, 3, (1, 123), (4, 99)]:
-            (a, la), (b, lb) = folder[key], cached[key]
-            assert la == lb
+            (a, la, ga), (b, lb, gb) = folder[key], cached[key]
+            assert la == lb and torch.equal(ga, gb)
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         images = np.load(cached.path, mmap_mode="r")
         assert images.dtype == np.uint8 and images.shape == (5, 12, 12, channels)
@@ -51,7 +51,7 @@ def test_built_once_and_rebuilt_when_an_image_changes(tmp_path):
     folder = ImageFolderDataset(root, 8)
     changed = CachedImageDataset(folder, tmp_path / "cache")
     assert changed.path != first.path
-    x, _ = changed[folder.paths.index(target)]
+    x, *_ = changed[folder.paths.index(target)]
     assert torch.allclose(x[0], torch.ones(8, 8)) and torch.allclose(x[1], -torch.ones(8, 8))
 
 

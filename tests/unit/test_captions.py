@@ -56,7 +56,7 @@ def test_txt_captions_give_image_caption_items(tmp_path):
     assert isinstance(ds, ImageFolderDataset) and ds.captions and ds.num_classes == 0
     assert ds.bad_captions == {}
     for i, rel in enumerate(ds.files):
-        x, caption = ds[(i, 77)]
+        x, caption, _ = ds[(i, 77)]
         assert caption == expected[rel]
         assert torch.equal(x, plain[(i, 77)][0])
 
@@ -184,13 +184,13 @@ def test_loader_batches_hold_caption_lists_and_resume_exactly(tmp_path):
         return [next(it) for _ in range(count)]
 
     full = batches(0, 5)
-    for images, captions in full:
+    for images, captions, _ in full:
         assert images.shape == (3, 3, 8, 8) and isinstance(captions, list) and len(captions) == 3
         for image, caption in zip(images, captions):  # each caption travels with its own image
             assert torch.equal(image, ds[index_of[caption]][0])
-    assert [c for _, cs in full for c in cs][:8] != [ds.caption(i) for i in range(8)]  # shuffled
+    assert [c for _, cs, _ in full for c in cs][:8] != [ds.caption(i) for i in range(8)]  # shuffled
     resumed = batches(2 * 3, 3, workers=1)
-    for (xa, ca), (xb, cb) in zip(full[2:], resumed):
+    for (xa, ca, _), (xb, cb, _) in zip(full[2:], resumed):
         assert ca == cb and torch.equal(xa, xb)
 
 
@@ -201,8 +201,8 @@ def test_decode_cache_passes_captions_through(tmp_path):
     cached = CachedImageDataset(folder, tmp_path / "cache")
     assert cached.captions and cached.num_classes == 0
     for key in [0, 3, (1, 9), (5, 4)]:
-        (xa, ca), (xb, cb) = folder[key], cached[key]
-        assert ca == cb and torch.equal(xa, xb)
+        (xa, ca, ga), (xb, cb, gb) = folder[key], cached[key]
+        assert ca == cb and torch.equal(xa, xb) and torch.equal(ga, gb)
 
 
 def test_heldout_split_of_a_captioned_folder(tmp_path):
@@ -242,7 +242,7 @@ def test_hf_captions_come_from_the_caption_column(tmp_path):
         ds[2]
     prepare_dataset(ds, "skip", tmp_path / "run")  # logged at start, replaced as read
     assert "start\t" in (tmp_path / "run" / BAD_LOG_NAME).read_text()
-    x, caption = ds[(2, 5)]
+    x, caption, _ = ds[(2, 5)]
     assert caption == "" and torch.equal(x, ds[(3, 5)][0])
     with pytest.raises(ValueError, match="1 samples have a bad caption"):
         prepare_dataset(build_dataset(path, **OPTIONS, captions=True, caption_column="caption"), "fail", tmp_path / "r2")
@@ -278,7 +278,7 @@ def test_shard_captions_are_the_txt_members(tmp_path, txt_first):
     with pytest.raises(ValueError, match=r"2 samples have a bad caption.*\n.*shard\.tar:b: no \.txt member"):
         prepare_dataset(ds, "fail", tmp_path / "run")
     ds = prepare_dataset(build_dataset(pattern, **OPTIONS, captions=True), "skip", tmp_path / "run")
-    x, caption = ds[(1, 8)]  # b and c give way to d
+    x, caption, _ = ds[(1, 8)]  # b and c give way to d
     assert caption == "caf\u00e9" and torch.equal(x, ds[(3, 8)][0])
     assert "shard.tar:c\tcaption: caption is not UTF-8" in (tmp_path / "run" / BAD_LOG_NAME).read_text()
     plain = build_dataset(pattern, **OPTIONS)  # without captions nothing is read or missing

@@ -301,7 +301,7 @@ def test_class_labels_from_first_level_subfolders(tmp_path):
     ds = ImageFolderDataset(tmp_path, resolution=8, class_conditional=True)
     assert ds.classes == ["ant", "zebra"] and ds.num_classes == 2 and len(ds) == 3
     assert [ds[i][1] for i in range(3)] == [0, 0, 1]  # ant/3, ant/deep/2, zebra/1
-    x, label = ds[2]
+    x, label, _ = ds[2]
     assert x.shape == (3, 8, 8) and label == 1 and x[0].min() > 0.99 and x[2].max() < -0.99
     assert ds[(2, 123)][0].shape == (3, 8, 8)
 

@@ -104,7 +104,7 @@ def test_skip_mode_drops_and_logs_bad_files(tmp_path):
     log = (tmp_path / "run" / BAD_LOG_NAME).read_text()
     assert all(name in log for name in BAD)
     for i in range(len(ds)):  # every remaining image converts to (3, 16, 16) in [-1, 1]
-        x, _ = ds[i]
+        x, *_ = ds[i]
         assert x.shape == (3, 16, 16) and x.min() >= -1 and x.max() <= 1
 
 
@@ -121,9 +121,9 @@ def test_a_file_that_goes_bad_mid_run_is_replaced_deterministically(tmp_path):
     for i in range(4):
         _rgb(seed=i).save(root / f"{i}.png")
     ds = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
-    expected, label = ds[(2, 7)]
+    expected, label, _ = ds[(2, 7)]
     (root / "1.png").write_bytes(b"garbage")  # goes bad after the scan
-    got, _ = ds[(1, 7)]  # the next readable image (2), with this sample's seed
+    got, *_ = ds[(1, 7)]  # the next readable image (2), with this sample's seed
     assert (got == expected).all()
     assert "mid-run\t1.png" in (tmp_path / "run" / BAD_LOG_NAME).read_text()
     ds.on_bad_image = "fail"

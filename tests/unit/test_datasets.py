@@ -55,9 +55,10 @@ def write_shards(root, out, names: list[str], per_shard: int = 5, cls_first: boo
 def assert_same_items(a, b, keys) -> None:
     assert len(a) == len(b)
     for key in keys:
-        (xa, la), (xb, lb) = a[key], b[key]
+        (xa, la, ga), (xb, lb, gb) = a[key], b[key]
         assert la == lb
         assert torch.equal(xa, xb), key
+        assert torch.equal(ga, gb), key  # the same original size and crop (SDXL's size conditioning)
 
 
 def keys_of(n: int) -> list:
@@ -125,7 +126,7 @@ def test_a_bad_shard_member_is_skipped_and_logged_or_fatal(tmp_path):
         dataset[1]
     dataset.on_bad_image, dataset.bad_log = "skip", tmp_path / "bad.log"
     assert_same_items(dataset, build_dataset(pattern, **OPTIONS), [2])
-    x, _ = dataset[(1, 5)]
+    x, *_ = dataset[(1, 5)]
     assert torch.equal(x, dataset[(2, 5)][0])  # the next good sample, with this position's seed
     assert "mid-run\t" in (tmp_path / "bad.log").read_text() and "cat/002" in (tmp_path / "bad.log").read_text()
 

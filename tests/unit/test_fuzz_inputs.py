@@ -113,7 +113,7 @@ def test_fuzz_image_files_are_each_good_or_named_bad(tmp_path):
     ds = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
     assert len(ds) == report.num_good
     for i in range(len(ds)):
-        x, _ = ds[(i, i)]
+        x, *_ = ds[(i, i)]
         assert x.shape == (3, 16, 16) and bool(x.isfinite().all())
     # The command on the same folder: exit 1 (bad files found), no traceback.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

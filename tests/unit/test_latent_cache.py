@@ -84,7 +84,8 @@ def test_built_once_then_reused(codec, tmp_path):
     assert counting.calls == 6 and counting.images == 20  # 3 batches, each with its mirror images
     second = with_latent_cache(ds, codec=counting, random_flip=True, cache_dir=tmp_path, batch_size=4)
     assert counting.calls == 6 and second.path == first.path
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.path.name, first.path.stem + ".targets.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.path.name, first.path.stem + ".targets.json",
+                                                                 first.path.stem + ".geometry.json"])
     assert (len(second), second.num_classes, second.classes) == (10, 3, ["disc", "square", "triangle"])
     assert (second.latent_channels, second.latent_resolution) == (4, 8)
 
@@ -217,3 +218,27 @@ def test_sample_latents(codec):
     torch.testing.assert_close(zero_std, codec.to_model(mean))
     with pytest.raises(ValueError, match="do not match"):
         sample_latents(torch.cat([mean, std], 1), noise[:, :3], codec)
+
+
+def test_square_items_keep_their_geometry_and_a_bad_geometry_file_is_one_line(codec, tmp_path):
+    """A folder's square crops keep each image's original size and crop through the (non-bucketed) cache;
+    a tampered ``.geometry.json`` is refused with one line naming it, and a cache without one (an older
+    difftrain's) is built again."""
+    from difftrain.data.latents import geometry_path
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for i, (w, h) in enumerate([(32, 16), (16, 40), (24, 24)]):
+        Image.new("RGB", (w, h), (40 * i, 0, 0)).save(folder / f"{i}.png")
+    ds = ImageFolderDataset(folder, 16)
+    cached = with_latent_cache(ds, codec=codec, random_flip=False, cache_dir=tmp_path / "c", batch_size=2)
+    for i in range(len(ds)):
+        assert torch.equal(cached[i][2], ds[i][2])
+    assert [cached[i][2].tolist()[:2] for i in range(3)] == [[16, 32], [40, 16], [24, 24]]
+    geometry_path(cached.path).write_text('[[1, 2, 3]]')
+    with pytest.raises(ValueError) as e:
+        with_latent_cache(ds, codec=codec, random_flip=False, cache_dir=tmp_path / "c", batch_size=2)
+    assert "\n" not in str(e.value) and geometry_path(cached.path).name in str(e.value) and "rebuild" in str(e.value)
+    geometry_path(cached.path).unlink()
+    again = with_latent_cache(ds, codec=codec, random_flip=False, cache_dir=tmp_path / "c", batch_size=2)
+    assert torch.equal(again[1][2], ds[1][2])

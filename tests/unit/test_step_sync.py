@@ -1,6 +1,7 @@
 """The step never waits for the device: nothing in difftrain's step reads a tensor's values back
-to the host (on the CPU, by tensor methods that would sync on CUDA, patched to raise; on CUDA,
-torch's sync debug mode)."""
+to the host, nor copies host values to the device with a blocking copy (on the CPU, by tensor methods
+that would sync on CUDA, patched to raise; on CUDA, torch's sync debug mode), for difftrain's UNet and
+for the base families (SDXL's time_ids and both SDXL's and SD's token ids)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,50 @@ def no_host_reads():
             setattr(torch.Tensor, name, real)
 
 
+class BlockingCopy(AssertionError):
+    """A tensor was made on or copied to a device in a way that waits for it inside the step."""
+
+
+def _names_device(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``Tensor.to`` call names a device (``to(device, ...)``, ``to(device=...)``, ``to(other)``)."""
+    first = args[0] if args else None
+    return kwargs.get("device") is not None or isinstance(first, (str, torch.device, torch.Tensor))
+
+
+@contextlib.contextmanager
+def no_blocking_copies():
+    """Make difftrain's own ``torch.tensor(..., device=...)`` and ``Tensor.to(device)`` without
+    ``non_blocking=True`` raise :class:`BlockingCopy`: on CUDA each copies host values to the device and
+    waits (from pageable memory the copy synchronises the stream). On the CPU every tensor is a host
+    tensor, so a copy difftrain would make of a tensor already on the device is caught too (it makes none);
+    torch's and the libraries' own calls, which move tensors that are already on the device, are not
+    guarded. Enter it after a first step, which makes the per-device caches."""
+    real_to, real_tensor = torch.Tensor.to, torch.tensor
+
+    def ours() -> bool:
+        return str(sys._getframe(2).f_globals.get("__name__", "")).startswith("difftrain")
+
+    def raise_from(what: str):
+        caller = sys._getframe(2)
+        raise BlockingCopy(f"{caller.f_globals.get('__name__')}:{caller.f_lineno} {what} inside the step")
+
+    def to(self, *args, **kwargs):
+        if _names_device(args, kwargs) and not kwargs.get("non_blocking", False) and ours():
+            raise_from("copied a tensor to a device with a blocking Tensor.to")
+        return real_to(self, *args, **kwargs)
+
+    def tensor(data, *args, **kwargs):
+        if kwargs.get("device") is not None and ours():
+            raise_from("made a tensor on a device with torch.tensor(..., device=)")
+        return real_tensor(data, *args, **kwargs)
+
+    try:
+        torch.Tensor.to, torch.tensor = to, tensor
+        yield
+    finally:
+        torch.Tensor.to, torch.tensor = real_to, real_tensor
+
+
 def test_the_guard_catches_each_host_read_and_restores_the_methods():
     drop = torch.tensor([True, False])
     with no_host_reads():
@@ -79,7 +124,51 @@ def test_the_step_reads_nothing_back_from_the_device(overrides):
     second = ["a red square", "a blue disc", "a green triangle", "a small circle"] if text else torch.tensor([0, 1, 2, 0])
     batches, metrics = iter([(x0, second)] * 4), StepMetrics(device)
     with no_host_reads():
-        for _ in range(2):
+        train_step(state, objective, batches, 1e-3, metrics)  # the first makes the per-device caches
+        with no_blocking_copies():
+            train_step(state, objective, batches, 1e-3, metrics)
+    assert state.step == 2 and metrics.read(DistContext())["skipped"] == 0
+
+
+@pytest.fixture(scope="module")
+def family_bases(tmp_path_factory):
+    """Tiny SDXL and SD bases (tests/family_bases.py, tests/text_components.py)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from tests.family_bases import write_tiny_sdxl_folder
+    from tests.text_components import write_tiny_sd_folder
+
+    root = tmp_path_factory.mktemp("bases")
+    return {"sdxl": write_tiny_sdxl_folder(root / "sdxl"), "sd": write_tiny_sd_folder(root / "sd")}
+
+
+def family_run(base, device: torch.device):
+    """(state, objective, batches) of a base family's full fine-tune with caption dropout: its own prompt
+    encoder (no text cache), latent moments and, as every dataset gives them, each image's geometry."""
+    cfg = load_config(None, [f"model.init_from={base}", "data.resolution=16", "data.num_workers=0",
+                             "train.batch_size=4", "model.class_dropout=0.5", "train.compile=off"])
+    conditioning = Conditioning.from_config(cfg, 0, device)
+    state = RunState.build(cfg, 0, device, conditioning=conditioning)
+    channels, side = conditioning.network_shape()
+    moments = torch.rand(4, 2 * channels, side, side, generator=torch.Generator().manual_seed(0))
+    geometry = torch.tensor([[32, 16, 0, 0], [16, 40, 0, 12], [16, 16, 0, 0], [24, 16, 4, 0]])
+    captions = ["a red square", "a blue disc", "a green triangle", "a small circle"]
+    if device.type == "cuda":
+        moments, geometry = moments.pin_memory(), geometry.pin_memory()  # as the loader pins them
+    return state, build_objective(cfg.diffusion).to(device), iter([(moments, captions, geometry)] * 8)
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd"])
+def test_a_base_familys_step_reads_nothing_back_and_copies_without_waiting(family_bases, family):
+    """A base family's step (its prompt encoder's token ids, SDXL's time_ids from the batch's geometry)
+    under :func:`no_host_reads` and, after a first step, :func:`no_blocking_copies`: before the fix SDXL's
+    time_ids were made with ``torch.tensor(..., device=)`` and the token ids copied with a blocking ``.to``."""
+    device = torch.device("cpu")
+    state, objective, batches = family_run(family_bases[family], device)
+    metrics = StepMetrics(device)
+    with no_host_reads():
+        train_step(state, objective, batches, 1e-3, metrics)  # the first makes the per-device caches
+        with no_blocking_copies():
             train_step(state, objective, batches, 1e-3, metrics)
     assert state.step == 2 and metrics.read(DistContext())["skipped"] == 0
 
@@ -124,3 +213,24 @@ def test_the_step_never_synchronises_with_the_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert state.step == 3 and metrics.read(DistContext(device=device))["skipped"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sdxl", "sd"])
+def test_a_base_familys_step_never_synchronises_with_the_gpu(family_bases, family):
+    """torch's sync debug mode set to "error" around two CUDA steps of a base family (after one warm-up
+    step): its token ids and SDXL's time_ids reach the device without a wait."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda")
+    state, objective, batches = family_run(family_bases[family], device)
+    metrics = StepMetrics(device)
+    train_step(state, objective, batches, 1e-3, metrics)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            train_step(state, objective, batches, 1e-3, metrics)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert state.step == 3 and metrics.read(DistContext(device=device))["skipped"] == 0

@@ -24,7 +24,7 @@ from difftrain.runtime.files import cache_dir
 
 from .folder import ImageFolderDataset
 from .sampler import split_key
-from .transforms import augment, resize_center_crop, to_tensor
+from .transforms import augment, resize_center_crop, square_geometry, to_tensor
 
 # Bump when load_image / resize_center_crop change what they produce.
 PREPROCESS_VERSION = 1
@@ -65,7 +65,7 @@ class _Decode(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        img, _ = self.dataset._load(i)
+        (img, _), _ = self.dataset._load(i)
         a = np.asarray(resize_center_crop(img, self.dataset.resolution), dtype=np.uint8)
         return a[:, :, None] if a.ndim == 2 else a
 
@@ -122,11 +122,13 @@ def build_cache(dataset: ImageFolderDataset, path: Path, num_workers: int = 0) -
 class CachedImageDataset(Dataset):
     """The items of an :class:`ImageFolderDataset`, read from its decode cache.
 
-    ``dataset[(index, sample_seed)]`` -> ``(image (C, H, W) float32 in [-1, 1], label int)``,
-    or ``(image, caption str)`` for a captioned folder, equal to
+    ``dataset[(index, sample_seed)]`` -> ``(image (C, H, W) float32 in [-1, 1], label int, geometry (4,)
+    long)``, or ``(image, caption str, geometry)`` for a captioned folder, equal to
     ``folder_dataset[(index, sample_seed)]``. Captions are kept in memory as the folder read
-    them (the cache holds pixels only, so its key ignores them). The cache file is built on first use
-    and opened read-only (memory-mapped, shared by DataLoader workers through the page cache).
+    them (the cache holds pixels only, so its key ignores them), and each image's geometry (its file's
+    original size and crop, SDXL's size conditioning) is made from the sizes the folder's scan found. The
+    cache file is built on first use and opened read-only (memory-mapped, shared by DataLoader workers
+    through the page cache).
     """
 
     def __init__(self, dataset: ImageFolderDataset, cache_dir: str | Path | None = None, num_workers: int = 0):
@@ -136,6 +138,9 @@ class CachedImageDataset(Dataset):
         self._names = dataset._files  # for the message of a caption that is missing
         self.random_flip, self.color_jitter = dataset.random_flip, dataset.color_jitter
         self._labels = np.asarray(dataset.labels, dtype=np.int64)
+        r = dataset.resolution  # (N, 4) long: each file's (orig_h, orig_w, crop_top, crop_left)
+        self._geometry = torch.tensor([square_geometry(tuple(s), r) for s in dataset.sizes().tolist()],
+                                      dtype=torch.long).reshape(-1, 4)
         folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.path = folder / f"images-{dataset.resolution}px-{dataset.channels}ch-{cache_key(dataset)}.npy"
         if not self.path.is_file():
@@ -156,7 +161,7 @@ class CachedImageDataset(Dataset):
             return self._labels.tolist()
         return [self._captions.caption(i, os.fsdecode(name)) for i, name in enumerate(self._names.tolist())]
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str, torch.Tensor]:
         index, seed = split_key(key)
         if self._images is None:
             self._images = np.load(self.path, mmap_mode="r")
@@ -164,8 +169,8 @@ class CachedImageDataset(Dataset):
         if seed is not None:
             x = augment(x, torch.Generator().manual_seed(seed), self.random_flip, self.color_jitter)
         if self.captions:
-            return x, self._captions.caption(index, os.fsdecode(self._names[index]))
-        return x, int(self._labels[index])
+            return x, self._captions.caption(index, os.fsdecode(self._names[index])), self._geometry[index].clone()
+        return x, int(self._labels[index]), self._geometry[index].clone()
 
 
 def with_decode_cache(dataset: Dataset, enabled: bool, cache_dir: str = "", num_workers: int = 0) -> Dataset:

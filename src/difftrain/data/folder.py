@@ -11,8 +11,9 @@ from torch.utils.data import Dataset
 
 from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions
 from .sampler import split_key
-from .transforms import (MASK_SUFFIX, BadImage, augment, check_image_options, flip_decision, image_size, load_image,
-                         load_mask, printable, resize_center_crop, resize_crop, to_tensor)
+from .transforms import (MASK_SUFFIX, BadImage, augment, check_image_options, flip_decision, image_size,
+                         load_image_sized, load_mask, printable, resize_center_crop, resize_crop, square_geometry,
+                         to_tensor)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -118,7 +119,9 @@ class ImageFolderDataset(Dataset):
 
     ``dataset[i]`` returns image i unaugmented; ``dataset[(i, sample_seed)]`` (the keys an
     ``InfiniteSampler`` yields) augments it with a generator seeded by ``sample_seed``. Either
-    way the result is ``(image (C, H, W) float32 in [-1, 1], label int)``.
+    way the result is ``(image (C, H, W) float32 in [-1, 1], label int, geometry (4,) long)``:
+    ``geometry`` is the file's original (height, width) and the (top, left) of the crop in the resized
+    image (:func:`~difftrain.data.transforms.crop_geometry`), which SDXL's size conditioning takes.
 
     With ``captions`` the result is ``(image, caption str)`` instead, the captions read when the
     file list is set (``data/captions.py``: ``metadata.jsonl`` files, their captions under
@@ -127,9 +130,7 @@ class ImageFolderDataset(Dataset):
     it out or stops the run, and one met on reading is handled as a bad image is).
 
     Aspect-ratio buckets (``data/buckets.py``): after :meth:`set_buckets` each image is resized to
-    cover its bucket's (h, w) and centre-cropped instead, and items are ``(image (C, h, w), caption or
-    label, geometry (4,) long)``: its original (height, width) and the (top, left) of the crop in the
-    resized image, which SDXL's size conditioning takes.
+    cover its bucket's (h, w) and centre-cropped instead, ``geometry`` that crop's.
 
     With ``masks`` (``data.masks``) the image tensor has one more channel, last: its loss mask in [0, 1]
     (``NAME.mask.png`` beside it, else its alpha channel, else ones), resized, cropped and flipped with it.
@@ -300,7 +301,7 @@ class ImageFolderDataset(Dataset):
         """The caption of image ``index``; raises ``BadCaption`` naming it when it has none."""
         return self._captions.caption(index, os.fsdecode(self._files[index]))
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str, torch.Tensor]:
         index, seed = split_key(key)
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} images")
@@ -309,15 +310,14 @@ class ImageFolderDataset(Dataset):
         index %= len(self)
         shape = None if self.bucket_shapes is None else tuple(self.bucket_shapes[index].tolist())
         # A mask is read at the image's full size: no reduced JPEG decode then.
-        img, index = self._load(index, 1 << 30 if self.masks else None if shape is None else 2 * max(shape))
+        (img, original), index = self._load(index, 1 << 30 if self.masks else None if shape is None else 2 * max(shape))
         mask = self._mask(index, img.size) if self.masks else None
-        geometry = None
         if shape is None:
+            geometry = square_geometry(original, self.resolution)  # the file's own size, not a reduced decode's
             img = resize_center_crop(img, self.resolution)
             mask = None if mask is None else resize_center_crop(mask, self.resolution)
-        else:  # the file's own size: a JPEG may have been decoded at a reduced scale
-            original = tuple(self.image_sizes[index].tolist()) if self.image_sizes is not None else None
-            img, geometry = resize_crop(img, shape, original if original and min(original) > 0 else None)
+        else:
+            img, geometry = resize_crop(img, shape, original)
             mask = None if mask is None else resize_crop(mask, shape)[0]
         x = to_tensor(img)  # (C, H, W)
         if seed is not None:
@@ -329,7 +329,7 @@ class ImageFolderDataset(Dataset):
                 m = m.flip(-1)
             x = torch.cat([x, m])
         second = self.caption(index) if self.captions else int(self._labels[index])
-        return (x, second) if geometry is None else (x, second, torch.tensor(geometry, dtype=torch.long))
+        return x, second, torch.tensor(geometry, dtype=torch.long)
 
     def _mask(self, index: int, size: tuple[int, int]):
         """Image ``index``'s mask (an "L" image of ``size``) or None (all ones); :class:`BadImage` when it has
@@ -342,8 +342,9 @@ class ImageFolderDataset(Dataset):
         return mask
 
     def _load(self, index: int, min_size: int | None = None):
-        """Decode image ``index`` (JPEGs at a reduced scale keeping both sides >= ``min_size``, default
-        twice the resolution); in skip mode a bad file gives way to the next good one.
+        """``((image, (W, H) of its file after EXIF rotation), index decoded)``: image ``index`` decoded
+        (JPEGs at a reduced scale keeping both sides >= ``min_size``, default twice the resolution); in
+        skip mode a bad file gives way to the next good one.
 
         The substitute depends only on ``index`` (the next index that decodes), so a resumed
         run sees the same samples. Each skip is appended to ``bad_log`` with its path.
@@ -357,7 +358,8 @@ class ImageFolderDataset(Dataset):
         )
 
     def _decode(self, index: int, min_size: int):
-        """Image ``index`` decoded; raises ``BadCaption`` first when captioned and it has none."""
+        """(image, its file's (W, H)) of image ``index``; raises ``BadCaption`` first when captioned and it
+        has none."""
         if self._captions is not None:
             self.caption(index)
-        return load_image(self.root / os.fsdecode(self._files[index]), self.channels, min_size=min_size)
+        return load_image_sized(self.root / os.fsdecode(self._files[index]), self.channels, min_size=min_size)

@@ -4,7 +4,9 @@ diffusion trains without running the encoder at each step.
 The cache holds the moments of the encoder's Gaussian of each unaugmented image, and with
 ``random_flip`` of its mirror image too: an ``(N, V, 2c, h, w)`` float16 ``.npy`` file (V = 2
 with flips, else 1; ``[:, :, :c]`` the mean, ``[:, :, c:]`` the std, unscaled), memory-mapped,
-with the items' captions or labels beside it (``.targets.json``). A training step draws its
+with the items' captions or labels beside it (``.targets.json``) and their geometry (``.geometry.json``:
+``[[orig_h, orig_w, crop_top, crop_left] per item]``, SDXL's size conditioning, or null for a dataset whose
+items carry none; a cache without the file, made by an older difftrain, is built again). A training step draws its
 latent as ``mean + std * noise`` (:func:`sample_latents`), as training through the encoder
 would, and a sample's flip is decided from its ``sample_seed`` exactly as
 :func:`difftrain.data.transforms.augment` decides it (:func:`flip_of`).
@@ -144,8 +146,10 @@ def _content_digest(dataset: Dataset) -> str:
     """SHA-256 of every unaugmented item (image bytes and target), in order."""
     h = hashlib.sha256()
     for i in range(len(dataset)):
-        x, target, *_ = dataset[i]
+        x, target, *rest = dataset[i]
         h.update(x.numpy().tobytes() + b"\0" + repr(target).encode() + b"\n")
+        if rest:  # the geometry (original size and crop) the item carries
+            h.update(repr(rest[0].tolist()).encode() + b"\n")
     return h.hexdigest()
 
 
@@ -183,8 +187,9 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
                        device: torch.device | str, num_workers: int = 0) -> None:
     """Encode every unaugmented image of ``dataset`` (and its mirror image when
     ``random_flip``) in batches on ``device`` into a new ``.npy`` at ``path`` (float16,
-    ``(N, V, 2c, h, w)``), its targets into ``path.with_suffix(".targets.json")``. The
-    ``.npy`` appears only when complete (temporary file, renamed); any error removes it."""
+    ``(N, V, 2c, h, w)``), its targets into ``path.with_suffix(".targets.json")`` and the items' geometry
+    (N, 4), or null when they carry none, into :func:`geometry_path`. The ``.npy`` appears only when
+    complete (temporary file, renamed); any error removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
     views = 2 if random_flip else 1
@@ -194,8 +199,9 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
     try:
         loader = DataLoader(_Unaugmented(dataset), batch_size=batch_size, num_workers=num_workers, collate_fn=_collate)
         targets: list = []
+        geometry: list | None = []  # None: the items carry no geometry
         i = 0
-        for images, batch_targets, *_ in loader:  # images (B, C, H, W) in [-1, 1]
+        for images, batch_targets, *rest in loader:  # images (B, C, H, W) in [-1, 1]
             images = images.to(device)
             for v in range(views):
                 moments = encode_items(codec, images.flip(-1) if v else images, masks)  # (B, 2c [+ 1], h, w)
@@ -207,6 +213,10 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
                                                     shape=(len(dataset), views, *moments.shape[1:]))
                 out[i : i + len(images), v] = moments
             targets.extend(t.item() if isinstance(t, (torch.Tensor, np.generic)) else t for t in batch_targets)
+            if rest and geometry is not None:
+                geometry.extend(rest[0].tolist())
+            else:
+                geometry = None
             i += len(images)
         if out is None or i != len(dataset):
             raise ValueError(f"latent cache {path}: the dataset gave {i} of {len(dataset)} items")
@@ -214,6 +224,7 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
         del out
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        atomic_write_bytes(geometry_path(path), json.dumps(geometry).encode())
         atomic_write_bytes(targets_path(path), json.dumps(targets).encode())
         os.replace(tmp, path)  # concurrent builders (one per rank) each write whole files
     except BaseException:
@@ -225,6 +236,26 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
 def targets_path(path: Path) -> Path:
     """The captions or labels beside the cache file ``path`` (a ``.npy`` or a bucketed ``.buckets.json``)."""
     return path.with_name(path.name.removesuffix(".npy").removesuffix(".buckets.json") + ".targets.json")
+
+
+def geometry_path(path: Path) -> Path:
+    """The items' geometry beside the (non-bucketed) cache file ``path``."""
+    return path.with_name(path.name.removesuffix(".npy") + ".geometry.json")
+
+
+def read_geometry(path: Path, rows: int) -> torch.Tensor | None:
+    """(rows, 4) long: the geometry beside the cache ``path``, or None where its items carry none; one
+    ValueError naming the file when it is unreadable or not ``rows`` rows of four non-negative integers."""
+    file = geometry_path(path)
+    try:
+        raw = file.read_bytes()
+        if len(raw) > 1 << 30:
+            raise ValueError("over 1 GiB")
+        value = json.loads(raw)
+        return None if value is None else torch.from_numpy(_int_table(value, rows, 4, "geometry"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"latent cache {file}: unreadable ({str(e)[:80]}); delete {path} to rebuild the "
+                         "cache") from None
 
 
 def bucket_file(path: Path, bucket: int) -> Path:
@@ -399,8 +430,9 @@ class LatentDataset(Dataset):
     """The items of an image dataset as cached VAE moments.
 
     ``dataset[(index, sample_seed)]`` -> ``(moments (2c, h, w) float32, caption str or label
-    int)``: the moments of image ``index``, of its mirror image when flips are on and
-    :func:`flip_of` says so for ``sample_seed``; ``dataset[index]`` gives the unflipped one.
+    int, geometry (4,) long)``: the moments of image ``index``, of its mirror image when flips are on and
+    :func:`flip_of` says so for ``sample_seed``; ``dataset[index]`` gives the unflipped one. The geometry
+    is the image's original size and crop as the dataset gave it (left out when its items carry none).
     Keeps the base dataset's ``num_classes``, ``classes``, ``captions``, ``files`` and
     ``random_flip`` where it has them; ``latent_channels`` (c) and ``latent_resolution`` (h)
     say what the items hold. The file is opened lazily, once per DataLoader worker.
@@ -422,18 +454,21 @@ class LatentDataset(Dataset):
         self.latent_channels, self.latent_resolution = moments.shape[2] // 2, moments.shape[3]
         if len(self.targets) != moments.shape[0]:
             raise ValueError(f"latent cache {path}: {moments.shape[0]} items but {len(self.targets)} targets")
+        self._geometry = read_geometry(path, moments.shape[0])  # (N, 4) long, or None
         self._moments: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.targets)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple:
         index, seed = split_key(key)
         if self._moments is None:
             self._moments = np.load(self.path, mmap_mode="r")
         view = 1 if self.random_flip and seed is not None and flip_of(seed) else 0
         moments = torch.from_numpy(np.asarray(self._moments[index, view], dtype=np.float32))
-        return moments, self.targets[index]
+        if self._geometry is None:
+            return moments, self.targets[index]
+        return moments, self.targets[index], self._geometry[index].clone()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_moments": None}  # workers open their own map
@@ -484,7 +519,7 @@ def with_latent_cache(dataset: Dataset, *, codec, random_flip: bool, cache_dir: 
             build_bucket_cache(dataset, path, codec=codec, random_flip=random_flip, batch_size=batch_size,
                                device=device, num_workers=num_workers)
         return BucketLatentDataset(dataset, path, random_flip)
-    if not (path.is_file() and targets_path(path).is_file()):
+    if not (path.is_file() and targets_path(path).is_file() and geometry_path(path).is_file()):
         views = " and their mirror images" if random_flip else ""
         print(f"difftrain: building the latent cache {path} ({len(dataset)} images{views}, vae {codec.source})")
         codec.to(device)

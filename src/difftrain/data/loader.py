@@ -38,7 +38,8 @@ def build_dataset(
       images in ``image_column``, its labels (class-conditional runs) in ``label_column``;
     - any other folder: the images under it (``folder.py``).
 
-    Items are ``(image (C, H, W) float32 in [-1, 1], label int)``; the dataset has
+    Items are ``(image (C, H, W) float32 in [-1, 1], label int, geometry (4,) long)`` (the geometry:
+    each image's original size and crop, SDXL's size conditioning; built-in datasets give none); the dataset has
     ``num_classes`` (0 when unconditional) and ``classes``. With ``captions`` they are
     ``(image, caption str)`` (``data/captions.py``; HF datasets: ``caption_column``, which also
     names the caption key of a folder's ``metadata.jsonl``), ``num_classes`` is 0 and the
@@ -76,8 +77,8 @@ def build_dataset(
 
 def collate(batch: list[tuple]) -> tuple:
     """Stack items into (images (B, C, H, W) float32, labels (B,) long), or, when the items hold
-    captions, (images, captions list[str] of B); items of a bucketed dataset (``data/buckets.py``) add
-    their geometry, stacked (B, 4) long, as a third entry."""
+    captions, (images, captions list[str] of B); items that carry their geometry (every dataset but the
+    built-in ones: original size and crop) add it, stacked (B, 4) long, as a third entry."""
     images, labels, *rest = zip(*batch)
     second = list(labels) if isinstance(labels[0], str) else torch.tensor(labels, dtype=torch.long)
     return (torch.stack(images), second, *(torch.stack(r) for r in rest))

@@ -22,7 +22,8 @@ from .captions import CaptionTable
 from .folder import first_good
 from .sampler import split_key
 from .transforms import (
-    BadImage, _reason, _to_8bit, augment, check_image_options, load_image, printable, resize_center_crop, to_tensor,
+    BadImage, _reason, _to_8bit, augment, check_image_options, load_image_sized, printable, resize_center_crop,
+    square_geometry, to_tensor,
 )
 
 _IN_MEMORY = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
@@ -53,8 +54,9 @@ class EncodedImageDataset(Dataset):
 
     Same contract as ``ImageFolderDataset``: ``dataset[i]`` is record i unaugmented,
     ``dataset[(i, sample_seed)]`` augmented by a generator seeded with ``sample_seed``; both give
-    ``(image (C, H, W) float32 in [-1, 1], label int)``, or ``(image, caption str)`` with
-    ``captions``. Subclasses set ``source`` (for messages), ``classes`` and ``_labels`` (all 0
+    ``(image (C, H, W) float32 in [-1, 1], label int, geometry (4,) long)``, or ``(image, caption str,
+    geometry)`` with ``captions``: ``geometry`` is the record's original (height, width) and the (top, left)
+    of its centre crop, as a folder's. Subclasses set ``source`` (for messages), ``classes`` and ``_labels`` (all 0
     and no classes when unconditional), ``_captions`` (a ``CaptionTable``) with ``captions``,
     and define ``__len__``, ``_read`` and ``_name``. A record without a usable caption is a bad
     record, as one whose image does not decode is.
@@ -110,19 +112,21 @@ class EncodedImageDataset(Dataset):
         """The label of each record, in index order (all 0 when unconditional)."""
         return self._labels.tolist()
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int | str, torch.Tensor]:
         index, seed = split_key(key)
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} images")
-        img, index = self._load(index % len(self))
+        (img, original), index = self._load(index % len(self))
         x = to_tensor(resize_center_crop(img, self.resolution))  # (C, H, W)
         if seed is not None:
             x = augment(x, torch.Generator().manual_seed(seed), self.random_flip, self.color_jitter)
-        return x, (self.caption(index) if self.captions else int(self._labels[index]))
+        geometry = torch.tensor(square_geometry(original, self.resolution), dtype=torch.long)
+        return x, (self.caption(index) if self.captions else int(self._labels[index])), geometry
 
-    def decode(self, index: int) -> Image.Image:
+    def decode(self, index: int) -> tuple[Image.Image, tuple[int, int]]:
         """Record ``index`` as an 8-bit RGB or L image, decoded as a folder's file would be
-        (JPEG draft capped at twice the resolution); raises :class:`BadImage` naming it."""
+        (JPEG draft capped at twice the resolution), and its own (W, H) after EXIF rotation (before a
+        reduced decode); raises :class:`BadImage` naming it."""
         name = self._name(index)
         try:
             data = self._read(index)
@@ -131,14 +135,15 @@ class EncodedImageDataset(Dataset):
         except Exception as e:  # noqa: BLE001 - a truncated shard, a missing file a row points at
             raise BadImage(name, _reason(e)) from e
         if isinstance(data, Image.Image):
-            return _to_8bit(data, self.channels)
+            return _to_8bit(data, self.channels), data.size
         try:
-            return load_image(io.BytesIO(data), self.channels, min_size=2 * self.resolution)
+            return load_image_sized(io.BytesIO(data), self.channels, min_size=2 * self.resolution)
         except BadImage as e:  # the reason without the in-memory file PIL names ("<_io.BytesIO ...>")
             raise BadImage(name, _IN_MEMORY.sub("", e.reason)) from e
 
-    def _load(self, index: int) -> tuple[Image.Image, int]:
-        """Decode record ``index``; in skip mode a bad one gives way to the next good one.
+    def _load(self, index: int) -> tuple[tuple[Image.Image, tuple[int, int]], int]:
+        """``((image, its (W, H)), index decoded)`` of record ``index``; in skip mode a bad one gives way
+        to the next good one.
 
         The substitute depends only on ``index``, so a resumed run sees the same samples; each
         skip is appended to ``bad_log``.
@@ -147,7 +152,7 @@ class EncodedImageDataset(Dataset):
                           f"data.path {printable(self.source)}: none of its {len(self)} images can be read")
 
 
-    def _decode_checked(self, index: int) -> Image.Image:
+    def _decode_checked(self, index: int) -> tuple[Image.Image, tuple[int, int]]:
         """:meth:`decode`, raising ``BadCaption`` first when captioned and the record has none."""
         if self._captions is not None:
             self.caption(index)

@@ -70,17 +70,30 @@ def load_image(path: str | Path, channels: int, min_size: int | None = None) -> 
     filtered reduction, several times faster) while both sides stay >= ``min_size`` pixels.
     Other formats ignore it.
     """
+    return load_image_sized(path, channels, min_size)[0]
+
+
+def load_image_sized(path: str | Path, channels: int, min_size: int | None = None
+                     ) -> tuple[Image.Image, tuple[int, int]]:
+    """:func:`load_image` and the file's own (W, H) after its EXIF rotation, which a JPEG decoded at a
+    reduced scale (``min_size``) no longer has: what SDXL's size conditioning calls the original size."""
     if channels not in (1, 3):
         raise ValueError(f"channels must be 1 or 3, got {channels}")
     with open_image(path) as img:
         try:
+            width, height = img.size  # the header's, before a reduced decode
+            try:
+                orientation = img.getexif().get(0x0112, 1)
+            except Exception:  # noqa: BLE001 - a broken EXIF block: exif_transpose decides below
+                orientation = 1
             if min_size is not None:
                 img.draft(None, (min_size, min_size))
             img.load()
             ImageOps.exif_transpose(img, in_place=True)
         except Exception as e:  # noqa: BLE001 - see open_image
             raise BadImage(path, _reason(e)) from e
-        return _to_8bit(img, channels)  # a new image, detached from the file
+        size = (height, width) if orientation in _SWAPPING_ORIENTATIONS else (width, height)
+        return _to_8bit(img, channels), size  # a new image, detached from the file
 
 
 class BadImage(OSError):
@@ -172,6 +185,15 @@ def crop_geometry(size: tuple[int, int], shape: tuple[int, int]
     left, top = (width - cw) / 2, (height - ch) / 2
     geometry = (height, width, int(round((height * scale - h) / 2)), int(round((width * scale - w) / 2)))
     return (left, top, left + cw, top + ch), geometry
+
+
+def square_geometry(size: tuple[int, int], resolution: int) -> tuple[int, int, int, int]:
+    """(orig_h, orig_w, crop_top, crop_left) of :func:`resize_center_crop` of an image of ``size`` (W, H)
+    at ``resolution``, as :func:`crop_geometry` gives it (an unknown size, (0, 0): uncropped at
+    ``resolution``)."""
+    if min(size) < 1:
+        return (resolution, resolution, 0, 0)
+    return crop_geometry(tuple(size), (resolution, resolution))[1]
 
 
 def resize_crop(img: Image.Image, shape: tuple[int, int], original: tuple[int, int] | None = None

@@ -160,6 +160,7 @@ class PromptEncoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._null: Condition | None = None
+        self._null_key = ""  # the device the null condition was encoded for
 
     @abstractmethod
     def encode(self, captions: list[str], device: torch.device | str) -> Condition:  # pragma: no cover
@@ -167,9 +168,9 @@ class PromptEncoder(nn.Module):
 
     def null(self, n: int, device: torch.device | str) -> Condition:
         """The null condition for ``n`` rows (expanded views of ``encode([""])``, encoded once per device)."""
-        device = torch.device(device)
-        if self._null is None or next(iter(self._null.values())).device != device:
-            self._null = self.encode([""], device)
+        key = str(device)  # as given: "cuda" and the tensors' "cuda:0" would never compare equal
+        if self._null is None or self._null_key != key:
+            self._null, self._null_key = self.encode([""], device), key
         return {k: v.expand(n, *v.shape[1:]) for k, v in self._null.items()}
 
     def reference(self) -> dict:
@@ -186,7 +187,7 @@ def drop_rows(cond: Condition, null: Condition, drop: Tensor) -> Condition:
     broadcastable to B): caption dropout as one ``torch.where`` per tensor, no host read."""
     out = {}
     for key, value in cond.items():
-        mask = drop.to(value.device).view(-1, *([1] * (value.ndim - 1)))
+        mask = drop.to(value.device, non_blocking=True).view(-1, *([1] * (value.ndim - 1)))  # on it already
         out[key] = torch.where(mask, null[key].to(value.dtype), value)
     return out
 

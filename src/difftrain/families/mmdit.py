@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from difftrain.families.base import Denoiser, Family, load_part, read_json
 from difftrain.models.text import first_line
+from difftrain.runtime.device import to_device_async
 
 PATCH = 2  # the transformers' patch side (SD3's patch_size, Flux's 2x2 packing) in every released base
 
@@ -45,7 +46,7 @@ def frozen(module: nn.Module) -> nn.Module:
 def token_ids(tokenizer, captions: list[str], length: int, device) -> Tensor:
     """(B, length) long: ``captions`` padded to ``length`` and truncated, as the pipelines tokenize."""
     out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
-    return out.input_ids.to(device)
+    return to_device_async(out.input_ids, device)  # made on the host: copied without waiting for the device
 
 
 def t5_length(requested: int, default: int, tokenizer, folder, limit: int = 512) -> int:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from difftrain.families import register
 from difftrain.families.base import Denoiser, Family, PromptEncoder, read_json, require_keys
+from difftrain.runtime.device import to_device_async
 from difftrain.runtime.optional import require
 
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
@@ -160,7 +161,8 @@ class SDPromptEncoder(PromptEncoder):
         return self.text.dim
 
     def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
-        return {"prompt_embeds": self.text.encode_ids(self.text.tokenize(list(captions)).to(device))}
+        ids = to_device_async(self.text.tokenize(list(captions)), device)  # (B, L) made on the host, no wait
+        return {"prompt_embeds": self.text.encode_ids(ids)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from difftrain.families import register
 from difftrain.families.base import Denoiser, Family, PromptEncoder, load_part, read_json, require_keys
 from difftrain.families.sd import CLIP_TOKENS, read_pipeline_lora, save_pipeline_lora, scheduler_training, unet_blocks
 from difftrain.models.text import weights_digest
+from difftrain.runtime.device import to_device_async
 from difftrain.runtime.optional import require
 
 KEYS = ("prompt_embeds", "pooled", "time_ids")
@@ -74,8 +75,8 @@ class SDXLPromptEncoder(PromptEncoder):
         hidden, pooled = [], None
         for tokenizer, encoder in zip(self.tokenizers, self.encoders):
             ids = tokenizer(list(captions), padding="max_length", max_length=tokenizer.model_max_length,
-                            truncation=True, return_tensors="pt").input_ids
-            out = encoder(ids.to(device), output_hidden_states=True)
+                            truncation=True, return_tensors="pt").input_ids  # (B, 77) on the host
+            out = encoder(to_device_async(ids, device), output_hidden_states=True)  # no wait for the device
             if out[0].ndim == 2:  # CLIPTextModelWithProjection: text_embeds
                 pooled = out[0]
             hidden.append(out.hidden_states[-2])
@@ -89,12 +90,16 @@ class SDXLPromptEncoder(PromptEncoder):
 
 
 def time_ids(geometry: Tensor | None, size: tuple[int, int], batch: int, device) -> Tensor:
-    """(B, 6) float32: (orig_h, orig_w, crop_top, crop_left, target_h, target_w) of each sample, from
-    ``geometry`` (B, 4) (original size and crop in pixels; None: uncropped at ``size``)."""
-    target = torch.tensor([size[0], size[1]], dtype=torch.float32, device=device).expand(batch, 2)
+    """(B, 6) float32 on ``device``: (orig_h, orig_w, crop_top, crop_left, target_h, target_w) of each
+    sample, from ``geometry`` (B, 4) (original size and crop in pixels, as the loader gives it on the host;
+    None: uncropped at ``size``), as diffusers' SDXL training script makes ``add_time_ids``. Built on the
+    host and copied without waiting for the device (a step never synchronises for it)."""
     if geometry is None:
-        geometry = torch.tensor([size[0], size[1], 0, 0], device=device).expand(batch, 4)
-    return torch.cat([geometry.to(device, torch.float32), target], dim=1)
+        geometry = torch.tensor([size[0], size[1], 0, 0]).expand(batch, 4)
+    target = torch.tensor([size[0], size[1]], dtype=torch.float32).expand(geometry.shape[0], 2)
+    if geometry.device.type != "cpu":  # already on a device: the target joins it there
+        return torch.cat([geometry.float(), to_device_async(target, geometry.device)], dim=1).to(device)
+    return to_device_async(torch.cat([geometry.float(), target], dim=1), device)
 
 
 class SDXLFamily(Family):

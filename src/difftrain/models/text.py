@@ -209,7 +209,7 @@ class TextEncoder(nn.Module):
     @torch.no_grad()
     def encode_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """The last hidden state (B, L, D) float32 of token ids (B, L), on this module's device."""
-        return self.model(input_ids=ids.to(self.device)).last_hidden_state.float()
+        return self.model(input_ids=ids.to(self.device, non_blocking=True)).last_hidden_state.float()
 
     def encode(self, captions: list[str]) -> torch.Tensor:
         """``encode_ids(tokenize(captions))``: (B, L, D) float32."""

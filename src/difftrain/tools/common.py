@@ -88,7 +88,7 @@ def fetch_batch(setup: Setup, batch_size: int, seed: int, augment: bool = True):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, len(setup.dataset), (batch_size,), generator=g).tolist()
     keys = [(i, derive_seed(seed, "aug", i)) if augment else i for i in idx]
-    x0, second = collate([setup.dataset[k] for k in keys])
+    x0, second, *_ = collate([setup.dataset[k] for k in keys])
     if isinstance(second, torch.Tensor):
         second = second.to(setup.device) if setup.num_classes else None
     return x0.to(setup.device), second

@@ -31,8 +31,9 @@ class HeldOutLoss:
     """Evaluates the diffusion loss on fixed (x0, t, noise) triples of the held-out images.
 
     Args:
-        dataset: the held-out images (items ``(image (C, H, W) in [-1, 1], label)``); the first
-            ``max_images`` are used, unaugmented.
+        dataset: the held-out images (items ``(image (C, H, W) in [-1, 1], label or caption, geometry
+            (4,) long)``, the geometry (original size and crop: SDXL's size conditioning) where the dataset
+            carries it); the first ``max_images`` are used, unaugmented.
         cfg: the run's config (diffusion settings, seeds, validation options).
         objective: the run's objective (on ``device``): its stratified noise levels and loss.
         device: where the frozen tensors live and the model runs.
@@ -60,15 +61,17 @@ class HeldOutLoss:
         t = objective.stratified_levels(n, g)  # (N,) equal counts in every bucket
         noise = torch.randn((n, channels, resolution, resolution), generator=g)  # (N, C, H, W)
         items = [dataset[i] for i in rows]
-        self.x0 = torch.stack([x for x, _ in items]).to(device) if items else torch.zeros_like(noise[mine]).to(device)
+        self.x0 = torch.stack([it[0] for it in items]).to(device) if items else torch.zeros_like(noise[mine]).to(device)
         if conditioning.codec is not None and items:  # the mean latent of each image
             from difftrain.data.latents import sample_latents
 
             self.x0 = sample_latents(self.x0, torch.zeros_like(noise[mine]).to(device), conditioning.codec)
-        seconds = [y for _, y in items]
+        seconds = [it[1] for it in items]
         if conditioning.kind == "class":
             seconds = torch.tensor(seconds, dtype=torch.long)
-        self.condition = conditioning.condition(seconds, None, device) if items else None
+        carried = items and all(len(it) > 2 for it in items)  # (N_r, 4) long: each image's size and crop
+        geometry = torch.stack([it[2] for it in items]) if carried else None
+        self.condition = conditioning.condition(seconds, None, device, geometry) if items else None
         self.t = t[mine].to(device)  # (N_r,) this rank's rows
         self.noise = noise[mine].to(device)  # (N_r, C, H, W)
         self.objective = objective
