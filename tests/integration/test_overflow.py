@@ -104,6 +104,29 @@ def test_init_lora_from_an_overflowing_file_is_refused_before_any_step(base, tmp
     assert not (run_dir / "checkpoints").exists()
 
 
+def _start_on_rank(ctx, run_dir: str, overrides: list[str]) -> str:
+    """A rank's ``train`` of ``overrides`` (for ``run_ranks``): "" when it ran to its end, else its ValueError."""
+    try:
+        train(load_config(None, overrides), run_dir)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.slow  # about 50 s on the shared 2-core machine: two 2-rank starts
+def test_init_lora_from_is_checked_on_every_rank_of_a_sharded_start(base, tmp_path):
+    """Under FSDP (2 gloo processes, the network built sharded from the files): each rank runs the sharded
+    network's forward in lockstep; the overflowing file is refused by both, a fine one trains."""
+    from tests.multiproc import run_ranks
+
+    fsdp = ["train.device=cpu", "train.channels_last=off", "train.parallel=fsdp", "train.batch_size=4",
+            "train.total_steps=1", "tracking.tensorboard=false"]
+    for name, says in (("overflowing", "non-finite outputs"), ("fine", "")):
+        overrides = _sd_overrides(base, list(TINY_OVERRIDES), *fsdp, f"model.init_lora_from={base / name}.safetensors")
+        lines = run_ranks(_start_on_rank, 2, str(tmp_path / name), overrides)
+        assert all(says in line if says else line == "" for line in lines), lines
+
+
 # ---------------------------------------------------------------------------------------------
 # A run whose every step is skipped (non-finite) does not exit 0.
 
