@@ -230,4 +230,5 @@ def test_non_finite_validation_samples_stop_the_run_in_one_line(overflowing_chec
     line = _one_error_line(capsys.readouterr().err)
     assert "step 2: the validation grid of the EMA weights: samples 0-" in line and "came out not finite" in line, line
     assert f"the newest checkpoint in {run_dir / 'checkpoints'} is untouched" in line, line
+    assert f"model.init_from {overflowing_checkpoint}" in line, line
     assert not list((run_dir / "samples").glob("*.png"))  # no black grid written

@@ -186,7 +186,7 @@ def train(
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
                 # schedule-free: its average; NaN or inf samples stop the run with one line
-                with _Timed(paused, "validation_s"), state.reading_weights(), _naming(step, run_dir):
+                with _Timed(paused, "validation_s"), state.reading_weights(), _naming(cfg, step, run_dir):
                     model, ema_model = state.evaluation_models()  # themselves; under FSDP the sharded model, in lockstep
                     grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(model, ema_model)
@@ -199,7 +199,7 @@ def train(
             # Measure FID of the EMA weights; a new lowest FID is saved now and becomes checkpoints/best.
             best_fid = None
             if not stopped_by and fid.due(step):
-                with _Timed(paused, "fid_s"), state.reading_weights(), _naming(step, run_dir, "the FID samples"):
+                with _Timed(paused, "fid_s"), state.reading_weights(), _naming(cfg, step, run_dir, "the FID samples"):
                     fid_metrics = fid(step, state.evaluation_models()[1])
                     trackers.log(step, fid_metrics)
                     best_fid = fid.new_best(fid_metrics, run_dir / "checkpoints")
@@ -419,24 +419,28 @@ def _group_fault_message(fault: str, dctx: distributed.DistContext, run_dir: Pat
             f"{distributed.EXIT_GROUP_FAULT}: torchrun --max-restarts restarts the group, which {then}")
 
 
-def _naming(step: int, run_dir: Path, what: str = ""):
+def _naming(cfg: Config, step: int, run_dir: Path, what: str = ""):
     """Samples of the run that come out NaN or infinite (validation, FID) stop it with one line naming the
-    step and what was sampled; its newest checkpoint is left as it is."""
+    step, what was sampled and where the weights started; its newest checkpoint is left as it is."""
     return naming_samples(f"step {step}" + (f": {what}" if what else ""),
                           then=f"the newest checkpoint in {run_dir / 'checkpoints'} is untouched; lower optim.lr, or "
-                               "check model.init_from / model.init_lora_from")
+                               f"check the weights the run started from{_started_from(cfg)}")
+
+
+def _started_from(cfg: Config) -> str:
+    """" (model.init_lora_from FILE, model.init_from FOLDER)": the run's starting weights, where set."""
+    started = [f"{key} {value}" for key, value in (("model.init_lora_from", cfg.model.init_lora_from),
+                                                   ("model.init_from", cfg.model.init_from)) if value]
+    return f" ({', '.join(started)})" if started else ""
 
 
 def _nothing_trained_message(cfg: Config, steps: int, final: Path | None) -> str:
     """The line of a run whose every optimizer step was skipped (fewer than train.max_nonfinite_in_row in a
     row in each start, so no start stopped)."""
-    started = [f"{key} {value}" for key, value in (("model.init_lora_from", cfg.model.init_lora_from),
-                                                   ("model.init_from", cfg.model.init_from)) if value]
-    origin = f" ({', '.join(started)})" if started else ""
     held = f"; {final} holds them" if final else ""
     return (f"no step of this run was applied: all {steps} were skipped for a non-finite loss or gradient, so its "
-            f"weights are those it started from{origin}{held}. Lower optim.lr, use bf16 instead of fp16, or check the "
-            "data and the starting weights")
+            f"weights are those it started from{_started_from(cfg)}{held}. Lower optim.lr, use bf16 instead of fp16, "
+            "or check the data and the starting weights")
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:
