@@ -54,8 +54,8 @@ def test_a_batch_whose_samples_are_not_finite_raises_naming_its_rows():
 
 
 def test_the_check_is_once_per_batch_on_the_final_images_never_inside_the_sampler():
-    """3 sampler steps, 2 batches: the network runs 6 times; a NaN that the sampler's clamp of x0 would hide
-    inside a step is caught on the batch's final images, as one NonFiniteSamples after the batch."""
+    """3 sampler steps, 2 batches of 2: the first batch's NaN is found once its sampler has run to its end
+    (3 network calls, none checked), and the second batch is never sampled."""
     model = Toy(nan_rows=(0,))
     with pytest.raises(NonFiniteSamples):
         _generate(model, num=4, batch_size=2)
