@@ -13,7 +13,8 @@ from difftrain.conditioning import Conditioning, moved_parts
 from difftrain.config import Config, config_from_dict
 from difftrain.diffusion.objective import Objective, build_objective
 from difftrain.runtime.device import resolve_device
-from difftrain.sampling import GRID_NAME, GRID_TEXT, generate, grid_class_labels, initial_noise, make_grid, save_png, to_uint8
+from difftrain.sampling import (GRID_NAME, GRID_TEXT, generate, grid_class_labels, initial_noise, make_grid,
+                                naming_samples, save_png, to_uint8)
 from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.runtime.progress import CountProgress
 from difftrain.training.state import build_network, check_quantize_device
@@ -51,7 +52,9 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     digest must match), or a LoRA file of another program (diffusers' scripts, kohya sd-scripts,
     ComfyUI) put on the base folder ``base`` (``lora_import.py``); ``lora_scale`` scales the adapter of
     it or of a LoRA run's checkpoint (1 = as trained, 0 = the base alone). ``distilled_guidance``: a Flux
-    base's guidance input for the samples instead of the run's ``validation.distilled_guidance``."""
+    base's guidance input for the samples instead of the run's ``validation.distilled_guidance``. An adapter
+    whose network gives a non-finite output on a fixed input (finite weights that overflow) is refused: one
+    ValueError naming it."""
     from difftrain.interop import is_weights_file, load_weights_file
 
     if (checkpoint is None) == (lora is None):
@@ -94,8 +97,12 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
             raise ValueError(f"--lora-scale given, but {state['path']} holds no LoRA adapter")
         model.set_scale(lora_scale)
     model = model.to(device).eval()
-    return LoadedModel(model, cfg, build_objective(cfg.diffusion), num_classes, state["step"], state["path"], use_ema,
-                       conditioning)
+    objective = build_objective(cfg.diffusion)
+    if lora is not None:  # finite weights can still overflow: one forward on a fixed input must be finite
+        from difftrain.lora_import import check_adapted_output
+
+        check_adapted_output(model, objective, conditioning, device, f"LoRA adapter {state['path']}")
+    return LoadedModel(model, cfg, objective, num_classes, state["step"], state["path"], use_ema, conditioning)
 
 
 def class_labels_for(num: int, num_classes: int, class_label: int | Sequence[int] | None) -> torch.Tensor | None:
@@ -142,7 +149,8 @@ def generate_images(
 ) -> torch.Tensor:
     """(num, C, H, W) float32 images in [-1, 1] on the CPU, from the initial noise of ``seed``:
     what ``difftrain sample`` writes. Class-conditional models: ``class_label``, else one class
-    per grid row; text models: ``prompt`` (one, or one per image)."""
+    per grid row; text models: ``prompt`` (one, or one per image). Samples that come out NaN or
+    infinite raise ``NonFiniteSamples`` naming ``loaded.path``."""
     c = loaded.conditioning
     channels, resolution = c.network_shape()
     noise = initial_noise(num, (channels, resolution, resolution), seed)
@@ -155,21 +163,28 @@ def generate_images(
         if prompt is not None:
             raise ValueError("--prompt given, but the model is not text-conditioned")
         condition = class_labels_for(num, loaded.num_classes, class_label)
-    return generate(
-        loaded.model,
-        objective=loaded.objective,
-        noise=noise,
-        sampler=sampler,
-        steps=steps,
-        seed=seed,
-        condition=condition,
-        null_condition=c.null(1, device) if condition is not None else None,
-        guidance_scale=guidance_scale,
-        batch_size=batch_size,
-        decode=c.decode if c.codec is not None else None,
-        clip=c.codec is None,  # latents are not bounded to [-1, 1]
-        **sampler_options,
-    )
+    with naming_samples(sampled_from(loaded)):  # NaN or inf samples: one line naming the checkpoint or adapter
+        return generate(
+            loaded.model,
+            objective=loaded.objective,
+            noise=noise,
+            sampler=sampler,
+            steps=steps,
+            seed=seed,
+            condition=condition,
+            null_condition=c.null(1, device) if condition is not None else None,
+            guidance_scale=guidance_scale,
+            batch_size=batch_size,
+            decode=c.decode if c.codec is not None else None,
+            clip=c.codec is None,  # latents are not bounded to [-1, 1]
+            **sampler_options,
+        )
+
+
+def sampled_from(loaded: LoadedModel) -> str:
+    """What a loaded model's samples come from, for a line about them: its file, step and weights."""
+    guide = f", autoguided by {loaded.guide}" if loaded.guide else ""
+    return f"{loaded.path} (step {loaded.step}, {'EMA' if loaded.ema else 'raw'} weights{guide})"
 
 
 def sample_to_folder(

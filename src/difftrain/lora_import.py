@@ -6,6 +6,7 @@ file as the start of a run's adapter (``model.init_lora_from``).
     fields = read_foreign("their.safetensors", "sd-folder")   # another program's file, on a base folder
     init_adapter_from(net, "their.safetensors")               # a new LoraNetwork's adapter from a file
     adapter_start(net, "their.safetensors")                   # the same, as tensors (a net on the meta device)
+    check_adapted_output(net, objective, conditioning, device, "LoRA adapter x.safetensors")  # its outputs finite
 
 Another program's file goes through the base family's diffusers loader, never a key map of difftrain's: the
 pipeline's ``lora_state_dict`` converts the file (kohya's ``lora_unet_...``, ComfyUI's, diffusers' old
@@ -21,7 +22,9 @@ A file applies whole or not at all: a file some of whose modules are not in the 
 one line saying how many matched (a LoRA of another base of the same family would change half the
 layers it meant to); tensors of a text encoder are left out with one warning line (difftrain adapts
 the denoiser). The file is read as safetensors (``interop.read_safetensors``: no code runs, every
-weight finite) before diffusers opens it.
+weight finite) before diffusers opens it. Finite weights can still overflow (a kohya ``alpha`` of 1e30):
+once the adapter is on its network, one forward on a fixed input must be finite, or the file is refused
+(:func:`check_adapted_output`; ``sample --lora``, ``difftrain.load(lora=)``, ``model.init_lora_from``).
 """
 
 from __future__ import annotations
@@ -124,6 +127,19 @@ def adopt(path: Path, family, denoiser: nn.Module, base) -> tuple[dict, dict[str
             tensors[f"{name}.lora_B.weight"] *= s / scale
     settings = {"rank": rank, "alpha": scale * rank, "dropout": 0.0, "targets": sorted(layers)}
     return ({**settings, "kind": "dora"} if doras == {True} else settings), tensors
+
+
+def check_adapted_output(model: nn.Module, objective, conditioning, device, where: str, autocast=None) -> None:
+    """One ValueError naming ``where`` (the adapter file) unless ``model``, with the adapter loaded, gives a
+    finite output on a fixed input (``sampling.output_is_finite``: one forward of one sample at the network's
+    shape, the null condition, the median training level of ``objective``; under ``autocast`` where given).
+    Finite weights whose outputs overflow (a kohya ``alpha`` of 1e30) would sample black images and skip
+    every training step."""
+    from difftrain.sampling import output_is_finite
+
+    if not output_is_finite(model, objective, conditioning, device, autocast):
+        raise ValueError(f"{where}: the network with this adapter gives non-finite outputs (NaN or inf) on a fixed "
+                         "test input: its weights or alpha overflow; difftrain refuses it")
 
 
 def native_resolution(folder: Path, denoiser: nn.Module) -> int:

@@ -6,8 +6,9 @@ connects them to a model, fixed seeds and files. Sampling always runs in float32
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,22 @@ def guided_network(
         return out
 
     return network
+
+
+class NonFiniteSamples(ValueError):
+    """Sampled images that came out NaN or infinite: the network's numbers overflow (finite weights
+    whose outputs are not). One line naming what was sampled (:func:`naming_samples`); exit 2."""
+
+
+@contextlib.contextmanager
+def naming_samples(what: str, then: str = "") -> Iterator[None]:
+    """Prefix a :class:`NonFiniteSamples` raised inside the block with ``what`` (the adapter,
+    checkpoint or run whose samples they are), so that its one line names it; ``then``: what to
+    do, added at its end."""
+    try:
+        yield
+    except NonFiniteSamples as e:
+        raise NonFiniteSamples(f"{what}: {e}" + (f"; {then}" if then else "")) from None
 
 
 def initial_noise(num: int, shape: tuple[int, int, int], seed: int) -> torch.Tensor:
@@ -86,6 +103,9 @@ def generate(
         decode: maps each batch of samples to images (a latent model's VAE decoder).
     Returns:
         (N, C, H, W) float32 images in [-1, 1] (after ``decode``), on the CPU.
+    Raises:
+        NonFiniteSamples: a batch's images hold a NaN or an infinity (checked once per batch, on
+            the final images: one reduction, read when the batch is copied to the CPU anyway).
     """
     if sample_ids is not None and len(sample_ids) != noise.shape[0]:
         raise ValueError(f"got {len(sample_ids)} sample_ids for {noise.shape[0]} noise rows")
@@ -108,7 +128,12 @@ def generate(
                 ids = sample_ids[start : start + batch_size]
                 gen = [torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", int(k))) for k in ids]
             x0 = objective.sample(network, x_T, sampler, steps, gen, **sampler_options)
-            out.append((x0 if decode is None else decode(x0)).cpu())
+            images = x0 if decode is None else decode(x0)
+            finite = torch.isfinite(images).all()  # one reduction per batch, no wait inside the sampler
+            out.append(images.cpu())
+            if not bool(finite):
+                raise NonFiniteSamples(f"samples {start}-{start + x_T.shape[0] - 1} came out not finite (NaN or "
+                                       "inf): the network's numbers overflow")
             if progress is not None:
                 progress.advance(x_T.shape[0])
     finally:
@@ -116,6 +141,32 @@ def generate(
     if not out:  # no rows: a rank with no share
         return torch.zeros(noise.shape) if decode is None else torch.zeros((0, *decode(noise[:1].to(device)).shape[1:]))
     return torch.cat(out)
+
+
+PROBE_SEED = 0  # the fixed input of output_is_finite
+
+
+@torch.no_grad()
+def output_is_finite(model: nn.Module, objective: Objective, conditioning, device: torch.device | str,
+                     autocast: contextlib.AbstractContextManager | None = None) -> bool:
+    """Whether one forward of ``model`` on a small fixed input is finite: x_t (1, C, H, W) at the
+    network's shape (``conditioning.network_shape()``), noised from zeros by fixed noise to the median
+    training level of ``objective``, with the null condition (``conditioning.null``; None unconditional).
+    The model runs in eval mode (restored after), under ``autocast`` where given; no random number
+    of the caller's is drawn. Every rank of a sharded (FSDP) model must call it together."""
+    channels, resolution = conditioning.network_shape()
+    gen = torch.Generator().manual_seed(derive_seed(PROBE_SEED, "output-probe"))
+    noise = torch.randn((1, channels, resolution, resolution), generator=gen).to(device)
+    levels = objective.quantile(torch.tensor([0.5])).to(device)
+    b = objective.noised(torch.zeros_like(noise), levels, noise)
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast or contextlib.nullcontext():
+            out = model(b.input, b.cond, conditioning.null(1, device))
+    finally:
+        model.train(was_training)
+    return bool(torch.isfinite(out).all())
 
 
 def quantize(images: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.sampling import generate, initial_noise, quantize
+from difftrain.sampling import generate, initial_noise, naming_samples, quantize
 from difftrain.runtime.seeding import derive_seed
 
 from .confetti import laplacian_energy, share_against
@@ -288,7 +288,7 @@ def evaluate_checkpoint(
     step of this run, with weight ``guide_weight`` (autoguidance.py); the result names the guide,
     and its ``nfe`` counts both networks."""
     from difftrain.autoguidance import with_guide
-    from difftrain.inference import load_model
+    from difftrain.inference import load_model, sampled_from
     from difftrain.runtime.progress import CountProgress
 
     start = time.perf_counter()
@@ -311,10 +311,11 @@ def evaluate_checkpoint(
         ref_source = f"{d.path} (training preprocessing, {d.resolution}px, {d.channels} channel(s))"
     checked = _checked(inception, loaded, memorization)
     channels, size = loaded.conditioning.network_shape()
-    samples = sample_statistics(
-        loaded.model, checked or inception, objective=loaded.objective, shape=(channels, size, size), num=num,
-        sampler=sampler, steps=steps, seed=seed, batch_size=batch_size, conditions=conditions,
-        progress=CountProgress("eval: samples", num, enabled=progress), **sampler_options)
+    with naming_samples(sampled_from(loaded)):  # NaN or inf samples: one line naming the checkpoint, no FID
+        samples = sample_statistics(
+            loaded.model, checked or inception, objective=loaded.objective, shape=(channels, size, size), num=num,
+            sampler=sampler, steps=steps, seed=seed, batch_size=batch_size, conditions=conditions,
+            progress=CountProgress("eval: samples", num, enabled=progress), **sampler_options)
     return fid_result(
         samples, reference, kid=kid, sampler=sampler, steps=steps, **guided,
         nfe=loaded.objective.sampler_nfe[sampler](steps) * (2 if guided and loaded.guide_weight not in (0, 1) else 1),

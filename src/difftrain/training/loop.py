@@ -18,10 +18,12 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
+from difftrain.lora_import import check_adapted_output
 from difftrain.models.quantize import logical_numel
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
 from difftrain.runtime.files import cache_dir_error
+from difftrain.sampling import naming_samples
 from difftrain.training import checkpoint as ckpt
 from difftrain.training import sharded_checkpoint as sharded
 from difftrain.training.diagnostics import divergence_report
@@ -40,6 +42,11 @@ from difftrain.training.warnings import RunWarnings, WatchedTrackers
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row; the last good checkpoint is left untouched."""
+
+
+class NothingTrained(TrainingDiverged):
+    """A run that reached its end with every optimizer step skipped (non-finite): its weights are
+    those it started from. Exit 2, as a divergence."""
 
 
 @dataclasses.dataclass
@@ -94,6 +101,9 @@ def train(
         if is_main:
             print(f"difftrain: resumed from {saved['path']} at step {state.step} ({state.position:,} images seen)")
         del saved
+    elif cfg.model.init_lora_from:  # finite weights can still overflow: refused before any step (every rank)
+        check_adapted_output(state.model, objective, conditioning, device,
+                             f"model.init_lora_from {cfg.model.init_lora_from}", state.precision.autocast())
     # `state.net` runs forward and backward (DDP-wrapped or FSDP-sharded, compiled); `state.model` is saved and averaged.
     state.net = compile_model(state.parallelize(dctx), device, tc.compile)
     step_fn = _step_function(state, objective, dctx, bucketed=getattr(data.train, "bucket_shapes", None) is not None)
@@ -175,7 +185,8 @@ def train(
             # Validate: grids from fixed noise and the held-out loss, each rank its share.
             v = cfg.validation
             if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
-                with _Timed(paused, "validation_s"), state.reading_weights():  # schedule-free: its average
+                # schedule-free: its average; NaN or inf samples stop the run with one line
+                with _Timed(paused, "validation_s"), state.reading_weights(), _naming(cfg, step, run_dir):
                     model, ema_model = state.evaluation_models()  # themselves; under FSDP the sharded model, in lockstep
                     grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(model, ema_model)
@@ -188,7 +199,7 @@ def train(
             # Measure FID of the EMA weights; a new lowest FID is saved now and becomes checkpoints/best.
             best_fid = None
             if not stopped_by and fid.due(step):
-                with _Timed(paused, "fid_s"), state.reading_weights():
+                with _Timed(paused, "fid_s"), state.reading_weights(), _naming(cfg, step, run_dir, "the FID samples"):
                     fid_metrics = fid(step, state.evaluation_models()[1])
                     trackers.log(step, fid_metrics)
                     best_fid = fid.new_best(fid_metrics, run_dir / "checkpoints")
@@ -231,6 +242,8 @@ def train(
         raise ckpt.CheckpointWriteError(_unsaved_message(run_dir, state.step, start_step, resumed_from))
     else:
         final = ckpt.find_checkpoint(run_dir)
+    if not stopped_by and 0 < state.step <= state.skipped_steps:  # counted over the run, every start of it
+        raise NothingTrained(_nothing_trained_message(cfg, state.step, final))
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
 
@@ -404,6 +417,30 @@ def _group_fault_message(fault: str, dctx: distributed.DistContext, run_dir: Pat
     then = "resumes from it" if saved else "starts over"
     return (f"rank {dctx.rank} of {dctx.world_size}, {when}: {fault}; {newest}; exit "
             f"{distributed.EXIT_GROUP_FAULT}: torchrun --max-restarts restarts the group, which {then}")
+
+
+def _naming(cfg: Config, step: int, run_dir: Path, what: str = ""):
+    """Samples of the run that come out NaN or infinite (validation, FID) stop it with one line naming the
+    step, what was sampled and where the weights started; its newest checkpoint is left as it is."""
+    return naming_samples(f"step {step}" + (f": {what}" if what else ""),
+                          then=f"the newest checkpoint in {run_dir / 'checkpoints'} is untouched; lower optim.lr, or "
+                               f"check the weights the run started from{_started_from(cfg)}")
+
+
+def _started_from(cfg: Config) -> str:
+    """" (model.init_lora_from FILE, model.init_from FOLDER)": the run's starting weights, where set."""
+    started = [f"{key} {value}" for key, value in (("model.init_lora_from", cfg.model.init_lora_from),
+                                                   ("model.init_from", cfg.model.init_from)) if value]
+    return f" ({', '.join(started)})" if started else ""
+
+
+def _nothing_trained_message(cfg: Config, steps: int, final: Path | None) -> str:
+    """The line of a run whose every optimizer step was skipped (fewer than train.max_nonfinite_in_row in a
+    row in each start, so no start stopped)."""
+    held = f"; {final} holds them" if final else ""
+    return (f"no step of this run was applied: all {steps} were skipped for a non-finite loss or gradient, so its "
+            f"weights are those it started from{_started_from(cfg)}{held}. Lower optim.lr, use bf16 instead of fp16, "
+            "or check the data and the starting weights")
 
 
 def _diverged_message(state: RunState, objective, metrics: StepMetrics, streak: int, run_dir: Path) -> str:

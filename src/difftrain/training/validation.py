@@ -17,7 +17,8 @@ from difftrain.config import Config, ConfigError
 from difftrain.runtime import distributed
 from difftrain.runtime.device import is_out_of_memory
 from difftrain.runtime.fsdp import in_lockstep
-from difftrain.sampling import generate, grid_class_labels, grid_columns, initial_noise, make_grid, save_png, to_uint8
+from difftrain.sampling import (generate, grid_class_labels, grid_columns, initial_noise, make_grid, naming_samples,
+                               save_png, to_uint8)
 
 DATA_PROMPTS = 8  # rows of a text model's grid when validation.prompts is empty: captions of the training data
 
@@ -138,13 +139,16 @@ def validation_grids(
     objective, ctx: distributed.DistContext,
 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """(``{"samples/ema": grid}`` plus ``"samples/raw"`` with ``validation.raw_grid``, the EMA
-    images (N, H, W, C) uint8) on rank 0; ``({}, None)`` on the others. Every rank must call it."""
-    ema_images = sample_images(ema_model, cfg, plan, conditioning, objective, ctx)
+    images (N, H, W, C) uint8) on rank 0; ``({}, None)`` on the others. Every rank must call it. Samples
+    that come out NaN or infinite raise ``NonFiniteSamples`` naming the weights."""
+    with naming_samples("the validation grid of the EMA weights"):
+        ema_images = sample_images(ema_model, cfg, plan, conditioning, objective, ctx)
     grids = {}
     if ema_images is not None:
         grids["samples/ema"] = grid(ema_images, plan)
     if cfg.validation.raw_grid:
-        raw = sample_images(model, cfg, plan, conditioning, objective, ctx)
+        with naming_samples("the validation grid of the raw weights"):
+            raw = sample_images(model, cfg, plan, conditioning, objective, ctx)
         if raw is not None:
             grids["samples/raw"] = grid(raw, plan)
     return grids, ema_images
