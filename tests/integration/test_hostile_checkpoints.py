@@ -8,6 +8,7 @@ read by tests/integration/test_fsdp.py through the same reader. The commands run
 
 from __future__ import annotations
 
+import io
 import pickle
 import shutil
 from pathlib import Path
@@ -125,6 +126,120 @@ def test_a_crafted_dcp_metadata_runs_no_code(crafted_run, command, tmp_path, cap
     assert not marker.exists()
 
 
+def _pickled_payload(folder: Path, marker: Path) -> tuple[int, int]:
+    """Append to the folder's shard file what DCP's default planner reads for a bytes entry with
+    ``torch.load(weights_only=False)``: a pickle that creates ``marker``; (offset, length) of it."""
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    shard = folder / "__0_0.distcp"
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+    return offset, len(buf.getvalue())
+
+
+def _declare_bytes(m, folder: Path, fqn: str, marker: Path) -> None:
+    """Declare ``fqn`` in the metadata ``m`` as DCP bytes stored in a pickle that creates ``marker``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    offset, length = _pickled_payload(folder, marker)
+    m.state_dict_metadata[fqn] = BytesStorageMetadata()
+    m.storage_data[MetadataIndex(fqn)] = _StorageInfo(relative_path="__0_0.distcp", offset=offset, length=length)
+
+
+def _bytes_entry(m, folder: Path, marker: Path) -> None:
+    """(a) One entry added, declared as bytes."""
+    _declare_bytes(m, folder, "model.payload", marker)
+
+
+def _alias_of_bytes(m, folder: Path, marker: Path) -> None:
+    """(b) A bytes entry and a tensor entry (a copy of the smallest model weight's, on its bytes) whose key
+    path (``planner_data``) joins to the bytes entry's key: the state dict made from the key paths asks
+    DCP's planner for the bytes."""
+    import copy
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    _declare_bytes(m, folder, "model.payload", marker)
+    name, item = min(((k, v) for k, v in m.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "chunks")),
+                     key=lambda kv: kv[1].size.numel())
+    m.state_dict_metadata["model.alias"] = copy.deepcopy(item)
+    for chunk in item.chunks:
+        m.storage_data[MetadataIndex("model.alias", chunk.offsets)] = m.storage_data[MetadataIndex(name, chunk.offsets)]
+    m.planner_data = {**(m.planner_data or {}), "model.alias": ("model", "payload")}
+
+
+def _weight_as_bytes(m, folder: Path, marker: Path) -> None:
+    """(c) A real weight of the model re-declared as bytes (what an FSDP resume asks DCP for by its name)."""
+    name = next(k for k, v in m.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "chunks"))
+    _declare_bytes(m, folder, name, marker)
+
+
+# case -> (craft(metadata, folder, marker), what the refusal says)
+BYTES_CASES = {"bytes-entry": (_bytes_entry, "as pickled bytes"),
+               "alias-of-bytes": (_alias_of_bytes, "joins to another key"),
+               "weight-as-bytes": (_weight_as_bytes, "as pickled bytes")}
+
+
+@pytest.fixture(scope="module")
+def bytes_runs(sharded_run, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Per case of :data:`BYTES_CASES`: a copy of ``sharded_run`` whose ``.metadata`` (safe to read: only
+    DCP's own classes) declares entries as DCP bytes holding a pickle that creates ``marker``; (run, marker)."""
+    runs = {}
+    for case, (craft, _) in BYTES_CASES.items():
+        root = tmp_path_factory.mktemp(case)
+        run, folder = _copy(sharded_run, root / "run")
+        _rewrite_metadata(folder, lambda m, craft=craft, folder=folder, root=root: craft(m, folder, root / "marker"))
+        runs[case] = run, root / "marker"
+    return runs
+
+
+@pytest.mark.parametrize("case", BYTES_CASES)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_dcp_bytes_entry_runs_no_code(bytes_runs, case, command, tmp_path, capsys):
+    """DCP's default load planner unpickles every bytes entry it is asked for (``torch.load(weights_only=False)``):
+    a bytes entry, a key path that aliases one, a weight declared as one are refused from the metadata, one line
+    naming it, exit 2, and the payload never runs."""
+    run, marker = bytes_runs[case]
+    code = main(COMMANDS[command](run, tmp_path))
+    line = _one_error_line(capsys.readouterr().err)
+    assert not marker.exists()
+    assert code == EXIT_BAD_INPUT
+    assert str(run / "checkpoints" / DCP / ".metadata") in line and BYTES_CASES[case][1] in line, line
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP without a process group
+def test_every_dcp_read_has_a_planner_that_never_unpickles(bytes_runs, sharded_run, tmp_path):
+    """Defence in depth: a bytes entry that reached DCP's loader (through torch's own reader, unchecked) is
+    refused by the planner every read uses (``dcp_reader.load``), and an FSDP resume's fill of its own state
+    dict (the weight's real name declared as bytes) is refused before DCP reads anything."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from difftrain.runtime import distributed
+    from difftrain.training import dcp_reader
+    from difftrain.training import sharded_checkpoint as sharded
+
+    run, marker = bytes_runs["bytes-entry"]
+    folder = run / "checkpoints" / DCP
+    with pytest.raises(CheckpointException, match="as pickled bytes"):
+        dcp_reader.load({"model": {"payload": io.BytesIO()}}, dcp.FileSystemReader(folder), no_dist=True)
+    assert not marker.exists()
+    # Every read of DCP in src goes through it.
+    src = Path(__file__).resolve().parents[2] / "src" / "difftrain"
+    callers = [p.relative_to(src) for p in src.rglob("*.py") if "dcp.load(" in p.read_text()]
+    assert callers == [Path("training/dcp_reader.py")], callers
+    # An FSDP resume asks for the checkpoint's tensors by their own names: a weight declared as bytes.
+    run, marker = bytes_runs["weight-as-bytes"]
+    saved = ckpt.load_checkpoint(sharded_run)
+    tensors = {"model": dict(saved["model"]), "ema": dict(saved["ema"]["model"]), "optimizer": {},
+               "posthoc_ema": {str(k): dict(m) for k, m in enumerate(saved["posthoc_ema"]["models"])}}
+    with pytest.raises(ckpt.CheckpointError, match="as pickled bytes"):
+        sharded.load_shards(run / "checkpoints" / DCP, tensors, distributed.setup(torch.device("cpu"), 60))
+    assert not marker.exists()
+
+
 def test_a_sharded_checkpoint_to_start_an_fsdp_run_from_is_checked_from_its_metadata_alone(sharded_run, crafted_run):
     """FSDP's sharded start from a sharded checkpoint's folder (``model.init_from``; the network on the meta
     device, ``interop.defer_init_weights``): checked against the model from its metadata alone, through the
@@ -205,9 +320,22 @@ def _run_state_with(folder: Path, change) -> None:
 
 
 def _clashing_key_paths(m) -> None:
-    """Two tensors' key paths where one is a prefix of the other (their tensors would overwrite a dict)."""
+    """Two tensors renamed so that one's key path is a prefix of the other's (their tensors would overwrite
+    a dict), each path its own key's."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    renames = dict(zip(list(m.state_dict_metadata)[:2], ("model.w", "model.w.x")))
+    m.state_dict_metadata = {renames.get(k, k): v for k, v in m.state_dict_metadata.items()}
+    m.storage_data = {MetadataIndex(renames.get(i.fqn, i.fqn), i.offset, i.index): info
+                      for i, info in m.storage_data.items()}
+    m.planner_data = {renames.get(k, k): v for k, v in (m.planner_data or {}).items()}
+    m.planner_data.update({"model.w": ("model", "w"), "model.w.x": ("model", "w", "x")})
+
+
+def _aliasing_key_path(m) -> None:
+    """A tensor's key path that joins to another tensor's key."""
     first, second = list(m.state_dict_metadata)[:2]
-    m.planner_data = {**(m.planner_data or {}), first: ("model", "w"), second: ("model", "w", "x")}
+    m.planner_data = {**(m.planner_data or {}), first: tuple(second.split("."))}
 
 
 def _crafted_run_state(folder: Path) -> None:
@@ -246,6 +374,8 @@ DAMAGE = {
                                "run_state.pt", "posthoc_ema.stds must be a list"),
     "metadata-key-paths-clash": (lambda f: _rewrite_metadata(f, _clashing_key_paths), DCP,
                                  "clashing with another tensor's"),
+    "metadata-key-path-aliases": (lambda f: _rewrite_metadata(f, _aliasing_key_path), ".metadata",
+                                  "which joins to another key"),
 }
 
 

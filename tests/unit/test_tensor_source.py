@@ -3,13 +3,16 @@ the identity of the meta-built network's tensors; a damaged or non-finite file i
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from difftrain.runtime import meta_init
-from difftrain.runtime.tensor_source import DeferredWeights, TensorSource
+from difftrain.runtime.tensor_source import DeferredWeights, TensorSource, check_weight_indexes
 
 
 def _net() -> nn.Module:
@@ -99,3 +102,75 @@ def test_a_torch_file_whose_pickle_would_run_code_is_refused_with_one_line_namin
         TensorSource.of_torch_files([hostile])
     assert "\n" not in str(e.value) and not marker.exists()
     assert TensorSource.of_folder(tmp_path) is None and not marker.exists()  # not mapped: left to its loader
+
+
+def _sharded_folder(folder, outside):
+    """A diffusers model folder whose safetensors index names two files: one in the folder, one (``outside``)
+    elsewhere; the index file."""
+    from safetensors.torch import save_file
+
+    state = _net().state_dict()
+    folder.mkdir()
+    save_file({k: v for k, v in state.items() if k.startswith("0.")}, folder / "a.safetensors")
+    save_file({k: v for k, v in state.items() if k.startswith("1.")}, outside)
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {k: ("a.safetensors" if k.startswith("0.") else "OUT")
+                                                for k in state}}))
+    return index
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_a_sharded_index_naming_a_file_outside_its_folder_is_refused(tmp_path, where):
+    """A weights index whose ``weight_map`` names ``../x`` or an absolute path is refused in one line naming
+    the index (it was read from there), by difftrain's reader and before diffusers' or transformers'
+    ``from_pretrained`` would read it."""
+    outside = tmp_path / "elsewhere.safetensors"
+    index = _sharded_folder(tmp_path / "unet", outside)
+    name = "../elsewhere.safetensors" if where == "relative" else str(outside)
+    index.write_text(index.read_text().replace("OUT", name))
+    for check in (TensorSource.of_folder, check_weight_indexes, lambda f: check_weight_indexes(f.parent)):
+        with pytest.raises(ValueError, match=rf"^weights index {re.escape(str(index))} names the file "
+                                             rf"'{re.escape(name)}', outside its folder") as e:
+            check(tmp_path / "unet")
+        assert "\n" not in str(e.value)
+    (tmp_path / "unet" / "b.safetensors").write_bytes(outside.read_bytes())  # the same, inside: read
+    index.write_text(index.read_text().replace(json.dumps(name)[1:-1], "b.safetensors"))
+    assert TensorSource.of_folder(tmp_path / "unet").names() == set(_net().state_dict())
+    check_weight_indexes(tmp_path / "unet")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "not a JSON object with a weight_map"),
+    ('{"metadata": {}}', "its weight_map is not a table"),
+    ('["a.safetensors"]', "not a JSON object with a weight_map"),
+    ('{"weight_map": {"0.weight": 3}}', "its weight_map is not a table"),
+    ('{"weight_map": ["a.safetensors"]}', "its weight_map is not a table"),
+])
+def test_a_malformed_sharded_index_is_one_line_naming_it(tmp_path, text, says):
+    index = _sharded_folder(tmp_path / "unet", tmp_path / "b.safetensors")
+    index.write_text(text)
+    for check in (TensorSource.of_folder, check_weight_indexes):
+        with pytest.raises(ValueError, match=rf"^weights index {re.escape(str(index))}: {says}") as e:
+            check(tmp_path / "unet")
+        assert "\n" not in str(e.value)
+
+
+def test_a_sharded_text_encoder_whose_index_leaves_its_folder_is_refused_before_transformers_reads_it(tmp_path):
+    """transformers' ``from_pretrained`` joins an index's file names to the folder unchecked: a base part whose
+    index names a file outside is refused by ``families.base.load_part`` first (it loaded before)."""
+    from transformers import CLIPTextModel
+
+    from difftrain.families.base import load_part
+    from tests.text_components import tiny_text_model
+
+    part = tmp_path / "base" / "text_encoder"
+    tiny_text_model(64).save_pretrained(part, max_shard_size="20KB")
+    index = part / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    moved = sorted(set(weight_map.values()))[-1]
+    (part / moved).rename(tmp_path / moved)
+    index.write_text(json.dumps({**json.loads(index.read_text()),
+                                 "weight_map": {k: f"../../{moved}" if v == moved else v for k, v in weight_map.items()}}))
+    with pytest.raises(ValueError, match=rf"^weights index {re.escape(str(index))} names the file '../../{moved}', "
+                                         "outside its folder"):
+        load_part(tmp_path / "base", "text_encoder", CLIPTextModel, "CLIP text encoder")

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.models.text import check_loading_info, first_line, quiet_loading
+from difftrain.runtime.tensor_source import check_weight_indexes
 
 Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
 
@@ -463,6 +464,7 @@ def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
     from safetensors import SafetensorError  # a damaged weights file: not an OSError
 
     is_tokenizer = "Tokenizer" in cls.__name__
+    check_weight_indexes(path)  # from_pretrained reads the files a sharded part's index names, unchecked
     try:
         with quiet_loading(logging):
             if is_tokenizer:

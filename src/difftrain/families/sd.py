@@ -25,6 +25,7 @@ from difftrain.families import register
 from difftrain.families.base import Denoiser, Family, PromptEncoder, read_json, require_keys
 from difftrain.runtime.device import to_device_async
 from difftrain.runtime.optional import require
+from difftrain.runtime.tensor_source import check_weight_indexes
 
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
 CLIP_TOKENS = 77  # the CLIP tokenizers' model_max_length in the released bases (prompts are padded to it)
@@ -121,6 +122,7 @@ class ConditionUNet(Denoiser):
         from diffusers import UNet2DConditionModel
 
         folder = unet_folder(path)
+        check_weight_indexes(folder)  # from_pretrained reads the files a sharded UNet's index names, unchecked
         try:
             unet = UNet2DConditionModel.from_pretrained(str(folder), torch_dtype=torch.float32)
         except (OSError, ValueError, RuntimeError, KeyError) as e:
@@ -201,6 +203,8 @@ def write_pipeline(unet: ConditionUNet, scheduler: dict, text_encoder_source: st
 
     text_folder, tokenizer_folder = text_model_folders(text_encoder_source)
     vae_folder = find_vae_folder(vae_source)
+    check_weight_indexes(text_folder)  # from_pretrained reads the files an index names, unchecked
+    check_weight_indexes(vae_folder)
     try:
         text_encoder = CLIPTextModel.from_pretrained(str(text_folder))
         tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_folder))

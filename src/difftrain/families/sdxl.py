@@ -30,6 +30,7 @@ from difftrain.families.sd import CLIP_TOKENS, read_pipeline_lora, save_pipeline
 from difftrain.models.text import weights_digest
 from difftrain.runtime.device import to_device_async
 from difftrain.runtime.optional import require
+from difftrain.runtime.tensor_source import check_weight_indexes
 
 KEYS = ("prompt_embeds", "pooled", "time_ids")
 
@@ -176,6 +177,7 @@ class SDXLFamily(Family):
             from difftrain.models.vae import vae_folder
 
             parts["vae"] = load_part(vae_folder(str(vae)).parent, vae_folder(str(vae)).name, AutoencoderKL, "VAE")
+        check_weight_indexes(base)  # from_pretrained reads the files a sharded part's index names, unchecked
         try:
             pipe = StableDiffusionXLPipeline.from_pretrained(str(base), **parts, torch_dtype=torch.float32)
         except (OSError, ValueError, KeyError, RuntimeError) as e:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from difftrain.runtime.optional import require
+from difftrain.runtime.tensor_source import check_weight_indexes
 
 BUILTIN_PREFIX = "builtin:"
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"  # CLIP's special tokens; EOS also pads
@@ -179,6 +180,7 @@ class TextEncoder(nn.Module):
         from transformers import CLIPTextModel, CLIPTokenizer
         from transformers.utils import logging
 
+        check_weight_indexes(model_dir)  # from_pretrained reads the files a sharded model's index names, unchecked
         try:
             with quiet_loading(logging):
                 tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_dir))

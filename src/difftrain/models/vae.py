@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from difftrain.runtime.optional import require
+from difftrain.runtime.tensor_source import check_weight_indexes
 
 from .text import check_loading_info, first_line, quiet_loading, weights_digest
 
@@ -87,6 +88,7 @@ class LatentCodec(nn.Module):
         from diffusers import AutoencoderKL
         from diffusers.utils import logging
 
+        check_weight_indexes(folder)  # from_pretrained reads the files a sharded VAE's index names, unchecked
         try:
             with quiet_loading(logging):
                 vae, info = AutoencoderKL.from_pretrained(str(folder), torch_dtype=torch.float32,

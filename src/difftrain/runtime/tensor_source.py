@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import zipfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePath, PureWindowsPath
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,39 @@ def _safetensors_tensor(file: Path, key: str) -> Tensor:
 
 def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def index_files(index: Path) -> list[Path]:
+    """The weights files a sharded model's index (``*.safetensors.index.json`` / ``*.bin.index.json``: a JSON
+    object whose ``weight_map`` maps each tensor name to its file) names, each once, in the index's folder.
+    A file name must be relative and without ``..`` (checked on the name, not on where symbolic links lead:
+    the Hugging Face cache links each file to its blob), so that no index reads a file outside its folder;
+    that, and an index that is not such JSON, is one ValueError naming the index file."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise ValueError(f"weights index {index}: not a JSON object with a weight_map ({_first_line(e)})") from None
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
+        raise ValueError(f"weights index {index}: its weight_map is not a table of tensor names to file names")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        path = PurePath(name)
+        if (not name or "\0" in name or ".." in path.parts or path.is_absolute()
+                or PureWindowsPath(name).is_absolute()):
+            raise ValueError(f"weights index {index} names the file {name!r}, outside its folder "
+                             "(a crafted index? a weights file is a file of the index's folder)")
+        files.append(index.parent / path)
+    return files
+
+
+def check_weight_indexes(folder: Path) -> None:
+    """:func:`index_files` of every ``*.index.json`` in ``folder`` and its subfolders one level down (a model
+    folder, or a pipeline folder's parts): what diffusers' and transformers' ``from_pretrained`` would read a
+    sharded model's files from, checked before they do (they join the names to the folder unchecked)."""
+    for index in sorted([*Path(folder).glob("*.index.json"), *Path(folder).glob("*/*.index.json")]):
+        if index.name != "model_index.json":  # a pipeline's list of parts, not a weights index
+            index_files(index)
 
 
 class TensorSource:
@@ -116,7 +149,7 @@ class TensorSource:
             if single.is_file():
                 files = [single]
             elif index.is_file():
-                files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+                files = index_files(index)
             else:
                 continue
             try:

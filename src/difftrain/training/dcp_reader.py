@@ -13,7 +13,14 @@ the file, as do a missing, truncated or malformed file and one that lies about t
 * every tensor's chunks lie inside the tensor and cover it exactly (so a claimed size cannot make
   the loader allocate memory the shards do not back);
 * every chunk is stored in a ``*.distcp`` file of the folder itself (no path, no ``..``), inside
-  that file's size, and holds at least the chunk's bytes.
+  that file's size, and holds at least the chunk's bytes;
+* no entry is DCP *bytes* (``BytesStorageMetadata``: a pickle that DCP's default planner reads with
+  ``torch.load(weights_only=False)``; difftrain writes tensors only);
+* every key path (``planner_data``: how a flattened key unflattens into the state dict) joins back,
+  with dots, to its own key (a path that joins to another key would ask DCP for that key's entry).
+
+And every ``torch.distributed.checkpoint.load`` in difftrain goes through :func:`load`, whose planner
+(:class:`NoBytesPlanner`) refuses a bytes entry instead of unpickling it, should one ever reach it.
 
 Errors are :class:`~difftrain.training.checkpoint_store.CheckpointError`, one line naming the file.
 Every path that reads a sharded checkpoint goes through :func:`read_metadata`: an FSDP run's resume
@@ -25,6 +32,7 @@ resume in one process or under DDP, and ``model.init_from``.
 
 from __future__ import annotations
 
+import io
 import math
 import pickle
 import re
@@ -35,6 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as md
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from difftrain.training.checkpoint_store import CheckpointError
 
@@ -99,6 +108,10 @@ def _problem(m: Any, folder: Path) -> str | None:
             isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
             for k, v in m.planner_data.items())):
         return "its planner_data is not a table of key paths"
+    for fqn, path in (m.planner_data or {}).items():  # DCP's flatten_state_dict joins a key's path with dots
+        if ".".join(map(str, path)) != fqn:
+            return (f"it gives {fqn!r} the key path {list(path)}, which joins to another key "
+                    "(a crafted file? a key path is its key's own)")
     if m.storage_meta is not None and not isinstance(m.storage_meta, md.StorageMeta):
         return "its storage_meta is not DCP's StorageMeta"
     sizes: dict[str, int] = {}
@@ -124,9 +137,8 @@ def _problem(m: Any, folder: Path) -> str | None:
         if not isinstance(fqn, str):
             return "a key of its state_dict_metadata is not a string"
         if isinstance(item, md.BytesStorageMetadata):
-            if md.MetadataIndex(fqn) not in m.storage_data:
-                return f"{fqn!r} has no storage entry"
-            continue
+            return (f"it declares {fqn!r} as pickled bytes, which difftrain never writes "
+                    "(a crafted file? loading never runs code)")
         problem = _tensor_problem(fqn, item, m.storage_data)
         if problem:
             return problem
@@ -180,3 +192,20 @@ class SafeReader(dcp.FileSystemReader):
             self._metadata.storage_meta = md.StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id  # as torch's read_metadata does
         return self._metadata
+
+
+class NoBytesPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a bytes entry (which it would read with
+    ``torch.load(weights_only=False)``, running whatever the pickle names) raises instead: the second
+    wall behind :func:`read_metadata`'s refusal of every bytes entry."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointError(f"it holds {read_item.dest_index.fqn!r} as pickled bytes, which difftrain never "
+                              "reads (loading never runs code)")
+
+
+def load(state_dict: dict, reader: dcp.StorageReader, no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state_dict`` (its tensors filled in place) from ``reader``
+    (a :class:`SafeReader`) with a :class:`NoBytesPlanner`; ``no_dist``: in this process alone. The one
+    call of ``dcp.load`` in difftrain; DCP's failures are its ``CheckpointException``."""
+    dcp.load(state_dict, storage_reader=reader, planner=NoBytesPlanner(), no_dist=no_dist)

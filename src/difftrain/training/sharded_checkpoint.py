@@ -19,7 +19,9 @@ fsyncs the folder, renames it to its final name, fsyncs ``checkpoints/``, and on
 next save removes the unfinished folder.
 
 Reading back, through torch's public ``torch.distributed.checkpoint.load`` and
-``training/dcp_reader.py``'s ``SafeReader`` (never a plain unpickling of ``.metadata``):
+``training/dcp_reader.py``'s ``SafeReader`` (never a plain unpickling of ``.metadata``; an entry DCP
+would unpickle, a bytes one, is refused from the metadata, and ``dcp_reader.load``'s planner refuses
+one again rather than read it):
 
 * :func:`load_shards`: an FSDP run on any world size fills its own sharded state dicts (weights,
   EMA, post-hoc EMAs, optimizer state) in place, every rank reading only its part of each tensor
@@ -57,6 +59,7 @@ from difftrain.runtime.files import atomic_write, fsync_dir
 from difftrain.runtime.tensor_source import TensorSource
 from difftrain.training import checkpoint_store as store
 from difftrain.training.checkpoint_store import RUN_STATE, CheckpointError, is_sharded_checkpoint, sharded_name  # noqa: F401
+from difftrain.training import dcp_reader
 from difftrain.training.dcp_reader import SafeReader
 
 SUFFIX = store.SHARDED_SUFFIX
@@ -209,7 +212,7 @@ def tensor_source(path: Path, key: str) -> TensorSource:
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({key: {name: t}}, storage_reader=reader, no_dist=True)
+                dcp_reader.load({key: {name: t}}, reader, no_dist=True)
         except CheckpointException as e:  # a BaseException: a shard file DCP could not read
             raise CheckpointError(f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
         return t
@@ -227,9 +230,9 @@ def load_part(path: Path, key: str, tensors: dict, dctx: DistContext) -> None:
 
 
 def _load(path: Path, tensors: dict, dctx: DistContext) -> None:
-    """``dcp.load`` of ``tensors`` from ``path`` on every rank, failures one :class:`CheckpointError`."""
+    """``dcp_reader.load`` of ``tensors`` from ``path`` on every rank, failures one :class:`CheckpointError`."""
     try:
-        dcp.load(tensors, storage_reader=SafeReader(path))
+        dcp_reader.load(tensors, SafeReader(path))
     except CheckpointException as e:  # a BaseException: a shard file DCP could not read, a key it lacks
         raise CheckpointError(f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
     except (RuntimeError, ValueError, KeyError) as e:
@@ -245,15 +248,15 @@ def load_consolidated(path: Path) -> dict:
     ``layout = "sharded"``. Not yet checked against ``checkpoint.SCHEMA`` (the caller does).
 
     Through the public ``torch.distributed.checkpoint.load`` (``no_dist``): the state dict it fills
-    is made from the checked metadata (each tensor's size and dtype); entries that are not tensors
-    (DCP would unpickle them) are never read."""
+    is made from the checked metadata (each tensor's size and dtype, under its key path, which joins
+    back to its own key); entries that are not tensors (DCP would unpickle them) are refused by the check."""
     rest = read_run_state(path)
     reader = SafeReader(path)  # refuses a crafted or damaged .metadata before DCP reads anything
     tensors = _empty_state_dict(reader.read_metadata(), path)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, storage_reader=reader, no_dist=True)
+            dcp_reader.load(tensors, reader, no_dist=True)
     except CheckpointException as e:  # a BaseException: a shard file DCP could not read
         raise CheckpointError(
             f"cannot read the shards of sharded checkpoint {path}: {_first_failure(e)}") from None
@@ -276,7 +279,7 @@ def _empty_state_dict(metadata: md.Metadata, path: Path) -> dict:
     paths = metadata.planner_data or {}
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, md.TensorStorageMetadata):
-            continue  # bytes: DCP would unpickle them; difftrain writes none
+            continue  # bytes: refused by read_metadata (DCP would unpickle them); difftrain writes none
         keys = tuple(str(p) for p in paths.get(fqn, (fqn,)))
         node = out
         for key in keys[:-1]:
