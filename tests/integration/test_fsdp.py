@@ -143,3 +143,27 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_resumable(r
     assert train(load_config(None, [*FSDP, "train.batch_size=4"]), run).step == 4  # resumes, on one process
     assert not unfinished.exists()  # the next save removed the unfinished folder
     assert_close_dicts(ckpt.load_checkpoint(runs / "fsdp")["model"], ckpt.load_checkpoint(run)["model"])
+
+
+def _resume_or_refusal_on_rank(ctx, run_dir: str, overrides: list[str]) -> str:
+    """A rank's resume of ``run_dir``: "" when it trained, else the error it stopped with."""
+    try:
+        train(load_config(None, overrides), run_dir)
+    except Exception as e:  # noqa: BLE001 - the test reads which error, on every rank
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def test_a_weight_declared_as_bytes_is_refused_by_a_2_rank_fsdp_resume(runs, tmp_path):
+    """Issue 39: a real weight of the model re-declared in ``.metadata`` as DCP bytes (a pickle) ran its
+    payload when the run resumed under FSDP on 2 ranks (DCP's default planner unpickles bytes entries).
+    Each rank now refuses it from the metadata, naming the file, and the payload never runs."""
+    from tests.integration.test_hostile_checkpoints import _rewrite_metadata, _weight_as_bytes
+
+    run, marker = tmp_path / "half", tmp_path / "marker"
+    shutil.copytree(runs / "half", run)
+    folder = ckpt.find_checkpoint(run)
+    _rewrite_metadata(folder, lambda m: _weight_as_bytes(m, folder, marker))
+    lines = run_ranks(_resume_or_refusal_on_rank, 2, str(run), FSDP)
+    assert not marker.exists()
+    assert all("as pickled bytes" in line and ".metadata" in line for line in lines), lines
