@@ -189,7 +189,8 @@ def write_pipeline(unet: ConditionUNet, scheduler: dict, text_encoder_source: st
         raise ValueError("export to a Stable Diffusion pipeline needs a VAE (model.vae): StableDiffusionPipeline "
                          "denoises latents, and this model has none")
     try:
-        from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
+        StableDiffusionPipeline = diffusers_pipeline("StableDiffusionPipeline")  # noqa: N806 - first: quietly
+        from diffusers import AutoencoderKL, DDPMScheduler
         from transformers import CLIPTextModel, CLIPTokenizer
     except ImportError:
         raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
