@@ -74,6 +74,7 @@ def _bnb_linear(kind: str) -> Callable[[nn.Linear], nn.Module]:
     """One float32 ``nn.Linear`` -> bitsandbytes' quantized layer of ``kind``, on the CPU, frozen."""
 
     def convert(linear: nn.Linear) -> nn.Module:
+        # imported here, by a run that quantizes only: an optional package (the quant extra), slow to import
         bnb = require("bitsandbytes", EXTRA, f"model.quantize_base='{kind}'")
         _quiet_int8_cast()
         shape = (linear.in_features, linear.out_features)
@@ -111,10 +112,8 @@ def _quiet_int8_cast() -> None:
 
 def _torchao_fp8(linear: nn.Linear) -> nn.Module:
     """``linear`` with its weight made torchao's Float8Tensor (per-row scales), in place."""
+    # imported here, by an fp8 run only (the quant extra); require drops the lines its import logs
     require("torchao", EXTRA, "model.quantize_base='fp8'")
-    import logging
-
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only extensions fail to load on a CPU build
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
     quantize_(linear, Float8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda m, _: m is linear)
