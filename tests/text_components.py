@@ -76,7 +76,8 @@ def write_tiny_vae(path: str | Path, seed: int = 0, scaling_factor: float = 0.5,
     return path
 
 
-def tiny_condition_unet(cross_attention_dim: int = TEXT_HIDDEN, seed: int = 0, sample_size: int = 8):
+def tiny_condition_unet(cross_attention_dim: int = TEXT_HIDDEN, seed: int = 0, sample_size: int = 8,
+                        channels: tuple[int, int] = (8, 16)):
     """A random UNet2DConditionModel on 4-channel latents with cross-attention of that width."""
     from diffusers import UNet2DConditionModel
 
@@ -84,17 +85,18 @@ def tiny_condition_unet(cross_attention_dim: int = TEXT_HIDDEN, seed: int = 0, s
         torch.manual_seed(seed)
         return UNet2DConditionModel(
             sample_size=sample_size, in_channels=4, out_channels=4, layers_per_block=1,
-            block_out_channels=(8, 16), norm_num_groups=4, attention_head_dim=4,
+            block_out_channels=channels, norm_num_groups=4, attention_head_dim=4,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             cross_attention_dim=cross_attention_dim,
         )
 
 
-def write_tiny_sd_folder(path: str | Path, seed: int = 0) -> Path:
+def write_tiny_sd_folder(path: str | Path, seed: int = 0, unet_channels: tuple[int, int] = (8, 16)) -> Path:
     """Write a Stable-Diffusion-style pipeline folder into ``path``: model_index.json, vae/,
     text_encoder/, tokenizer/, scheduler/ (DDPMScheduler), unet/ (cross_attention_dim = the
-    text encoder's width); ``StableDiffusionPipeline.from_pretrained(path)`` loads it."""
+    text encoder's width, ``unet_channels`` its blocks' widths); ``StableDiffusionPipeline.from_pretrained(path)``
+    loads it."""
     from diffusers import DDPMScheduler, StableDiffusionPipeline
     from transformers import CLIPTokenizer
 
@@ -105,7 +107,7 @@ def write_tiny_sd_folder(path: str | Path, seed: int = 0) -> Path:
         vae=tiny_vae(seed),
         text_encoder=tiny_text_model(len(vocab), TEXT_HIDDEN, seed, vocab[BOS], vocab[EOS]),
         tokenizer=CLIPTokenizer.from_pretrained(str(tokenizer_dir)),
-        unet=tiny_condition_unet(TEXT_HIDDEN, seed),
+        unet=tiny_condition_unet(TEXT_HIDDEN, seed, channels=unet_channels),
         scheduler=DDPMScheduler(num_train_timesteps=1000, steps_offset=1, clip_sample=False),
         safety_checker=None,
         feature_extractor=None,

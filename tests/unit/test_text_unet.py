@@ -11,12 +11,18 @@ import torch
 
 from difftrain.models import UNet, build_model
 from difftrain.training.checkpoint import state_dict_sha256
+from tests.numerics import layout_sha256, total_signed_sums
 from tests.unit.test_unet import SMALL, one_thread  # noqa: F401 - one_thread: the module's autouse fixture
 
 CTX = 12  # width of the text embeddings in the difftrain UNet tests
 # UNet(**SMALL) after torch.manual_seed(0), by the code before context_dim existed (main 9bd2624):
-# names, shapes and initial values pinned together.
-SMALL_INIT_SHA256 = "a0ca4c2f579ce4e140ae39ae500c26b86058b70c29380eb0f8465019905e5077"
+# names, dtypes and shapes pinned by digest, the initial values by four random-sign sums
+# (tests/numerics.py) within a tolerance. A digest of the values (a0ca4c2f...) held only where
+# torch draws normal_ with its vectorised AVX2 kernel: its scalar kernel (ATEN_CPU_CAPABILITY=default,
+# or a CPU without AVX2) rounds differently, moving the sums by 4e-6; a changed draw moves them by ~10.
+SMALL_INIT_LAYOUT_SHA256 = "90d2f2678d63fb06a9be67a40044ed2d4551334deaaadf058b763dbb5c6ada3a"
+SMALL_INIT_SIGNED_SUMS = [55.828021612517944, -44.68083263159161, 37.54072568512157, -20.126931268562373]
+SMALL_INIT_TOL = 1e-3  # 1e-6 x sqrt(467,235 elements), 250x the scalar kernel's drift
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.05) -> torch.nn.Module:
@@ -39,11 +45,12 @@ def inputs(batch: int, channels: int, size: int, tokens: int = 5, dim: int = CTX
 # difftrain's UNet with context.
 
 
-def test_context_dim_zero_builds_the_old_model_bit_for_bit():
-    torch.manual_seed(0)
-    assert state_dict_sha256(UNet(**SMALL).state_dict()) == SMALL_INIT_SHA256
-    torch.manual_seed(0)
-    assert state_dict_sha256(UNet(**SMALL, context_dim=0).state_dict()) == SMALL_INIT_SHA256
+def test_context_dim_zero_builds_the_old_model():
+    for kwargs in ({}, {"context_dim": 0}):
+        torch.manual_seed(0)
+        state = UNet(**SMALL, **kwargs).state_dict()
+        assert layout_sha256(state) == SMALL_INIT_LAYOUT_SHA256
+        assert total_signed_sums(state, 4) == pytest.approx(SMALL_INIT_SIGNED_SUMS, abs=SMALL_INIT_TOL)
 
 
 def test_text_model_adds_cross_attention_only_to_the_attention_blocks():

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.models.text import check_loading_info, first_line, quiet_loading
+from difftrain.runtime.optional import diffusers_pipeline
 from difftrain.runtime.tensor_source import check_weight_indexes
 
 Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
@@ -409,11 +410,9 @@ class Family(ABC):
         (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`). Read by the
         pipeline class's ``lora_state_dict`` (safetensors only), not by a key map of difftrain's; one
         ValueError naming the file when it cannot convert it."""
-        import diffusers
-
         from difftrain.models.text import first_line
 
-        cls = getattr(diffusers, self.pipeline_class)
+        cls = diffusers_pipeline(self.pipeline_class)
         try:
             out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
                                       **self.lora_state_options(config))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from difftrain.families.base import Denoiser, Family, load_part, read_json
 from difftrain.models.text import first_line
 from difftrain.runtime.device import to_device_async
+from difftrain.runtime.optional import diffusers_pipeline
 
 PATCH = 2  # the transformers' patch side (SD3's patch_size, Flux's 2x2 packing) in every released base
 
@@ -170,13 +171,12 @@ class TransformerFamily(Family):
         """The transformer's LoRA tensors (peft names) of a file the pipeline's lora_state_dict reads;
         one ValueError for a file of another family (tensors outside ``transformer.``, module names of
         the other transformer family, or, given ``denoiser``, a module it lacks or of another shape)."""
-        import diffusers
-
         path = Path(path).expanduser()
         if not path.is_file():
             raise ValueError(f"LoRA file {path} does not exist")
+        pipeline = diffusers_pipeline(self.pipeline_class)
         try:
-            state = getattr(diffusers, self.pipeline_class).lora_state_dict(str(path), use_safetensors=True)
+            state = pipeline.lora_state_dict(str(path), use_safetensors=True)
         except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many kinds; one line naming the file
             raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file ({self.pipeline_class} cannot read "
                              f"it: {first_line(e)})") from None

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from difftrain.families import register
 from difftrain.families.base import Denoiser, Family, PromptEncoder, read_json, require_keys
 from difftrain.runtime.device import to_device_async
-from difftrain.runtime.optional import require
+from difftrain.runtime.optional import diffusers_pipeline, require
 from difftrain.runtime.tensor_source import check_weight_indexes
 
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
@@ -193,7 +193,8 @@ def write_pipeline(unet: ConditionUNet, scheduler: dict, text_encoder_source: st
         raise ValueError("export to a Stable Diffusion pipeline needs a VAE (model.vae): StableDiffusionPipeline "
                          "denoises latents, and this model has none")
     try:
-        from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
+        StableDiffusionPipeline = diffusers_pipeline("StableDiffusionPipeline")  # noqa: N806 - first: quietly
+        from diffusers import AutoencoderKL, DDPMScheduler
         from transformers import CLIPTextModel, CLIPTokenizer
     except ImportError:
         raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
@@ -239,13 +240,12 @@ def save_pipeline_lora(pipeline_class: str, denoiser_name: str, adapter: dict[st
     """``pipeline_class.save_lora_weights(out, <denoiser_name>_lora_layers=adapter, ...)`` (diffusers
     adds its prefix and peft's LoraConfig as metadata), then ``metadata`` added to the file's; returns
     the file. Shared by the families whose pipeline has a LoRA loader mixin."""
-    import diffusers
     from safetensors import safe_open
     from safetensors.torch import save
 
     from difftrain.runtime.files import atomic_write_bytes
 
-    cls = getattr(diffusers, pipeline_class)
+    cls = diffusers_pipeline(pipeline_class)
     out = Path(out)
     tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
     cls.save_lora_weights(str(out), **{f"{denoiser_name}_lora_layers": tensors,
@@ -262,9 +262,7 @@ def save_pipeline_lora(pipeline_class: str, denoiser_name: str, adapter: dict[st
 def read_pipeline_lora(pipeline_class: str, denoiser_name: str, path: Path) -> dict[str, Tensor]:
     """The denoiser's adapter (peft's names) of a LoRA file, read by ``pipeline_class.lora_state_dict``;
     a ValueError naming the file when it holds no tensor of ``denoiser_name`` (another family's)."""
-    import diffusers
-
-    cls = getattr(diffusers, pipeline_class)
+    cls = diffusers_pipeline(pipeline_class)
     try:
         state = cls.lora_state_dict(str(path), use_safetensors=True)  # never unpickles
     except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many kinds; one line naming the file

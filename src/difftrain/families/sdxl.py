@@ -29,7 +29,7 @@ from difftrain.families.base import Denoiser, Family, PromptEncoder, load_part, 
 from difftrain.families.sd import CLIP_TOKENS, read_pipeline_lora, save_pipeline_lora, scheduler_training, unet_blocks
 from difftrain.models.text import weights_digest
 from difftrain.runtime.device import to_device_async
-from difftrain.runtime.optional import require
+from difftrain.runtime.optional import diffusers_pipeline, require
 from difftrain.runtime.tensor_source import check_weight_indexes
 
 KEYS = ("prompt_embeds", "pooled", "time_ids")
@@ -165,8 +165,7 @@ class SDXLFamily(Family):
                         vae: Path | None = None) -> Path:
         """A StableDiffusionXLPipeline folder: the base's parts with ``denoiser``'s UNet (and ``scheduler``,
         a diffusers scheduler config of the base's class, when given)."""
-        require("diffusers", "text", "export of an SDXL pipeline")
-        from diffusers import StableDiffusionXLPipeline
+        StableDiffusionXLPipeline = diffusers_pipeline("StableDiffusionXLPipeline")  # noqa: N806 - the class
 
         from difftrain.models.text import first_line
 

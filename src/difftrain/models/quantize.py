@@ -2,6 +2,7 @@
 network stored in int8, nf4 or fp8, the adapter trained in float32 over it.
 
     quantize_base(base, "int8")          # in place, before peft wraps the targets; returns the layer count
+    unfit("nf4", linear)                 # None, or why bitsandbytes cannot hold this layer (it stays float32)
     quantize_while_loading(base, "int8", readers)  # a meta-built base filled from its files, quantized layer by layer
     device_refusal("nf4", device, world)  # None where the kind runs, else why not (one line)
     quantized_layers(net)                # {module name: kind} of the layers held quantized
@@ -18,12 +19,19 @@ The libraries, and why (``pip install 'difftrain[quant]'``):
   torchao's int8 would add nothing over bitsandbytes' (peft's torchao layer takes int8 only besides).
 
 Convolutions (most of a UNet's weights) stay float32: neither library quantizes them, nor does diffusers'.
+A Linear whose shape a kind's kernels cannot take stays float32 too, decided by its shape alone, the same on
+every machine (:func:`unfit`), with one note naming how many and why: nf4 needs ``in_features`` a multiple
+of its block (:data:`NF4_BLOCKSIZE`) and ``out_features`` a multiple of :data:`NF4_ROW_BLOCK`, because
+bitsandbytes' CPU kernel for CPUs with AVX-512 BF16 repacks the weight in blocks of 32 rows and reshapes the
+block scales to (out_features, in_features / block) at the first call outside training (a 32-wide layer
+crashed there: ``shape '[32, 0]' is invalid``), a path other CPUs never take.
 The base's digest (what checkpoints and exported adapters record) is taken before quantizing, so an
 adapter trained on the quantized base names the unquantized base it was trained over, and loads on it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,12 +45,36 @@ EXTRA = "quant"  # the extra that installs every kind's library
 # the rest in int8, where bitsandbytes quantizes the input too (CUDA; and the CPU outside training).
 # 6.0 is the paper's and diffusers' / transformers' BitsAndBytesConfig default.
 INT8_THRESHOLD = 6.0
+# nf4: QLoRA's block of 64 weights per absmax scale (bitsandbytes' and diffusers' default), passed explicitly so
+# that no machine picks another; and the 32-row block of bitsandbytes' packed CPU kernel (block_n).
+NF4_BLOCKSIZE = 64
+NF4_ROW_BLOCK = 32
+
+
+def unfit(kind: str, linear: nn.Linear) -> str | None:
+    """Why ``kind``'s library cannot hold ``linear`` quantized on every machine (it then stays float32), or
+    None where it can: a rule on the layer's shape, not on which kernel this CPU would run."""
+    if kind == "nf4":
+        if linear.in_features % NF4_BLOCKSIZE:
+            return f"in_features not a multiple of nf4's block of {NF4_BLOCKSIZE}"
+        if linear.out_features % NF4_ROW_BLOCK:
+            return f"out_features not a multiple of {NF4_ROW_BLOCK} (bitsandbytes' CPU kernel's row block)"
+    return None
+
+
+def _note_float(kind: str, reasons: list[str], total: int) -> None:
+    """One line naming how many of ``total`` Linear layers stay float32 under ``kind``, and why."""
+    if reasons:
+        why = "; ".join(f"{n} with {r}" for r, n in sorted(Counter(reasons).items()))
+        print(f"difftrain: note: model.quantize_base='{kind}': {len(reasons)} of {total} Linear layers stay float32 "
+              f"({why})")
 
 
 def _bnb_linear(kind: str) -> Callable[[nn.Linear], nn.Module]:
     """One float32 ``nn.Linear`` -> bitsandbytes' quantized layer of ``kind``, on the CPU, frozen."""
 
     def convert(linear: nn.Linear) -> nn.Module:
+        # imported here, by a run that quantizes only: an optional package (the quant extra), slow to import
         bnb = require("bitsandbytes", EXTRA, f"model.quantize_base='{kind}'")
         _quiet_int8_cast()
         shape = (linear.in_features, linear.out_features)
@@ -53,7 +85,8 @@ def _bnb_linear(kind: str) -> Callable[[nn.Linear], nn.Module]:
         else:
             layer = bnb.nn.Linear4bit(*shape, bias=linear.bias is not None, compute_dtype=torch.float32,
                                       quant_type="nf4", device="meta")
-            layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4")
+            layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
+                                             blocksize=NF4_BLOCKSIZE)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
         layer = layer.to("cpu")  # bitsandbytes quantizes when its parameter first moves to a device
@@ -79,10 +112,8 @@ def _quiet_int8_cast() -> None:
 
 def _torchao_fp8(linear: nn.Linear) -> nn.Module:
     """``linear`` with its weight made torchao's Float8Tensor (per-row scales), in place."""
+    # imported here, by an fp8 run only (the quant extra); require drops the lines its import logs
     require("torchao", EXTRA, "model.quantize_base='fp8'")
-    import logging
-
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only extensions fail to load on a CPU build
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
     quantize_(linear, Float8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda m, _: m is linear)
@@ -137,20 +168,37 @@ def quantize_base(base: nn.Module, kind: str) -> int:
     """Every ``nn.Linear`` of ``base`` held quantized as ``kind`` (:data:`QUANTIZE_KINDS`), in place, frozen;
     the number of layers converted. "off" leaves ``base`` as it is (0). Call it after the base's weights
     are loaded and its digest taken, before peft injects the adapter (which then wraps the quantized
-    layers with its matching LoRA layers)."""
+    layers with its matching LoRA layers). A layer :func:`unfit` for ``kind`` stays float32, and one note
+    says how many did and why."""
     if kind == "off":
         return 0
     spec = QUANTIZE_KINDS[kind]
-    targets = [(name, module) for name, module in base.named_modules()
-               if type(module) is nn.Linear and layer_kind(module) is None]  # (fp8 keeps the class)
+    targets = [(name, module) for name, module in base.named_modules()  # (fp8 keeps the class)
+               if type(module) is nn.Linear and layer_kind(module) is None and not hasattr(module, _FLOAT)]
+    reasons = []
     for name, linear in targets:
+        if (reason := _keep_float(kind, linear)) is not None:
+            reasons.append(reason)
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = base.get_submodule(parent_name) if parent_name else base
         setattr(parent, child, spec.convert(linear))
+    _note_float(kind, reasons, len(targets))
     base.requires_grad_(False)
     if spec.peft_flag:
         setattr(base, spec.peft_flag, True)  # what peft's bitsandbytes dispatch reads off the model it adapts
-    return len(targets)
+    return len(targets) - len(reasons)
+
+
+_FLOAT = "_difftrain_unfit"  # set on a Linear left float32, so that a second pass neither converts nor notes it
+
+
+def _keep_float(kind: str, linear: nn.Linear) -> str | None:
+    """:func:`unfit`'s reason, recorded on the layer, or None."""
+    reason = unfit(kind, linear)
+    if reason is not None:
+        setattr(linear, _FLOAT, reason)
+    return reason
 
 
 @torch.no_grad()
@@ -159,9 +207,10 @@ def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callab
     tensor, read from its files: ``runtime/tensor_source.py``) one module at a time, each ``nn.Linear``
     held quantized as ``kind`` as soon as its weight is read: what :func:`quantize_base` makes of the loaded
     float base, layer for layer, with the float weights of one layer alive at a time; frozen. The number of
-    layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's flag."""
+    layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's flag. A layer
+    :func:`unfit` for ``kind`` stays float32, as there."""
     spec = QUANTIZE_KINDS[kind]
-    count = 0
+    count, reasons = 0, []
     for name in [n for n, _ in base.named_modules()]:  # names only: a float layer replaced is freed at once
         module = base.get_submodule(name)
         prefix = f"{name}." if name else ""
@@ -172,9 +221,13 @@ def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callab
                 value = read()
                 setattr(module, local, nn.Parameter(value, requires_grad=False) if local in params else value)
         if type(module) is nn.Linear:
+            if (reason := _keep_float(kind, module)) is not None:
+                reasons.append(reason)
+                continue
             parent_name, _, child = name.rpartition(".")
             setattr(base.get_submodule(parent_name) if parent_name else base, child, spec.convert(module))
             count += 1
+    _note_float(kind, reasons, count + len(reasons))
     base.requires_grad_(False)
     return count
 

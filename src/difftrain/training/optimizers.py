@@ -33,6 +33,7 @@ def _adamw(params: Params, o: OptimConfig, device: torch.device) -> torch.optim.
 def _adamw8bit(params: Params, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     # bitsandbytes: block-wise 8-bit moments (Dettmers et al. 2022) for tensors of >= 4096
     # elements, 32-bit below; plain uint8/float32 tensors in its state dict (weights_only loads).
+    # imported here, by an adamw8bit run only: an optional package (the optim extra), slow to import
     bnb = require("bitsandbytes", "optim", "optim.name='adamw8bit'")
     for p in params:  # its step makes each weight contiguous (no channels_last): at once, so a resume matches
         p.data = p.data.contiguous()
