@@ -203,16 +203,22 @@ def test_the_step_never_synchronises_with_the_gpu():
         x0 = (torch.rand(4, 3, 16, 16) * 2 - 1).pin_memory()
         second = ["a red square", "a blue disc", "a green triangle", "a small circle"] if text else \
             torch.tensor([0, 1, 2, 0]).pin_memory()
-        batches, metrics = iter([(x0, second)] * 8), StepMetrics(device)
-        train_step(state, objective, batches, 1e-3, metrics)  # warm-up: per-device caches are made once
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(2):
-                train_step(state, objective, batches, 1e-3, metrics)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert state.step == 3 and metrics.read(DistContext(device=device))["skipped"] == 0
+        _three_steps_the_last_two_in_sync_error_mode(state, objective, iter([(x0, second)] * 8), device)
+
+
+def _three_steps_the_last_two_in_sync_error_mode(state, objective, batches, device) -> None:
+    """One warm-up CUDA step (per-device caches are made once), then two with torch's sync debug
+    mode set to "error": any wait for the device raises."""
+    metrics = StepMetrics(device)
+    train_step(state, objective, batches, 1e-3, metrics)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            train_step(state, objective, batches, 1e-3, metrics)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert state.step == 3 and metrics.read(DistContext(device=device))["skipped"] == 0
 
 
 @pytest.mark.gpu
@@ -224,13 +230,4 @@ def test_a_base_familys_step_never_synchronises_with_the_gpu(family_bases, famil
         pytest.skip("needs CUDA")
     device = torch.device("cuda")
     state, objective, batches = family_run(family_bases[family], device)
-    metrics = StepMetrics(device)
-    train_step(state, objective, batches, 1e-3, metrics)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            train_step(state, objective, batches, 1e-3, metrics)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert state.step == 3 and metrics.read(DistContext(device=device))["skipped"] == 0
+    _three_steps_the_last_two_in_sync_error_mode(state, objective, batches, device)
