@@ -33,6 +33,7 @@ from difftrain.runtime.tensor_source import DeferredWeights
 from difftrain.training import sharded_checkpoint as sharded
 from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.training.ema import EMA
+from difftrain.training.frozen_dtype import frozen_dtype, hold_frozen
 from difftrain.training.optimizers import build_optimizer, reading_weights, to_training
 from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
 from difftrain.training.power_ema import PowerEMA
@@ -98,7 +99,8 @@ class RunState:
                           file=sys.stderr)
         check_quantize_device(cfg, device, dctx.world_size if dctx is not None else 1)
         torch.manual_seed(derive_seed(tc.seed, "init"))
-        model = build_network(cfg, conditioning, network, init_weights)
+        model = build_network(cfg, conditioning, network, init_weights)  # float32: the base's digest taken
+        hold_frozen(model, frozen_dtype(cfg, network))  # a LoRA run's frozen base in bf16/fp16 (training/frozen_dtype.py)
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
