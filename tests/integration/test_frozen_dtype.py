@@ -80,7 +80,9 @@ def _digests(run_dir) -> tuple[str, str]:
 
 @pytest.mark.parametrize("name", ["sd", "flux"])
 def test_bf16_lora_holds_frozen_parts_in_bf16_trains_resumes_and_exports(tmp_path, bases, built, name):
-    cfg = load_config(None, _overrides(bases, name, "lora.rank=4", "lora.alpha=4", "train.precision=bf16"))
+    validation = [f"validation.prompts=['{PROMPT}']", "validation.every_steps=2", "validation.num_images=2",
+                  "validation.steps=2"] if name == "sd" else []  # sampling outside the step's autocast
+    cfg = load_config(None, _overrides(bases, name, "lora.rank=4", "lora.alpha=4", "train.precision=bf16", *validation))
     train(cfg, tmp_path / "straight")
     state = built[-1]
     assert _frozen_dtypes(state) == {"denoiser": {torch.bfloat16}, "text": {torch.bfloat16}, "vae": {torch.bfloat16}}
@@ -135,3 +137,24 @@ def test_fp32_lora_and_full_fine_tune_keep_float32(tmp_path, bases, built, extra
     assert {p.dtype for p in state.model.parameters()} == {torch.float32}
     if "train.precision=fp32" in extra:  # a LoRA run in fp32: its frozen text encoders and VAE too
         assert _frozen_dtypes(state)["text"] == _frozen_dtypes(state)["vae"] == {torch.float32}
+
+
+def test_difftrain_unet_lora_in_bf16_holds_its_base_in_bf16_and_validates(tmp_path, bases, built):
+    """difftrain's own UNet as a LoRA base (a checkpoint of a text run): frozen in bf16, the adapter float32,
+    validation grids sampled (outside the step's autocast) and finite."""
+    from difftrain.training.checkpoint import find_checkpoint
+
+    sd, data = bases["sd"], bases["root"] / "data16"
+    from tests.conftest import TINY_OVERRIDES
+
+    base = list(TINY_OVERRIDES) + [f"data.path={data}", "data.captions=true", f"model.text_encoder={sd}",
+                                   f"model.vae={sd}", "validation.every_steps=0", "train.total_steps=2"]
+    train(load_config(None, base), tmp_path / "base")
+    ck = find_checkpoint(tmp_path / "base" / "checkpoints")
+    cfg = load_config(None, base + [f"model.init_from={ck}", "lora.rank=4", "train.precision=bf16",
+                                    "validation.every_steps=2", f"validation.prompts=['{PROMPT}']"])
+    assert train(cfg, tmp_path / "lora").step == 2
+    state = built[-1]
+    assert {p.dtype for p in state.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in state.model.parameters() if p.requires_grad} == {torch.float32}
+    assert list((tmp_path / "lora").rglob("*.png"))  # the validation grid was written

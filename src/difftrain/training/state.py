@@ -100,7 +100,9 @@ class RunState:
         check_quantize_device(cfg, device, dctx.world_size if dctx is not None else 1)
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = build_network(cfg, conditioning, network, init_weights)  # float32: the base's digest taken
-        hold_frozen(model, frozen_dtype(cfg, network))  # a LoRA run's frozen base in bf16/fp16 (training/frozen_dtype.py)
+        held = frozen_dtype(cfg, network)  # a LoRA run's frozen base in bf16/fp16 (training/frozen_dtype.py)
+        if held is not None and hold_frozen(model, held):
+            model.held_dtype = held  # LoraNetwork: its forward outside the step's autocast runs under one
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
