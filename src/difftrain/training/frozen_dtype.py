@@ -62,3 +62,12 @@ def held_bytes(module: nn.Module, trainable: bool = False) -> int:
     """Bytes of ``module``'s frozen (or, with ``trainable``, trainable) parameters as held: sum of
     numel * element_size."""
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad == trainable)
+
+
+def gathered_in_compute_dtype(model: nn.Module, precision: str) -> None:
+    """A sharded LoRA network (FSDP, ``train.precision`` bf16/fp16: its MixedPrecisionPolicy gathers every
+    weight in that dtype) marked so that its forward outside the step's autocast (validation, held-out loss)
+    runs under autocast to it (``LoraNetwork.held_dtype``), as a base held in bf16 does; its shards are
+    unchanged (float32)."""
+    if precision != "fp32" and hasattr(model, "held_dtype"):
+        model.held_dtype = DTYPES[precision]
