@@ -122,7 +122,7 @@ class LatentCodec(nn.Module):
         if images.shape[2] % self.factor or images.shape[3] % self.factor:
             raise ValueError(
                 f"vae {self.source}: image sides must be multiples of {self.factor}, got {tuple(images.shape[2:])}")
-        dist = self.vae.encode(images.to(self.device, self.dtype)).latent_dist  # float32 unless a LoRA run holds it in bf16
+        dist = self.vae.encode(images.to(self.device, self.dtype)).latent_dist  # float32 unless held in bf16
         return dist.mean.float(), dist.std.float()
 
     def to_model(self, z: torch.Tensor) -> torch.Tensor:
