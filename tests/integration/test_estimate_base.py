@@ -71,6 +71,30 @@ def test_counted_parts_equal_a_real_step_to_the_byte(flux, mode):
         measured["trained_parameters"]
 
 
+def test_bf16_lora_counts_the_frozen_base_in_bf16_as_training_holds_it(flux):
+    """A LoRA setting in bf16 (training/frozen_dtype.py): the frozen base counted at 2 bytes a weight, equal to the
+    bytes a real bf16 LoRA state holds; no bf16 copies of frozen weights among the activations; the text encoders
+    (text cache off) at 2 bytes; fp32, full fine-tuning and FSDP (frozen shards float32) keep 4 bytes."""
+    folder, configs = flux
+    extra = ["lora.rank=4", "lora.alpha=4", "text.cache=off"]
+    measured = estimate(_cfg(folder, "train.precision=bf16", *extra), batch_size=2)
+    r = count_base(_cfg(configs, "train.precision=bf16", *extra), str(configs), ranks=2)
+    fp32 = count_base(_cfg(configs, "train.precision=fp32", *extra), str(configs), ranks=2)
+    lora = dict(lora=True, ranks=1, optimizer="adamw", checkpointing=False, quantize_base="off")
+    row, row32 = _row(r, **lora), _row(fp32, **lora)
+    trained = 4 * r["lora_parameters"]  # the adapter, float32
+    assert row["weights"] == 2 * r["parameters"] + trained  # the base (its parameters) in bf16
+    assert row["weights"] / MiB == measured["params_mib"]  # what the real bf16 LoRA state holds
+    assert row32["weights"] - trained == 2 * (row["weights"] - trained)  # the frozen base halves
+    assert row["activation_parts"]["frozen_casts"] == 0 < row["activation_parts"]["saved"]
+    assert row32["text_encoders"] == 2 * row["text_encoders"] > 0
+    full = dict(lora=False, ranks=1, optimizer="adamw", checkpointing=False)
+    assert _row(r, **full)["weights"] == _row(fp32, **full)["weights"]  # full fine-tuning: float32 master weights
+    fsdp = dict(lora=True, ranks=2, parallel="fsdp", optimizer="adamw", checkpointing=False)
+    assert _row(r, **fsdp)["weights"] == _row(fp32, **fsdp)["weights"]  # FSDP's frozen shards stay float32
+    assert "text encoders loaded, bf16" in format_base(r)
+
+
 def test_settings_table_and_levers(flux):
     """Every row's total is its parts; checkpointing, 8-bit AdamW, a 4-bit base and FSDP each lower the total
     of an otherwise equal setting; the text encoders count only with the text cache off."""

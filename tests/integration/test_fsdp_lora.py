@@ -88,3 +88,14 @@ def test_fsdp_lora_resume_on_two_ranks_is_exact_and_equals_ddp(runs, tmp_path):
     snapshot = "ema_snapshots/ema_0.1_00000004.pt"  # gathered whole from the adapter's shards by rank 0
     assert_close_dicts(load_snapshot(root / "ddp" / snapshot)["model"], load_snapshot(tmp_path / "resumed" / snapshot)["model"])
     assert (tmp_path / "resumed" / "samples" / "step_00000004.png").is_file()
+
+
+def test_bf16_lora_under_ddp_and_fsdp_trains_and_validates(tmp_path):
+    """train.precision=bf16 on 2 ranks: DDP with the frozen base held in bf16 (training/frozen_dtype.py), FSDP with
+    its frozen shards float32 gathered in bf16; both train to the end and sample their validation grid outside the
+    step's autocast (the LoRA network runs under one: FSDP's bf16-gathered weights failed there before)."""
+    ddp = _sd_overrides(tmp_path, list(TINY_OVERRIDES), *RUN, "train.precision=bf16")
+    for name, overrides in (("ddp", ddp), ("fsdp", [*ddp, "train.parallel=fsdp"])):
+        assert run_ranks(train_on_rank, 2, str(tmp_path / name), overrides, None) == [4, 4]
+        assert (tmp_path / name / "samples" / "step_00000004.png").is_file()
+        assert all(t.dtype == torch.float32 for t in ckpt.load_checkpoint(tmp_path / name)["model"].values())

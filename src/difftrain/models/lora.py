@@ -127,9 +127,19 @@ class LoraNetwork(nn.Module):
             if hasattr(base, attr):
                 setattr(self, attr, getattr(base, attr))
 
+    # The dtype the frozen base is held in (``training/frozen_dtype.py``: a bf16/fp16 LoRA run's training copy),
+    # None: as loaded (float32).
+    held_dtype: torch.dtype | None = None
+
     def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
-        """The base network's call: x (B, C, H, W), t (B,), cond -> (B, C, H, W)."""
-        return self.base(x, t, cond)
+        """The base network's call: x (B, C, H, W), t (B,), cond -> (B, C, H, W). A base held in bf16/fp16
+        (:attr:`held_dtype`) called outside autocast (validation, held-out loss, FID during training) runs
+        under autocast to that dtype and answers in ``x``'s dtype; the training step's own autocast is kept."""
+        dtype = self.held_dtype
+        if dtype is None or torch.is_autocast_enabled(x.device.type):
+            return self.base(x, t, cond)
+        with torch.autocast(x.device.type, dtype=dtype):
+            return self.base(x, t, cond).to(x.dtype)
 
     # -- the adapter as the state dict ---------------------------------------------------------
 

@@ -106,6 +106,12 @@ class LatentCodec(nn.Module):
     def device(self) -> torch.device:
         return next(self.vae.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the VAE is held in: float32 as loaded; a LoRA run's training copy may hold it in
+        bf16/fp16 (``training/frozen_dtype.py``), and images and latents are cast to it."""
+        return next(self.vae.parameters()).dtype
+
     @torch.no_grad()
     def encode_moments(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the encoder's Gaussian, each (B, c, H/f, W/f) float32, unscaled, of
@@ -116,7 +122,7 @@ class LatentCodec(nn.Module):
         if images.shape[2] % self.factor or images.shape[3] % self.factor:
             raise ValueError(
                 f"vae {self.source}: image sides must be multiples of {self.factor}, got {tuple(images.shape[2:])}")
-        dist = self.vae.encode(images.to(self.device, torch.float32)).latent_dist
+        dist = self.vae.encode(images.to(self.device, self.dtype)).latent_dist  # float32 unless held in bf16
         return dist.mean.float(), dist.std.float()
 
     def to_model(self, z: torch.Tensor) -> torch.Tensor:
@@ -131,5 +137,5 @@ class LatentCodec(nn.Module):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) float32 clamped to [-1, 1] of latents (B, c, h, w) in model space."""
         z = self.from_model(latents.to(self.device, torch.float32))
-        return self.vae.decode(z).sample.float().clamp_(-1.0, 1.0)
+        return self.vae.decode(z.to(self.dtype)).sample.float().clamp_(-1.0, 1.0)
 

@@ -10,16 +10,20 @@ and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on 
 (``Family.denoiser_from_record``) and, for LoRA, peft's layers are injected as training injects them
 (``models/lora.py``'s targets and ``LoraConfig``). Per rank (``parallel_memory.rank_memory``, DDP or FSDP):
 
-- weights: the trained ones in float32; the frozen base in float32 as difftrain holds it, or with
-  ``model.quantize_base`` its Linear weights at :data:`QUANT_BYTES`;
+- weights: the trained ones in float32; the frozen base as difftrain holds it (``training/frozen_dtype.py``):
+  in a LoRA setting in bf16/fp16 in that dtype (2 bytes a weight; float32 under FSDP, where its shards are
+  gathered in the compute dtype), float32 otherwise, or with ``model.quantize_base`` its Linear weights at
+  :data:`QUANT_BYTES` (the rest float32);
 - buffers (SD3's position embedding table: 0.84 GiB in SD3.5 Medium), whole on every rank, in the model and
   in each EMA copy;
 - gradients of the trained weights; optimizer state by ``optim.name`` (``training/optimizers.py``'s exact
   count per shape); the EMA and each post-hoc EMA (a copy of the trained weights);
 - activations of one micro-batch at ``data.resolution`` (``tools/meta_step.py``: the forward on meta
-  tensors, autocast, fused attention, with and without gradient checkpointing); under FSDP in bf16 the
-  weights are gathered in bf16, so autocast keeps no copies of them (``SavedBytes.sharded_total``);
-- the frozen text encoders in float32 when the text cache is off (with it on they are never loaded).
+  tensors, autocast, fused attention, with and without gradient checkpointing); a frozen base held in the
+  compute dtype is used as it is, so autocast keeps no copies of it for backward (none counted); under FSDP in
+  bf16 the weights are gathered in bf16, so autocast keeps no copies of them (``SavedBytes.sharded_total``);
+- the frozen text encoders when the text cache is off (with it on they are never loaded): in bf16/fp16 in a
+  LoRA setting, float32 otherwise.
 
 The sum is a planning figure (an upper bound of the step's peak, which frees activations as gradients
 appear); a card "fits" when it is at most :data:`HEADROOM` of the card's memory (the CUDA context and the
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 from difftrain.models.text import first_line
+from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
 from difftrain.tools.parallel_memory import optimizer_state, rank_bytes, rank_memory
 from difftrain.training.optimizers import OPTIMIZERS
@@ -163,6 +168,13 @@ class _Network:
         self.linear_weights = [m.weight for m in self.denoiser.modules()
                                if isinstance(m, nn.Linear) and not m.weight.requires_grad]
 
+    def hold(self, dtype: torch.dtype | None) -> None:
+        """The frozen parameters held in ``dtype`` (None: float32), as ``training/frozen_dtype.hold_frozen``
+        holds a LoRA run's base; on the meta device, free."""
+        for p in self.model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype or torch.float32)
+
     def weight_bytes(self, quantize: str, parallel: str, ranks: int) -> int:
         """Rank 0's weights: the quantized Linear weights of the frozen base at QUANT_BYTES, the rest as held."""
         if quantize == "off":
@@ -209,6 +221,17 @@ def _settings(cfg, ranks: int) -> list[Setting]:
     return out
 
 
+def held_dtype(s: Setting, precision: str, part: str = "denoiser") -> torch.dtype | None:
+    """The dtype setting ``s`` holds its frozen ``part`` in ("denoiser", or "text" the text encoders), None for
+    float32: ``training/frozen_dtype.frozen_dtype``'s rule (a LoRA setting in bf16/fp16; the denoiser not when
+    quantized or under FSDP)."""
+    if not s.lora or precision == "fp32":
+        return None
+    if part == "denoiser" and (s.quantize != "off" or s.parallel == "fsdp"):
+        return None
+    return DTYPES[precision]
+
+
 def _config_setting(cfg, ranks: int, parallel: str | None) -> Setting:
     quantize = str(getattr(cfg.model, "quantize_base", "off") or "off")
     quantize = "off" if quantize in ("off", "none") else quantize
@@ -218,9 +241,11 @@ def _config_setting(cfg, ranks: int, parallel: str | None) -> Setting:
                    parallel or cfg.train.parallel, ranks)
 
 
-def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text: int) -> dict:
-    """One setting's parts per rank (bytes) and the cards it fits."""
+def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text_params: int) -> dict:
+    """One setting's parts per rank (bytes) and the cards it fits; ``net`` holds its frozen base as ``s`` does
+    (:meth:`_Network.hold`); ``text_params``: the text encoders' numbers when they are loaded, else 0."""
     precision = cfg.train.precision
+    text = text_params * (DTYPES[precision].itemsize if held_dtype(s, precision, "text") else 4)
     trained = [p for p in net.model.parameters() if p.requires_grad]
     state = optimizer_state(trained, s.optimizer, s.parallel)
     ema = trained * (1 + len(cfg.ema.posthoc_std))
@@ -266,7 +291,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         raise ValueError(f"resolution {resolution} must be a multiple of {factor} for this {family.name} base")
     latent = (resolution // vae_factor(folder), resolution // vae_factor(folder))
     precision = cfg.train.precision
-    text = 0 if text_cache_on(cfg) else 4 * text_encoder_params(folder)
+    text = 0 if text_cache_on(cfg) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
     own = _config_setting(cfg, ranks, parallel)
     settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
     net = _Network(family, config)
@@ -279,7 +304,9 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
             net.add_lora(cfg)
         acts: dict[tuple, SavedBytes] = {}
         for s in (s for s in settings if s.lora == lora):
-            key = (s.checkpointing, s.quantize)
+            held = held_dtype(s, precision)
+            net.hold(held)  # the frozen base as this setting holds it: its bytes and autocast's copies follow
+            key = (s.checkpointing, s.quantize, held)
             if key not in acts:
                 try:
                     acts[key] = net.activations(family, config, cfg, batch, latent, s.checkpointing, s.quantize)
@@ -297,7 +324,8 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "stored_parameters": stored,
         "lora_rank": cfg.lora.rank or 16,
         "lora_parameters": lora_parameters,
-        "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else "loaded, float32",
+        "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else
+                         f"loaded, {'float32' if held_dtype(own, precision, 'text') is None else precision}",
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
         "activations_note": failed or "counted on meta tensors (tools/meta_step.py)",
         "rows": [rows[s] for s in settings],

@@ -87,7 +87,7 @@ class RankMemory:
 
     parallel: str
     world_size: int
-    params: int  # weights (fp32 master weights; every parameter, frozen ones included)
+    params: int  # weights as held (fp32 master weights; a bf16/fp16 LoRA run's frozen base in that dtype)
     grads: int  # gradients of the trained parameters, in their dtype
     optimizer: int  # AdamW's exp_avg, exp_avg_sq and step
     ema: int  # the EMA and the post-hoc EMAs

@@ -27,6 +27,7 @@ from difftrain.sampling import naming_samples
 from difftrain.training import checkpoint as ckpt
 from difftrain.training import sharded_checkpoint as sharded
 from difftrain.training.diagnostics import divergence_report
+from difftrain.training.frozen_dtype import frozen_dtype, hold_frozen
 from difftrain.training.heldout import build_heldout
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.power_ema import save_snapshots
@@ -88,6 +89,9 @@ def train(
     data = with_latents(data, conditioning, cfg, dctx)
     data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
     with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
+    held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # caches filled in float32 first
+    for part in (conditioning.text, conditioning.codec):  # a LoRA run's text encoders and VAE in bf16/fp16
+        hold_frozen(part, held)
 
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)

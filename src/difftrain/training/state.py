@@ -33,6 +33,7 @@ from difftrain.runtime.tensor_source import DeferredWeights
 from difftrain.training import sharded_checkpoint as sharded
 from difftrain.training.checkpoint import load_checkpoint, load_weights
 from difftrain.training.ema import EMA
+from difftrain.training.frozen_dtype import frozen_dtype, gathered_in_compute_dtype, hold_frozen
 from difftrain.training.optimizers import build_optimizer, reading_weights, to_training
 from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
 from difftrain.training.power_ema import PowerEMA
@@ -98,7 +99,10 @@ class RunState:
                           file=sys.stderr)
         check_quantize_device(cfg, device, dctx.world_size if dctx is not None else 1)
         torch.manual_seed(derive_seed(tc.seed, "init"))
-        model = build_network(cfg, conditioning, network, init_weights)
+        model = build_network(cfg, conditioning, network, init_weights)  # float32: the base's digest taken
+        held = frozen_dtype(cfg, network)  # a LoRA run's frozen base in bf16/fp16 (training/frozen_dtype.py)
+        if held is not None and hold_frozen(model, held):
+            model.held_dtype = held  # LoraNetwork: its forward outside the step's autocast runs under one
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
@@ -137,6 +141,7 @@ class RunState:
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
         fsdp.shard_model(model, dctx, tc.precision, tc.fsdp_offload)
+        gathered_in_compute_dtype(model, tc.precision)
         fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
         for name, read in from_files.items():  # the base's weights, one whole tensor at a time
             fsdp.fill_shard(model, name, read())
@@ -172,6 +177,7 @@ class RunState:
         self.template = fsdp.meta_template(self.model)
         self.model.to(memory_format=torch.contiguous_format)  # FSDP shards contiguous weights only: no channels_last
         fsdp.shard_model(self.model, dctx, self.cfg.train.precision, self.cfg.train.fsdp_offload)
+        gathered_in_compute_dtype(self.model, self.cfg.train.precision)
         for average in (self.ema.model, *self.posthoc.models):  # each rank averages its own shard
             fsdp.shard_like(average.to(memory_format=torch.contiguous_format), self.model)
         self.ema.rebind()
