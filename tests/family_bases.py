@@ -177,10 +177,11 @@ def write_tiny_sd3_folder(path: str | Path, seed: int = 0, t5: bool = True) -> P
     return path
 
 
-def write_tiny_flux_folder(path: str | Path, seed: int = 0) -> Path:
+def write_tiny_flux_folder(path: str | Path, seed: int = 0, head_dim: int = 8) -> Path:
     """Write a FluxPipeline folder into ``path`` (model_index.json, transformer/ with guidance_embeds,
     vae/, text_encoder{,_2}/, tokenizer{,_2}/, scheduler/ with use_dynamic_shifting);
-    ``FluxPipeline.from_pretrained`` loads it and samples 32 px images."""
+    ``FluxPipeline.from_pretrained`` loads it and samples 32 px images. ``head_dim`` (a multiple of 8) sets
+    the transformer's width, 2 heads of it (32: a width of 64, which nf4's kernels take)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     path = Path(path)
@@ -188,9 +189,10 @@ def write_tiny_flux_folder(path: str | Path, seed: int = 0) -> Path:
     tokenizer, vocab = clip_tokenizer(path / "tokenizer")
     t5_tokenizer = tiny_t5_tokenizer()
     transformer = seeded(seed, lambda: FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=T5_WIDTH, pooled_projection_dim=FLUX_CLIP_WIDTH,
-        guidance_embeds=True, axes_dims_rope=(2, 2, 4)))
+        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1,
+        attention_head_dim=head_dim, num_attention_heads=2, joint_attention_dim=T5_WIDTH,
+        pooled_projection_dim=FLUX_CLIP_WIDTH, guidance_embeds=True,
+        axes_dims_rope=(head_dim // 4, head_dim // 4, head_dim // 2)))
     pipe = FluxPipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),

@@ -54,10 +54,16 @@ NF4_ROW_BLOCK = 32
 def unfit(kind: str, linear: nn.Linear) -> str | None:
     """Why ``kind``'s library cannot hold ``linear`` quantized on every machine (it then stays float32), or
     None where it can: a rule on the layer's shape, not on which kernel this CPU would run."""
+    return unfit_shape(kind, linear.out_features, linear.in_features)
+
+
+def unfit_shape(kind: str, out_features: int, in_features: int) -> str | None:
+    """:func:`unfit` of a Linear weight of shape (out_features, in_features); ``difftrain estimate`` counts a
+    base's weights with it (``tools/base_memory.py``), as training holds them."""
     if kind == "nf4":
-        if linear.in_features % NF4_BLOCKSIZE:
+        if in_features % NF4_BLOCKSIZE:
             return f"in_features not a multiple of nf4's block of {NF4_BLOCKSIZE}"
-        if linear.out_features % NF4_ROW_BLOCK:
+        if out_features % NF4_ROW_BLOCK:
             return f"out_features not a multiple of {NF4_ROW_BLOCK} (bitsandbytes' CPU kernel's row block)"
     return None
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.models.quantize import unfit_shape
 from difftrain.models.text import first_line
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
@@ -175,14 +176,19 @@ class _Network:
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(dtype or torch.float32)
 
+    def quantized(self, quantize: str) -> list[nn.Parameter]:
+        """The frozen base's Linear weights that ``quantize`` holds quantized: those whose shape its library takes
+        on every machine (``models/quantize.unfit``: the others stay float32, as in training)."""
+        if quantize == "off":
+            return []
+        return [w for w in self.linear_weights if unfit_shape(quantize, w.shape[0], w.shape[1]) is None]
+
     def weight_bytes(self, quantize: str, parallel: str, ranks: int) -> int:
         """Rank 0's weights: the quantized Linear weights of the frozen base at QUANT_BYTES, the rest as held."""
-        if quantize == "off":
-            return rank_bytes(list(self.model.parameters()), parallel, ranks)
-        quantized = {id(w) for w in self.linear_weights}
+        weights = self.quantized(quantize)
+        quantized = {id(w) for w in weights}
         rest = [p for p in self.model.parameters() if id(p) not in quantized]
-        return rank_bytes(rest, parallel, ranks) + sum(QUANT_BYTES[quantize](w.numel(), w.shape[0])
-                                                       for w in self.linear_weights)
+        return rank_bytes(rest, parallel, ranks) + sum(QUANT_BYTES[quantize](w.numel(), w.shape[0]) for w in weights)
 
     def activations(self, family, config: dict, cfg, batch: int, latent: tuple[int, int], checkpointing: bool,
                     quantize: str) -> SavedBytes:
@@ -200,7 +206,7 @@ class _Network:
             cond = {k: torch.empty(batch, *s, device="meta") for k, s in shapes.items()}
             return per_sample_loss(objective, self.model, x0, cond, levels, torch.empty_like(x0)).mean()
 
-        quantized = frozenset(id(w) for w in self.linear_weights) if quantize != "off" else frozenset()
+        quantized = frozenset(id(w) for w in self.quantized(quantize))
         return saved_for_backward(forward, self.model, cfg.train.precision,
                                   self.denoiser.model if checkpointing else None, quantized)
 
