@@ -22,6 +22,7 @@ pytest.importorskip("peft")
 from difftrain.cli import EXIT_BAD_INPUT, main  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
 from difftrain.training import checkpoint as ckpt  # noqa: E402
+from tests.integration.test_hostile_cli import _one_error_line  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.conftest import TINY_OVERRIDES  # noqa: E402
 from tests.integration.test_lora import PROMPT, _sd_overrides  # noqa: E402
@@ -58,13 +59,6 @@ def base(tmp_path_factory) -> Path:
     _kohya_file(root / "sd", root / "overflowing.safetensors", 1e30)
     _kohya_file(root / "sd", root / "fine.safetensors", 8.0)
     return root
-
-
-def _one_error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 # ---------------------------------------------------------------------------------------------
