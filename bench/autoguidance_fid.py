@@ -41,11 +41,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from difftrain.autoguidance import with_guide
+    from difftrain.generation.autoguidance import with_guide
     from difftrain.evaluation.evaluate import fid_result, sample_statistics
     from difftrain.evaluation.inception import InceptionFeatures
     from difftrain.evaluation.reference import reference_statistics
-    from difftrain.inference import load_model
+    from difftrain.generation.inference import load_model
 
     inception = InceptionFeatures()
     rows = []

@@ -61,7 +61,7 @@ def _diffusers_unet(checkpointing: bool):
 
     from difftrain.training.state import build_network
     from difftrain.config import load_config
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
 
     torch.manual_seed(0)
     model = diffusers.UNet2DConditionModel(
@@ -75,7 +75,7 @@ def _diffusers_unet(checkpointing: bool):
 
 
 def checkpointing_row(which: str, checkpointing: bool, args) -> dict:
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
     from difftrain.config import load_config
     from difftrain.training.state import build_network
 

@@ -29,8 +29,8 @@ from difftrain.data.builtin import (
     shape_caption,
 )
 from difftrain.evaluation.prompt_following import judge_image, prompt_following
-from difftrain.inference import generate_images, load_model
-from difftrain.sampling import to_uint8
+from difftrain.generation.inference import generate_images, load_model
+from difftrain.generation.sampling import to_uint8
 
 NEW_PROMPT = "a red ring on a dark background"  # the concept taught
 CLASS_PROMPT = "a red disc on a dark background"  # DreamBooth's class: what the base draws nearest to it

@@ -27,9 +27,9 @@ from PIL import Image
 from difftrain.diffusion.objective import DDPMObjective
 from difftrain.diffusion.samplers import SAMPLERS, karras_timesteps, sampling_timesteps
 from difftrain.evaluation.confetti import confetti_threshold, laplacian_energy
-from difftrain.inference import load_model
+from difftrain.generation.inference import load_model
 from difftrain.runtime.seeding import derive_seed
-from difftrain.sampling import initial_noise, make_grid, to_uint8
+from difftrain.generation.sampling import initial_noise, make_grid, to_uint8
 
 
 def parse_case(text: str) -> tuple[str, str, int, dict]:

@@ -18,9 +18,9 @@ tensor at a time and, before, loaded whole and then sharded.
 
 ``--init-from-sharded``: the start-up (build + shard) of a run whose ``model.init_from`` is a sharded
 checkpoint's folder (``step_N.dcp``, written by the same 2 ranks first: weights, EMA, AdamW's moments and a
-post-hoc EMA), each rank reading its part of the EMA weights into its shards (``sharded_checkpoint.load_part``),
+post-hoc EMA), each rank reading its part of the EMA weights into its shards (``sharded.load_part``),
 and, before, the checkpoint read consolidated (whole, every tensor of it) while the shards were filled
-(``interop._sharded_checkpoint_source`` forced to find none).
+(``networks.init_from._sharded_checkpoint_source`` forced to find none).
 
 Each rank resets its peak (``/proc/self/clear_refs``) after joining the group with difftrain's
 training modules imported, then runs ``training.loop.train``; the figure is its peak RSS above that
@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from multiproc import run_ranks  # noqa: E402
 
-from difftrain.conditioning import Conditioning  # noqa: E402
+from difftrain.networks.conditioning import Conditioning  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
 
 MiB = 2**20
@@ -98,8 +98,8 @@ def phases(ctx, run_dir: str, cfg_overrides: list[str], old: bool) -> dict:
 def init_from_sharded(ctx, run_dir: str, cfg_overrides: list[str]) -> dict:
     """This rank's peak RSS above its start while a run starts from a sharded checkpoint's folder
     (``model.init_from``): each rank reading its part (``now``), then the consolidated read (``before``)."""
-    from difftrain import interop
-    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.networks import init_from
+    from difftrain.checkpoints import sharded as sharded
     from difftrain.training.state import RunState
     from multiproc import reset_peak, status_bytes
 
@@ -111,16 +111,16 @@ def init_from_sharded(ctx, run_dir: str, cfg_overrides: list[str]) -> dict:
                                     c.keep_every_steps, "stop", ctx)
     del state
     cfg = load_config(None, [*cfg_overrides, f"model.init_from={folder}"])
-    out, deferred = {"rank": ctx.rank}, interop._sharded_checkpoint_source
+    out, deferred = {"rank": ctx.rank}, init_from._sharded_checkpoint_source
     for name in ("now", "before"):
         if name == "before":
-            interop._sharded_checkpoint_source = lambda *args: (None, None)
+            init_from._sharded_checkpoint_source = lambda *args: (None, None)
         start = reset_peak(give_back=True)
         state = RunState.build(cfg, 0, ctx.device, dctx=ctx)
         state.parallelize(ctx)
         out[name] = (status_bytes("VmHWM") - start) / MiB
         del state
-    interop._sharded_checkpoint_source = deferred
+    init_from._sharded_checkpoint_source = deferred
     return out
 
 

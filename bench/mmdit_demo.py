@@ -52,8 +52,8 @@ from concept_demo import CLASS_PROMPT, NEW_PROMPT, OLD_PROMPTS, measure, print_t
 
 from difftrain.data.builtin import describe_shape, draw_ring, draw_shape, shape_caption  # noqa: E402
 from difftrain.evaluation.prompt_following import judge_image, prompt_following  # noqa: E402
-from difftrain.inference import generate_images, load_model  # noqa: E402
-from difftrain.sampling import make_grid, save_png, to_uint8  # noqa: E402
+from difftrain.generation.inference import generate_images, load_model  # noqa: E402
+from difftrain.generation.sampling import make_grid, save_png, to_uint8  # noqa: E402
 from tests import family_bases as fb  # noqa: E402  (tiny random text encoders and tokenizers, built offline)
 
 RESOLUTION = 16  # pixels a side, as configs/text-shapes.toml
@@ -191,7 +191,7 @@ def modes(args, base: Path, images: Path) -> dict[str, list[str]]:
 
 def trained_parameters(run_dir: Path) -> int:
     """Parameters a run trained: the tensors of its checkpoint's model (the adapter alone for LoRA)."""
-    from difftrain.training import checkpoint as ckpt
+    from difftrain.checkpoints import checkpoint as ckpt
 
     return sum(t.numel() for t in ckpt.load_checkpoint(run_dir)["model"].values())
 

@@ -31,8 +31,8 @@ import torch
 
 from difftrain.data.builtin import ShapesDataset
 from difftrain.evaluation.prompt_following import prompt_following
-from difftrain.inference import generate_images, load_model
-from difftrain.sampling import to_uint8
+from difftrain.generation.inference import generate_images, load_model
+from difftrain.generation.sampling import to_uint8
 
 ROOT = Path(__file__).resolve().parents[1]
 

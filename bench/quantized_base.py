@@ -102,7 +102,7 @@ def child(args) -> None:
 
     from difftrain import api
     from difftrain.config import load_config
-    from difftrain.inference import generate_images, load_model
+    from difftrain.generation.inference import generate_images, load_model
     from difftrain.training.loop import train
 
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ import torch
 
 from difftrain.diffusion.objective import DDPMObjective
 from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
-from difftrain.sampling import generate, initial_noise
+from difftrain.generation.sampling import generate, initial_noise
 from difftrain.training.state import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from difftrain import api
-    from difftrain.autoguidance import with_guide
-    from difftrain.sampling import to_uint8
+    from difftrain.generation.autoguidance import with_guide
+    from difftrain.generation.sampling import to_uint8
 
     guide_run = args.guide_run or args.run
     print(f"| main step | guide step | weight | clean of {args.num} | first 64 | share (+- s.e.) | why not | s |")

@@ -31,7 +31,7 @@ from difftrain.data.prepare import prepare_training_data
 from difftrain.diffusion.objective import build_objective, per_sample_loss
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.seeding import derive_seed
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.state import RunState, peak_lr
 from difftrain.training.step import StepMetrics, draw_micro_batch, train_step

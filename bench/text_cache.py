@@ -89,7 +89,7 @@ def interleaved_ms(family: str, root: Path, steps: int) -> dict[str, float]:
 
     import torch
 
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
     from difftrain.config import load_config
     from difftrain.data import build_loader
     from difftrain.data.prepare import prepare_training_data

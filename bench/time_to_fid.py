@@ -452,7 +452,7 @@ def evaluate(runs: list[Run], args, reference, inception) -> None:
     """FID/KID of the EMA samples of every chosen checkpoint of every run."""
     from difftrain.diffusion.objective import DDPMObjective
     from difftrain.evaluation.evaluate import fid_result, sample_pixels, sample_statistics
-    from difftrain.inference import load_model
+    from difftrain.generation.inference import load_model
 
     for run in runs:
         for seconds, step, path in curve_points(run.checkpoints, args.curve_every):

@@ -100,7 +100,7 @@ def check_resumable(run_dir: Path) -> str | None:
     checkpoint, and resume redoes the steps since (the final digests, compared with the
     reference's, show that the redone steps are the same).
     """
-    from difftrain.training.checkpoint import LATEST, find_checkpoint, list_checkpoints, load_checkpoint
+    from difftrain.checkpoints.checkpoint import LATEST, find_checkpoint, list_checkpoints, load_checkpoint
 
     ckpt_dir = run_dir / "checkpoints"
     if not list_checkpoints(ckpt_dir):
@@ -115,7 +115,7 @@ def check_resumable(run_dir: Path) -> str | None:
 
 def resume_point(run_dir: Path) -> str:
     """The checkpoint the next run resumes from, or "-" when there is none yet."""
-    from difftrain.training.checkpoint import find_checkpoint
+    from difftrain.checkpoints.checkpoint import find_checkpoint
 
     try:
         return find_checkpoint(run_dir).name

@@ -8,7 +8,7 @@ import torch
 
 from conftest import TINY_OVERRIDES
 from difftrain.config import load_config
-from difftrain.training.checkpoint import load_checkpoint, save_checkpoint
+from difftrain.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 from difftrain.training.state import RunState
 
 SMALL = TINY_OVERRIDES + ["model.base_channels=8", "model.channel_mult=[1, 2]", "train.progress_bar=false"]

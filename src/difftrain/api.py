@@ -77,8 +77,8 @@ def load(run_or_checkpoint: str | Path | None = None, *, ema: bool = True, devic
     ``guide`` / ``guide_step``: autoguidance (Karras et al. 2024) by that checkpoint or run, or by
     the checkpoint of that step of this run (or of ``guide``), weight ``guide_weight``: every
     sample of ``generate`` then costs two network evaluations per step."""
-    from difftrain.autoguidance import with_guide
-    from difftrain.inference import load_model
+    from difftrain.generation.autoguidance import with_guide
+    from difftrain.generation.inference import load_model
 
     loaded = load_model(run_or_checkpoint, use_ema=ema, device=device, lora=lora, lora_scale=lora_scale,
                         base=None if base is None else str(base))
@@ -104,7 +104,7 @@ def generate(
     a class-conditional model). ``prompt``: a text model's prompt, one for all or one per image.
     ``sampler``: None for the run's own (``validation.sampler``, as ``difftrain sample``: DDIM for
     a DDPM model, Heun for EDM and flow). ``sampler_options``: e.g. ``eta=0.5`` for DDIM."""
-    from difftrain.inference import LoadedModel, generate_images
+    from difftrain.generation.inference import LoadedModel, generate_images
 
     if not isinstance(model, LoadedModel):
         model = load(model)
@@ -128,10 +128,11 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "dif
     "kohya", which ComfyUI and A1111 read (and load_lora_weights, for a plain LoRA of SD or SDXL); "difftrain",
     for difftrain alone; None: the one that loads in the most programs, ``adapters.default_layout``;
     docs/lora_files.md); ``merge`` folds it into the base first, for the whole-network formats."""
-    from difftrain.adapters import export_lora, merged_state
-    from difftrain.interop import export_diffusers, save_weights_file
-    from difftrain.models.lora import is_lora_record
-    from difftrain.training.checkpoint import load_checkpoint
+    from difftrain.interop.adapters import export_lora, merged_state
+    from difftrain.interop.diffusers import export_diffusers
+    from difftrain.checkpoints.weights_file import save_weights_file
+    from difftrain.networks.lora import is_lora_record
+    from difftrain.checkpoints.checkpoint import load_checkpoint
 
     if format not in ("diffusers", "safetensors", "lora"):
         raise ValueError(f"format must be 'diffusers', 'safetensors' or 'lora', got {format!r}")

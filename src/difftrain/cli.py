@@ -108,13 +108,13 @@ def _data_check(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from difftrain.inference import load_model, sample_to_folder
+    from difftrain.generation.inference import load_model, sample_to_folder
 
     _make_folder(Path(args.out), "--out")
     loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device,
                         text_encoder=args.text_encoder, vae=args.vae, lora=args.lora, lora_scale=args.lora_scale,
                         base=args.base, distilled_guidance=args.distilled_guidance)
-    from difftrain.autoguidance import with_guide
+    from difftrain.generation.autoguidance import with_guide
 
     loaded = with_guide(loaded, args.guide, args.guide_weight, guide_step=args.guide_step, use_ema=not args.no_ema)
     args.sampler = args.sampler or loaded.cfg.validation.sampler  # default: the run's own
@@ -147,7 +147,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from difftrain.checkpoint_info import describe_checkpoint
+    from difftrain.checkpoints.info import describe_checkpoint
 
     info = describe_checkpoint(args.checkpoint)
     if args.json:
@@ -176,7 +176,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _posthoc_ema(args: argparse.Namespace) -> int:
-    from difftrain.posthoc import RESIDUAL_WARNING, reconstruct, write_checkpoint
+    from difftrain.training.posthoc import RESIDUAL_WARNING, reconstruct, write_checkpoint
 
     out = Path(args.out)
     if out.is_dir():
@@ -615,7 +615,7 @@ def _parallelisms() -> list[str]:
 
 
 def _lora_layouts() -> list[str]:
-    from difftrain.adapters import LORA_LAYOUTS
+    from difftrain.interop.adapters import LORA_LAYOUTS
 
     return list(LORA_LAYOUTS)
 
@@ -656,7 +656,7 @@ def input_error(e: BaseException) -> str | None:
     """The message for an error caused by the input (config, data, checkpoint, disk, memory),
     or None for anything else: a bug."""
     from difftrain.runtime.optional import MissingDependency
-    from difftrain.training.checkpoint import CheckpointWriteError
+    from difftrain.checkpoints.checkpoint import CheckpointWriteError
     from difftrain.training.loop import TrainingDiverged
 
     if _is_out_of_memory(e):

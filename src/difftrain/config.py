@@ -38,7 +38,7 @@ OnWriteError = Literal["stop", "continue"]
 # training/optimizers.py's OPTIMIZERS; adamw8bit, prodigy and schedulefree need the optim extra
 OptimizerName = Literal["adamw", "adamw8bit", "prodigy", "adafactor", "schedulefree"]
 OPTIMIZER_PACKAGES = {"adamw8bit": "bitsandbytes", "prodigy": "prodigyopt", "schedulefree": "schedulefree"}  # the optim extra's
-# models/quantize.py's QUANTIZE_KINDS (and "off"): a LoRA run's frozen base held in int8 / nf4 (bitsandbytes)
+# networks/quantize.py's QUANTIZE_KINDS (and "off"): a LoRA run's frozen base held in int8 / nf4 (bitsandbytes)
 # or fp8 (torchao), the quant extra
 QuantizeBase = Literal["off", "int8", "nf4", "fp8"]
 Parallel = Literal["ddp", "fsdp"]  # how torchrun's ranks share the model (runtime/distributed.py, runtime/fsdp.py)
@@ -190,7 +190,7 @@ class ModelConfig(_Section):
     # family's diffusers loader); its rank and kind must be lora.rank / lora.kind's; docs/lora_files.md. "" = off
     init_lora_from: str = ""
     # a LoRA run's frozen base with every Linear layer held quantized: "int8", "nf4" (bitsandbytes) or "fp8"
-    # (torchao), the adapter trained in float32 over it (models/quantize.py, docs/fine_tuning.md); "off" = float32
+    # (torchao), the adapter trained in float32 over it (networks/quantize.py, docs/fine_tuning.md); "off" = float32
     quantize_base: QuantizeBase = "off"
 
 
@@ -1015,7 +1015,7 @@ def _check_quantize_environment(cfg: Config) -> None:
         return
     import importlib.util
 
-    from difftrain.models.quantize import QUANTIZE_KINDS, device_refusal
+    from difftrain.networks.quantize import QUANTIZE_KINDS, device_refusal
     from difftrain.runtime.device import resolve_device
 
     library = QUANTIZE_KINDS[q].library

@@ -16,7 +16,7 @@ import difftrain
 from conftest import TINY_OVERRIDES
 from difftrain.cli import main
 from difftrain.config import ConfigError, parse_override
-from difftrain.training.checkpoint import load_checkpoint, state_dict_sha256
+from difftrain.checkpoints.checkpoint import load_checkpoint, state_dict_sha256
 
 ROOT = Path(__file__).parents[2]
 FAST = {"train.progress_bar": False, "tracking.tensorboard": False, "validation.every_steps": 0,

@@ -19,7 +19,7 @@ from fid_standin import use_standin, write_standin
 from difftrain.cli import main
 from difftrain.config import load_config
 from difftrain.evaluation import during_training
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]

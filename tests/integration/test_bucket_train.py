@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from difftrain.config import load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from difftrain import cli
-from difftrain.conditioning import Conditioning
+from difftrain.networks.conditioning import Conditioning
 from difftrain.config import load_config
 from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.evaluate import DatasetCaptions, FIDConditions, sample_features

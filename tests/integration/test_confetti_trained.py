@@ -18,8 +18,8 @@ import torch
 from difftrain.api import train
 from difftrain.data.builtin import ShapesDataset
 from difftrain.evaluation.confetti import confetti_threshold, laplacian_energy
-from difftrain.inference import load_model
-from difftrain.sampling import initial_noise
+from difftrain.generation.inference import load_model
+from difftrain.generation.sampling import initial_noise
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 from difftrain.config import load_config  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.text_components import write_tiny_sd_folder  # noqa: E402
 
@@ -47,7 +47,7 @@ PRIOR = [f"dreambooth.class_prompt={CLASS}", "dreambooth.num_class_images=5", "d
 
 
 def test_paired_dataset_alternates_instance_and_class_items_and_weights_the_class_loss(tmp_path, tiny_overrides):
-    from difftrain.dreambooth import PairedDataset, PromptedDataset, loss_weights
+    from difftrain.training.dreambooth import PairedDataset, PromptedDataset, loss_weights
 
     instance = PromptedDataset([(torch.zeros(3, 2, 2), 0)] * 3, INSTANCE)
     prior = PromptedDataset([(torch.ones(3, 2, 2), 0)] * 5, CLASS)

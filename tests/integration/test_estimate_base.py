@@ -81,7 +81,7 @@ def test_counted_parts_equal_a_real_step_to_the_byte(flux, mode):
 
 
 def test_bf16_lora_counts_the_frozen_base_in_bf16_as_training_holds_it(flux):
-    """A LoRA setting in bf16 (training/frozen_dtype.py): the frozen base counted at 2 bytes a weight, equal to the
+    """A LoRA setting in bf16 (networks/frozen_dtype.py): the frozen base counted at 2 bytes a weight, equal to the
     bytes a real bf16 LoRA state holds; no bf16 copies of frozen weights among the activations; the text encoders
     (text cache off) at 2 bytes; fp32, full fine-tuning and FSDP (frozen shards float32) keep 4 bytes."""
     folder, configs = flux
@@ -182,11 +182,11 @@ def _bnb_held(module) -> list:
 def test_quantized_base_weights_equal_bitsandbytes_to_the_byte(wide_flux, kind):
     """A LoRA over an int8 / nf4 base: estimate's weights (counted on meta from the config.json files) equal
     the bytes of every distinct storage of the tiny Flux network that training builds
-    (``build_network``: quantized by models/quantize.py with bitsandbytes, peft's layers over it): its
+    (``build_network``: quantized by networks/quantize.py with bitsandbytes, peft's layers over it): its
     parameters and the quantization state bitsandbytes keeps beside them."""
     pytest.importorskip("bitsandbytes")
-    from difftrain.conditioning import Conditioning
-    from difftrain.models.quantize import quantized_layers
+    from difftrain.networks.conditioning import Conditioning
+    from difftrain.networks.quantize import quantized_layers
     from difftrain.training.state import build_network
 
     folder, configs = wide_flux

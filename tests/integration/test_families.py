@@ -96,7 +96,7 @@ def test_drop_rows_replaces_dropped_rows_by_the_null_condition_without_a_host_re
 def test_the_readme_command_fine_tunes_a_local_sd_folder_with_lora(sd_folder, tmp_path, capsys):
     """Issue 27 item 4: `difftrain train --set model.init_from=SD --set lora.rank=4 --set data.path=DIR` just
     works: no retraining warning of the schedule, captions on, the adapter trained."""
-    from difftrain.training.checkpoint import load_checkpoint
+    from difftrain.checkpoints.checkpoint import load_checkpoint
 
     data = _captioned_folder(tmp_path / "data")
     run = tmp_path / "run"

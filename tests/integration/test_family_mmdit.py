@@ -294,7 +294,7 @@ def test_a_lora_file_of_diffusers_scripts_samples_on_the_base_it_names(tmp_path,
     transformer's load_lora_adapter: the adapted network computes what peft's adapter on the base computes;
     the other family's file is refused in one line saying 0 modules match."""
     pytest.importorskip("peft")
-    from difftrain.inference import load_model
+    from difftrain.generation.inference import load_model
 
     family, folder = (SD3Family(), sd3_folder) if which == "sd3" else (FluxFamily(), flux_folder)
     net = family.load_denoiser(folder)

@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from difftrain.config import load_config  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases import (T5_LENGTH, with_run_conditions, write_tiny_flux_folder,  # noqa: E402
                                 write_tiny_sd3_folder)
@@ -70,8 +70,8 @@ def _export_samples_as_difftrain(tmp_path, name):
 
     from difftrain import api
     from difftrain.families.flux import pack
-    from difftrain.inference import generate_images, load_model
-    from difftrain.sampling import initial_noise
+    from difftrain.generation.inference import generate_images, load_model
+    from difftrain.generation.sampling import initial_noise
 
     out = api.export(tmp_path / "straight", tmp_path / "pipe")
     ours = load_model(tmp_path / "straight", device="cpu")
@@ -96,7 +96,7 @@ def _lora_export_loads_in_the_pipeline(tmp_path, bases, name):
 
     from difftrain.cli import main
     from difftrain.families import family_named
-    from difftrain.inference import load_model
+    from difftrain.generation.inference import load_model
 
     assert main(["export", str(tmp_path / "straight"), str(tmp_path / "lora"), "--format", "lora"]) == 0
     family = family_named(name)

@@ -93,7 +93,7 @@ def test_the_configured_guidance_reaches_the_transformer_and_not_the_text_cache(
                      "1", "--steps", "1", "--sampler", "euler", "--prompt", "a red square", "--device", "cpu",
                      *option]) == 0
         assert {v for call in seen for v in call} == {want}
-    from difftrain.inference import load_model
+    from difftrain.generation.inference import load_model
 
     with pytest.raises(ConfigError, match="validation.distilled_guidance must be >= 0"):
         load_model(tmp_path / "run", device="cpu", distilled_guidance=-1.0)

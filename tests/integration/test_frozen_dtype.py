@@ -1,4 +1,4 @@
-"""Frozen parts in the compute dtype (issue 41 item 1, ``training/frozen_dtype.py``): a bf16 LoRA run on a tiny
+"""Frozen parts in the compute dtype (issue 41 item 1, ``networks/frozen_dtype.py``): a bf16 LoRA run on a tiny
 SD base and a tiny Flux base holds every frozen parameter of the denoiser, the text encoders and the VAE in
 bfloat16 and every trainable one (the adapter, its EMA, its optimizer state) in float32, trains, resumes bit
 for bit, and its LoRA export still loads in diffusers' pipeline; an fp32 LoRA run and a bf16 full fine-tune
@@ -14,7 +14,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from difftrain.config import load_config  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from difftrain.training.state import RunState  # noqa: E402
 from tests.family_bases import T5_LENGTH, write_tiny_flux_folder  # noqa: E402
@@ -115,8 +115,8 @@ def _sd_export_loads_in_the_pipeline(tmp_path, bases):
     """``export --format lora`` of the SD run loads in StableDiffusionPipeline and samples as difftrain does
     (tests/integration/test_lora.py's check)."""
     from difftrain import api
-    from difftrain.inference import generate_images, load_model
-    from difftrain.sampling import initial_noise
+    from difftrain.generation.inference import generate_images, load_model
+    from difftrain.generation.sampling import initial_noise
     from tests.integration.test_lora import _pipeline_images
 
     out = api.export(tmp_path / "straight", tmp_path / "adapter", format="lora")
@@ -142,7 +142,7 @@ def test_fp32_lora_and_full_fine_tune_keep_float32(tmp_path, bases, built, extra
 def test_difftrain_unet_lora_in_bf16_holds_its_base_in_bf16_and_validates(tmp_path, bases, built):
     """difftrain's own UNet as a LoRA base (a checkpoint of a text run): frozen in bf16, the adapter float32,
     validation grids sampled (outside the step's autocast) and finite."""
-    from difftrain.training.checkpoint import find_checkpoint
+    from difftrain.checkpoints.checkpoint import find_checkpoint
 
     sd, data = bases["sd"], bases["root"] / "data16"
     from tests.conftest import TINY_OVERRIDES

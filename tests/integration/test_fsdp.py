@@ -18,7 +18,7 @@ from conftest import TINY_OVERRIDES
 from multiproc import _worker, assert_close_dicts, free_port, run_ranks, train_on_rank
 
 from difftrain.config import ConfigError, load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 
 # 2 processes x batch 2 x 2 micro-batches, clipped hard (optim.grad_clip below the gradient norm),

@@ -19,7 +19,7 @@ from conftest import TINY_OVERRIDES  # noqa: E402
 from multiproc import assert_close_dicts, run_ranks, train_on_rank  # noqa: E402
 
 from difftrain.config import load_config  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.integration.test_lora import PROMPT, _sd_overrides  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_fsdp_lora_resume_on_two_ranks_is_exact_and_equals_ddp(runs, tmp_path):
 
 
 def test_bf16_lora_under_ddp_and_fsdp_trains_and_validates(tmp_path):
-    """train.precision=bf16 on 2 ranks: DDP with the frozen base held in bf16 (training/frozen_dtype.py), FSDP with
+    """train.precision=bf16 on 2 ranks: DDP with the frozen base held in bf16 (networks/frozen_dtype.py), FSDP with
     its frozen shards float32 gathered in bf16; both train to the end and sample their validation grid outside the
     step's autocast (the LoRA network runs under one: FSDP's bf16-gathered weights failed there before)."""
     ddp = _sd_overrides(tmp_path, list(TINY_OVERRIDES), *RUN, "train.precision=bf16")

@@ -15,7 +15,7 @@ from conftest import TINY_OVERRIDES
 from multiproc import assert_close_dicts, reset_peak, run_ranks, status_bytes, train_on_rank
 
 from difftrain.config import ConfigError, load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 
 RUN = TINY_OVERRIDES + ["train.total_steps=4", "train.device=cpu", "train.batch_size=2", "train.channels_last=off",
@@ -79,7 +79,7 @@ def _start_and_resume(ctx, run_dir: str, overrides: list[str]) -> dict:
     import ctypes
     import gc
 
-    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.checkpoints import sharded as sharded
     from difftrain.training.state import RunState, load_resume
 
     cfg = load_config(None, overrides)
@@ -115,7 +115,7 @@ def test_a_ranks_start_up_and_resume_hold_no_whole_copy(tmp_path):
     start-up stays under half the whole state and the resume under the whole state (measured on a
     2-core CPU: 204 and 324 MiB per rank; the whole-then-shard start-up and consolidated resume
     this replaced: 514 and 1161 MiB)."""
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
     from difftrain.tools.parallel_memory import counted_memory
     from difftrain.training.state import build_network
 

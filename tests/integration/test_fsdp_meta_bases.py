@@ -30,7 +30,7 @@ def _built(ctx, runs: list[list[str]]) -> list[dict]:
     """For each config of ``runs``, the state ``RunState.build`` makes on this rank sharded from the files,
     then whole and sharded after (``builds_sharded`` forced False): every weight gathered whole, the
     EMA's, the network's record, the names of what trains."""
-    import difftrain.training.checkpoint as checkpoint_module
+    import difftrain.checkpoints.checkpoint as checkpoint_module
     import difftrain.training.state as state_module
     from difftrain.training.state import RunState, network_record
 
@@ -131,7 +131,7 @@ def _sharded_checkpoint(state: dict, root: Path) -> Path:
 
     from difftrain.config import config_from_dict
     from difftrain.runtime import distributed
-    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.checkpoints import sharded as sharded
     from difftrain.training.state import RunState
 
     cpu = torch.device("cpu")
@@ -148,8 +148,8 @@ def _lora_files(sd: Path, root: Path) -> tuple[Path, Path]:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from difftrain.adapters import export_lora
-    from difftrain.lora_import import ADAPTER_KEY, DIFFUSERS_WEIGHT_NAME
+    from difftrain.interop.adapters import export_lora
+    from difftrain.networks.lora_import import ADAPTER_KEY, DIFFUSERS_WEIGHT_NAME
     from difftrain.training.state import RunState
 
     cfg = load_config(None, [*TINY_OVERRIDES, "train.device=cpu", f"model.init_from={sd}", "lora.rank=2", "lora.alpha=4"])
@@ -172,8 +172,8 @@ def built(tmp_path_factory) -> list[dict]:
     checkpoint file in full and as a LoRA base; difftrain's UNet from a sharded checkpoint's folder (in full and
     as a LoRA base); a UNet
     whose weights file holds attention names diffusers renames on load, in full and as a LoRA base."""
-    from difftrain.interop import save_weights_file
-    from difftrain.training.checkpoint import save_checkpoint_file
+    from difftrain.checkpoints.weights_file import save_weights_file
+    from difftrain.checkpoints.checkpoint import save_checkpoint_file
     from difftrain.training.state import RunState
     from tests.family_bases import write_tiny_flux_folder, write_tiny_sd3_folder, write_tiny_sdxl_folder
     from tests.text_components import write_tiny_sd_folder

@@ -2,7 +2,7 @@
 crafted, truncated, lying or incomplete one is refused with one line naming it, exit 2.
 
 The sharded checkpoint is a real one, written in this process by the FSDP save path
-(``sharded_checkpoint.save_or_report`` without a process group: one shard file); 2-rank ones are
+(``sharded.save_or_report`` without a process group: one shard file); 2-rank ones are
 read by tests/integration/test_fsdp.py through the same reader. The commands run in-process.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from difftrain.cli import EXIT_BAD_INPUT, main
 from difftrain.config import config_from_dict, load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 from tests.conftest import TINY_OVERRIDES
 
@@ -38,9 +38,9 @@ class _Payload:
 
 def _as_sharded(run: Path) -> Path:
     """Replace the run's step-2 checkpoint file by the sharded folder an FSDP run writes."""
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
     from difftrain.runtime import distributed
-    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.checkpoints import sharded as sharded
     from difftrain.training.state import RunState
 
     saved = ckpt.load_checkpoint(run)
@@ -218,8 +218,8 @@ def test_every_dcp_read_has_a_planner_that_never_unpickles(bytes_runs, sharded_r
     from torch.distributed.checkpoint.api import CheckpointException
 
     from difftrain.runtime import distributed
-    from difftrain.training import dcp_reader
-    from difftrain.training import sharded_checkpoint as sharded
+    from difftrain.checkpoints import dcp_reader
+    from difftrain.checkpoints import sharded as sharded
 
     run, marker = bytes_runs["bytes-entry"]
     folder = run / "checkpoints" / DCP
@@ -229,7 +229,7 @@ def test_every_dcp_read_has_a_planner_that_never_unpickles(bytes_runs, sharded_r
     # Every read of DCP in src goes through it.
     src = Path(__file__).resolve().parents[2] / "src" / "difftrain"
     callers = [p.relative_to(src) for p in src.rglob("*.py") if "dcp.load(" in p.read_text()]
-    assert callers == [Path("training/dcp_reader.py")], callers
+    assert callers == [Path("checkpoints/dcp_reader.py")], callers
     # An FSDP resume asks for the checkpoint's tensors by their own names: a weight declared as bytes.
     run, marker = bytes_runs["weight-as-bytes"]
     saved = ckpt.load_checkpoint(sharded_run)
@@ -247,8 +247,8 @@ def test_a_sharded_checkpoint_to_start_an_fsdp_run_from_is_checked_from_its_meta
     one line naming the first mismatched key, and a matching one recorded to be loaded into its shards by each
     rank (tests/integration/test_fsdp_meta_bases.py loads it on 2 ranks), no tensor read yet; read one whole
     tensor at a time too, the checkpoint's EMA weights."""
-    from difftrain.conditioning import Conditioning
-    from difftrain.interop import defer_init_weights
+    from difftrain.networks.conditioning import Conditioning
+    from difftrain.networks.init_from import defer_init_weights
     from difftrain.runtime import meta_init
     from difftrain.runtime.tensor_source import DeferredWeights
     from difftrain.training.state import build_network

@@ -20,7 +20,7 @@ from PIL import Image
 
 from difftrain.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, main
 from difftrain.config import load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from difftrain.config import load_config  # noqa: E402
-from difftrain.inference import generate_images, load_model  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.generation.inference import generate_images, load_model  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
 from tests.text_components import write_tiny_sd_folder  # noqa: E402
@@ -113,7 +113,7 @@ def _pipeline_images(sd, adapter_dir, cfg, noise, steps, guidance, scale=1.0):
     export writes them), the adapter loaded by diffusers, run from ``noise``; images in [-1, 1]."""
     from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
 
-    from difftrain.interop import scheduler_config
+    from difftrain.diffusion.scheduler_configs import scheduler_config
 
     pipe = StableDiffusionPipeline.from_pretrained(sd, safety_checker=None)
     ddpm = DDPMScheduler(**{**scheduler_config(cfg.diffusion), "clip_sample": False, "steps_offset": 1})
@@ -126,7 +126,7 @@ def _pipeline_images(sd, adapter_dir, cfg, noise, steps, guidance, scale=1.0):
 
 def test_exported_adapter_loads_in_diffusers_and_samples_as_difftrain_does(lora_run, tmp_path):
     from difftrain import api
-    from difftrain.sampling import initial_noise
+    from difftrain.generation.sampling import initial_noise
 
     out = api.export(lora_run / "run", tmp_path / "adapter", format="lora")
     assert (out / "pytorch_lora_weights.safetensors").is_file()
@@ -220,7 +220,7 @@ def test_missing_peft_names_the_extra(tmp_path, tiny_overrides, capsys, monkeypa
     # Past that check (the Python API's build, a sampler): the same line where peft is imported.
     import sys
 
-    from difftrain.models.lora import import_peft
+    from difftrain.networks.lora import import_peft
     from difftrain.runtime.optional import MissingDependency
 
     monkeypatch.setitem(sys.modules, "peft", None)
@@ -381,7 +381,7 @@ def _rewritten(path, tensors=None, record=None) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from difftrain.adapters import ADAPTER_KEY
+    from difftrain.interop.adapters import ADAPTER_KEY
 
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()

@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from difftrain.adapters import LORA_LAYOUTS, Adapter, default_layout, where_it_loads  # noqa: E402
+from difftrain.interop.adapters import LORA_LAYOUTS, Adapter, default_layout, where_it_loads  # noqa: E402
 from difftrain.config import config_to_dict, load_config  # noqa: E402
 from difftrain.families import detect  # noqa: E402
-from difftrain.lora_import import read_adapter  # noqa: E402
-from difftrain.models.lora import apply_lora  # noqa: E402
+from difftrain.networks.lora_import import read_adapter  # noqa: E402
+from difftrain.networks.lora import apply_lora  # noqa: E402
 from tests.comfyui_rules import comfyui_apply  # noqa: E402
 from tests.family_bases import write_tiny_flux_folder, write_tiny_sd3_folder, write_tiny_sdxl_folder  # noqa: E402
 from tests.text_components import write_tiny_sd_folder  # noqa: E402

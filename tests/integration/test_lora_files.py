@@ -18,8 +18,8 @@ pytest.importorskip("peft")
 
 from difftrain import api  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
-from difftrain.inference import generate_images, load_model  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.generation.inference import generate_images, load_model  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.integration.test_lora import PROMPT, _digests, _one_error_line, _pipeline_images, _sd_overrides  # noqa: E402
 
@@ -32,7 +32,7 @@ def _images(loaded):
 
 def _theirs(sd, adapter, cfg):
     """The pipeline's images with the file loaded by diffusers, from difftrain's initial noise of SAMPLE."""
-    from difftrain.sampling import initial_noise
+    from difftrain.generation.sampling import initial_noise
 
     return _pipeline_images(sd, adapter, cfg, initial_noise(2, (4, 8, 8), SAMPLE["seed"]), SAMPLE["steps"],
                             SAMPLE["guidance_scale"])
@@ -77,7 +77,7 @@ def test_each_kind_trains_resumes_exactly_and_merges(runs, tmp_path, tiny_overri
 
 
 def test_a_plain_lora_resumed_as_another_kind_is_one_line(runs, tiny_overrides):
-    from difftrain.models.lora import resume_mismatch
+    from difftrain.networks.lora import resume_mismatch
 
     network = ckpt.load_checkpoint(runs / "lora")["network"]
     assert "kind" not in network["lora"]  # a plain LoRA's record is as it was before lora.kind
@@ -88,8 +88,8 @@ def test_a_plain_lora_resumed_as_another_kind_is_one_line(runs, tiny_overrides):
 def test_dora_file_loads_in_the_pipeline_with_the_merged_exports_outputs(runs, tmp_path, capsys):
     from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
 
-    from difftrain.interop import scheduler_config
-    from difftrain.sampling import initial_noise
+    from difftrain.diffusion.scheduler_configs import scheduler_config
+    from difftrain.generation.sampling import initial_noise
 
     adapter = api.export(runs / "dora", tmp_path / "adapter", format="lora")  # the default layout: diffusers'
     assert "loads in diffusers, not in ComfyUI" in capsys.readouterr().err  # export says so, and names --merge
@@ -184,7 +184,7 @@ def test_kohya_export_loads_in_diffusers_with_the_same_outputs(runs, tmp_path, c
 
 
 def test_kohya_layout_is_refused_for_the_transformer_families():
-    from difftrain.adapters import Adapter, write_kohya
+    from difftrain.interop.adapters import Adapter, write_kohya
 
     record = {"kind": "lora", "base": {"kind": "family", "family": "flux", "config": {}},
               "lora": {"rank": 4, "alpha": 4.0, "dropout": 0.0, "targets": ["attn.to_q"]}}
@@ -266,7 +266,7 @@ def test_files_of_other_programs_hold_the_adapter_and_sample_as_diffusers_does(r
 
 
 def test_init_lora_from_starts_the_adapter_from_a_file(runs, tmp_path, tiny_overrides, capsys):
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
     from difftrain.training.state import build_network
 
     files = _their_files(runs, tmp_path)
@@ -421,7 +421,7 @@ def test_a_dora_file_of_another_program_reads_with_its_magnitudes(runs, tmp_path
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from difftrain.adapters import ADAPTER_KEY
+    from difftrain.interop.adapters import ADAPTER_KEY
 
     file = api.export(runs / "dora", tmp_path / "dora", format="lora") / "pytorch_lora_weights.safetensors"
     with safe_open(str(file), framework="pt") as f:

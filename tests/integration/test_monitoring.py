@@ -74,7 +74,7 @@ def test_a_chosen_tracker_that_is_missing_names_the_option(tmp_path, tiny_overri
 
 
 def test_resume_with_a_heldout_split_stays_exact(tmp_path, tiny_overrides):
-    from difftrain.training import checkpoint as ckpt
+    from difftrain.checkpoints import checkpoint as ckpt
 
     cfg = load_config(None, tiny_overrides + ["data.heldout_fraction=0.01", "validation.raw_grid=true"])
     train(cfg, tmp_path / "straight")

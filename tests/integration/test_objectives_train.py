@@ -11,7 +11,7 @@ from PIL import Image
 
 from difftrain import cli
 from difftrain.config import ConfigError, load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 
 

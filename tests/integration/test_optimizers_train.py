@@ -31,7 +31,7 @@ def test_each_optimizer_under_ddp_on_2_ranks_trains_as_one_process(tmp_path, tin
     same weights up to float summation order (the schedule-free EMA and checkpoint included)."""
     from multiproc import assert_close_dicts, run_ranks, train_on_rank
 
-    from difftrain.training import checkpoint as ckpt
+    from difftrain.checkpoints import checkpoint as ckpt
 
     common = tiny_overrides + [f"optim.name={name}", *NEW[name], "train.total_steps=3", "validation.every_steps=0",
                                "train.channels_last=off", "data.num_workers=0"]

@@ -21,7 +21,7 @@ pytest.importorskip("peft")
 
 from difftrain.cli import EXIT_BAD_INPUT, main  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from tests.integration.test_hostile_cli import _one_error_line  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.conftest import TINY_OVERRIDES  # noqa: E402

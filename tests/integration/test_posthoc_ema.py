@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from difftrain.config import load_config
-from difftrain.posthoc import reconstruct, write_checkpoint
-from difftrain.training import checkpoint as ckpt
+from difftrain.training.posthoc import reconstruct, write_checkpoint
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 from difftrain.training.power_ema import list_snapshots, load_snapshot
 

@@ -17,11 +17,11 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("torchao")
 
 from difftrain import api  # noqa: E402
-from difftrain.conditioning import Conditioning  # noqa: E402
+from difftrain.networks.conditioning import Conditioning  # noqa: E402
 from difftrain.config import ConfigError, load_config  # noqa: E402
-from difftrain.inference import generate_images, load_model  # noqa: E402
-from difftrain.models.quantize import QUANTIZE_KINDS, device_refusal, layer_kind, quantized_layers, unfit  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.generation.inference import generate_images, load_model  # noqa: E402
+from difftrain.networks.quantize import QUANTIZE_KINDS, device_refusal, layer_kind, quantized_layers, unfit  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from difftrain.training.ema import EMA  # noqa: E402
 from difftrain.training.optimizers import build_optimizer  # noqa: E402
@@ -178,7 +178,8 @@ def test_difftrains_unet_as_a_quantized_base_is_quantized_as_it_loads_as_after_a
     tensor, the adapter's start (the replay draws the whole build's random numbers) and the record (the float
     base's digest) the same, bit for bit, a resume's rebuild included."""
     import difftrain.training.state as state_module
-    from difftrain.interop import export_diffusers, save_weights_file
+    from difftrain.interop.diffusers import export_diffusers
+    from difftrain.checkpoints.weights_file import save_weights_file
     from difftrain.training.state import RunState, network_record
 
     base_cfg = load_config(None, [*tiny_overrides, "train.device=cpu"])
@@ -229,7 +230,7 @@ def test_the_checkpoint_holds_the_adapter_alone_and_resume_is_exact(runs, tmp_pa
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_exported_lora_on_the_float32_base_samples_as_difftrain_does(runs, tmp_path, tiny_overrides, kind):
-    from difftrain.sampling import initial_noise
+    from difftrain.generation.sampling import initial_noise
 
     cfg = load_config(None, _overrides(runs, tiny_overrides, kind))
     out = api.export(runs / kind, tmp_path / "adapter", format="lora")
@@ -364,7 +365,7 @@ def test_the_config_key_names_every_kind_the_module_holds():
     import typing
 
     from difftrain.config import QuantizeBase
-    from difftrain.models.quantize import QUANTIZE_KINDS
+    from difftrain.networks.quantize import QUANTIZE_KINDS
 
     assert set(QUANTIZE_KINDS) | {"off"} == set(typing.get_args(QuantizeBase))
 
@@ -401,8 +402,8 @@ def build_peak(unet: str, kind: str, as_it_loads: bool) -> dict:
     from multiproc import reset_peak, status_bytes
 
     import difftrain.training.state as state_module
-    from difftrain.conditioning import Conditioning
-    from difftrain.models.quantize import logical_numel
+    from difftrain.networks.conditioning import Conditioning
+    from difftrain.networks.quantize import logical_numel
     from tests.conftest import TINY_OVERRIDES
 
     torch.set_num_threads(1)

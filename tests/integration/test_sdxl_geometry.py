@@ -93,7 +93,7 @@ def test_a_reduced_jpeg_decode_reports_its_files_size(tmp_path):
 def test_a_dataset_without_sizes_is_warned_once(root, capsys):
     """A batch without geometry (a dataset of the API's own making) conditions uncropped at the batch's
     size and says so once, in one line."""
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
 
     cfg = load_config(None, [f"model.init_from={root / 'sdxl'}", f"data.resolution={RES}"])
     c = Conditioning.from_config(cfg, 0)

@@ -13,8 +13,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from difftrain.config import load_config  # noqa: E402
-from difftrain.inference import generate_images, load_model  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.generation.inference import generate_images, load_model  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases import write_tiny_sdxl_folder  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
@@ -61,8 +61,8 @@ def test_sdxl_lora_export_loads_in_the_pipeline_and_samples_as_difftrain(root, t
     from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionXLPipeline
 
     from difftrain import api
-    from difftrain.interop import scheduler_config
-    from difftrain.sampling import initial_noise
+    from difftrain.diffusion.scheduler_configs import scheduler_config
+    from difftrain.generation.sampling import initial_noise
 
     run = root / "straight"
     if kind != "lora":  # DoRA: the file carries each module's magnitude vector as well
@@ -95,7 +95,7 @@ def test_sdxl_full_fine_tune_exports_a_pipeline_folder_that_samples_as_difftrain
     from diffusers import DDIMScheduler, StableDiffusionXLPipeline
 
     from difftrain import api
-    from difftrain.sampling import initial_noise
+    from difftrain.generation.sampling import initial_noise
 
     cfg = load_config(None, _overrides(root, "lora.rank=0", "train.total_steps=2", "optim.lr=1e-4"))
     train(cfg, tmp_path / "full")

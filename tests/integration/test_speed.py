@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from difftrain.config import load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 from difftrain.runtime.device import resolve_toggle
 

@@ -48,9 +48,9 @@ def test_difftrain_imports_no_quantization_library_for_a_run_that_does_not_quant
     run without model.quantize_base import neither bitsandbytes nor torchao (diffusers and peft do, as they
     load: a family run has them loaded, quietly)."""
     code = ("import sys, torch\n"
-            "import difftrain.cli, difftrain.training.loop, difftrain.models.quantize, difftrain.training.optimizers\n"
+            "import difftrain.cli, difftrain.training.loop, difftrain.networks.quantize, difftrain.training.optimizers\n"
             "from difftrain.config import load_config\n"
-            "from difftrain.conditioning import Conditioning\n"
+            "from difftrain.networks.conditioning import Conditioning\n"
             "from difftrain.training.state import build_network\n"
             "from difftrain.training.optimizers import build_optimizer\n"
             "cfg = load_config(None, ['model.preset=tiny', 'data.resolution=16'])\n"

@@ -20,7 +20,7 @@ from difftrain.cli import main
 from difftrain.config import load_config
 from difftrain.data.text_cache import entry_name
 from difftrain.families import family_named
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 from tests.family_bases import write_tiny_sdxl_folder
 from tests.integration.test_text_train import _captioned_folder

@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 from difftrain.config import load_config  # noqa: E402
-from difftrain.inference import generate_images, load_model  # noqa: E402
-from difftrain.training import checkpoint as ckpt  # noqa: E402
+from difftrain.generation.inference import generate_images, load_model  # noqa: E402
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.text_components import write_tiny_sd_folder, write_tiny_text_encoder, write_tiny_vae  # noqa: E402
 

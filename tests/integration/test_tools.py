@@ -16,7 +16,7 @@ from PIL import Image
 from difftrain.config import load_config
 from difftrain.tools.common import build_setup
 from difftrain.tools.estimate import activation_bytes, estimate
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 
 

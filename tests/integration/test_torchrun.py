@@ -23,7 +23,7 @@ from fid_standin import write_standin
 
 from difftrain.config import load_config
 from difftrain.runtime.distributed import EXIT_GROUP_FAULT
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.loop import train
 from difftrain.training.signals import EXIT_STOPPED
 

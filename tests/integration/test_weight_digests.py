@@ -76,7 +76,7 @@ METRIC_KEYS = ("loss", "grad_norm", "lr")
 def run_figures(run_dir: Path, overrides: list[str]) -> dict:
     """Train the case and return its figures: {"sizes": elements per tensor, "model": signed sums,
     "ema": signed sums, "metrics": [{"step", "loss", "grad_norm", "lr"} per logged step]}."""
-    from difftrain.training.checkpoint import load_checkpoint
+    from difftrain.checkpoints.checkpoint import load_checkpoint
     from difftrain.training.loop import train
 
     cfg = load_config(None, TINY_OVERRIDES + overrides)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from difftrain import cli
-from difftrain.autoguidance import AutoGuided, ValidationGuide, guide_checkpoint
+from difftrain.generation.autoguidance import AutoGuided, ValidationGuide, guide_checkpoint
 from difftrain.config import load_config
 
 
@@ -38,7 +38,7 @@ def test_guided_output_is_the_formula_and_its_ends_are_the_two_networks():
 
 
 def test_autoguidance_composes_with_classifier_free_guidance():
-    from difftrain.sampling import guided_network
+    from difftrain.generation.sampling import guided_network
 
     gen = torch.Generator().manual_seed(1)
     x, t = torch.randn(2, 1, 2, 2, generator=gen), torch.rand(2, generator=gen)
@@ -114,7 +114,7 @@ def test_training_validates_with_a_guide(run, tmp_path):
 
 
 def test_validation_guide_wraps_the_grid_and_fid_model(run):
-    from difftrain.conditioning import Conditioning
+    from difftrain.networks.conditioning import Conditioning
 
     cfg = load_config(None, ["diffusion.objective=edm", f"validation.guide={run / 'checkpoints' / 'step_00000002.pt'}",
                              "validation.guide_weight=3", "data.resolution=16"])

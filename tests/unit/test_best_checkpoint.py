@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from tests.unit.test_checkpoint import _state
 
 

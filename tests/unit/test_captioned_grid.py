@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from difftrain.captioned_grid import (
+from difftrain.generation.captioned_grid import (
     ELLIPSIS,
     PAD,
     _font,

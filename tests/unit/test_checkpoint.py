@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 
 
 def _state(step: int) -> dict:

@@ -14,13 +14,13 @@ from difftrain.config import load_config
 from difftrain.data import build_dataset
 from difftrain.evaluation.during_training import sharded_sample_features
 from difftrain.evaluation.evaluate import FIDConditions
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.runtime import distributed
 from difftrain.training.state import build_model
 from difftrain.data.split import split_heldout
 from difftrain.diffusion.objective import build_objective
 from difftrain.training.heldout import HeldOutLoss
-from difftrain.conditioning import Conditioning
+from difftrain.networks.conditioning import Conditioning
 from difftrain.training.validation import grid, sample_images, validation_plan
 
 # ---- Control messages --------------------------------------------------------------------------

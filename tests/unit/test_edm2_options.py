@@ -37,7 +37,7 @@ def test_uncertainty_loss_is_loss_over_exp_u_plus_u_and_starts_as_the_plain_loss
 
 def test_uncertainty_head_trains_is_checkpointed_and_is_left_out_of_exports(tmp_path):
     from difftrain.models.diffusers_export import to_diffusers_state_dict
-    from difftrain.training import checkpoint as ckpt
+    from difftrain.checkpoints import checkpoint as ckpt
     from difftrain.training.loop import train
 
     cfg = load_config(None, SMALL + ["diffusion.uncertainty_weighting=true", "validation.every_steps=0"])
@@ -123,7 +123,7 @@ def test_mp_model_trains_resumes_exactly_and_exports_the_weights_it_computes_wit
     from diffusers import UNet2DModel
 
     from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
-    from difftrain.training import checkpoint as ckpt
+    from difftrain.checkpoints import checkpoint as ckpt
     from difftrain.training.loop import train
 
     cfg = load_config(None, SMALL + ["model.magnitude_preserving=true", "validation.every_steps=0",

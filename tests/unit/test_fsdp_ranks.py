@@ -66,7 +66,7 @@ def _lora_steps(ctx: distributed.DistContext, base: str) -> dict:
 def test_lora_under_fsdp_trains_the_adapter_shards_alone(tmp_path):
     """The frozen base is sharded with the adapter in the same units and never moves; the EMA
     shares its shards; the ranks agree on the gathered weights."""
-    from difftrain.interop import save_weights_file
+    from difftrain.checkpoints.weights_file import save_weights_file
 
     cfg = load_config(None, TINY_OVERRIDES + ["train.device=cpu"])
     base_state = RunState.build(cfg, 0, torch.device("cpu")).state_dict()

@@ -16,7 +16,7 @@ from conftest import TINY_OVERRIDES
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from difftrain.conditioning import Conditioning  # noqa: E402
+from difftrain.networks.conditioning import Conditioning  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
 from difftrain.runtime.fsdp import blocks  # noqa: E402
 from difftrain.training.state import build_network  # noqa: E402

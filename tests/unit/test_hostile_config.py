@@ -7,7 +7,7 @@ import os
 import pytest
 
 from difftrain.config import ConfigError, check_environment, load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.trackers import JSONLTracker
 
 

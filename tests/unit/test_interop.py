@@ -8,10 +8,11 @@ import torch
 
 from difftrain.config import load_config
 from difftrain.diffusion.objective import build_objective
-from difftrain.inference import load_model
-from difftrain.interop import load_weights_file, save_weights_file, scheduler_config
-from difftrain.sampling import guided_network
-from difftrain.training.checkpoint import state_dict_sha256
+from difftrain.generation.inference import load_model
+from difftrain.checkpoints.weights_file import load_weights_file, save_weights_file
+from difftrain.diffusion.scheduler_configs import scheduler_config
+from difftrain.generation.sampling import guided_network
+from difftrain.checkpoints.checkpoint import state_dict_sha256
 from difftrain.training.state import RunState
 from tests.small_checkpoint import SMALL, make_checkpoint, one_thread  # noqa: F401 - one_thread: the module's autouse fixture
 
@@ -52,7 +53,7 @@ def test_other_objectives_are_refused():
 def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, prediction, sampler):
     diffusers = pytest.importorskip("diffusers")
     from difftrain.api import export, generate, load
-    from difftrain.interop import pipeline_generator
+    from difftrain.interop.diffusers import pipeline_generator
 
     make_checkpoint(tmp_path, f"diffusion.prediction={prediction}", "diffusion.schedule=linear")
     folder = export(tmp_path, tmp_path / "pipe")
@@ -114,8 +115,8 @@ def test_init_from_a_folder_saved_under_the_attention_names_diffusers_renames_re
     from safetensors.torch import load_file, save_file
 
     from difftrain.api import export
-    from difftrain.conditioning import Conditioning
-    from difftrain.interop import defer_init_weights
+    from difftrain.networks.conditioning import Conditioning
+    from difftrain.networks.init_from import defer_init_weights
     from difftrain.runtime import meta_init
     from difftrain.runtime.tensor_source import DeferredWeights
     from difftrain.training.state import build_network
@@ -160,7 +161,7 @@ def test_zero_terminal_snr_exports_a_scheduler_that_samples_what_difftrain_sampl
     # (rescale_betas_zero_snr) and walks the trailing grid from alpha_bar = 0, as difftrain does.
     diffusers = pytest.importorskip("diffusers")
     from difftrain.api import export, generate, load
-    from difftrain.interop import pipeline_generator
+    from difftrain.interop.diffusers import pipeline_generator
 
     make_checkpoint(tmp_path, "diffusion.prediction=v", "diffusion.zero_terminal_snr=true")
     loaded = load(tmp_path)
@@ -180,7 +181,7 @@ def test_zero_terminal_snr_exports_a_scheduler_that_samples_what_difftrain_sampl
 def test_init_source_training_reads_what_a_source_was_trained_with(tmp_path):
     import json
 
-    from difftrain.interop import init_source_changes, init_source_training
+    from difftrain.networks.init_from import init_source_changes, init_source_training
 
     # a Stable Diffusion 2.x-like folder: v prediction, SD's scaled_linear betas; its unet/ reads the same
     sd = tmp_path / "sd"

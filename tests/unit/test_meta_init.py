@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import TINY_OVERRIDES
 
-from difftrain.conditioning import Conditioning
+from difftrain.networks.conditioning import Conditioning
 from difftrain.config import load_config
 from difftrain.runtime import meta_init
 from difftrain.training.state import build_network

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from difftrain.conditioning import Conditioning
+from difftrain.networks.conditioning import Conditioning
 from difftrain.diffusion.objective import DDPMObjective
-from difftrain.sampling import NonFiniteSamples, generate, naming_samples, output_is_finite
+from difftrain.generation.sampling import NonFiniteSamples, generate, naming_samples, output_is_finite
 
 
 class Toy(nn.Module):

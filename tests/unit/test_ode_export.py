@@ -17,7 +17,7 @@ def run_readme_loop(folder, seed: int, steps: int):
     assert "steps = 32\n" in snippet and "torch.Generator().manual_seed(0)" in snippet
     snippet = snippet.replace("steps = 32\n", f"steps = {steps}\n").replace(
         "torch.Generator().manual_seed(0)", f"pipeline_generator({seed})")
-    from difftrain.interop import pipeline_generator
+    from difftrain.interop.diffusers import pipeline_generator
 
     scope: dict = {"pipeline_generator": pipeline_generator}
     exec(snippet, scope)  # noqa: S102 - our own README
@@ -63,7 +63,7 @@ def test_flow_folder_loads_as_a_ddpm_pipeline(tmp_path):
 
 def test_edm_timestep_map_is_difftrains_conditioning():
     from difftrain.diffusion.edm import EDMObjective
-    from difftrain.ode_export import edm_timestep_map
+    from difftrain.interop.ode_export import edm_timestep_map
 
     objective = EDMObjective()
     scale, offset = edm_timestep_map(objective)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from difftrain.config import ConfigError, load_config
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.power_ema import (
     PowerEMA,
     gamma_to_std,

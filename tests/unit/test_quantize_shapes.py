@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from difftrain.models.quantize import NF4_BLOCKSIZE, quantize_base, quantized_layers, unfit
+from difftrain.networks.quantize import NF4_BLOCKSIZE, quantize_base, quantized_layers, unfit
 
 
 def test_the_rule_is_the_layers_shape():

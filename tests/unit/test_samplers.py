@@ -17,7 +17,7 @@ from difftrain.diffusion.samplers import (
     sampling_timesteps,
 )
 from difftrain.diffusion.schedules import alpha_bar_schedule
-from difftrain.sampling import generate
+from difftrain.generation.sampling import generate
 
 NUM_TIMESTEPS = 100
 ALPHA_BAR = alpha_bar_schedule("linear", NUM_TIMESTEPS)

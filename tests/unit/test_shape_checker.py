@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from difftrain.data.builtin import SHAPE_CLASSES, draw_shape
-from difftrain.sampling import make_grid
+from difftrain.generation.sampling import make_grid
 from tests.bench_modules import load_bench
 
 REPO = Path(__file__).resolve().parents[2]

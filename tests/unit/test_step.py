@@ -12,7 +12,7 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.runtime.device import resolve_toggle
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.precision import Precision
-from difftrain.training import checkpoint as ckpt
+from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.state import RunState
 from difftrain.training.step import CapturedStep, StepMetrics, train_step
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_OVERRIDES
-from difftrain.conditioning import Conditioning
+from difftrain.networks.conditioning import Conditioning
 from difftrain.config import load_config
 from difftrain.diffusion.objective import build_objective
 from difftrain.runtime.distributed import DistContext

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from difftrain.models import UNet, build_model
-from difftrain.training.checkpoint import state_dict_sha256
+from difftrain.checkpoints.checkpoint import state_dict_sha256
 from tests.numerics import layout_sha256, total_signed_sums
 from tests.unit.test_unet import SMALL, one_thread  # noqa: F401 - one_thread: the module's autouse fixture
 
@@ -241,7 +241,7 @@ def test_condition_unet_gradient_checkpointing_gives_same_grads(sd_folder):
 
 
 def test_init_from_loads_a_condition_unet(sd_folder, tmp_path):
-    from difftrain.interop import load_init_network, load_init_weights
+    from difftrain.networks.init_from import load_init_network, load_init_weights
     from difftrain.families.sd import ConditionUNet
 
     net = load_init_network(sd_folder)
@@ -270,7 +270,8 @@ def test_export_stable_diffusion_loads_in_the_pipeline(sd_folder, tmp_path):
 
     from difftrain.config import load_config
     from difftrain.diffusion.objective import build_objective
-    from difftrain.interop import export_stable_diffusion, load_init_network
+    from difftrain.interop.diffusers import export_stable_diffusion
+    from difftrain.networks.init_from import load_init_network
 
     net = _perturbed(load_init_network(sd_folder)).eval()
     cfg = load_config(None, ["diffusion.schedule=scaled_linear", "diffusion.prediction=v"])
@@ -306,7 +307,8 @@ def test_export_stable_diffusion_loads_in_the_pipeline(sd_folder, tmp_path):
 
 def test_export_stable_diffusion_refuses_what_cannot_be_a_pipeline(sd_folder, tmp_path):
     from difftrain.config import load_config
-    from difftrain.interop import export_stable_diffusion, load_init_network
+    from difftrain.interop.diffusers import export_stable_diffusion
+    from difftrain.networks.init_from import load_init_network
 
     diffusion = load_config(None, []).diffusion
     kwargs = dict(objective_cfg=diffusion, text_encoder_source=str(sd_folder), out_dir=tmp_path / "x")

@@ -393,7 +393,7 @@ def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int, 
     Resuming means: the run directory holds a checkpoint, and the list was made for the same
     folder, minimum size and class layout (a changed data.path is rescanned, with a warning).
     """
-    from difftrain.training.checkpoint import list_checkpoints
+    from difftrain.checkpoints.checkpoint import list_checkpoints
 
     path = run_dir / FILE_LIST_NAME
     if not path.is_file() or not list_checkpoints(run_dir / "checkpoints"):

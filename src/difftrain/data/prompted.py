@@ -4,7 +4,7 @@
     PairedDataset(instance, prior)                   # instance and class items interleaved
     instance_dataset(images, cfg)                    # data.path's images under dreambooth.instance_prompt
 
-Data-layer pieces of ``difftrain.dreambooth``, here so that ``data/prepare.py`` needs nothing above
+Data-layer pieces of ``difftrain.training.dreambooth``, here so that ``data/prepare.py`` needs nothing above
 the data layer.
 """
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.autoguidance import ValidationGuide
+from difftrain.generation.autoguidance import ValidationGuide
 from difftrain.config import Config
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
@@ -70,7 +70,7 @@ class TrainingFID:
 
     def __init__(self, cfg: Config, objective, device: torch.device, ctx: DistContext | None = None,
                  conditioning=None, dataset=None, check=None):
-        from difftrain.conditioning import Conditioning
+        from difftrain.networks.conditioning import Conditioning
 
         self.cfg, self.objective, self.device = cfg, objective, device
         self.ctx = ctx or DistContext()
@@ -141,7 +141,7 @@ class TrainingFID:
         """The FID in ``metrics`` when it is lower than the run's best checkpoint's (so this step is
         saved and becomes ``best``), else None; the same decision on every rank (rank 0 measures:
         the others get NaN for the value, which only rank 0 writes). Every rank must call it."""
-        from difftrain.training.checkpoint import is_better
+        from difftrain.checkpoints.checkpoint import is_better
 
         better = int("fid" in metrics and is_better(ckpt_dir, metrics["fid"]))
         if not distributed.max_over_ranks(better, self.ctx):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.sampling import generate, initial_noise, naming_samples, quantize
+from difftrain.generation.sampling import generate, initial_noise, naming_samples, quantize
 from difftrain.runtime.seeding import derive_seed
 
 from .confetti import laplacian_energy, share_against
@@ -67,7 +67,7 @@ class FIDConditions:
     ``guidance_scale`` (1 = none). Latent models' samples are decoded by the conditioning's VAE.
 
     Args:
-        conditioning: the run's :class:`~difftrain.conditioning.Conditioning`.
+        conditioning: the run's :class:`~difftrain.networks.conditioning.Conditioning`.
         captions: a text model's captions to draw from (a sequence of str, e.g. :class:`DatasetCaptions`).
         captions_from: where they are from, for the record ("data.path builtin:shapes", a file).
     """
@@ -93,7 +93,7 @@ class FIDConditions:
         if c.kind == "text":
             device = next(c.text.parameters()).device
             rows = torch.randint(len(self.captions), (n,), generator=gen).tolist()
-            from difftrain.conditioning import map_condition
+            from difftrain.networks.conditioning import map_condition
 
             cpu = lambda t: t.cpu()  # noqa: E731
             return (map_condition(cpu, c.prompts([self.captions[i] for i in rows], device)),
@@ -101,7 +101,7 @@ class FIDConditions:
         return None, None
 
     def generate_options(self) -> dict:
-        """The keywords of :func:`difftrain.sampling.generate` that decode a latent model's samples."""
+        """The keywords of :func:`difftrain.generation.sampling.generate` that decode a latent model's samples."""
         if self.conditioning.codec is None:
             return {}
         return {"decode": self.conditioning.decode, "clip": False}  # latents are not bounded to [-1, 1]
@@ -287,8 +287,8 @@ def evaluate_checkpoint(
     ``guide`` / ``guide_step``: autoguidance by that checkpoint or run, or by the checkpoint of that
     step of this run, with weight ``guide_weight`` (autoguidance.py); the result names the guide,
     and its ``nfe`` counts both networks."""
-    from difftrain.autoguidance import with_guide
-    from difftrain.inference import load_model, sampled_from
+    from difftrain.generation.autoguidance import with_guide
+    from difftrain.generation.inference import load_model, sampled_from
     from difftrain.runtime.progress import CountProgress
 
     start = time.perf_counter()

@@ -190,7 +190,7 @@ def list_images(folder: str | os.PathLike) -> list[Path]:
     .ipynb_checkpoints), as difftrain.data does for training images; so is the grid that
     ``difftrain sample`` writes among its samples (``grid.png`` with its text chunk).
     """
-    from difftrain.sampling import is_sample_grid
+    from difftrain.generation.sampling import is_sample_grid
 
     root = Path(folder).expanduser()
     if not root.is_dir():

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from difftrain.runtime.files import atomic_write, atomic_write_bytes, cache_dir
-from difftrain.sampling import quantize, to_uint8
+from difftrain.generation.sampling import quantize, to_uint8
 
 NEAR_COPY_RATIO = 0.5  # a sample is a near-copy when d(sample, NN) < this x d_train(NN)
 CHUNK_ROWS = 65_536  # training features per matrix product in the search
@@ -308,7 +308,7 @@ def memorization(queries: torch.Tensor, index: np.ndarray, threshold: float = NE
 def neighbour_grid(samples: np.ndarray, dataset, result: Memorization, max_pairs: int = 32) -> np.ndarray:
     """(H', W', C) uint8: each sample beside its nearest training image, pairs nearest first, a
     red bar under the near-copies. samples: (Q, H, W, C) uint8."""
-    from difftrain.sampling import make_grid
+    from difftrain.generation.sampling import make_grid
 
     order = result.ratio.argsort()[:max_pairs]
     tiles = []

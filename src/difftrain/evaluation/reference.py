@@ -29,7 +29,7 @@ import torch
 
 from difftrain.runtime.files import atomic_write, cache_dir, files_fingerprint
 from difftrain.runtime.progress import CountProgress
-from difftrain.sampling import quantize
+from difftrain.generation.sampling import quantize
 
 from .fid import _ImageFiles, _same_size_runs, list_images, statistics_from_images
 from .inception import InceptionFeatures

@@ -67,7 +67,7 @@ class SampleCheck:
         out.update(diversity(queries[:, 0], reference, groups))
         pairs = self.cfg.validation.memorization_pairs
         if pairs and run_dir is not None:
-            from difftrain.sampling import save_png
+            from difftrain.generation.sampling import save_png
 
             grid = neighbour_grid(images, self.dataset, result, pairs)
             folder = run_dir / "samples" / "neighbours"

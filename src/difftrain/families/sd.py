@@ -174,7 +174,7 @@ class SDPromptEncoder(PromptEncoder):
 def scheduler_training(scheduler: dict) -> dict[str, object]:
     """The ``diffusion.*`` values (dotted keys) a diffusers DDPM-style scheduler config describes
     (``scheduler_configs.diffusers_training``: diffusers' defaults where it is silent)."""
-    from difftrain.scheduler_configs import diffusers_training
+    from difftrain.diffusion.scheduler_configs import diffusers_training
 
     return {f"diffusion.{k}": v for k, v in diffusers_training(scheduler).items()}
 

@@ -109,7 +109,7 @@ class LatentCodec(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the VAE is held in: float32 as loaded; a LoRA run's training copy may hold it in
-        bf16/fp16 (``training/frozen_dtype.py``), and images and latents are cast to it."""
+        bf16/fp16 (``networks/frozen_dtype.py``), and images and latents are cast to it."""
         return next(self.vae.parameters()).dtype
 
     @torch.no_grad()

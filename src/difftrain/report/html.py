@@ -17,7 +17,7 @@ from pathlib import Path
 from PIL import Image
 
 from difftrain.report.plots import RAMP, svg_line_plot
-from difftrain.training.checkpoint import list_checkpoints, read_best
+from difftrain.checkpoints.checkpoint import list_checkpoints, read_best
 
 MAX_GRIDS = 12  # grids shown in the strip, evenly spread over the run
 GRID_WIDTH_PX = 320  # each grid is shown at this width: larger ones downscaled, smaller ones enlarged (pixelated)

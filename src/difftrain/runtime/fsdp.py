@@ -9,7 +9,7 @@ B take the same steps as DDP, and as one process at batch W x B, to float roundi
 ``train.precision = "bf16"`` the gathered parameters are bf16 for compute while the shards (the
 master weights) and the gradient reduction stay fp32.
 
-A LoRA run (``models/lora.py``) is sharded the same way: the frozen base and the adapter
+A LoRA run (``networks/lora.py``) is sharded the same way: the frozen base and the adapter
 share each unit (FSDP2 gathers both, and reduce-scatters the adapter's gradients alone), the
 optimizer holds the adapter's shards. Averages of the weights (the EMA, post-hoc EMAs) are not
 FSDP units but plain copies holding shards laid out as the model's (:func:`shard_like`): each
@@ -68,7 +68,7 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     ``fsdp_units()`` (the family's ``fsdp_units``; a diffusers UNet: the ResNet, transformer and
     resampling modules of its blocks).
     What is left (embeddings, the first and last convolutions) belongs to the root's unit."""
-    from difftrain.models.lora import LoraNetwork
+    from difftrain.networks.lora import LoraNetwork
 
     if isinstance(model, LoraNetwork):  # the adapted base's blocks (the adapter's layers lie inside them)
         model = model.base

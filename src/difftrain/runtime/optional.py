@@ -2,7 +2,7 @@
 
 diffusers, transformers and peft import bitsandbytes and torchao as they load, whenever those are
 installed, whether or not a run quantizes (diffusers' and transformers' quantizer registries,
-peft's helpers); difftrain imports them itself only where a run uses them (``models/quantize.py``,
+peft's helpers); difftrain imports them itself only where a run uses them (``networks/quantize.py``,
 ``training/optimizers.py``). Those imports log lines that are not about the run, before its own:
 :func:`require` imports these three libraries, and the parts of them that import bitsandbytes and
 torchao, under :func:`quiet_imports`, which drops exactly those lines while it lasts.

@@ -10,7 +10,7 @@ device is still to be filled from them.
     deferred.add_loaded(unet, load)                        # or: filled in place once sharded, each rank its part
 
 FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, and a quantized base
-(``models/quantize.py``) its layers, so no process holds a base's whole weights. A safetensors read
+(``networks/quantize.py``) its layers, so no process holds a base's whole weights. A safetensors read
 opens the file, copies one tensor out and closes it (safetensors maps the file; a file kept open would
 leave every page read resident in this process). A torch file (``torch.save``'s zip format) is opened
 once with ``torch.load(weights_only=True, mmap=True)``: no code runs, and no tensor's bytes are read
@@ -224,7 +224,7 @@ class DeferredWeights:
     def add_loaded(self, module: nn.Module, load: Callable) -> None:
         """``module`` (added with its source too) can be filled without making any tensor whole:
         ``load(module.state_dict(), dctx)`` once the network is sharded (:meth:`load_sharded`), in place, each
-        rank reading its own part only (a sharded checkpoint: ``sharded_checkpoint.load_part``) -- as long as
+        rank reading its own part only (a sharded checkpoint: ``sharded.load_part``) -- as long as
         its state-dict names are still those it has now (a wrapper that renames them, peft's, leaves it to its
         source, read one tensor at a time)."""
         self._loaders.append((module, frozenset(module.state_dict()), load))

@@ -8,9 +8,9 @@ denoiser's, the text encoders', the VAE's): the known bases in ``tools/bases/`` 
 from the public configs of stabilityai/stable-diffusion-xl-base-1.0, stabilityai/stable-diffusion-3.5-large
 and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on the meta device
 (``Family.denoiser_from_record``) and, for LoRA, peft's layers are injected as training injects them
-(``models/lora.py``'s targets and ``LoraConfig``). Per rank (``parallel_memory.rank_memory``, DDP or FSDP):
+(``networks/lora.py``'s targets and ``LoraConfig``). Per rank (``parallel_memory.rank_memory``, DDP or FSDP):
 
-- weights: the trained ones in float32; the frozen base as difftrain holds it (``training/frozen_dtype.py``):
+- weights: the trained ones in float32; the frozen base as difftrain holds it (``networks/frozen_dtype.py``):
   in a LoRA setting in bf16/fp16 in that dtype (2 bytes a weight; float32 under FSDP, where its shards are
   gathered in the compute dtype), float32 otherwise, or with ``model.quantize_base`` its Linear weights at
   :data:`QUANT_BYTES` (the rest float32);
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.models.quantize import unfit_shape
+from difftrain.networks.quantize import unfit_shape
 from difftrain.models.text import first_line
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
@@ -54,11 +54,11 @@ CARDS_GIB = (16, 24, 48, 80)
 HEADROOM = 0.9  # share of a card's memory planned for (the rest: CUDA context, allocator slack)
 GiB = 2**30
 # Bytes of a quantized Linear weight of n elements and `rows` output rows (model.quantize_base), as the library
-# models/quantize.py trains with holds it (checked to the byte in tests/integration/test_estimate_base.py):
+# networks/quantize.py trains with holds it (checked to the byte in tests/integration/test_estimate_base.py):
 # - int8, bitsandbytes 0.50's Int8Params under Linear8bitLt: the int8 weight (state.CB) and a float32 absmax
 #   scale per row (state.SCB);
 # - nf4, bitsandbytes 0.50's Params4bit (blocks of 64, double quantization: Params4bit's default, which
-#   models/quantize.py keeps): two weights a byte, a uint8 absmax per block, the absmax quantized again in
+#   networks/quantize.py keeps): two weights a byte, a uint8 absmax per block, the absmax quantized again in
 #   blocks of 256 (a float32 absmax per 256 blocks and the layer's own copy of the 256-entry float32 dynamic
 #   map), a float32 offset and the 16-entry float32 NF4 code table;
 # - fp8, torchao's Float8WeightOnlyConfig: a float8 weight and a float32 scale per row.
@@ -157,7 +157,7 @@ class _Network:
 
     def add_lora(self, cfg) -> None:
         """Freeze the base and inject ``cfg.lora``'s layers as training does (rank 16 when ``lora.rank`` is 0)."""
-        from difftrain.models.lora import import_peft, peft_config, target_modules
+        from difftrain.networks.lora import import_peft, peft_config, target_modules
 
         lc = cfg.lora
         rank = lc.rank or 16

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from difftrain.conditioning import Conditioning
+from difftrain.networks.conditioning import Conditioning
 from difftrain.config import Config
 from difftrain.data.loader import collate
 from difftrain.data.prepare import dataset_from_config

@@ -18,9 +18,9 @@ from difftrain.config import config_from_dict
 from difftrain.diffusion.losses import diffusion_loss
 from difftrain.diffusion.process import to_x0_and_eps
 from difftrain.diffusion.samplers import sampling_timesteps
-from difftrain.sampling import make_grid, save_png, to_uint8
+from difftrain.generation.sampling import make_grid, save_png, to_uint8
 from difftrain.tools.common import Setup, build_setup, fetch_batch, network_condition
-from difftrain.training.checkpoint import load_checkpoint, load_weights, state_dict_sha256
+from difftrain.checkpoints.checkpoint import load_checkpoint, load_weights, state_dict_sha256
 from difftrain.training.heldout import bucket_bounds
 from difftrain.runtime.seeding import derive_seed, step_generator
 

@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from difftrain.models.quantize import shared_state
+from difftrain.networks.quantize import shared_state
 
 
 def averaged_copy(model: nn.Module) -> tuple[nn.Module, list[int]]:
     """A copy of ``model`` for an average, in eval mode and frozen, and the indices (in
     ``model.parameters()`` order) of the parameters that train. Frozen parameters (a LoRA run's
     base) are shared with ``model``, not copied: they never change, so neither memory nor the
-    averaging is spent on them; nor is a quantized base's (``models/quantize.py``)."""
+    averaging is spent on them; nor is a quantized base's (``networks/quantize.py``)."""
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
     frozen.update(shared_state(model))  # a quantized base's weights kept outside its parameters (int8)
     copied = copy.deepcopy(model, memo=dict(frozen)).eval().requires_grad_(False)

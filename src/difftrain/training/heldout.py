@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from difftrain.conditioning import Conditioning, condition_rows
+from difftrain.networks.conditioning import Conditioning, condition_rows
 from difftrain.config import Config
 from difftrain.diffusion.objective import Objective, per_sample_loss
 from difftrain.runtime import distributed

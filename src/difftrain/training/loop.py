@@ -9,25 +9,25 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from difftrain.conditioning import Conditioning, image_side_multiple
+from difftrain.networks.conditioning import Conditioning, image_side_multiple
 from difftrain.config import Config, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.prepare import prepare_training_data
 from difftrain.data.text_cache import with_caption_options, with_text_cache
 from difftrain.diffusion.objective import build_objective
-from difftrain.dreambooth import with_class_images
+from difftrain.training.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
-from difftrain.lora_import import check_adapted_output
-from difftrain.models.quantize import logical_numel
+from difftrain.networks.lora_import import check_adapted_output
+from difftrain.networks.quantize import logical_numel
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
 from difftrain.runtime.files import cache_dir_error
-from difftrain.sampling import naming_samples
-from difftrain.training import checkpoint as ckpt
-from difftrain.training import sharded_checkpoint as sharded
+from difftrain.generation.sampling import naming_samples
+from difftrain.checkpoints import checkpoint as ckpt
+from difftrain.checkpoints import sharded as sharded
 from difftrain.training.diagnostics import divergence_report
-from difftrain.training.frozen_dtype import frozen_dtype, hold_frozen
+from difftrain.networks.frozen_dtype import frozen_dtype, hold_frozen
 from difftrain.training.heldout import build_heldout
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.power_ema import save_snapshots
@@ -281,7 +281,7 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
 def _save(state: RunState, snapshot: dict, ckpt_dir: Path, step: int, best_fid: float | None,
           dctx: distributed.DistContext) -> Path | None:
     """Rank 0 writes the checkpoint file (every rank gets its outcome), or, under FSDP, every rank
-    writes its shards of one checkpoint folder (training/sharded_checkpoint.py)."""
+    writes its shards of one checkpoint folder (checkpoints/sharded.py)."""
     c = state.cfg.checkpoint
     if state.template is not None:
         return sharded.save_or_report(state, snapshot, ckpt_dir, step, c.keep_last, c.keep_every_steps,
@@ -345,7 +345,7 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     tc, w = cfg.train, dctx.world_size
     params = sum(logical_numel(p) for p in state.model.parameters())  # nf4 packs two weights a byte
     trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
-    base = getattr(state.model, "base", state.model)  # under a LoRA adapter (models/lora.py), its base
+    base = getattr(state.model, "base", state.model)  # under a LoRA adapter (networks/lora.py), its base
     family = getattr(base, "family", None)  # a base family's denoiser (difftrain.families)
     kind = f"{family} {type(base.model).__name__}" if family else f"{cfg.model.preset} UNet"
     network = f"{kind} {params / 1e6:.2f}M parameters"
@@ -376,7 +376,7 @@ def _condition_text(cfg: Config, state: RunState) -> str:
 def _warnings(cfg: Config, fresh: bool) -> list[str]:
     """Settings that are valid but probably not what was meant; in a new run, a model.init_from
     trained with another prediction (or schedule, ...) than this run's, which it switches."""
-    from difftrain.interop import init_source_changes
+    from difftrain.networks.init_from import init_source_changes
 
     o, tc = cfg.optim, cfg.train
     out = (init_source_changes(cfg) if fresh else []) + distributed.launch_warnings()

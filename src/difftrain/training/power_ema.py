@@ -10,7 +10,7 @@ Its length is named by the relative standard deviation ``sigma_rel`` of the prof
 
 During training :class:`PowerEMA` keeps one average per tracked ``sigma_rel``
 (``ema.posthoc_std``) and writes snapshots of them every ``ema.posthoc_every_steps`` to
-``RUN/ema_snapshots/``; ``difftrain posthoc-ema`` (``difftrain/posthoc.py``) combines them into
+``RUN/ema_snapshots/``; ``difftrain posthoc-ema`` (``difftrain/training/posthoc.py``) combines them into
 the average of any other length with :func:`solve_coefficients`.
 """
 
@@ -31,7 +31,7 @@ from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.files import atomic_write
 from difftrain.runtime.fsdp import full_tensor
-from difftrain.training.checkpoint import load_weights
+from difftrain.checkpoints.checkpoint import load_weights
 from difftrain.training.ema import Reader, averaged_copy, foreach_lerp_, trainable
 
 SIGMA_REL_MAX = 0.3  # sigma_rel peaks at ~0.3003 (gamma ~ -0.38); 0.2887 is gamma = 0, the plain mean

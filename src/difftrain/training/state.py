@@ -9,7 +9,7 @@ Under FSDP (``train.parallel = "fsdp"`` on several ranks) ``build(..., dctx=dctx
 whole copy: the network is built on the meta device and sharded before its weights exist, then
 filled shard by shard (``runtime/fsdp.py``), and ``load_resume`` + ``load_state_dict`` read a
 sharded checkpoint's run state first and its shards into the sharded state
-(``sharded_checkpoint.load_shards``).
+(``sharded.load_shards``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.conditioning import Conditioning
+from difftrain.networks.conditioning import Conditioning
 from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
 from difftrain.models import build_model  # noqa: F401 - also imported from here
 from difftrain.runtime import distributed, fsdp, meta_init
@@ -30,10 +30,10 @@ from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
 from difftrain.runtime.tensor_source import DeferredWeights
-from difftrain.training import sharded_checkpoint as sharded
-from difftrain.training.checkpoint import load_checkpoint, load_weights
+from difftrain.checkpoints import sharded as sharded
+from difftrain.checkpoints.checkpoint import load_checkpoint, load_weights
 from difftrain.training.ema import EMA
-from difftrain.training.frozen_dtype import frozen_dtype, gathered_in_compute_dtype, hold_frozen
+from difftrain.networks.frozen_dtype import frozen_dtype, gathered_in_compute_dtype, hold_frozen
 from difftrain.training.optimizers import build_optimizer, reading_weights, to_training
 from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
 from difftrain.training.power_ema import PowerEMA
@@ -100,7 +100,7 @@ class RunState:
         check_quantize_device(cfg, device, dctx.world_size if dctx is not None else 1)
         torch.manual_seed(derive_seed(tc.seed, "init"))
         model = build_network(cfg, conditioning, network, init_weights)  # float32: the base's digest taken
-        held = frozen_dtype(cfg, network)  # a LoRA run's frozen base in bf16/fp16 (training/frozen_dtype.py)
+        held = frozen_dtype(cfg, network)  # a LoRA run's frozen base in bf16/fp16 (networks/frozen_dtype.py)
         if held is not None and hold_frozen(model, held):
             model.held_dtype = held  # LoraNetwork: its forward outside the step's autocast runs under one
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
@@ -120,7 +120,7 @@ class RunState:
         parameter made whole once, alone, on the CPU and its shard kept: read from the safetensors files
         of ``model.init_from`` (a base family's denoiser, a LoRA's base, difftrain's UNet from a diffusers
         folder or weights file: ``runtime/tensor_source.py``; from a sharded checkpoint's folder no tensor is
-        made whole: each rank reads its part of the EMA weights, ``sharded_checkpoint.load_part``), or else the recorded initialisation
+        made whole: each rank reads its part of the EMA weights, ``sharded.load_part``), or else the recorded initialisation
         replayed with the run's seed (the values of an ordinary build, bit for bit: a LoRA adapter's
         start included; a ``model.init_from`` checkpoint's weights are what it copies in). The averages
         start as copies of the shards. A resume (``init_weights`` False) leaves the values the checkpoint
@@ -247,7 +247,7 @@ class RunState:
 
     def _load_shards(self, state: dict) -> None:
         """Every rank reads its part of the sharded checkpoint ``state["shards"]`` into the model, the
-        averages and the optimizer (``sharded_checkpoint.load_shards``); a post-hoc EMA the
+        averages and the optimizer (``sharded.load_shards``); a post-hoc EMA the
         checkpoint lacks is refused as :meth:`PowerEMA.load_state_dict` refuses it."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -277,7 +277,7 @@ class RunState:
         self.ema.load_state_dict(state["ema"])
         self.posthoc.load_state_dict(state["posthoc_ema"], path)
         try:
-            if state.get("layout") == "sharded":  # FQN-keyed (training/sharded_checkpoint.py)
+            if state.get("layout") == "sharded":  # FQN-keyed (checkpoints/sharded.py)
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
@@ -329,7 +329,7 @@ class RunState:
             raise ValueError(f"cannot resume from {path}: it has {state['num_classes']} classes, the data "
                              f"{self.num_classes}")
         self.conditioning.check_references(state["frozen"], f"checkpoint {path}")
-        from difftrain.models.lora import resume_mismatch
+        from difftrain.networks.lora import resume_mismatch
 
         mismatch = resume_mismatch(self.cfg.lora, state["network"]) or optimizer_mismatch(state["config"], self.cfg)
         if mismatch:
@@ -358,8 +358,8 @@ def builds_sharded(cfg: Config, dctx: DistContext, network: dict | None = None) 
 
 def check_quantize_device(cfg: Config, device: torch.device, world_size: int = 1) -> None:
     """One ValueError when ``model.quantize_base`` cannot run on ``device`` in ``world_size`` processes
-    (``models/quantize.py``)."""
-    from difftrain.models.quantize import device_refusal
+    (``networks/quantize.py``)."""
+    from difftrain.networks.quantize import device_refusal
 
     refusal = device_refusal(cfg.model.quantize_base, device, world_size)
     if refusal:
@@ -394,7 +394,7 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
 
     With ``lora.rank`` (or a checkpoint's LoRA record), the network is that base, always loaded
     from ``model.init_from`` (checkpoints hold the adapter alone), frozen, with LoRA layers
-    injected (``models/lora.py``); a base whose digest differs from the record's is refused.
+    injected (``networks/lora.py``); a base whose digest differs from the record's is refused.
 
     deferred: under FSDP's sharded start (built on the meta device, ``RunState._build_sharded``), the
     weights of ``model.init_from`` are not read: where each lies in its files (safetensors, a ``.bin`` folder
@@ -408,12 +408,12 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     ``model.quantize_base`` (no ``deferred``): a family base is quantized as it loads (:func:`_quantized_base`).
     """
     from difftrain.families import family_of_config, family_of_record
-    from difftrain.models.lora import is_lora_record
+    from difftrain.networks.lora import is_lora_record
 
     init_from = cfg.model.init_from
     saved_lora = network if is_lora_record(network) else None
     if saved_lora is not None or (network is None and cfg.lora.rank):
-        from difftrain.models.lora import apply_lora
+        from difftrain.networks.lora import apply_lora
 
         quantized = _quantized_base(cfg, conditioning, saved_lora) if deferred is None else None
         if quantized is not None:  # model.quantize_base, each layer quantized as it is read from the files
@@ -460,7 +460,7 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
 def _init_weights(model: nn.Module, init_from: str, deferred: DeferredWeights | None) -> None:
     """``model.init_from`` into ``model``: loaded, or, with ``deferred``, recorded there to be read later
     where its source allows (``interop.defer_init_weights``)."""
-    from difftrain.interop import defer_init_weights, load_init_weights
+    from difftrain.networks.init_from import defer_init_weights, load_init_weights
 
     if deferred is None or not defer_init_weights(model, init_from, deferred):
         load_init_weights(model, init_from)
@@ -471,7 +471,7 @@ def _start_adapter(net: nn.Module, path: str, deferred: DeferredWeights | None) 
     meta device), its tensors recorded there to fill the adapter's shards from (the rest of the adapter keeps
     the start the build records), read once the meta build is over (another program's file is put on a
     stand-in of the base by peft, which must make real layers)."""
-    from difftrain.lora_import import adapter_start, init_adapter_from
+    from difftrain.networks.lora_import import adapter_start, init_adapter_from
     from difftrain.runtime.tensor_source import TensorSource
 
     if deferred is None:
@@ -496,8 +496,8 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     the files do not hold is made as the whole build makes it: :func:`_replayed_unet`). None (built whole, quantized after) for quantize_base "off" and a base whose
     weights are not all in files it can map (``Family.empty_denoiser``)."""
     from difftrain.families import family_of_config, family_of_record
-    from difftrain.interop import defer_init_weights
-    from difftrain.models.quantize import quantize_while_loading
+    from difftrain.networks.init_from import defer_init_weights
+    from difftrain.networks.quantize import quantize_while_loading
 
     if cfg.model.quantize_base == "off" or not cfg.model.init_from or not meta_init.available():
         return None
@@ -583,7 +583,7 @@ def network_record(model: nn.Module) -> dict:
     """What rebuilds ``model`` besides the config: {"kind": "unet"} for difftrain's UNet, a
     family denoiser's record (its family and diffusers config), the LoRA record of a LoraNetwork."""
     from difftrain.families import Denoiser
-    from difftrain.models.lora import LoraNetwork
+    from difftrain.networks.lora import LoraNetwork
 
     if isinstance(model, LoraNetwork):
         return model.network_record()
@@ -594,7 +594,7 @@ def network_record(model: nn.Module) -> dict:
 
 def resume_source(run_dir: Path, resume: str | Path | None) -> Path | None:
     """The checkpoint to continue from: ``resume`` if given, else the run's newest, else None."""
-    from difftrain.training.checkpoint import find_checkpoint
+    from difftrain.checkpoints.checkpoint import find_checkpoint
 
     if resume is not None:
         return Path(resume)

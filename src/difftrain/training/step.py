@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from difftrain.diffusion.objective import Objective, per_sample_loss
-from difftrain.dreambooth import loss_weights
+from difftrain.training.dreambooth import loss_weights
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.seeding import derive_seed, step_generator

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.autoguidance import ValidationGuide
-from difftrain.conditioning import Conditioning, map_condition
+from difftrain.generation.autoguidance import ValidationGuide
+from difftrain.networks.conditioning import Conditioning, map_condition
 from difftrain.config import Config, ConfigError
 from difftrain.runtime import distributed
 from difftrain.runtime.device import is_out_of_memory
 from difftrain.runtime.fsdp import in_lockstep
-from difftrain.sampling import (generate, grid_class_labels, grid_columns, initial_noise, make_grid, naming_samples,
+from difftrain.generation.sampling import (generate, grid_class_labels, grid_columns, initial_noise, make_grid, naming_samples,
                                save_png, to_uint8)
 
 DATA_PROMPTS = 8  # rows of a text model's grid when validation.prompts is empty: captions of the training data
@@ -129,7 +129,7 @@ def grid(images: np.ndarray, plan: ValidationPlan) -> np.ndarray:
     """The grid of a plan's images: a text model's with each row's prompt under it."""
     if plan.prompts is None:
         return make_grid(images, plan.ncols)
-    from difftrain.captioned_grid import captioned_grid
+    from difftrain.generation.captioned_grid import captioned_grid
 
     return captioned_grid(images, plan.prompts, plan.ncols)
 

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from difftrain.conditioning import condition_rows, expand_rows, map_condition
+from difftrain.networks.conditioning import condition_rows, expand_rows, map_condition
 from difftrain.diffusion.objective import Objective
 from difftrain.runtime.seeding import derive_seed
 

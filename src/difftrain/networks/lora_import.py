@@ -37,9 +37,9 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from difftrain.interop import read_safetensors
-from difftrain.models.lora import ADAPTER, is_lora_record, record_kind
-from difftrain.training.checkpoint import CheckpointError, check_schema
+from difftrain.checkpoints.weights_file import read_safetensors
+from difftrain.networks.lora import ADAPTER, is_lora_record, record_kind
+from difftrain.checkpoints.checkpoint import CheckpointError, check_schema
 
 ADAPTER_FORMAT = "difftrain-lora-v1"
 ADAPTER_KEY = "difftrain_adapter"  # the metadata key of difftrain's record (JSON)
@@ -135,7 +135,7 @@ def check_adapted_output(model: nn.Module, objective, conditioning, device, wher
     shape, the null condition, the median training level of ``objective``; under ``autocast`` where given).
     Finite weights whose outputs overflow (a kohya ``alpha`` of 1e30) would sample black images and skip
     every training step."""
-    from difftrain.sampling import output_is_finite
+    from difftrain.generation.sampling import output_is_finite
 
     if not output_is_finite(model, objective, conditioning, device, autocast):
         raise ValueError(f"{where}: the network with this adapter gives non-finite outputs (NaN or inf) on a fixed "

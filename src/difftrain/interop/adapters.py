@@ -33,7 +33,7 @@ from torch import Tensor
 from difftrain.config import config_from_dict, config_to_toml
 
 # The file format and its reader live one layer down, in lora_import.py (re-exported here).
-from difftrain.lora_import import (  # noqa: F401
+from difftrain.networks.lora_import import (  # noqa: F401
     ADAPTER_FORMAT,
     ADAPTER_KEY,
     DIFFUSERS_WEIGHT_NAME,
@@ -43,7 +43,7 @@ from difftrain.lora_import import (  # noqa: F401
     kohya_name,
     read_adapter,
 )
-from difftrain.models.lora import is_lora_record, record_kind
+from difftrain.networks.lora import is_lora_record, record_kind
 
 
 @dataclasses.dataclass
@@ -126,7 +126,7 @@ def write_diffusers(adapter: Adapter, out: Path) -> Path:
     ignores peft's config (ComfyUI, which reads SD3's and Flux's ``transformer.`` names) applies the
     trained strength too; difftrain's record says so (``folded_scale``). LoRA and DoRA; LoHa and LoKr
     are refused (no pipeline of these families loads them)."""
-    from difftrain.models.lora import peft_config
+    from difftrain.networks.lora import peft_config
 
     family = _family_of(adapter, "diffusers")
     _refuse_kind(adapter, "diffusers", DIFFUSERS_KINDS, f"{family.pipeline_class}.load_lora_weights loads LoRA "
@@ -280,8 +280,8 @@ def merged_state(state: dict, use_ema: bool = True, *, text_encoder: str | None 
     """A LoRA checkpoint read by ``load_checkpoint`` as the checkpoint of its base network with
     W + (alpha / r) B A folded into every adapted layer (EMA or raw adapter in both weight slots),
     ``lora.rank`` 0 in its config: what ``export --merge`` hands to the whole-network writers."""
-    from difftrain.conditioning import Conditioning, moved_parts
-    from difftrain.training.checkpoint import load_weights
+    from difftrain.networks.conditioning import Conditioning, moved_parts
+    from difftrain.checkpoints.checkpoint import load_weights
     from difftrain.training.state import build_network
 
     adapter = adapter_of(state, use_ema)

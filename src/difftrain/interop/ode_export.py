@@ -132,5 +132,5 @@ def export_ode_diffusers(unet, objective, out: str | Path, num_classes: int) -> 
         f"{f' ({num_classes} classes)' if num_classes else ''}\n\n{why}\n\n"
         f"```python\n{sampling_snippet(objective, out, num_classes)}```\n\n"
         "`difftrain sample --sampler euler --steps 32 --seed S` starts from "
-        "`difftrain.interop.pipeline_generator(S)`'s first draw; pass that generator for its images.\n")
+        "`difftrain.interop.diffusers.pipeline_generator(S)`'s first draw; pass that generator for its images.\n")
     return out

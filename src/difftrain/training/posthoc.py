@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from difftrain.training.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint_file
+from difftrain.checkpoints.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint_file
 from difftrain.training.power_ema import list_snapshots, load_snapshot, solve_coefficients, std_to_gamma
 
 RESIDUAL_WARNING = 0.05  # a relative profile residual above this is reported as a poor fit

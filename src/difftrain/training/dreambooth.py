@@ -52,7 +52,7 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     with DDIM; image i always from the same noise. Returns how many were made. A folder made for
     another prompt or resolution is refused (one ValueError naming it)."""
     from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
-    from difftrain.sampling import generate, initial_noise, save_png, to_uint8
+    from difftrain.generation.sampling import generate, initial_noise, save_png, to_uint8
     from difftrain.training.state import _without_lora, build_network
 
     db = cfg.dreambooth
@@ -75,7 +75,7 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     channels, resolution = conditioning.network_shape()
     seed = int(hashlib.sha256(f"{cfg.train.seed}:{db.class_prompt}".encode()).hexdigest()[:8], 16)
     noise = initial_noise(db.num_class_images, (channels, resolution, resolution), seed)[missing]
-    from difftrain.conditioning import expand_rows, map_condition
+    from difftrain.networks.conditioning import expand_rows, map_condition
 
     condition = expand_rows(map_condition(lambda t: t.cpu(), conditioning.prompts([db.class_prompt], device)),
                             len(missing))
@@ -98,7 +98,7 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
     without ``dreambooth.class_prompt``."""
     if not cfg.dreambooth.class_prompt:
         return data
-    from difftrain.conditioning import image_side_multiple
+    from difftrain.networks.conditioning import image_side_multiple
     from difftrain.data.prepare import dataset_from_config, with_buckets
     from difftrain.runtime import distributed
 

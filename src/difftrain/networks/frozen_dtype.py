@@ -31,7 +31,7 @@ def frozen_dtype(cfg, network: dict | None = None, part: str = "denoiser") -> to
     encoders and VAE), or None (kept float32): ``train.precision``'s dtype in a LoRA run (``lora.rank``, or a
     checkpoint's LoRA ``network`` record) in bf16 or fp16; None for fp32 and a full fine-tune, and for the
     denoiser of a quantized base (``model.quantize_base``) or under FSDP (module docstring)."""
-    from difftrain.models.lora import is_lora_record
+    from difftrain.networks.lora import is_lora_record
 
     lora = bool(cfg.lora.rank) if network is None else is_lora_record(network)
     if cfg.train.precision == "fp32" or not lora:

@@ -2,7 +2,7 @@
 errors, the names, the ``latest`` and ``best`` pointers, rotation, the report of a failed write and
 the finiteness check.
 
-``training/checkpoint.py`` (one file, ``step_XXXXXXXX.pt``) and ``training/sharded_checkpoint.py``
+``checkpoints/checkpoint.py`` (one file, ``step_XXXXXXXX.pt``) and ``checkpoints/sharded.py``
 (an FSDP run's folder, ``step_XXXXXXXX.dcp/``) both build on this module; neither imports the other's
 private helpers, and this module imports neither.
 """
@@ -110,7 +110,7 @@ def save_checkpoint(
     """Write ``state`` as the checkpoint of ``step``, point ``latest`` at it, then rotate.
 
     ``write(state, ckpt_dir, step)`` writes the checkpoint atomically and returns its path: one
-    file by default; a sharded checkpoint's last step (``training/sharded_checkpoint.py``).
+    file by default; a sharded checkpoint's last step (``checkpoints/sharded.py``).
 
     ``best``: this checkpoint's FID, when it beats the ``best`` pointer's (see :func:`is_better`):
     ``best`` then names it, written after ``latest``. Rotation keeps the newest ``keep_last``

@@ -22,10 +22,10 @@ the file, as do a missing, truncated or malformed file and one that lies about t
 And every ``torch.distributed.checkpoint.load`` in difftrain goes through :func:`load`, whose planner
 (:class:`NoBytesPlanner`) refuses a bytes entry instead of unpickling it, should one ever reach it.
 
-Errors are :class:`~difftrain.training.checkpoint_store.CheckpointError`, one line naming the file.
+Errors are :class:`~difftrain.checkpoints.store.CheckpointError`, one line naming the file.
 Every path that reads a sharded checkpoint goes through :func:`read_metadata`: an FSDP run's resume
-(``sharded_checkpoint.load_shards``: each rank its own part, into its sharded state) and
-``sharded_checkpoint.load_consolidated`` (whole, in one process), which ``checkpoint.load_checkpoint``
+(``sharded.load_shards``: each rank its own part, into its sharded state) and
+``sharded.load_consolidated`` (whole, in one process), which ``checkpoint.load_checkpoint``
 calls for a folder: ``sample``, ``export``, ``eval``, ``inspect``, ``posthoc-ema``, ``diagnose``, a
 resume in one process or under DDP, and ``model.init_from``.
 """
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from difftrain.training.checkpoint_store import CheckpointError
+from difftrain.checkpoints.store import CheckpointError
 
 METADATA = ".metadata"
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_]+\.distcp$")  # what DCP's FileSystemWriter names its files: __0_0.distcp

@@ -9,17 +9,17 @@ world size, and in one process without a process group.
 The DCP part holds tensors only (AdamW's state keyed by parameter name, so that it reshards);
 ``run_state.pt`` is written by rank 0 with ``torch.save`` and read with ``weights_only=True``.
 DCP's own ``.metadata`` is a pickle, as in every DCP checkpoint: it is read through
-``training/dcp_reader.py`` (an allow-list unpickler, then checked against the shard files), so
+``checkpoints/dcp_reader.py`` (an allow-list unpickler, then checked against the shard files), so
 loading a sharded checkpoint never runs code either.
 
-Atomic like a single-file checkpoint (``training/checkpoint.py``): the ranks write into
+Atomic like a single-file checkpoint (``checkpoints/checkpoint.py``): the ranks write into
 ``.step_XXXXXXXX.dcp.tmp/`` (DCP fsyncs each file); rank 0 then writes ``run_state.pt``,
 fsyncs the folder, renames it to its final name, fsyncs ``checkpoints/``, and only then moves
 ``latest``. A kill at any moment leaves the previous checkpoint and pointer as they were; the
 next save removes the unfinished folder.
 
 Reading back, through torch's public ``torch.distributed.checkpoint.load`` and
-``training/dcp_reader.py``'s ``SafeReader`` (never a plain unpickling of ``.metadata``; an entry DCP
+``checkpoints/dcp_reader.py``'s ``SafeReader`` (never a plain unpickling of ``.metadata``; an entry DCP
 would unpickle, a bytes one, is refused from the metadata, and ``dcp_reader.load``'s planner refuses
 one again rather than read it):
 
@@ -34,8 +34,8 @@ one again rather than read it):
   state keyed by parameter name): ``export``, ``sample``, ``evaluate``, a resume in one process or
   under DDP read it through ``load_checkpoint`` like a file.
 
-This module builds on ``training/checkpoint_store.py`` (what both checkpoint forms share) and
-never imports ``training/checkpoint.py``.
+This module builds on ``checkpoints/store.py`` (what both checkpoint forms share) and
+never imports ``checkpoints/checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.files import atomic_write, fsync_dir
 from difftrain.runtime.tensor_source import TensorSource
-from difftrain.training import checkpoint_store as store
-from difftrain.training.checkpoint_store import RUN_STATE, CheckpointError, is_sharded_checkpoint, sharded_name  # noqa: F401
-from difftrain.training import dcp_reader
-from difftrain.training.dcp_reader import SafeReader
+from difftrain.checkpoints import store as store
+from difftrain.checkpoints.store import RUN_STATE, CheckpointError, is_sharded_checkpoint, sharded_name  # noqa: F401
+from difftrain.checkpoints import dcp_reader
+from difftrain.checkpoints.dcp_reader import SafeReader
 
 SUFFIX = store.SHARDED_SUFFIX
 _TENSOR_KEYS = ("model", "optimizer", "ema", "posthoc_ema")  # what the DCP part holds

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
-from difftrain.models.quantize import quantize_base
+from difftrain.networks.quantize import quantize_base
 
 NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
 
@@ -127,7 +127,7 @@ class LoraNetwork(nn.Module):
             if hasattr(base, attr):
                 setattr(self, attr, getattr(base, attr))
 
-    # The dtype the frozen base is held in (``training/frozen_dtype.py``: a bf16/fp16 LoRA run's training copy),
+    # The dtype the frozen base is held in (``networks/frozen_dtype.py``: a bf16/fp16 LoRA run's training copy),
     # None: as loaded (float32).
     held_dtype: torch.dtype | None = None
 
@@ -251,7 +251,7 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     rank, alpha and targets are used (a resume may change lora.dropout), and ``base`` must be
     the base it was trained on (one ValueError if not).
     quantize: ``model.quantize_base``; other than "off", every Linear layer of the base is held quantized
-    (``models/quantize.py``) after its digest is taken, and peft wraps the quantized layers.
+    (``networks/quantize.py``) after its digest is taken, and peft wraps the quantized layers.
     digest: the base's :func:`base_digest`, taken by the caller (a base on the meta device, whose weights
     are read from its files one tensor at a time); None: taken here.
     """

@@ -1,16 +1,10 @@
-"""Weights in and out of difftrain: a small ``.safetensors`` file for sharing, a diffusers
-pipeline folder, and the weights a run starts from (``model.init_from``).
+"""The weights a run starts from (``model.init_from``): a diffusers UNet2DModel folder, a difftrain
+weights file, checkpoint or run directory, or a base folder of a family.
 
-    save_weights_file(state, "model.safetensors")   # EMA (or raw) weights + config in its metadata
-    load_weights_file("model.safetensors")           # -> the fields load_model needs
-    export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder (EDM, flow: ode_export.py)
-    export_stable_diffusion(net, objective_cfg=..., text_encoder_source=..., vae_source=..., out_dir=...)
-                                                     # a fine-tuned UNet2DConditionModel -> StableDiffusionPipeline
     load_init_weights(model, "unet_folder/")         # a diffusers UNet2DModel folder, .safetensors or .pt
     load_init_network("sd_folder/")                  # a base folder -> its family's denoiser (difftrain.families)
 
-diffusers is needed only to write a pipeline folder; reading a diffusers UNet folder needs only
-``safetensors`` (or torch for a ``.bin``).
+Reading a diffusers UNet folder needs only ``safetensors`` (or torch for a ``.bin``).
 """
 
 from __future__ import annotations
@@ -18,226 +12,14 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from difftrain.config import config_from_dict, config_to_toml
-from difftrain.scheduler_configs import DIFFUSERS_PREDICTION, diffusers_training, scheduler_config  # noqa: F401 - re-exported
-from difftrain.training.checkpoint import CheckpointError, check_schema, first_non_finite, load_checkpoint, load_weights
+from difftrain.checkpoints.checkpoint import CheckpointError, load_checkpoint, load_weights
+from difftrain.checkpoints.weights_file import WEIGHTS_FORMAT, is_weights_file, load_weights_file
+from difftrain.diffusion.scheduler_configs import diffusers_training
 
-if TYPE_CHECKING:
-    from difftrain.families.sd import ConditionUNet
-
-WEIGHTS_FORMAT = "difftrain-weights-v1"
-WEIGHTS_SUFFIX = ".safetensors"
-
-
-# ---------------------------------------------------------------------------------------------
-# The .safetensors weights file: one set of weights, the config and the class count.
-
-
-def is_weights_file(path: str | Path) -> bool:
-    """True for a ``.safetensors`` file (what :func:`save_weights_file` writes)."""
-    return Path(path).suffix == WEIGHTS_SUFFIX and Path(path).is_file()
-
-
-def save_weights_file(state: dict, out: str | Path, use_ema: bool = True) -> Path:
-    """Write the EMA (or raw) weights of a checkpoint read by ``load_checkpoint`` to ``out``
-    (``.safetensors``); the config (TOML), class count, objective and step go in its metadata."""
-    from safetensors.torch import save
-
-    from difftrain.runtime.files import atomic_write_bytes
-
-    out = Path(out)
-    if out.suffix != WEIGHTS_SUFFIX:
-        raise ValueError(f"the weights file must end in {WEIGHTS_SUFFIX}, got {out}")
-    tensors = state["ema"]["model"] if use_ema else state["model"]
-    cfg = config_from_dict(state["config"], source=state["path"])
-    metadata = {
-        "format": WEIGHTS_FORMAT,
-        "config": config_to_toml(cfg),
-        "num_classes": str(state["num_classes"]),
-        "objective": cfg.diffusion.objective,
-        "step": str(state["step"]),
-        "images_seen": str(state["data_position"]),
-        "weights": "ema" if use_ema else "raw",
-        "source": str(state["path"]),
-        "network": json.dumps(state["network"]),  # what rebuilds a fine-tuned diffusers UNet
-        "frozen": json.dumps(state["frozen"]),  # the text encoder and VAE it needs, with digests
-    }
-    data = save({k: t.detach().cpu().contiguous().clone() for k, t in tensors.items()}, metadata=metadata)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out, data)
-    return out
-
-
-def read_safetensors(path: Path, what: str) -> tuple[dict, dict]:
-    """(metadata, tensors) of a .safetensors file, read on the CPU; one :class:`CheckpointError`
-    naming the file (as ``what``, e.g. "weights file") when it cannot be read or a weight is not
-    finite (naming the first such tensor)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"cannot read {what} {path}: {str(e).strip().splitlines()[0]}") from None
-    bad = first_non_finite(tensors)  # a NaN adapter or network samples black or noise images
-    if bad is not None:
-        raise CheckpointError(f"{what} {path}: weight {bad} is not finite (NaN or infinity)")
-    return metadata, tensors
-
-
-def load_weights_file(path: str | Path) -> dict:
-    """Read a weights file: ``path``, ``config`` (a dict as in checkpoints), ``num_classes``,
-    ``step``, ``images_seen``, ``weights`` ("ema" or "raw") and ``tensors``; a file that is not
-    one raises :class:`CheckpointError` naming it."""
-    path = Path(path)
-    metadata, tensors = read_safetensors(path, "weights file")
-    if metadata.get("format") != WEIGHTS_FORMAT:
-        raise CheckpointError(f"{path} is not a difftrain weights file (metadata format {WEIGHTS_FORMAT!r} "
-                              "expected; a diffusers UNet folder goes in model.init_from)")
-    try:
-        config = tomllib.loads(metadata["config"])
-        info = {k: int(metadata[k]) for k in ("num_classes", "step", "images_seen")}
-        # files written before text models lack these: difftrain's UNet, no frozen parts
-        info["network"] = json.loads(metadata.get("network", '{"kind": "unet"}'))
-        info["frozen"] = json.loads(metadata.get("frozen", "{}"))
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"weights file {path}: bad metadata ({e})") from None
-    check_schema({"config": config, **info}, path, ("config", "num_classes", "step", "network", "frozen"),
-                 "weights file")
-    return {"path": str(path), "config": config, "weights": metadata.get("weights", "ema"), "tensors": tensors,
-            **info}
-
-
-# ---------------------------------------------------------------------------------------------
-# diffusers pipeline folders.
-
-CONDITIONAL_SNIPPET = '''\
-import torch
-from diffusers import DDIMScheduler, UNet2DModel
-
-folder = "{folder}"
-unet = UNet2DModel.from_pretrained(folder, subfolder="unet").eval()
-scheduler = DDIMScheduler.from_pretrained(folder, subfolder="scheduler")
-scheduler.set_timesteps(50)  # a divisor of num_train_timesteps matches difftrain's DDIM
-labels = torch.tensor([0, 1, 2, 3])  # classes in [0, {num_classes}); {num_classes} = unconditional
-size = unet.config.sample_size
-x = torch.randn(len(labels), unet.config.in_channels, size, size, generator=torch.Generator().manual_seed(0))
-with torch.no_grad():
-    for t in scheduler.timesteps:
-        out = unet(x, t, class_labels=labels).sample
-        x = scheduler.step(out, t, x, use_clipped_model_output=True).prev_sample
-images = (x / 2 + 0.5).clamp(0, 1)  # (N, C, H, W) in [0, 1]
-'''
-
-
-def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text_encoder: str | None = None,
-                     vae: str | None = None) -> Path:
-    """Write a diffusers pipeline folder (``model_index.json``, ``unet/`` as safetensors,
-    ``scheduler/``) from a checkpoint read by ``load_checkpoint``; ``DDPMPipeline`` and
-    ``DDIMPipeline`` ``.from_pretrained`` load it. A class-conditional model gets a README.md
-    in the folder with a sampling loop that passes the labels (the stock pipelines pass none).
-
-    A fine-tuned UNet2DConditionModel becomes a ``StableDiffusionPipeline`` folder with the text
-    encoder and VAE it was trained with (``text_encoder`` / ``vae``: where they are now, if their
-    folders moved), checked against the checkpoint's digests first."""
-    try:
-        from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
-    except ImportError:
-        raise ValueError("export --format diffusers needs diffusers: pip install 'difftrain[bench]' "
-                         "(or pip install diffusers)") from None
-    from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
-    from difftrain.models import build_model
-    from difftrain.conditioning import moved_parts
-    from difftrain.families import family_of_record
-
-    cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
-    family = family_of_record(state["network"])
-    if family is not None:  # a fine-tuned base of a family
-        from difftrain.conditioning import Conditioning
-
-        frozen = Conditioning.from_config(cfg)
-        frozen.check_references(state["frozen"], f"checkpoint {state['path']}")
-        if frozen.codec is not None and frozen.codec.shift_factor and not family.applies_shift_factor:
-            raise ValueError(f"the VAE {cfg.model.vae} has a shift_factor ({frozen.codec.shift_factor}), which "
-                             "StableDiffusionPipeline does not apply when it decodes; export --format safetensors")
-
-        unet = family.denoiser_from_record(state["network"])
-        load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],
-                     "ema.model" if use_ema else "model")
-        # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
-        # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
-        scheduler = family.export_scheduler(cfg.diffusion) or {**scheduler_config(cfg.diffusion), "clip_sample": False,
-                                                                "steps_offset": 1}
-        base = Path(cfg.model.text_encoder).expanduser()
-        vae_folder = Path(cfg.model.vae).expanduser() if cfg.model.vae else None
-        return family.export_pipeline(unet, base, Path(out), scheduler, vae=vae_folder if vae_folder != base else None)
-    if cfg.model.text_encoder:
-        raise ValueError(f"{state['path']}: difftrain's own text UNet has no diffusers pipeline (a Stable Diffusion "
-                         "pipeline needs a UNet2DConditionModel, from model.init_from); export --format safetensors")
-    if cfg.model.vae:
-        raise ValueError(f"{state['path']}: a latent model (model.vae) has no diffusers pixel pipeline; "
-                         "export --format safetensors")
-    model = build_model(cfg, state["num_classes"])
-    load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"],
-                 "ema.model" if use_ema else "model")
-    unet = UNet2DModel(**diffusers_config(model))
-    unet.load_state_dict(to_diffusers_state_dict(model), strict=True)
-    out = Path(out)
-    if cfg.diffusion.objective != "ddpm":  # EDM and flow: diffusers' own ODE schedulers (ode_export.py)
-        from difftrain.diffusion.objective import build_objective
-        from difftrain.ode_export import export_ode_diffusers
-
-        return export_ode_diffusers(unet, build_objective(cfg.diffusion), out, state["num_classes"])
-    scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
-    DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
-    if state["num_classes"]:
-        snippet = CONDITIONAL_SNIPPET.format(folder=out, num_classes=state["num_classes"])
-        (out / "README.md").write_text(
-            f"# A class-conditional difftrain model ({state['num_classes']} classes)\n\n"
-            "DDPMPipeline and DDIMPipeline pass no class labels, which this UNet requires "
-            "(\"class_labels should be provided\"). Sample with the scheduler and the UNet:\n\n"
-            f"```python\n{snippet}```\n")
-    return out
-
-
-def pipeline_generator(seed: int) -> torch.Generator:
-    """A CPU generator whose first draw is difftrain's initial noise for ``seed``: a DDIM
-    pipeline (eta = 0) called with it gives the images of ``difftrain sample --seed SEED``."""
-    from difftrain.runtime.seeding import derive_seed
-
-    return torch.Generator().manual_seed(derive_seed(seed, "initial-noise"))
-
-
-def export_stable_diffusion(
-    unet: ConditionUNet,
-    *,
-    objective_cfg,
-    text_encoder_source: str,
-    vae_source: str | None,
-    out_dir: str | Path,
-) -> Path:
-    """Write a ``StableDiffusionPipeline`` folder (``families.sd.write_pipeline``): ``unet``'s weights,
-    the text encoder and tokenizer of ``text_encoder_source``, the VAE of ``vae_source`` and a
-    ``scheduler/`` of :func:`scheduler_config` of ``objective_cfg`` (the ``cfg.diffusion`` section),
-    with x0 not clipped (StableDiffusionPipeline turns ``clip_sample`` off, as latents are not confined
-    to [-1, 1]). Returns ``out_dir``. A text model of difftrain's own UNet, or a model without a VAE,
-    raises a ValueError saying why.
-    """
-    from difftrain.families.sd import write_pipeline
-
-    # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
-    # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
-    scheduler = {**scheduler_config(objective_cfg), "clip_sample": False, "steps_offset": 1}
-    return write_pipeline(unet, scheduler, text_encoder_source, vae_source, out_dir)
-
-
-# ---------------------------------------------------------------------------------------------
-# Starting a run from existing weights (model.init_from).
 
 # config.json keys of a UNet2DModel that change the function it computes (dropout does not).
 _FUNCTIONAL_KEYS = (
@@ -372,7 +154,7 @@ def init_source_training(source: str | Path) -> dict:
     folder) or cannot be read. Reads no weights."""
     path = Path(source).expanduser()
     try:
-        from difftrain.training.sharded_checkpoint import is_sharded_checkpoint
+        from difftrain.checkpoints.sharded import is_sharded_checkpoint
 
         if (path.is_dir() and not (path / "checkpoints").is_dir() and not list(path.glob("step_*.pt"))
                 and not list(path.glob("step_*.dcp")) and not is_sharded_checkpoint(path)):
@@ -387,8 +169,8 @@ def init_source_training(source: str | Path) -> dict:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 diffusion = tomllib.loads((f.metadata() or {})["config"]).get("diffusion", {})
         else:
-            from difftrain.training.checkpoint import find_checkpoint
-            from difftrain.training.sharded_checkpoint import RUN_STATE
+            from difftrain.checkpoints.checkpoint import find_checkpoint
+            from difftrain.checkpoints.sharded import RUN_STATE
 
             found = find_checkpoint(path)  # a file, or a sharded checkpoint's folder (its config is in RUN_STATE)
             saved = torch.load(found / RUN_STATE if found.is_dir() else found, map_location="cpu", weights_only=True,
@@ -488,8 +270,8 @@ def _sharded_checkpoint_source(path: Path):
     whole (``sharded_checkpoint.load_part``: ``torch.distributed.checkpoint.load``, the metadata read by
     ``training/dcp_reader.py``). (None, None) for anything else (a file that is no difftrain checkpoint:
     :func:`load_init_weights` refuses it)."""
-    from difftrain.training import sharded_checkpoint as sharded
-    from difftrain.training.checkpoint_store import find_checkpoint, is_sharded_checkpoint
+    from difftrain.checkpoints import sharded as sharded
+    from difftrain.checkpoints.store import find_checkpoint, is_sharded_checkpoint
 
     try:
         folder = find_checkpoint(path)
@@ -508,7 +290,7 @@ def _checkpoint_source(path: Path):
     import zipfile
 
     from difftrain.runtime.tensor_source import TensorSource
-    from difftrain.training.checkpoint import FORMAT, OLDER_FORMATS, find_checkpoint
+    from difftrain.checkpoints.checkpoint import FORMAT, OLDER_FORMATS, find_checkpoint
 
     try:
         file = find_checkpoint(path)

@@ -48,7 +48,7 @@ def guide_checkpoint(main: str | Path, guide: str | Path | None = None, guide_st
     """The guide's checkpoint: ``guide`` (a run, checkpoint or weights file) as given, or, with
     ``guide_step``, the checkpoint of step ``guide_step`` of the run ``guide`` (default: the main
     run ``main``); a ValueError listing the steps there when it has none of that step."""
-    from difftrain.training.checkpoint import list_checkpoints
+    from difftrain.checkpoints.checkpoint import list_checkpoints
 
     if guide_step is None:
         if guide is None:
@@ -88,7 +88,7 @@ def with_guide(loaded, guide: str | Path | None = None, weight: float = 2.0, *, 
     is False). Nothing to do (``loaded`` itself) when neither ``guide`` nor ``guide_step`` is given."""
     if guide is None and guide_step is None:
         return loaded
-    from difftrain.inference import load_model
+    from difftrain.generation.inference import load_model
 
     path = guide_checkpoint(loaded.path, guide, guide_step)
     device = next(loaded.model.parameters()).device
@@ -113,7 +113,7 @@ class ValidationGuide:
         if not self.path:
             return model
         if self._net is None:
-            from difftrain.inference import load_model
+            from difftrain.generation.inference import load_model
 
             try:
                 guide = load_model(self.path, device=str(next(model.parameters()).device))

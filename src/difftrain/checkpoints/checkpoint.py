@@ -17,8 +17,8 @@ rotation never removes the file it names. ``RUN/best`` (or ``RUN:best``) names t
 wherever a checkpoint is read.
 
 An FSDP run writes a folder, ``checkpoints/step_XXXXXXXX.dcp/``, instead of a file
-(``training/sharded_checkpoint.py``): listed, pointed at and rotated like a file by
-``training/checkpoint_store.py`` (what both forms share, re-exported here), and loaded here.
+(``checkpoints/sharded.py``): listed, pointed at and rotated like a file by
+``checkpoints/store.py`` (what both forms share, re-exported here), and loaded here.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 
 from difftrain.runtime.files import atomic_write
-from difftrain.training import checkpoint_store as store
-from difftrain.training.checkpoint_store import (  # noqa: F401 - re-exported: checkpoint.X is the public name
+from difftrain.checkpoints import store as store
+from difftrain.checkpoints.store import (  # noqa: F401 - re-exported: checkpoint.X is the public name
     BEST, FORMAT, LATEST, OLDER_FORMATS, PAUSE_ENV, CheckpointError, CheckpointWriteError, NonFiniteWeights,
     check_finite, checkpoint_name, find_checkpoint, first_non_finite, is_better, list_checkpoints, load_error,
     read_best, report_write_error,
 )
-from difftrain.training.sharded_checkpoint import load_consolidated, read_run_state
+from difftrain.checkpoints.sharded import load_consolidated, read_run_state
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
@@ -62,7 +62,7 @@ def save_checkpoint(
     best: float | None = None,
 ) -> Path:
     """Write ``state`` as the file checkpoint of ``step``, point ``latest`` at it, then rotate
-    (``checkpoint_store.save_checkpoint``, which says how)."""
+    (``store.save_checkpoint``, which says how)."""
     return store.save_checkpoint(state, ckpt_dir, step, keep_last, keep_every_steps, best, write=_write_file)
 
 
@@ -187,9 +187,9 @@ def _shown(value) -> str:
 def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
     """Load a checkpoint on the CPU with ``weights_only=True`` (never runs pickled code), upgrade
     an older version and check it against :data:`SCHEMA`. ``state["path"]`` is the file read.
-    A sharded checkpoint's folder is read by ``sharded_checkpoint.load_consolidated`` (its DCP
-    metadata through ``training/dcp_reader.py``); with ``tensors=False``, only its run state
-    (``sharded_checkpoint.read_run_state``), every key but the tensors checked, and
+    A sharded checkpoint's folder is read by ``sharded.load_consolidated`` (its DCP
+    metadata through ``checkpoints/dcp_reader.py``); with ``tensors=False``, only its run state
+    (``sharded.read_run_state``), every key but the tensors checked, and
     ``state["shards"]``, the folder, for an FSDP run to read its part of (a file is read whole
     either way). Every failure is one :class:`CheckpointError` line naming the file."""
     path = find_checkpoint(path)

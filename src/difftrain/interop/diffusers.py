@@ -1,0 +1,145 @@
+"""difftrain's own UNet out to a diffusers pipeline folder, and a fine-tuned UNet2DConditionModel
+out to a StableDiffusionPipeline folder.
+
+    export_diffusers(state, "pipeline/")             # DDPMPipeline / DDIMPipeline folder (EDM, flow: ode_export.py)
+    export_stable_diffusion(net, objective_cfg=..., text_encoder_source=..., vae_source=..., out_dir=...)
+
+diffusers is needed only to write a pipeline folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from difftrain.checkpoints.checkpoint import load_weights
+from difftrain.config import config_from_dict
+from difftrain.diffusion.scheduler_configs import scheduler_config
+
+if TYPE_CHECKING:
+    from difftrain.families.sd import ConditionUNet
+
+# diffusers pipeline folders.
+
+CONDITIONAL_SNIPPET = '''\
+import torch
+from diffusers import DDIMScheduler, UNet2DModel
+
+folder = "{folder}"
+unet = UNet2DModel.from_pretrained(folder, subfolder="unet").eval()
+scheduler = DDIMScheduler.from_pretrained(folder, subfolder="scheduler")
+scheduler.set_timesteps(50)  # a divisor of num_train_timesteps matches difftrain's DDIM
+labels = torch.tensor([0, 1, 2, 3])  # classes in [0, {num_classes}); {num_classes} = unconditional
+size = unet.config.sample_size
+x = torch.randn(len(labels), unet.config.in_channels, size, size, generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    for t in scheduler.timesteps:
+        out = unet(x, t, class_labels=labels).sample
+        x = scheduler.step(out, t, x, use_clipped_model_output=True).prev_sample
+images = (x / 2 + 0.5).clamp(0, 1)  # (N, C, H, W) in [0, 1]
+'''
+
+
+def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text_encoder: str | None = None,
+                     vae: str | None = None) -> Path:
+    """Write a diffusers pipeline folder (``model_index.json``, ``unet/`` as safetensors,
+    ``scheduler/``) from a checkpoint read by ``load_checkpoint``; ``DDPMPipeline`` and
+    ``DDIMPipeline`` ``.from_pretrained`` load it. A class-conditional model gets a README.md
+    in the folder with a sampling loop that passes the labels (the stock pipelines pass none).
+
+    A fine-tuned UNet2DConditionModel becomes a ``StableDiffusionPipeline`` folder with the text
+    encoder and VAE it was trained with (``text_encoder`` / ``vae``: where they are now, if their
+    folders moved), checked against the checkpoint's digests first."""
+    try:
+        from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+    except ImportError:
+        raise ValueError("export --format diffusers needs diffusers: pip install 'difftrain[bench]' "
+                         "(or pip install diffusers)") from None
+    from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
+    from difftrain.models import build_model
+    from difftrain.networks.conditioning import moved_parts
+    from difftrain.families import family_of_record
+
+    cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
+    family = family_of_record(state["network"])
+    if family is not None:  # a fine-tuned base of a family
+        from difftrain.networks.conditioning import Conditioning
+
+        frozen = Conditioning.from_config(cfg)
+        frozen.check_references(state["frozen"], f"checkpoint {state['path']}")
+        if frozen.codec is not None and frozen.codec.shift_factor and not family.applies_shift_factor:
+            raise ValueError(f"the VAE {cfg.model.vae} has a shift_factor ({frozen.codec.shift_factor}), which "
+                             "StableDiffusionPipeline does not apply when it decodes; export --format safetensors")
+
+        unet = family.denoiser_from_record(state["network"])
+        load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],
+                     "ema.model" if use_ema else "model")
+        # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
+        # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
+        scheduler = family.export_scheduler(cfg.diffusion) or {**scheduler_config(cfg.diffusion), "clip_sample": False,
+                                                                "steps_offset": 1}
+        base = Path(cfg.model.text_encoder).expanduser()
+        vae_folder = Path(cfg.model.vae).expanduser() if cfg.model.vae else None
+        return family.export_pipeline(unet, base, Path(out), scheduler, vae=vae_folder if vae_folder != base else None)
+    if cfg.model.text_encoder:
+        raise ValueError(f"{state['path']}: difftrain's own text UNet has no diffusers pipeline (a Stable Diffusion "
+                         "pipeline needs a UNet2DConditionModel, from model.init_from); export --format safetensors")
+    if cfg.model.vae:
+        raise ValueError(f"{state['path']}: a latent model (model.vae) has no diffusers pixel pipeline; "
+                         "export --format safetensors")
+    model = build_model(cfg, state["num_classes"])
+    load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"],
+                 "ema.model" if use_ema else "model")
+    unet = UNet2DModel(**diffusers_config(model))
+    unet.load_state_dict(to_diffusers_state_dict(model), strict=True)
+    out = Path(out)
+    if cfg.diffusion.objective != "ddpm":  # EDM and flow: diffusers' own ODE schedulers (ode_export.py)
+        from difftrain.diffusion.objective import build_objective
+        from difftrain.interop.ode_export import export_ode_diffusers
+
+        return export_ode_diffusers(unet, build_objective(cfg.diffusion), out, state["num_classes"])
+    scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
+    DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
+    if state["num_classes"]:
+        snippet = CONDITIONAL_SNIPPET.format(folder=out, num_classes=state["num_classes"])
+        (out / "README.md").write_text(
+            f"# A class-conditional difftrain model ({state['num_classes']} classes)\n\n"
+            "DDPMPipeline and DDIMPipeline pass no class labels, which this UNet requires "
+            "(\"class_labels should be provided\"). Sample with the scheduler and the UNet:\n\n"
+            f"```python\n{snippet}```\n")
+    return out
+
+
+def pipeline_generator(seed: int) -> torch.Generator:
+    """A CPU generator whose first draw is difftrain's initial noise for ``seed``: a DDIM
+    pipeline (eta = 0) called with it gives the images of ``difftrain sample --seed SEED``."""
+    from difftrain.runtime.seeding import derive_seed
+
+    return torch.Generator().manual_seed(derive_seed(seed, "initial-noise"))
+
+
+def export_stable_diffusion(
+    unet: ConditionUNet,
+    *,
+    objective_cfg,
+    text_encoder_source: str,
+    vae_source: str | None,
+    out_dir: str | Path,
+) -> Path:
+    """Write a ``StableDiffusionPipeline`` folder (``families.sd.write_pipeline``): ``unet``'s weights,
+    the text encoder and tokenizer of ``text_encoder_source``, the VAE of ``vae_source`` and a
+    ``scheduler/`` of :func:`scheduler_config` of ``objective_cfg`` (the ``cfg.diffusion`` section),
+    with x0 not clipped (StableDiffusionPipeline turns ``clip_sample`` off, as latents are not confined
+    to [-1, 1]). Returns ``out_dir``. A text model of difftrain's own UNet, or a model without a VAE,
+    raises a ValueError saying why.
+    """
+    from difftrain.families.sd import write_pipeline
+
+    # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
+    # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
+    scheduler = {**scheduler_config(objective_cfg), "clip_sample": False, "steps_offset": 1}
+    return write_pipeline(unet, scheduler, text_encoder_source, vae_source, out_dir)
+
+
