@@ -59,7 +59,7 @@ def _unet_overrides(base_channels: int, resolution: int, checkpointing: bool) ->
 def _diffusers_unet(checkpointing: bool):
     import diffusers
 
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
     from difftrain.config import load_config
     from difftrain.networks.conditioning import Conditioning
 
@@ -77,7 +77,7 @@ def _diffusers_unet(checkpointing: bool):
 def checkpointing_row(which: str, checkpointing: bool, args) -> dict:
     from difftrain.networks.conditioning import Conditioning
     from difftrain.config import load_config
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
 
     g = torch.Generator().manual_seed(0)
     if which == "unet":

@@ -126,7 +126,7 @@ def init_from_sharded(ctx, run_dir: str, cfg_overrides: list[str]) -> dict:
 
 def counted(base_channels: int, parallel: str, world: int) -> dict:
     from difftrain.tools.parallel_memory import counted_memory
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
 
     cfg = load_config(None, overrides(base_channels, parallel, 3))
     with torch.device("meta"):

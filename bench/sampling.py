@@ -19,7 +19,7 @@ import torch
 from difftrain.diffusion.objective import DDPMObjective
 from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
 from difftrain.generation.sampling import generate, initial_noise
-from difftrain.training.state import build_model
+from difftrain.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _steps import bench_config, median, sync  # noqa: E402

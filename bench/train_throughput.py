@@ -57,7 +57,7 @@ def preset_precision(preset: str) -> str:
 
 def flops_per_image(cfg, device: torch.device) -> float:
     """Forward + backward FLOPs of difftrain's model per image (counted, batch 2)."""
-    from difftrain.training.state import build_model
+    from difftrain.models import build_model
 
     model = build_model(cfg).to(device)
     r = cfg.data.resolution

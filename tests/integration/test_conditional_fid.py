@@ -20,7 +20,7 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.evaluate import DatasetCaptions, FIDConditions, sample_features
 from difftrain.training.loop import train
 from tests.fid_standin import use_standin, write_standin
-from difftrain.training.state import build_model
+from difftrain.models import build_model
 
 DIM = 32
 TEXT = ["data.captions=true", "model.text_encoder=builtin:tiny-clip"]

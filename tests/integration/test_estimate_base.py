@@ -187,7 +187,7 @@ def test_quantized_base_weights_equal_bitsandbytes_to_the_byte(wide_flux, kind):
     pytest.importorskip("bitsandbytes")
     from difftrain.networks.conditioning import Conditioning
     from difftrain.networks.quantize import quantized_layers
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
 
     folder, configs = wide_flux
     extra = ("lora.rank=4", "lora.alpha=4", f"model.quantize_base={kind}")

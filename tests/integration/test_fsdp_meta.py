@@ -117,7 +117,7 @@ def test_a_ranks_start_up_and_resume_hold_no_whole_copy(tmp_path):
     this replaced: 514 and 1161 MiB)."""
     from difftrain.networks.conditioning import Conditioning
     from difftrain.tools.parallel_memory import counted_memory
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
 
     overrides = [*RUN, "model.base_channels=192"]
     cfg = load_config(None, overrides)

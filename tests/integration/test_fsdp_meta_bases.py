@@ -32,7 +32,8 @@ def _built(ctx, runs: list[list[str]]) -> list[dict]:
     EMA's, the network's record, the names of what trains."""
     import difftrain.checkpoints.checkpoint as checkpoint_module
     import difftrain.training.state as state_module
-    from difftrain.training.state import RunState, network_record
+    from difftrain.networks.build import network_record
+    from difftrain.training.state import RunState
 
     out, consolidated = [], []
     whole_read = checkpoint_module.load_consolidated

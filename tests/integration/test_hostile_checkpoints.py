@@ -251,7 +251,7 @@ def test_a_sharded_checkpoint_to_start_an_fsdp_run_from_is_checked_from_its_meta
     from difftrain.networks.init_from import defer_init_weights
     from difftrain.runtime import meta_init
     from difftrain.runtime.tensor_source import DeferredWeights
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
 
     saved = ckpt.load_checkpoint(sharded_run, tensors=False)
 

@@ -267,7 +267,7 @@ def test_files_of_other_programs_hold_the_adapter_and_sample_as_diffusers_does(r
 
 def test_init_lora_from_starts_the_adapter_from_a_file(runs, tmp_path, tiny_overrides, capsys):
     from difftrain.networks.conditioning import Conditioning
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
 
     files = _their_files(runs, tmp_path)
     want = _outputs(load_model(runs / "lora", device="cpu").model)

@@ -25,7 +25,7 @@ from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from difftrain.training.ema import EMA  # noqa: E402
 from difftrain.training.optimizers import build_optimizer  # noqa: E402
-from difftrain.training.state import build_network  # noqa: E402
+from difftrain.networks.build import build_network  # noqa: E402
 from tests.integration.test_lora import PROMPT, _digests, _one_error_line, _pipeline_images, _sd_overrides  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
 from tests.text_components import write_tiny_sd_folder  # noqa: E402
@@ -148,8 +148,8 @@ def test_the_base_quantized_as_it_loads_is_the_base_quantized_after_a_whole_load
     resume's rebuild from the checkpoint's record), against the float base loaded whole and quantized after
     (``_quantized_base`` off): every frozen tensor (quantized storage and scales included), the adapter's start
     and the record (the float base's digest) the same, bit for bit."""
-    import difftrain.training.state as state_module
-    from difftrain.training.state import network_record
+    import difftrain.networks.build as build_module
+    from difftrain.networks.build import network_record
 
     cfg = load_config(None, _overrides(tmp_path, tiny_overrides, kind))
     conditioning = Conditioning.from_config(cfg, 0)
@@ -161,7 +161,7 @@ def test_the_base_quantized_as_it_loads_is_the_base_quantized_after_a_whole_load
 
     new = built()
     resumed = built(new[3])
-    monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
+    monkeypatch.setattr(build_module, "_quantized_base", lambda *args: None)
     for ours, theirs in ((new, built()), (resumed, built(new[3]))):
         _assert_same_build(ours, theirs)
     # A new run's adapter starts the same (a resume's is the checkpoint's: the whole rebuild draws its own).
@@ -177,10 +177,11 @@ def test_difftrains_unet_as_a_quantized_base_is_quantized_as_it_loads_as_after_a
     against the float base built and loaded whole and quantized after (``_quantized_base`` off): every frozen
     tensor, the adapter's start (the replay draws the whole build's random numbers) and the record (the float
     base's digest) the same, bit for bit, a resume's rebuild included."""
-    import difftrain.training.state as state_module
+    import difftrain.networks.build as build_module
     from difftrain.interop.diffusers import export_diffusers
     from difftrain.checkpoints.weights_file import save_weights_file
-    from difftrain.training.state import RunState, network_record
+    from difftrain.networks.build import network_record
+    from difftrain.training.state import RunState
 
     base_cfg = load_config(None, [*tiny_overrides, "train.device=cpu"])
     state = {**RunState.build(base_cfg, 0, torch.device("cpu")).state_dict(), "path": "base"}
@@ -203,9 +204,9 @@ def test_difftrains_unet_as_a_quantized_base_is_quantized_as_it_loads_as_after_a
         return net, _frozen(net), net.state_dict(), network_record(net), torch.random.get_rng_state()
 
     new = built()
-    assert state_module._quantized_base(cfg, conditioning, None) is not None  # the path under test, not the fallback
+    assert build_module._quantized_base(cfg, conditioning, None) is not None  # the path under test, not the fallback
     resumed = built(new[3])
-    monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
+    monkeypatch.setattr(build_module, "_quantized_base", lambda *args: None)
     for ours, theirs in ((new, built()), (resumed, built(new[3]))):
         _assert_same_build(ours, theirs)
         assert torch.equal(ours[4], theirs[4])  # the generator where the whole build leaves it
@@ -401,19 +402,19 @@ def build_peak(unet: str, kind: str, as_it_loads: bool) -> dict:
 
     from multiproc import reset_peak, status_bytes
 
-    import difftrain.training.state as state_module
+    import difftrain.networks.build as build_module
     from difftrain.networks.conditioning import Conditioning
     from difftrain.networks.quantize import logical_numel
     from tests.conftest import TINY_OVERRIDES
 
     torch.set_num_threads(1)
     if not as_it_loads:
-        state_module._quantized_base = lambda *args: None
+        build_module._quantized_base = lambda *args: None
 
     def build(folder):
         cfg = load_config(None, [*TINY_OVERRIDES, "train.device=cpu", f"model.init_from={folder}", "lora.rank=4",
                                  f"model.quantize_base={kind}"])
-        return state_module.build_network(cfg, Conditioning(0, channels=cfg.data.channels, resolution=cfg.data.resolution))
+        return build_module.build_network(cfg, Conditioning(0, channels=cfg.data.channels, resolution=cfg.data.resolution))
 
     with tempfile.TemporaryDirectory() as tmp:  # a small one first: what the first build imports and sets up
         build(write_attention_unet_folder(Path(tmp) / "small", channels=32, depth=1))

@@ -304,7 +304,7 @@ def test_training_skips_bad_images_including_one_that_goes_bad_mid_run(tmp_path,
 
 @pytest.mark.parametrize("count", [0, 3])
 def test_empty_or_too_small_folder_fails_before_the_model_is_built(tmp_path, tiny_overrides, monkeypatch, count):
-    from difftrain.training import state
+    from difftrain.networks import build
 
     root = tmp_path / "d"
     root.mkdir()
@@ -313,7 +313,7 @@ def test_empty_or_too_small_folder_fails_before_the_model_is_built(tmp_path, tin
         from PIL import Image
 
         Image.new("RGB", (20, 20), (i, 0, 0)).save(root / f"{i}.png")
-    monkeypatch.setattr(state, "build_model", lambda *a: pytest.fail("the model was built"))
+    monkeypatch.setattr(build, "build_model", lambda *a: pytest.fail("the model was built"))
     cfg = load_config(None, tiny_overrides + [f"data.path={root}"])
     with pytest.raises(ValueError, match=r"holds 0 images|fewer than train.batch_size"):
         train(cfg, tmp_path / "run")

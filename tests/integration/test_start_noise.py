@@ -51,7 +51,7 @@ def test_difftrain_imports_no_quantization_library_for_a_run_that_does_not_quant
             "import difftrain.cli, difftrain.training.loop, difftrain.networks.quantize, difftrain.training.optimizers\n"
             "from difftrain.config import load_config\n"
             "from difftrain.networks.conditioning import Conditioning\n"
-            "from difftrain.training.state import build_network\n"
+            "from difftrain.networks.build import build_network\n"
             "from difftrain.training.optimizers import build_optimizer\n"
             "cfg = load_config(None, ['model.preset=tiny', 'data.resolution=16'])\n"
             "net = build_network(cfg, Conditioning.from_config(cfg, 0))\n"

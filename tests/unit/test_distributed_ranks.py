@@ -16,7 +16,7 @@ from difftrain.evaluation.during_training import sharded_sample_features
 from difftrain.evaluation.evaluate import FIDConditions
 from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.runtime import distributed
-from difftrain.training.state import build_model
+from difftrain.models import build_model
 from difftrain.data.split import split_heldout
 from difftrain.diffusion.objective import build_objective
 from difftrain.training.heldout import HeldOutLoss

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from difftrain.networks.conditioning import Conditioning  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
 from difftrain.runtime.fsdp import blocks  # noqa: E402
-from difftrain.training.state import build_network  # noqa: E402
+from difftrain.networks.build import build_network  # noqa: E402
 
 B, L = 2, 5  # batch, text tokens
 

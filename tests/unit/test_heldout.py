@@ -6,7 +6,7 @@ import torch
 
 from difftrain.config import load_config
 from difftrain.data import build_dataset
-from difftrain.training.state import build_model
+from difftrain.models import build_model
 from difftrain.data.split import heldout_indices, split_heldout
 from difftrain.diffusion.objective import DDPMObjective, build_objective
 from difftrain.training.heldout import HeldOutLoss, bucket_bounds

@@ -119,7 +119,7 @@ def test_init_from_a_folder_saved_under_the_attention_names_diffusers_renames_re
     from difftrain.networks.init_from import defer_init_weights
     from difftrain.runtime import meta_init
     from difftrain.runtime.tensor_source import DeferredWeights
-    from difftrain.training.state import build_network
+    from difftrain.networks.build import build_network
 
     state = make_checkpoint(tmp_path)
     weights = export(tmp_path, tmp_path / "pipe") / "unet" / "diffusion_pytorch_model.safetensors"

@@ -13,7 +13,7 @@ from conftest import TINY_OVERRIDES
 from difftrain.networks.conditioning import Conditioning
 from difftrain.config import load_config
 from difftrain.runtime import meta_init
-from difftrain.training.state import build_network
+from difftrain.networks.build import build_network
 
 pytest.importorskip("accelerate")
 

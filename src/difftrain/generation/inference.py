@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.networks.build import build_network
 from difftrain.networks.conditioning import Conditioning, moved_parts
 from difftrain.config import Config, config_from_dict
 from difftrain.diffusion.objective import Objective, build_objective
@@ -17,7 +18,6 @@ from difftrain.generation.sampling import (GRID_NAME, GRID_TEXT, generate, grid_
                                 naming_samples, save_png, to_uint8)
 from difftrain.checkpoints.checkpoint import load_checkpoint, load_weights
 from difftrain.runtime.progress import CountProgress
-from difftrain.training.state import build_network, check_quantize_device
 
 
 @dataclasses.dataclass
@@ -89,8 +89,8 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
                          "(Flux): it has no guidance input")
     if state.get("frozen", {}) is not None:  # None: another program's LoRA file, on the base's own parts
         conditioning.check_references(state.get("frozen", {}), state["path"])
-    check_quantize_device(cfg, device)  # a quantized base's run samples on its quantized base, as it validated
-    model = build_network(cfg, conditioning, state.get("network"), init_weights=False)
+    # device: a quantized base's run samples on its quantized base, as it validated (refused where it cannot run)
+    model = build_network(cfg, conditioning, state.get("network"), init_weights=False, device=device)
     load_weights(model, tensors, state["path"], key)
     if lora_scale != 1.0:
         if not hasattr(model, "set_scale"):

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from difftrain.config import config_from_dict, config_to_toml
+from difftrain.networks.build import build_network
 
 # The file format and its reader live one layer down, in lora_import.py (re-exported here).
 from difftrain.networks.lora_import import (  # noqa: F401
@@ -282,7 +283,6 @@ def merged_state(state: dict, use_ema: bool = True, *, text_encoder: str | None 
     ``lora.rank`` 0 in its config: what ``export --merge`` hands to the whole-network writers."""
     from difftrain.networks.conditioning import Conditioning, moved_parts
     from difftrain.checkpoints.checkpoint import load_weights
-    from difftrain.training.state import build_network
 
     adapter = adapter_of(state, use_ema)
     cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)

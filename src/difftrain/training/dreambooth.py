@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from difftrain.data.prompted import PairedDataset, PromptedDataset, instance_dataset  # noqa: F401 - re-exported
+from difftrain.networks.build import build_network, without_lora
 from difftrain.runtime.device import to_device_async
 
 CLASS_RECORD = "class_images.json"  # beside the class images: the prompt and base they were made from
@@ -53,7 +54,6 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     another prompt or resolution is refused (one ValueError naming it)."""
     from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
     from difftrain.generation.sampling import generate, initial_noise, save_png, to_uint8
-    from difftrain.training.state import _without_lora, build_network
 
     db = cfg.dreambooth
     folder.mkdir(parents=True, exist_ok=True)
@@ -71,7 +71,7 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
         return 0
     print(f"difftrain: dreambooth: making {len(missing)} class images of {db.class_prompt!r} in {folder} "
           f"(base {cfg.model.init_from}, {DEFAULT_SAMPLERS[cfg.diffusion.objective]} {db.class_steps} steps, guidance {db.class_guidance_scale})")
-    net = build_network(_without_lora(cfg), conditioning, None, init_weights=True).to(device).eval()
+    net = build_network(without_lora(cfg), conditioning, None, init_weights=True).to(device).eval()
     channels, resolution = conditioning.network_shape()
     seed = int(hashlib.sha256(f"{cfg.train.seed}:{db.class_prompt}".encode()).hexdigest()[:8], 16)
     noise = initial_noise(db.num_class_images, (channels, resolution, resolution), seed)[missing]
