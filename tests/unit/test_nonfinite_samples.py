@@ -11,7 +11,8 @@ from torch import nn
 
 from difftrain.networks.conditioning import Conditioning
 from difftrain.diffusion.objective import DDPMObjective
-from difftrain.generation.sampling import NonFiniteSamples, generate, naming_samples, output_is_finite
+from difftrain.generation.sampling import NonFiniteSamples, generate, naming_samples
+from difftrain.networks.probe import output_is_finite
 
 
 class Toy(nn.Module):

@@ -143,32 +143,6 @@ def generate(
     return torch.cat(out)
 
 
-PROBE_SEED = 0  # the fixed input of output_is_finite
-
-
-@torch.no_grad()
-def output_is_finite(model: nn.Module, objective: Objective, conditioning, device: torch.device | str,
-                     autocast: contextlib.AbstractContextManager | None = None) -> bool:
-    """Whether one forward of ``model`` on a small fixed input is finite: x_t (1, C, H, W) at the
-    network's shape (``conditioning.network_shape()``), noised from zeros by fixed noise to the median
-    training level of ``objective``, with the null condition (``conditioning.null``; None unconditional).
-    The model runs in eval mode (restored after), under ``autocast`` where given; no random number
-    of the caller's is drawn. Every rank of a sharded (FSDP) model must call it together."""
-    channels, resolution = conditioning.network_shape()
-    gen = torch.Generator().manual_seed(derive_seed(PROBE_SEED, "output-probe"))
-    noise = torch.randn((1, channels, resolution, resolution), generator=gen).to(device)
-    levels = objective.quantile(torch.tensor([0.5])).to(device)
-    b = objective.noised(torch.zeros_like(noise), levels, noise)
-    was_training = model.training
-    model.eval()
-    try:
-        with autocast or contextlib.nullcontext():
-            out = model(b.input, b.cond, conditioning.null(1, device))
-    finally:
-        model.train(was_training)
-    return bool(torch.isfinite(out).all())
-
-
 def quantize(images: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) in [-1, 1] -> (N, C, H, W) uint8 tensor, rounded as a PNG stores the image."""
     return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

@@ -35,11 +35,18 @@ import tomllib
 from collections import Counter
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
-from difftrain.checkpoints.weights_file import read_safetensors
-from difftrain.networks.lora import ADAPTER, is_lora_record, record_kind
 from difftrain.checkpoints.checkpoint import CheckpointError, check_schema
+from difftrain.checkpoints.weights_file import read_safetensors
+from difftrain.config import config_to_dict, load_config
+from difftrain.families import detect, family_of_record
+from difftrain.families.base import read_json
+from difftrain.models.text import first_line
+from difftrain.networks.lora import ADAPTER, is_lora_record, record_kind
+from difftrain.networks.probe import output_is_finite
+from difftrain.runtime import meta_init
 
 ADAPTER_FORMAT = "difftrain-lora-v1"
 ADAPTER_KEY = "difftrain_adapter"  # the metadata key of difftrain's record (JSON)
@@ -59,7 +66,7 @@ def _module(key: str) -> str:
 def peft_names(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     """``state`` (a family's ``lora_state``, keys under ``prefix.``) in peft's names, converted by
     diffusers' ``convert_unet_state_dict_to_peft`` (kohya's and diffusers' old ``to_q_lora.down`` names)."""
-    from diffusers.utils import convert_unet_state_dict_to_peft
+    from diffusers.utils import convert_unet_state_dict_to_peft  # optional (the lora extra)
 
     return convert_unet_state_dict_to_peft({k[len(prefix) + 1:]: v for k, v in state.items()})
 
@@ -82,10 +89,8 @@ def adopt(path: Path, family, denoiser: nn.Module, base) -> tuple[dict, dict[str
     by diffusers' ``load_lora_adapter``: (settings as a LoRA record keeps them: ``rank``, ``alpha``,
     ``dropout``, ``targets`` (the module names), ``kind``; the adapter in peft's names, with each
     module's alpha folded into its ``lora_B``). One ValueError naming the file otherwise."""
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # optional (the lora extra): peft and diffusers inside, where used
     from peft.tuners.tuners_utils import BaseTunerLayer
-
-    from difftrain.models.text import first_line
 
     state, alphas, metadata, others = family.lora_state(path, denoiser.config)
     if not state:
@@ -131,12 +136,10 @@ def adopt(path: Path, family, denoiser: nn.Module, base) -> tuple[dict, dict[str
 
 def check_adapted_output(model: nn.Module, objective, conditioning, device, where: str, autocast=None) -> None:
     """One ValueError naming ``where`` (the adapter file) unless ``model``, with the adapter loaded, gives a
-    finite output on a fixed input (``sampling.output_is_finite``: one forward of one sample at the network's
+    finite output on a fixed input (``probe.output_is_finite``: one forward of one sample at the network's
     shape, the null condition, the median training level of ``objective``; under ``autocast`` where given).
     Finite weights whose outputs overflow (a kohya ``alpha`` of 1e30) would sample black images and skip
     every training step."""
-    from difftrain.generation.sampling import output_is_finite
-
     if not output_is_finite(model, objective, conditioning, device, autocast):
         raise ValueError(f"{where}: the network with this adapter gives non-finite outputs (NaN or inf) on a fixed "
                          "test input: its weights or alpha overflow; difftrain refuses it")
@@ -145,8 +148,6 @@ def check_adapted_output(model: nn.Module, objective, conditioning, device, wher
 def native_resolution(folder: Path, denoiser: nn.Module) -> int:
     """The image side a base samples by default: its denoiser's ``sample_size`` (latent; 128 where the
     config has none, as FluxPipeline's default) times its VAE's downsampling."""
-    from difftrain.families.base import read_json
-
     vae = read_json(folder / "vae" / "config.json", f"base {folder}")
     return int(denoiser.config.get("sample_size") or 128) * 2 ** (len(vae.get("block_out_channels", [0])) - 1)
 
@@ -156,9 +157,6 @@ def read_foreign(path: Path, base: str | Path) -> dict:
     takes (``adapters.read_adapter``): the base's training config at its native resolution, a LoRA
     record without a digest (the file names no base; its modules must all fit this one), no frozen
     parts to check, step 0. One ValueError naming the file or the folder otherwise."""
-    from difftrain.config import config_to_dict, load_config
-    from difftrain.families import detect
-
     folder = Path(base).expanduser()
     family = detect(folder)
     denoiser = family.load_denoiser(folder)
@@ -197,8 +195,6 @@ def kohya_tensors(path: Path, family, record: dict, tensors: dict[str, Tensor]) 
     each ``<kohya_prefix><module with _>`` named back after the module of the base (a stand-in built from
     the record, without weights) it names, ``.alpha`` dropped (the record holds it), LoKr's folded scale
     divided out. One CheckpointError for a name of no module."""
-    from difftrain.runtime import meta_init
-
     with meta_init.empty_build():
         stand_in = family.denoiser_from_record(record["base"])
     modules = {kohya_name(family.kohya_prefix, n): n for n, _ in stand_in.model.named_modules() if n}
@@ -269,8 +265,6 @@ def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[s
     """The adapter (peft's names) of a file difftrain wrote: as they are (difftrain layout), read back by
     the base family's pipeline (``read_lora``: diffusers layout, its folded scale divided out), or named back
     (kohya layout: :func:`kohya_tensors`)."""
-    from difftrain.families import family_of_record
-
     if fields["layout"] == "difftrain":
         return tensors
     family = family_of_record(fields["network"]["base"])
@@ -284,8 +278,6 @@ def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[s
 def init_adapter_from(net, path: str | Path) -> None:
     """Copy the LoRA file ``path`` into the adapter of the new LoraNetwork ``net`` (``model.init_lora_from``):
     :func:`adapter_start` loaded into it."""
-    import torch
-
     with torch.no_grad():
         net.load_state_dict(adapter_start(net, path), strict=False)
 
@@ -297,11 +289,6 @@ def adapter_start(net, path: str | Path) -> dict[str, Tensor]:
     alpha is folded into ``lora_B`` where it differs from ``net``'s. One ValueError naming the file otherwise.
     Reads no weight of ``net`` (it may be on the meta device: FSDP fills its shards from these), and draws no
     random number: another program's file is put on a stand-in of the base without weights."""
-    import torch
-
-    from difftrain.families import family_of_record
-    from difftrain.runtime import meta_init
-
     path = adapter_file(path)
     metadata, _ = read_safetensors(path, "model.init_lora_from")
     where = f"model.init_lora_from {path}"
