@@ -19,13 +19,16 @@ when an adapter is built (``pip install 'difftrain[lora]'``).
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import OrderedDict
 
 import torch
 from torch import Tensor, nn
 
+from difftrain.models.text import weights_digest
 from difftrain.networks.quantize import quantize_base
+from difftrain.runtime.optional import require
 
 NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
 
@@ -49,8 +52,6 @@ CONV_TARGETS = ("conv1", "conv2")
 
 def import_peft():
     """The ``peft`` module, or one ``MissingDependency`` line naming the extra that installs it."""
-    from difftrain.runtime.optional import require
-
     require("peft.tuners.lora", "lora", "lora.rank > 0")
     return require("peft", "lora", "lora.rank > 0")
 
@@ -101,8 +102,6 @@ def _example_names(base: nn.Module) -> str:
 def base_digest(base: nn.Module) -> str:
     """SHA-256 of the base network's weights (names, shapes, float32 bytes): what an adapter
     records of the base it was trained on, and checks when it is loaded onto one."""
-    from difftrain.models.text import weights_digest
-
     return weights_digest(base)
 
 
@@ -141,12 +140,17 @@ class LoraNetwork(nn.Module):
         with torch.autocast(x.device.type, dtype=dtype):
             return self.base(x, t, cond).to(x.dtype)
 
+    def fsdp_inner(self) -> nn.Module:
+        """The network whose blocks FSDP shards as this one's units (``runtime/fsdp.py`` asks for it): the
+        adapted base, the adapter's layers lying inside its blocks."""
+        return self.base
+
     # -- the adapter as the state dict ---------------------------------------------------------
 
     def _adapter(self, keep_vars: bool = True) -> dict[str, Tensor]:
         """Public name -> adapter tensor: peft's ``get_peft_model_state_dict`` of the base (lora_A /
         lora_B, DoRA's magnitude, LoHa's and LoKr's factors of every adapted layer)."""
-        from peft import get_peft_model_state_dict
+        from peft import get_peft_model_state_dict  # optional (the lora extra): imported once an adapter exists
 
         params = dict(self.base.named_parameters())  # named as peft found the layers
         raw_names = {id(t): k for k, t in params.items()}
@@ -188,7 +192,7 @@ class LoraNetwork(nn.Module):
 
     def lora_layers(self) -> list[nn.Module]:
         """The adapted layers (peft's tuner layers of every kind)."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer  # optional (the lora extra)
 
         return [m for m in self.base.modules() if isinstance(m, BaseTunerLayer)]
 
@@ -202,9 +206,7 @@ class LoraNetwork(nn.Module):
         """The base network's state dict (its own names) with the adapter folded into every adapted
         layer's weight by peft's own ``merge`` (W + scale B A; DoRA's m (W + s B A) / ||W + s B A||;
         LoHa's and LoKr's products), each on a copy of its layer; this network is left as it was."""
-        import copy
-
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer  # optional (the lora extra)
 
         merged_weights = {}
         for name, module in self.base.named_modules():
@@ -244,7 +246,7 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
                digest: str | None = None) -> LoraNetwork:
     """Freeze ``base`` and inject LoRA layers of ``lora_cfg`` (``cfg.lora``) into it, in place.
 
-    base_record: the base's record (``state.network_record``), which picks the default
+    base_record: the base's record (``build.network_record``), which picks the default
     targets; base_source: where its weights came from (``model.init_from``). The adapter starts
     as peft starts it (A random from the global torch RNG, B zero: the network is the base).
     saved: the LoRA record of a checkpoint or adapter file (``where``) to rebuild instead: its

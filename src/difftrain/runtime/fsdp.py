@@ -66,12 +66,11 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     whole: a level appends to or pops from the list of skip connections it is passed, and FSDP's
     hooks pass a module copies of its arguments). A base family's denoiser: its
     ``fsdp_units()`` (the family's ``fsdp_units``; a diffusers UNet: the ResNet, transformer and
-    resampling modules of its blocks).
+    resampling modules of its blocks). A network wrapped around another (a LoRA network,
+    ``networks/lora.py``) names the one whose blocks are its units by ``fsdp_inner()``.
     What is left (embeddings, the first and last convolutions) belongs to the root's unit."""
-    from difftrain.networks.lora import LoraNetwork
-
-    if isinstance(model, LoraNetwork):  # the adapted base's blocks (the adapter's layers lie inside them)
-        model = model.base
+    if callable(getattr(model, "fsdp_inner", None)):  # a wrapper: its inner network's blocks (a LoRA's base)
+        model = model.fsdp_inner()
     if callable(getattr(model, "fsdp_units", None)):  # a base family's denoiser names its own (difftrain.families)
         return list(model.fsdp_units())
     unet = model
