@@ -20,11 +20,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
+from difftrain.data.text_cache import cached_prompt_encoder
+from difftrain.families import drop_rows, family_of_config
+from difftrain.models import MODEL_PRESETS
+from difftrain.models.text import TextEncoder
+from difftrain.models.vae import LatentCodec, vae_factor
 from difftrain.runtime.device import to_device_async
+
 # A network's condition: labels (B,), text embeddings (B, L, D), a base family's dict of batch-first
 # tensors (difftrain.families: {"prompt_embeds", "pooled", "time_ids", ...}), or None.
 Condition = Tensor | dict[str, Tensor] | None
@@ -55,19 +63,11 @@ def image_side_multiple(cfg) -> int:
     run's VAE factor, or a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio
     buckets (``data/buckets.py``) round their sides to it."""
     if cfg.model.vae:
-        from types import SimpleNamespace
-
-        from difftrain.models.vae import vae_factor
-
         factor = vae_factor(cfg.model.vae)
         family = None
         if cfg.model.init_from and cfg.model.family != "":
-            from difftrain.families import family_of_config
-
             family = family_of_config(cfg)
         return family.image_side_multiple(SimpleNamespace(factor=factor)) if family is not None else factor
-    from difftrain.models import MODEL_PRESETS
-
     mult = cfg.model.channel_mult or MODEL_PRESETS.get(cfg.model.preset, {}).get("channel_mult", (1,))
     return 2 ** (len(mult) - 1)
 
@@ -106,28 +106,17 @@ class Conditioning:
         where ``text.cache`` asks for it (``data/text_cache.py``), loaded only to fill it."""
         text = codec = family = None
         if cfg.model.text_encoder and cfg.model.init_from and cfg.model.family != "":
-            from difftrain.families import family_of_config  # a base family encodes its own prompts
-
-            family = family_of_config(cfg)
+            family = family_of_config(cfg)  # a base family encodes its own prompts
         if cfg.model.text_encoder and family is not None:
-            from pathlib import Path
-
-            from difftrain.data.text_cache import cached_prompt_encoder
-
             folder, options = Path(cfg.model.text_encoder).expanduser(), family.prompt_options(cfg)
             load = lambda: family.load_prompt_encoder(folder, device, **options)
             text = cached_prompt_encoder(cfg, family.name, folder, options, load, device) if text_cache else None
             text = load() if text is None else text  # without the cache: loaded now
         elif cfg.model.text_encoder:
-            from difftrain.data.text_cache import cached_prompt_encoder
-            from difftrain.models.text import TextEncoder
-
             if text_cache:  # refuses text.cache='on' for difftrain's own encoder, which is not cached
                 cached_prompt_encoder(cfg, None, None, {}, None, device)
             text = TextEncoder.from_path(cfg.model.text_encoder).to(device)
         if cfg.model.vae:
-            from difftrain.models.vae import LatentCodec
-
             codec = LatentCodec.from_path(cfg.model.vae).to(device)
         made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution)
         made.family = family
@@ -173,8 +162,6 @@ class Conditioning:
         (of "" where dropped), or None for an unconditional run.
         """
         if self.family is not None:  # a base family's dict; dropped rows take the null's, no host read
-            from difftrain.families import drop_rows
-
             cond = self.text.encode(list(second), device)
             if drop is not None:
                 cond = drop_rows(cond, self.text.null(1, device), drop)

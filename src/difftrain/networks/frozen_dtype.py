@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from difftrain.networks.lora import is_lora_record
 from difftrain.runtime.precision import DTYPES
 
 
@@ -31,8 +32,6 @@ def frozen_dtype(cfg, network: dict | None = None, part: str = "denoiser") -> to
     encoders and VAE), or None (kept float32): ``train.precision``'s dtype in a LoRA run (``lora.rank``, or a
     checkpoint's LoRA ``network`` record) in bf16 or fp16; None for fp32 and a full fine-tune, and for the
     denoiser of a quantized base (``model.quantize_base``) or under FSDP (module docstring)."""
-    from difftrain.networks.lora import is_lora_record
-
     lora = bool(cfg.lora.rank) if network is None else is_lora_record(network)
     if cfg.train.precision == "fp32" or not lora:
         return None

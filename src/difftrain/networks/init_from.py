@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import json
 import tomllib
+import zipfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from difftrain.checkpoints.checkpoint import CheckpointError, load_checkpoint, load_weights
+from difftrain.checkpoints import sharded as sharded
+from difftrain.checkpoints.checkpoint import FORMAT, OLDER_FORMATS, CheckpointError, load_checkpoint, load_weights
+from difftrain.checkpoints.store import RUN_STATE, find_checkpoint, is_sharded_checkpoint
 from difftrain.checkpoints.weights_file import WEIGHTS_FORMAT, is_weights_file, load_weights_file
 from difftrain.diffusion.scheduler_configs import diffusers_training
+from difftrain.families import Denoiser, detect, is_base_folder
+from difftrain.families.base import loaded_names
+from difftrain.families.sd import is_condition_unet_folder
+from difftrain.models.diffusers_export import diffusers_config, diffusers_name
+from difftrain.runtime import meta_init
+from difftrain.runtime.tensor_source import TensorSource
 
 
 # config.json keys of a UNet2DModel that change the function it computes (dropout does not).
@@ -45,8 +56,6 @@ def _read_diffusers_weights(folder: Path) -> dict[str, Tensor]:
     """The state dict of a diffusers model folder (safetensors preferred, else the .bin)."""
     st, binary = folder / "diffusion_pytorch_model.safetensors", folder / "diffusion_pytorch_model.bin"
     if st.is_file():
-        from safetensors.torch import load_file
-
         tensors = load_file(str(st), device="cpu")
     elif binary.is_file():
         tensors = torch.load(binary, map_location="cpu", weights_only=True)
@@ -63,8 +72,6 @@ def _normal(value):
 def _check_unet_config(model: nn.Module, folder: Path) -> None:
     """One ValueError naming the first functional config.json key of the UNet2DModel ``folder`` that differs
     from ``model``'s."""
-    from difftrain.models.diffusers_export import diffusers_config
-
     theirs_cfg = json.loads((folder / "config.json").read_text())
     ours_cfg = diffusers_config(model)
     for key in _FUNCTIONAL_KEYS:
@@ -79,10 +86,7 @@ def _loaded_names(folder: Path, names: set[str]) -> dict[str, str]:
     (attention blocks saved before diffusers 0.15, google/ddpm-cifar10-32's ``.bin``: ``query`` -> ``to_q``...):
     diffusers' own renaming run on the names (``families.base.loaded_names``) of the folder's UNet2DModel
     built on the meta device, nothing initialised."""
-    from diffusers import UNet2DModel
-
-    from difftrain.families.base import loaded_names
-    from difftrain.runtime import meta_init
+    from diffusers import UNet2DModel  # optional (the text extra): imported only where a diffusers folder is read
 
     with meta_init.empty_build() if meta_init.available() else torch.device("meta"):
         unet = UNet2DModel.from_config(json.loads((folder / "config.json").read_text()))
@@ -92,8 +96,6 @@ def _loaded_names(folder: Path, names: set[str]) -> dict[str, str]:
 def diffusers_to_difftrain(model: nn.Module, folder: str | Path) -> dict[str, Tensor]:
     """The weights of the diffusers UNet2DModel in ``folder`` under ``model``'s names, or one
     ValueError naming the folder and the first key (config or weight) that does not match."""
-    from difftrain.models.diffusers_export import diffusers_name
-
     folder = _unet_folder(Path(folder))
     _check_unet_config(model, folder)
     tensors = _read_diffusers_weights(folder)
@@ -116,8 +118,6 @@ def load_init_network(source: str | Path):
     """The denoiser (weights included) of a ``model.init_from`` naming a base folder of a family
     (``difftrain.families``: a Stable Diffusion folder or a bare UNet2DConditionModel folder, ...); a
     ValueError naming the folder otherwise."""
-    from difftrain.families import detect
-
     try:
         return detect(source).load_denoiser(Path(source).expanduser())
     except ValueError as e:
@@ -154,8 +154,6 @@ def init_source_training(source: str | Path) -> dict:
     folder) or cannot be read. Reads no weights."""
     path = Path(source).expanduser()
     try:
-        from difftrain.checkpoints.sharded import is_sharded_checkpoint
-
         if (path.is_dir() and not (path / "checkpoints").is_dir() and not list(path.glob("step_*.pt"))
                 and not list(path.glob("step_*.dcp")) and not is_sharded_checkpoint(path)):
             for folder in (path, path.parent):
@@ -164,14 +162,9 @@ def init_source_training(source: str | Path) -> dict:
                     return diffusers_training(json.loads(config.read_text()))
             return {}
         if is_weights_file(path):
-            from safetensors import safe_open
-
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 diffusion = tomllib.loads((f.metadata() or {})["config"]).get("diffusion", {})
         else:
-            from difftrain.checkpoints.checkpoint import find_checkpoint
-            from difftrain.checkpoints.sharded import RUN_STATE
-
             found = find_checkpoint(path)  # a file, or a sharded checkpoint's folder (its config is in RUN_STATE)
             saved = torch.load(found / RUN_STATE if found.is_dir() else found, map_location="cpu", weights_only=True,
                                mmap=True)
@@ -208,10 +201,6 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     reads each rank its own part of once its shards exist (:func:`_sharded_checkpoint_source`). False, with nothing recorded, for a
     source that cannot be read so (a ``.bin`` in torch's legacy format, a file that is no difftrain
     checkpoint): :func:`load_init_weights` reads it whole, or says what is wrong with it."""
-    from difftrain.families import Denoiser, detect
-    from difftrain.families.sd import is_condition_unet_folder
-    from difftrain.runtime.tensor_source import TensorSource
-
     path = Path(source).expanduser()
     if not path.exists():
         raise ValueError(f"model.init_from {path} does not exist")
@@ -228,8 +217,6 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
     elif is_condition_unet_folder(path):
         return False  # load_init_weights refuses it
     elif path.is_dir() and ((path / "config.json").is_file() or (path / "unet" / "config.json").is_file()):
-        from difftrain.models.diffusers_export import diffusers_name
-
         folder = _unet_folder(path)
         _check_unet_config(model, folder)
         built = frozenset(k for k in model.state_dict() if k.startswith("logvar."))  # the loss weighting: kept as built
@@ -240,8 +227,6 @@ def defer_init_weights(model: nn.Module, source: str | Path, deferred) -> bool:
         renamed = _loaded_names(folder, found.names())
         found = found.renamed({k: ours.get(renamed.get(k, k), "unknown:" + k) for k in found.names()})
     elif is_weights_file(path):
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt", device="cpu") as f:
             if (f.metadata() or {}).get("format") != WEIGHTS_FORMAT:
                 return False  # load_weights_file says why
@@ -270,9 +255,6 @@ def _sharded_checkpoint_source(path: Path):
     whole (``sharded_checkpoint.load_part``: ``torch.distributed.checkpoint.load``, the metadata read by
     ``training/dcp_reader.py``). (None, None) for anything else (a file that is no difftrain checkpoint:
     :func:`load_init_weights` refuses it)."""
-    from difftrain.checkpoints import sharded as sharded
-    from difftrain.checkpoints.store import find_checkpoint, is_sharded_checkpoint
-
     try:
         folder = find_checkpoint(path)
     except (FileNotFoundError, OSError):
@@ -287,11 +269,6 @@ def _checkpoint_source(path: Path):
     """A ``TensorSource`` of the EMA weights (what :func:`load_init_weights` takes) of the checkpoint file
     ``path`` names (itself, or a run directory's newest), mapped, nothing read; None for anything else (a
     sharded checkpoint's folder, a file that is no difftrain checkpoint: ``load_checkpoint`` reads or refuses it)."""
-    import zipfile
-
-    from difftrain.runtime.tensor_source import TensorSource
-    from difftrain.checkpoints.checkpoint import FORMAT, OLDER_FORMATS, find_checkpoint
-
     try:
         file = find_checkpoint(path)
         if not file.is_file() or not zipfile.is_zipfile(file):
@@ -310,9 +287,6 @@ def load_init_weights(model: nn.Module, source: str | Path) -> None:
     folder), a difftrain weights file (``.safetensors``) or a checkpoint / run directory (its EMA
     weights); into a ``ConditionUNet``, a UNet2DConditionModel or Stable Diffusion folder.
     Weights only: no optimizer, step or data position."""
-    from difftrain.families import Denoiser, is_base_folder
-    from difftrain.families.sd import is_condition_unet_folder
-
     path = Path(source).expanduser()
     if not path.exists():
         raise ValueError(f"model.init_from {path} does not exist")

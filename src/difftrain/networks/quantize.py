@@ -31,6 +31,7 @@ adapter trained on the quantized base names the unquantized base it was trained 
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,8 +107,6 @@ def _bnb_linear(kind: str) -> Callable[[nn.Linear], nn.Module]:
 def _quiet_int8_cast() -> None:
     """Silence bitsandbytes' warning, at every int8 matmul, that it casts the float32 input to float16 to
     quantize it: that is how LLM.int8() works, not news at each call."""
-    import logging
-
     log = logging.getLogger("bitsandbytes.autograd._functions")
     if not any(getattr(f, "difftrain", False) for f in log.filters):
         quiet = logging.Filter()
