@@ -82,7 +82,8 @@ class RunState:
               dctx: DistContext | None = None) -> RunState:
         """Fresh weights from the run's seed (the same on every rank), on ``device``; with
         ``model.init_from`` and ``init_weights``, the weights it names instead (a resume, which
-        loads its checkpoint over them, passes False and the checkpoint's ``network``).
+        loads its checkpoint over them, passes False and the checkpoint's ``network``). The network
+        itself is made by ``networks/build.py`` (:func:`~difftrain.networks.build.build_network`, one call).
 
         conditioning: the run's labels or text and frozen parts (default: ``num_classes`` labels).
         dctx: under FSDP (:func:`builds_sharded`), the state is built sharded across its ranks
