@@ -220,6 +220,30 @@ def test_a_bf16_run_frozen_base_held_in_bf16_under_autocast(which, folders):
         assert torch.equal(got[1][name], expected[1][name]), name
 
 
+def test_an_average_sharing_the_frozen_base_follows_the_swap(folders):
+    """The EMA's copy of a LoRA network (training/ema.py: frozen base shared, adapter and buffers copied), hooked
+    through ``shared_with``, runs on the device copies too and gives its output without the plan; a copy that
+    does not share the base is refused in one line."""
+    import copy
+
+    from difftrain.training.ema import averaged_copy
+
+    net, (x, t, cond) = _network("unet", folders, True)
+    average, _ = averaged_copy(net)
+    with torch.no_grad():
+        expected = average(x, t)
+    units = blocks(net)
+    plan = BlockSwap(units, len(units) - 1, "cpu", shared_with=[blocks(average)])
+    with plan, Watch(plan) as watch:
+        _step(net, batch=(x, t, cond))
+        with torch.no_grad():
+            got = average(x, t)
+    assert watch.host_reads == [] and 1 <= watch.most <= 2
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="^model.swap_blocks: .* is not shared by a network given as sharing"):
+        BlockSwap(units, 2, "cpu", shared_with=[blocks(copy.deepcopy(net))])
+
+
 def test_removing_the_plan_restores_the_network_exactly(folders):
     net, batch = _network("sdxl", folders, True)
     tensors = lambda: dict([*net.named_parameters(), *net.named_buffers()])

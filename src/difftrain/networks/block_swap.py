@@ -10,6 +10,7 @@ each block's copied onto the compute device just before it runs and dropped afte
     plan.remove()         # every tensor back on its device, the same objects, the same values
     with BlockSwap(blocks, 16, device):  # the same, as a context manager
         ...
+    BlockSwap(blocks, 16, device, shared_with=[fsdp.blocks(ema.model)])  # the EMA's copy (sharing the base) too
 
 What lives where. ``blocks`` is the list ``runtime/fsdp.blocks(model)`` returns, in forward order (a family
 denoiser's ``fsdp_units()``: Flux's double and single transformer blocks, an SDXL UNet's ResNet, transformer
@@ -141,16 +142,37 @@ def refusal(blocks: list[nn.Module], n: int) -> str | None:
     return None
 
 
+def _unshared(blocks: list[nn.Module], n: int, other: list[nn.Module]) -> str | None:
+    """None where every frozen parameter of the last ``n`` of ``blocks`` is also ``other``'s block of the same
+    index's (the same object), else one line naming the first that is not."""
+    if len(other) != len(blocks):
+        return f"{OPTION}: a network sharing the swapped blocks has {len(other)} blocks, not {len(blocks)}"
+    for i in range(len(blocks) - n, len(blocks)):
+        theirs = {id(t) for t in other[i].parameters()}
+        for name, _, t in frozen_tensors(blocks[i]):
+            if isinstance(t, nn.Parameter) and id(t) not in theirs:
+                return (f"{OPTION}: {name} of block {i} is not shared by a network given as sharing the swapped "
+                        f"blocks (it holds a copy): that network cannot follow the swap")
+    return None
+
+
 class BlockSwap:
     """Keep the frozen tensors of the last ``n`` of ``blocks`` on the host, each block's on ``device`` only
     while it runs (forward, backward, a checkpointed recompute), the next one prefetched. See the module's
-    docstring for what lives where. One ValueError (:func:`refusal`'s line) where it cannot apply."""
+    docstring for what lives where. One ValueError (:func:`refusal`'s line) where it cannot apply.
 
-    def __init__(self, blocks: list[nn.Module], n: int, device: torch.device | str) -> None:
+    shared_with: the blocks of other networks that hold these blocks' frozen parameters themselves (the same
+    objects), in the same order (an average's copy of a LoRA network: ``training/ema.py`` shares the frozen
+    base, copies the adapter and buffers): hooked as these are, so that they too find each block on the device
+    when they run (what they hold of their own stays where it is)."""
+
+    def __init__(self, blocks: list[nn.Module], n: int, device: torch.device | str,
+                 shared_with: list[list[nn.Module]] = ()) -> None:
         self.blocks = list(blocks)
-        problem = refusal(self.blocks, n)
+        problem = refusal(self.blocks, n) or next(filter(None, (_unshared(self.blocks, n, other) for other in shared_with)), None)
         if problem:
             raise ValueError(problem)
+        self.twins = [list(other) for other in shared_with]
         self.n, self.device = n, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # as the copies report it: cuda:0, not cuda
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -197,7 +219,7 @@ class BlockSwap:
                 slots.append(_Slot(t, host.pin_memory() if pin else host, t.device))
                 t.data = slots[-1].host
             self._slots[i] = slots
-        for i, block in enumerate(self.blocks):
+        for i, block in [(i, b) for blocks in (self.blocks, *self.twins) for i, b in enumerate(blocks)]:
             if i >= self.first:
                 self._handles.append(block.register_forward_pre_hook(self._pre_hook(i)))
                 self._handles.append(block.register_forward_hook(self._post_hook(i), always_call=True))
