@@ -13,6 +13,7 @@ aside) that computed on a host copy, which on the CPU would give the right numbe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ pytest.importorskip("peft")
 from difftrain.config import load_config
 from difftrain.families import family_named
 from difftrain.models import build_model
-from difftrain.networks.block_swap import BlockSwap, frozen_tensors
+from difftrain.networks.block_swap import BlockSwap, frozen_tensors, planned_bytes
 from difftrain.networks.lora import apply_lora
 from difftrain.runtime.fsdp import blocks
 from tests.family_bases import write_tiny_flux_folder, write_tiny_sdxl_folder
@@ -242,6 +243,21 @@ def test_an_average_sharing_the_frozen_base_follows_the_swap(folders):
     assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="^model.swap_blocks: .* is not shared by a network given as sharing"):
         BlockSwap(units, 2, "cpu", shared_with=[blocks(copy.deepcopy(net))])
+
+
+def test_planned_bytes_on_the_meta_device():
+    """What estimate counts: the blocks' frozen bytes on the device (the kept blocks, two neighbouring swapped
+    ones at most) and on the host, from shapes alone (a meta network)."""
+    cfg = load_config(None, TINY_OVERRIDES)
+    with torch.device("meta"):
+        net = build_model(cfg)
+    units = blocks(net.requires_grad_(False))
+    sizes = [sum(t.numel() * t.element_size() for t in [*b.parameters(), *b.buffers()]) for b in units]
+    assert planned_bytes(units, 0) == (sum(sizes), 0)
+    n = len(units) - 2
+    pairs = max(a + b for a, b in itertools.pairwise(sizes[2:]))
+    assert planned_bytes(units, n) == (sizes[0] + sizes[1] + pairs, sum(sizes[2:]))
+    assert planned_bytes(units, 1) == (sum(sizes), sizes[-1])
 
 
 def test_removing_the_plan_restores_the_network_exactly(folders):

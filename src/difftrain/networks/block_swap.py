@@ -7,6 +7,7 @@ each block's copied onto the compute device just before it runs and dropped afte
     loss = model(x, t, cond).square().mean(); loss.backward()   # the step, unchanged
     plan.resident()       # the blocks whose device copy is alive now (the 16 swapped ones: none, between steps)
     plan.bound            # blocks never swapped + the one running + the one prefetched: len(blocks) - 16 + 2
+    planned_bytes(blocks, 16)  # (the blocks' frozen bytes on the device at most, on the host): for estimate
     plan.remove()         # every tensor back on its device, the same objects, the same values
     with BlockSwap(blocks, 16, device):  # the same, as a context manager
         ...
@@ -61,6 +62,7 @@ overlap compute, a prefetch is a plain synchronous copy.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Self
 
@@ -140,6 +142,19 @@ def refusal(blocks: list[nn.Module], n: int) -> str | None:
             if id(t) in kept_ids:
                 return f"{OPTION}: {name} of a swapped {type(block).__name__} is shared with a block that is kept"
     return None
+
+
+def planned_bytes(blocks: list[nn.Module], n: int) -> tuple[int, int]:
+    """(device bytes, host bytes) of the frozen tensors of ``blocks`` with the last ``n`` swapped, as held now
+    (numel * element_size: a meta-device network counts as well, for ``estimate``): on the device, the kept
+    blocks' and, at the worst moment, two neighbouring swapped blocks' (the one running and the one prefetched:
+    forward and backward both take them in order); on the host (pinned on CUDA), every swapped block's. A
+    network without swap (n = 0) has all its blocks' frozen bytes on the device and none on the host."""
+    sizes = [sum(t.numel() * t.element_size() for _, _, t in frozen_tensors(b)) for b in blocks]
+    first = len(blocks) - n
+    swapped = sizes[first:]
+    running = max((a + b for a, b in itertools.pairwise(swapped)), default=sum(swapped))
+    return sum(sizes[:first]) + running, sum(swapped)
 
 
 def _unshared(blocks: list[nn.Module], n: int, other: list[nn.Module]) -> str | None:
