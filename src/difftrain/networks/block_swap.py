@@ -122,10 +122,10 @@ def refusal(blocks: list[nn.Module], n: int) -> str | None:
     """None where the last ``n`` of ``blocks`` can be swapped, else one line saying why not: ``n`` outside
     0..len(blocks), a quantized layer or an FSDP shard among their frozen tensors, or a frozen tensor they
     share with a block that is kept."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(blocks):
-        return (f"{OPTION} = {n!r} is outside 0..{len(blocks)}: this network has {len(blocks)} blocks to swap"
-                if isinstance(n, int) and not isinstance(n, bool) and n > len(blocks) else
-                f"{OPTION} must be a whole number of blocks from 0 to {len(blocks)}, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        return f"{OPTION} must be a whole number of blocks from 0 to {len(blocks)}, got {n!r}"
+    if n > len(blocks):
+        return f"{OPTION} = {n} is outside 0..{len(blocks)}: this network has {len(blocks)} blocks to swap"
     swapped, kept = blocks[len(blocks) - n:], blocks[:len(blocks) - n]
     kept_ids = {id(t) for b in kept for _, _, t in frozen_tensors(b)}
     for block in swapped:
