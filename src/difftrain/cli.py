@@ -15,17 +15,17 @@ import os
 import re
 import sys
 import traceback
+import typing
 from pathlib import Path
 
 from difftrain.checkpoints.checkpoint import CheckpointWriteError
 from difftrain.checkpoints.info import describe_checkpoint
-from difftrain.config import ConfigError, config_to_toml, load_config
+from difftrain.config import ConfigError, Parallel, config_to_toml, load_config
 from difftrain.diffusion.objective import sampler_names
 from difftrain.interop.adapters import LORA_LAYOUTS
 from difftrain.runtime.device import is_out_of_memory, resolve_device
 from difftrain.runtime.distributed import EXIT_GROUP_FAULT, GroupFault
 from difftrain.runtime.optional import MissingDependency
-from difftrain.tools.parallel_memory import PARALLELISMS
 from difftrain.training.records import version
 from difftrain.training.signals import EXIT_STOPPED
 
@@ -220,7 +220,7 @@ def _lr_find(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     from difftrain.tools.base_memory import base_folder, count_base, format_base  # inside: start-up
     from difftrain.tools.estimate import estimate, format_estimate  # inside: start-up (the imports' note)
-    from difftrain.tools.parallel_memory import count_unet_config, format_counted
+    from difftrain.tools.parallel_memory import count_unet_config, format_counted  # inside: start-up
 
     if args.base:  # a base counted on the meta device from its config.json files: every setting against the cards
         folder = base_folder(args.base)
@@ -538,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch", type=int, help="effective batch wanted: gives grad_accum_steps")
     p.add_argument("--memory-gib", type=float, help="memory budget (default: free memory of the device)")
     p.add_argument("--scale-lr", action="store_true", help="scale optim.lr linearly from optim.base_batch")
-    p.add_argument("--parallel", choices=list(PARALLELISMS),
+    p.add_argument("--parallel", choices=list(typing.get_args(Parallel)),
                    help="memory per rank under DDP (all of it on each rank) or FSDP (sharded) (default ddp)")
     p.add_argument("--world-size", type=int, help="ranks for --parallel (default 1; with --base: the N of its table, 8)")
     p.add_argument("--base", metavar="NAME_OR_FOLDER",
