@@ -17,7 +17,17 @@ from typing import Any
 
 import torch
 
+from difftrain.checkpoints.checkpoint import load_checkpoint
+from difftrain.checkpoints.weights_file import save_weights_file
 from difftrain.config import Config, ConfigError, _apply, check_environment, config_from_dict, load_config, validate
+from difftrain.generation.autoguidance import with_guide
+from difftrain.generation.inference import LoadedModel, generate_images, load_model
+from difftrain.interop.adapters import export_lora, merged_state
+from difftrain.interop.diffusers import export_diffusers
+from difftrain.networks.lora import is_lora_record
+from difftrain.networks.quantize import device_refusal
+from difftrain.runtime.device import resolve_device
+from difftrain.training.loop import train as train_loop
 
 
 def make_config(config_or_path: Config | str | Path | dict | None = None, **overrides: Any) -> Config:
@@ -47,6 +57,18 @@ def make_config(config_or_path: Config | str | Path | dict | None = None, **over
     return cfg
 
 
+def check_machine(cfg: Config) -> None:
+    """A config against this machine, where a run starts (:func:`train`, ``difftrain train``), before
+    anything is written: :func:`difftrain.config.check_environment` (the device, the packages, the data
+    folders), then what needs the run's device: that ``model.quantize_base`` runs on it
+    (``networks/quantize.py``). A :class:`ConfigError` of one line, naming the option."""
+    check_environment(cfg)
+    if cfg.model.quantize_base != "off":
+        refusal = device_refusal(cfg.model.quantize_base, resolve_device(cfg.train.device))
+        if refusal:
+            raise ConfigError(refusal)
+
+
 def train(
     config_or_path: Config | str | Path | dict | None = None,
     run_dir: str | Path = "runs/default",
@@ -59,10 +81,8 @@ def train(
     (step, images_seen, checkpoint, skipped_steps, stopped_by). The config is validated and
     checked against this machine before anything is written. See :func:`make_config` for
     ``config_or_path`` and ``overrides``."""
-    from difftrain.training.loop import train as train_loop
-
     cfg = make_config(config_or_path, **overrides)
-    check_environment(cfg)
+    check_machine(cfg)
     return train_loop(cfg, run_dir, resume=resume, stop_at_step=stop_at_step)
 
 
@@ -77,9 +97,6 @@ def load(run_or_checkpoint: str | Path | None = None, *, ema: bool = True, devic
     ``guide`` / ``guide_step``: autoguidance (Karras et al. 2024) by that checkpoint or run, or by
     the checkpoint of that step of this run (or of ``guide``), weight ``guide_weight``: every
     sample of ``generate`` then costs two network evaluations per step."""
-    from difftrain.generation.autoguidance import with_guide
-    from difftrain.generation.inference import load_model
-
     loaded = load_model(run_or_checkpoint, use_ema=ema, device=device, lora=lora, lora_scale=lora_scale,
                         base=None if base is None else str(base))
     return with_guide(loaded, guide, guide_weight, guide_step=guide_step, use_ema=ema)
@@ -104,8 +121,6 @@ def generate(
     a class-conditional model). ``prompt``: a text model's prompt, one for all or one per image.
     ``sampler``: None for the run's own (``validation.sampler``, as ``difftrain sample``: DDIM for
     a DDPM model, Heun for EDM and flow). ``sampler_options``: e.g. ``eta=0.5`` for DDIM."""
-    from difftrain.generation.inference import LoadedModel, generate_images
-
     if not isinstance(model, LoadedModel):
         model = load(model)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -128,12 +143,6 @@ def export(run_or_checkpoint: str | Path, out: str | Path, *, format: str = "dif
     "kohya", which ComfyUI and A1111 read (and load_lora_weights, for a plain LoRA of SD or SDXL); "difftrain",
     for difftrain alone; None: the one that loads in the most programs, ``adapters.default_layout``;
     docs/lora_files.md); ``merge`` folds it into the base first, for the whole-network formats."""
-    from difftrain.interop.adapters import export_lora, merged_state
-    from difftrain.interop.diffusers import export_diffusers
-    from difftrain.checkpoints.weights_file import save_weights_file
-    from difftrain.networks.lora import is_lora_record
-    from difftrain.checkpoints.checkpoint import load_checkpoint
-
     if format not in ("diffusers", "safetensors", "lora"):
         raise ValueError(f"format must be 'diffusers', 'safetensors' or 'lora', got {format!r}")
     if merge and format == "lora":

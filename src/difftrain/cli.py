@@ -15,9 +15,24 @@ import os
 import re
 import sys
 import traceback
+import typing
 from pathlib import Path
 
-from difftrain.config import ConfigError, check_environment, config_to_toml, load_config
+from difftrain.checkpoints.checkpoint import CheckpointWriteError
+from difftrain.checkpoints.info import describe_checkpoint
+from difftrain.config import ConfigError, Parallel, config_to_toml, load_config
+from difftrain.diffusion.objective import sampler_names
+from difftrain.interop.adapters import LORA_LAYOUTS
+from difftrain.runtime.device import is_out_of_memory, resolve_device
+from difftrain.runtime.distributed import EXIT_GROUP_FAULT, GroupFault
+from difftrain.runtime.optional import MissingDependency
+from difftrain.training.records import version
+from difftrain.training.signals import EXIT_STOPPED
+
+# What `difftrain --help` loads anyway (torch, checkpoints, the parser's choices) is imported above. Each
+# command's own modules (the training loop and the API, generation, evaluation, the data checks, the tools,
+# the report) are imported inside its function: together they would add 0.2 s of CPU to --help's 3.3 s
+# (measured with -X importtime), which every command would pay. Those imports say "inside: start-up".
 
 EXIT_PROBLEMS_FOUND = 1  # data check found bad files; diagnose found a failing check
 EXIT_BAD_INPUT = 2  # config, data, checkpoint, disk or memory: the message names which
@@ -26,22 +41,19 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout went away (`| head
 
 
 def _train(args: argparse.Namespace) -> int:
-    from difftrain.training.loop import train
+    from difftrain.api import check_machine  # inside: start-up (the imports' note)
+    from difftrain.training.loop import fault_before_training, train  # inside: start-up
 
     cfg = load_config(args.config, args.set)
     if args.dry_run:
         print(config_to_toml(cfg), end="")
         return 0
-    check_environment(cfg)
+    check_machine(cfg)
     if args.config is None and not any(s.split("=", 1)[0].strip() == "train.total_steps" for s in args.set):
         print(f"difftrain: warning: no --config: the defaults train {cfg.train.total_steps:,} steps "
               "(the quickstart is --config configs/tiny.toml)", file=sys.stderr)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / (Path(args.config).stem if args.config else "default")
     _make_folder(run_dir, "--run-dir")
-    from difftrain.runtime.distributed import EXIT_GROUP_FAULT, GroupFault
-    from difftrain.training.loop import fault_before_training
-    from difftrain.training.signals import EXIT_STOPPED
-
     try:
         result = train(cfg, run_dir, resume=args.resume, stop_at_step=args.stop_at_step)
     except RuntimeError as e:  # another rank died or hung: torchrun --max-restarts restarts on this code
@@ -71,31 +83,25 @@ def _int_list(text: str) -> list[int]:
 
 
 def _data_check(args: argparse.Namespace) -> int:
-    from difftrain.data.check import check_folder
+    from difftrain.data.buckets import BucketSpec, assign_buckets, bucket_table  # inside: start-up
+    from difftrain.data.check import check_folder, mask_problems  # inside: start-up
+    from difftrain.data.folder import ImageFolderDataset  # inside: start-up
 
     buckets = None
     if args.buckets:  # aspect-ratio buckets: only images under --min-image-size are too small
-        from difftrain.data.buckets import BucketSpec
-
         buckets = BucketSpec(tuple(args.bucket_resolutions or [args.resolution]), args.multiple, args.min_image_size)
     report = check_folder(args.path, (args.min_image_size or 1) if buckets else args.resolution, num_workers=args.workers)
     table = []
     if buckets is not None:
-        from difftrain.data.buckets import assign_buckets, bucket_table
-
         names = sorted(report.sizes)
         plan = assign_buckets([report.sizes[n] for n in names], buckets)
         table = bucket_table(plan, names, args.batch)
         for i, reason in plan.dropped.items():
             report.bad.setdefault(names[i], f"bucket: {reason}")
     if args.masks:  # each NAME.mask.png the size of its image (data.masks)
-        from difftrain.data.check import mask_problems
-
         for path, reason in mask_problems(Path(args.path).expanduser(), sorted(report.sizes), report.sizes).items():
             report.bad.setdefault(path, reason)
     if args.captions:  # each image's caption too: NAME.txt or metadata.jsonl (data.captions)
-        from difftrain.data.folder import ImageFolderDataset
-
         folder = ImageFolderDataset(args.path, resolution=args.resolution, captions=True,
                                     caption_column=args.caption_column)
         for path, reason in folder.bad_captions.items():
@@ -108,14 +114,13 @@ def _data_check(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from difftrain.generation.inference import load_model, sample_to_folder
+    from difftrain.generation.autoguidance import with_guide  # inside: start-up (the imports' note)
+    from difftrain.generation.inference import load_model, sample_to_folder  # inside: start-up
 
     _make_folder(Path(args.out), "--out")
     loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device,
                         text_encoder=args.text_encoder, vae=args.vae, lora=args.lora, lora_scale=args.lora_scale,
                         base=args.base, distilled_guidance=args.distilled_guidance)
-    from difftrain.generation.autoguidance import with_guide
-
     loaded = with_guide(loaded, args.guide, args.guide_weight, guide_step=args.guide_step, use_ema=not args.no_ema)
     args.sampler = args.sampler or loaded.cfg.validation.sampler  # default: the run's own
     options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
@@ -147,8 +152,6 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from difftrain.checkpoints.info import describe_checkpoint
-
     info = describe_checkpoint(args.checkpoint)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -176,7 +179,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _posthoc_ema(args: argparse.Namespace) -> int:
-    from difftrain.training.posthoc import RESIDUAL_WARNING, reconstruct, write_checkpoint
+    from difftrain.training.posthoc import RESIDUAL_WARNING, reconstruct, write_checkpoint  # inside: start-up
 
     out = Path(args.out)
     if out.is_dir():
@@ -193,7 +196,7 @@ def _posthoc_ema(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from difftrain.tools.diagnose import diagnose, format_diagnosis
+    from difftrain.tools.diagnose import diagnose, format_diagnosis  # inside: start-up (the imports' note)
 
     record = diagnose(args.checkpoint, args.out, timesteps=args.timesteps, num_images=args.num_images,
                       device=args.device)
@@ -202,7 +205,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _lr_find(args: argparse.Namespace) -> int:
-    from difftrain.tools.lr_find import lr_find
+    from difftrain.tools.lr_find import lr_find  # inside: start-up (the imports' note)
 
     cfg = load_config(args.config, args.set)
     r = lr_find(cfg, args.out, start_lr=args.start_lr, end_lr=args.end_lr, num_steps=args.num_steps,
@@ -215,12 +218,11 @@ def _lr_find(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from difftrain.tools.estimate import estimate, format_estimate
-    from difftrain.tools.parallel_memory import count_unet_config, format_counted
+    from difftrain.tools.base_memory import base_folder, count_base, format_base  # inside: start-up
+    from difftrain.tools.estimate import estimate, format_estimate  # inside: start-up (the imports' note)
+    from difftrain.tools.parallel_memory import count_unet_config, format_counted  # inside: start-up
 
     if args.base:  # a base counted on the meta device from its config.json files: every setting against the cards
-        from difftrain.tools.base_memory import base_folder, count_base, format_base
-
         folder = base_folder(args.base)
         cfg = load_config(args.config, [f"model.init_from={folder}", *args.set])
         r = count_base(cfg, args.base, ranks=8 if args.world_size is None else args.world_size, parallel=args.parallel,
@@ -240,13 +242,12 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from difftrain.report import build_report
+    from difftrain.report import build_report  # inside: start-up (the imports' note)
+    from difftrain.report.browser import render  # inside: start-up
 
     out = build_report(args.run_dir, args.out)
     print(f"difftrain report: {out}")
     if args.screenshot:
-        from difftrain.report.browser import render
-
         width, height = (int(v) for v in args.window_size.split(","))
         _, console = render(out, screenshot=Path(args.screenshot), size=(width, height))
         print(f"difftrain report: screenshot {args.screenshot} (headless Chromium; console: {console or 'clean'})")
@@ -254,11 +255,11 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _fid(args: argparse.Namespace) -> int:
-    from difftrain.evaluation import InceptionFeatures
-    from difftrain.evaluation.evaluate import describe, fid_result
-    from difftrain.evaluation.reference import load_or_compute
+    from difftrain.evaluation import InceptionFeatures  # inside: start-up (the imports' note)
+    from difftrain.evaluation.evaluate import describe, fid_result  # inside: start-up
+    from difftrain.evaluation.reference import load_or_compute  # inside: start-up
 
-    inception = InceptionFeatures(args.inception).to(_device(args.device))
+    inception = InceptionFeatures(args.inception).to(resolve_device(args.device))
     a, b = (load_or_compute(path, inception, args.batch_size) for path in (args.a, args.b))
     result = fid_result(a, b, kid=not args.no_kid, a=args.a, b=args.b)
     print(describe(result, a=f"images in {args.a}", b=f"in {args.b}"))
@@ -268,10 +269,10 @@ def _fid(args: argparse.Namespace) -> int:
 
 
 def _fid_ref(args: argparse.Namespace) -> int:
-    from difftrain.evaluation import InceptionFeatures
-    from difftrain.evaluation.reference import reference_statistics
+    from difftrain.evaluation import InceptionFeatures  # inside: start-up (the imports' note)
+    from difftrain.evaluation.reference import reference_statistics  # inside: start-up
 
-    inception = InceptionFeatures(args.inception).to(_device(args.device))
+    inception = InceptionFeatures(args.inception).to(resolve_device(args.device))
     if args.config is not None:  # the training data through the training preprocessing
         cfg = load_config(args.config, args.set)
         data, resolution, channels = args.data or cfg.data.path, cfg.data.resolution, cfg.data.channels
@@ -290,7 +291,7 @@ def _fid_ref(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from difftrain.evaluation.evaluate import describe, evaluate_checkpoint
+    from difftrain.evaluation.evaluate import describe, evaluate_checkpoint  # inside: start-up (the imports' note)
 
     options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
     result = evaluate_checkpoint(
@@ -314,7 +315,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from difftrain.api import export
+    from difftrain.api import export  # inside: start-up (the imports' note)
 
     out = Path(args.out)
     if args.format in ("diffusers", "lora"):
@@ -348,12 +349,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
-
-
-def _device(name: str):
-    from difftrain.runtime.device import resolve_device
-
-    return resolve_device(name)
 
 
 def _add_fid_options(p: argparse.ArgumentParser) -> None:
@@ -390,15 +385,9 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def _version() -> str:
-    from difftrain.training.records import version
-
-    return version()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftrain", description="Train image diffusion models.")
-    parser.add_argument("--version", action="version", version=f"difftrain {_version()}")
+    parser.add_argument("--version", action="version", version=f"difftrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train, or resume the run in --run-dir")
@@ -444,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="with --lora: where the adapter's base is now (default: its model.init_from); "
                                   "for another program's LoRA file, the base folder it was trained for")
     p.add_argument("--num", type=int, default=64, help="number of images")
-    p.add_argument("--sampler", choices=_sampler_choices(),
+    p.add_argument("--sampler", choices=sampler_names(),
                    help="sampler (default: the run's validation.sampler); the model's objective must have it")
     p.add_argument("--steps", type=int, default=50, help="sampling steps")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
@@ -488,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     _frozen_part_options(p)
     p.add_argument("--num", type=int, default=10_000, help="number of samples")
-    p.add_argument("--sampler", choices=_sampler_choices(),
+    p.add_argument("--sampler", choices=sampler_names(),
                    help="sampler (default: the run's evaluation.fid_sampler); the model's objective must have it")
     p.add_argument("--steps", type=int, default=50, help="sampling steps")
     p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
@@ -549,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch", type=int, help="effective batch wanted: gives grad_accum_steps")
     p.add_argument("--memory-gib", type=float, help="memory budget (default: free memory of the device)")
     p.add_argument("--scale-lr", action="store_true", help="scale optim.lr linearly from optim.base_batch")
-    p.add_argument("--parallel", choices=_parallelisms(),
+    p.add_argument("--parallel", choices=list(typing.get_args(Parallel)),
                    help="memory per rank under DDP (all of it on each rank) or FSDP (sharded) (default ddp)")
     p.add_argument("--world-size", type=int, help="ranks for --parallel (default 1; with --base: the N of its table, 8)")
     p.add_argument("--base", metavar="NAME_OR_FOLDER",
@@ -579,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights and config alone; lora: a LoRA run's adapter alone (load_lora_weights(OUT))")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: fold the adapter into the base and export the whole network")
-    p.add_argument("--layout", "--lora-layout", dest="lora_layout", choices=_lora_layouts(), default=None,
+    p.add_argument("--layout", "--lora-layout", dest="lora_layout", choices=list(LORA_LAYOUTS), default=None,
                    help="file layout of --format lora: diffusers (load_lora_weights; ComfyUI too for SD3 / Flux), "
                         "kohya (lora_unet_... with alpha: ComfyUI, A1111, and load_lora_weights for SD / SDXL), "
                         "difftrain (sample --lora only); default: the one that loads in the most programs "
@@ -606,25 +595,6 @@ def _frozen_part_options(p: argparse.ArgumentParser) -> None:
     folders moved since training (their digests must match the checkpoint's)."""
     p.add_argument("--text-encoder", help="the text encoder's folder now (default: the run's model.text_encoder)")
     p.add_argument("--vae", help="the VAE's folder now (default: the run's model.vae)")
-
-
-def _parallelisms() -> list[str]:
-    from difftrain.tools.parallel_memory import PARALLELISMS
-
-    return list(PARALLELISMS)
-
-
-def _lora_layouts() -> list[str]:
-    from difftrain.interop.adapters import LORA_LAYOUTS
-
-    return list(LORA_LAYOUTS)
-
-
-def _sampler_choices() -> list[str]:
-    """Every objective's samplers (whether a model's objective has one is checked when sampling)."""
-    from difftrain.diffusion.objective import sampler_names
-
-    return sampler_names()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -655,11 +625,9 @@ def main(argv: list[str] | None = None) -> int:
 def input_error(e: BaseException) -> str | None:
     """The message for an error caused by the input (config, data, checkpoint, disk, memory),
     or None for anything else: a bug."""
-    from difftrain.runtime.optional import MissingDependency
-    from difftrain.checkpoints.checkpoint import CheckpointWriteError
-    from difftrain.training.loop import TrainingDiverged
+    from difftrain.training.loop import TrainingDiverged  # inside: start-up (the imports' note)
 
-    if _is_out_of_memory(e):
+    if is_out_of_memory(e):
         asked = re.search(r"allocate (\d+) bytes", str(e))
         what = f"{int(asked.group(1)) / 2**30:,.1f} GiB asked for" if asked else _first_line(str(e))[:120]
         return (
@@ -674,17 +642,9 @@ def input_error(e: BaseException) -> str | None:
     return None
 
 
-def _is_out_of_memory(e: BaseException) -> bool:
-    if "torch" not in sys.modules:
-        return isinstance(e, MemoryError)
-    from difftrain.runtime.device import is_out_of_memory
-
-    return is_out_of_memory(e)
-
-
 def _describe_os_error(e: OSError) -> str:
     """``PATH: ENOSPC No space left on device``, or the error's own message when it names no file."""
-    from difftrain.data.transforms import printable
+    from difftrain.data.transforms import printable  # inside: start-up (the imports' note)
 
     if not e.filename:
         return _unwrap_worker_error(str(e))

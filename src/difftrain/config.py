@@ -8,6 +8,7 @@ the key, written to the run directory and stored in every checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 import tomllib
@@ -19,8 +20,8 @@ from typing import Any, Literal
 
 import tomli_w
 
-# Choices shared with the registries they name. Each registry module checks these at import
-# time (see tests/unit/test_config.py), so a choice can't go missing from either side.
+# Choices shared with the registries they name. tests/unit/test_config.py holds each against its
+# registry, so a choice can't go missing from either side; config imports no registry (it sits below them).
 ObjectiveName = Literal["ddpm", "edm", "flow"]
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
@@ -29,6 +30,15 @@ FlowTSampling = Literal["logit_normal", "mode", "uniform"]  # diffusion/flow.py 
 FlowLoss = Literal["velocity", "x0"]  # diffusion/flow.py FLOW_LOSSES
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
+# Each objective's samplers, in diffusion/objective.py's OBJECTIVE_SAMPLERS order (the order errors list them).
+OBJECTIVE_SAMPLER_NAMES: dict[str, tuple[str, ...]] = {
+    "ddpm": ("ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun"), "edm": ("euler", "heun"), "flow": ("euler", "heun", "midpoint"),
+}
+# The sampler validation.sampler and evaluation.fid_sampler take when no preset or --set names them
+# (diffusion/objective.py's DEFAULT_SAMPLERS): DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow.
+DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun"}
+# models/__init__.py's MODEL_PRESETS keys, in its order (model.preset's choices)
+MODEL_PRESET_NAMES = ("tiny", "ddpm-cifar10", "ddpm-64")
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant", "inverse_sqrt"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
@@ -41,6 +51,7 @@ OPTIMIZER_PACKAGES = {"adamw8bit": "bitsandbytes", "prodigy": "prodigyopt", "sch
 # networks/quantize.py's QUANTIZE_KINDS (and "off"): a LoRA run's frozen base held in int8 / nf4 (bitsandbytes)
 # or fp8 (torchao), the quant extra
 QuantizeBase = Literal["off", "int8", "nf4", "fp8"]
+QUANTIZE_PACKAGES = {"int8": "bitsandbytes", "nf4": "bitsandbytes", "fp8": "torchao"}  # QUANTIZE_KINDS' libraries
 Parallel = Literal["ddp", "fsdp"]  # how torchrun's ranks share the model (runtime/distributed.py, runtime/fsdp.py)
 
 
@@ -154,7 +165,7 @@ class DataConfig(_Section):
 
 @dataclass
 class ModelConfig(_Section):
-    preset: str = "tiny"  # a key of difftrain.models.MODEL_PRESETS
+    preset: str = "tiny"  # one of MODEL_PRESET_NAMES: a key of difftrain.models.MODEL_PRESETS
     base_channels: int | None = None  # None = the preset's value (as for the fields below)
     channel_mult: tuple[int, ...] | None = None  # channel multiplier per resolution level
     num_res_blocks: int | None = None  # residual blocks per level
@@ -599,8 +610,6 @@ def _follow_objective(cfg: Config, chosen: set[str]) -> None:
     """Give each of :data:`OBJECTIVE_DEFAULT_KEYS` that the preset and the ``--set`` options do
     not name (``chosen``) the default of ``diffusion.objective``, so that switching the
     objective is one option; a value that was chosen is kept, and checked by :func:`validate`."""
-    from difftrain.diffusion.objective import DEFAULT_SAMPLERS  # local, like MODEL_PRESETS
-
     for dotted in OBJECTIVE_DEFAULT_KEYS:
         if dotted not in chosen:
             section, key = dotted.split(".")
@@ -668,8 +677,6 @@ def _check_values(cfg: Config) -> None:
 
 def _check_objective(cfg: Config) -> None:
     """The keys of the chosen objective, and the samplers it has."""
-    from difftrain.diffusion.objective import OBJECTIVE_SAMPLERS  # local, like MODEL_PRESETS
-
     dc = cfg.diffusion
     for key in ("sigma_min", "edm_sigma_data", "edm_p_std", "flow_logit_std", "flow_shift", "flow_train_shift", "rho"):
         _check(getattr(dc, key) > 0, f"diffusion.{key} must be > 0, got {getattr(dc, key)}")
@@ -695,7 +702,7 @@ def _check_objective(cfg: Config) -> None:
     _check(not (cfg.model.magnitude_preserving and (cfg.lora.rank or cfg.model.init_from)),
            "model.magnitude_preserving builds difftrain's UNet from scratch; it does not combine with lora.rank > 0 or "
            "model.init_from (a LoRA or a base's weights are not weight-normalised)")
-    names = OBJECTIVE_SAMPLERS[dc.objective]
+    names = OBJECTIVE_SAMPLER_NAMES[dc.objective]
     samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
     bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message
     _check(not bad, f"{' and '.join(bad)}: diffusion.objective={dc.objective!r} samples with "
@@ -726,10 +733,10 @@ def _check_text(cfg: Config) -> None:
     _check(not m.vae or d.channels == 3, f"model.vae needs data.channels=3 (RGB images), got {d.channels}")
 
 
-def _check_steps(key: str, steps: int, cfg: Config) -> None:
+def _check_steps(key: str, steps: int, dc: DiffusionConfig) -> None:
     """Sampling steps: >= 1, and at most T for the DDPM family (integer timesteps)."""
-    if cfg.diffusion.objective == "ddpm":
-        T = cfg.diffusion.num_timesteps
+    if dc.objective == "ddpm":
+        T = dc.num_timesteps
         _check(1 <= steps <= T, f"{key} must be in [1, diffusion.num_timesteps={T}], got {steps}")
     else:
         _check(steps >= 1, f"{key} must be >= 1, got {steps}")
@@ -737,8 +744,6 @@ def _check_steps(key: str, steps: int, cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` naming the first invalid key."""
-    from difftrain.models import MODEL_PRESETS  # local: keeps config importable on its own
-
     _check_values(cfg)
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
     _check(d.path.strip() != "", "data.path must name a folder of images or builtin:NAME, got an empty string")
@@ -762,8 +767,8 @@ def validate(cfg: Config) -> None:
     )
     _check_buckets(cfg)
     _check(
-        m.preset in MODEL_PRESETS,
-        f"model.preset must be one of {', '.join(MODEL_PRESETS)}, got {m.preset!r}",
+        m.preset in MODEL_PRESET_NAMES,
+        f"model.preset must be one of {', '.join(MODEL_PRESET_NAMES)}, got {m.preset!r}",
     )
     _check(m.init_from is None or m.init_from.strip() != "",
            "model.init_from must name a folder or file, got an empty string (leave it out for random weights)")
@@ -837,17 +842,17 @@ def validate(cfg: Config) -> None:
         _check(getattr(v, key) >= 1, f"validation.{key} must be >= 1, got {getattr(v, key)}")
     _check(v.memorization != "clip" or bool(cfg.evaluation.clip_model),
            "validation.memorization='clip' needs evaluation.clip_model (a local CLIP folder)")
-    _check_steps("validation.steps", v.steps, cfg)
+    _check_steps("validation.steps", v.steps, cfg.diffusion)
     e = cfg.evaluation
     _check(e.fid_every_steps >= 0, f"evaluation.fid_every_steps must be >= 0 (0 = never), got {e.fid_every_steps}")
     _check(e.fid_num_samples >= 2, f"evaluation.fid_num_samples must be >= 2, got {e.fid_num_samples}")
     _check(e.fid_ref_num == 0 or e.fid_ref_num >= 2, f"evaluation.fid_ref_num must be 0 (all) or >= 2, got {e.fid_ref_num}")
-    _check_steps("evaluation.fid_steps", e.fid_steps, cfg)
+    _check_steps("evaluation.fid_steps", e.fid_steps, cfg.diffusion)
     _check(e.fid_batch_size >= 1, f"evaluation.fid_batch_size must be >= 1, got {e.fid_batch_size}")
     _check_lora(cfg)
     _check_dreambooth(cfg)
     _check_text_options(cfg)
-    _check_fsdp(cfg)
+    _check_fsdp(cfg.train)
 
 
 def _check_buckets(cfg: Config) -> None:
@@ -877,14 +882,14 @@ def _check_buckets(cfg: Config) -> None:
                                           "train.cuda_graphs to 'auto' or 'off'")
 
 
-def _check_fsdp(cfg: Config) -> None:
+def _check_fsdp(t: TrainConfig) -> None:
     """What train.parallel='fsdp' does not combine with (yet)."""
-    _check(not cfg.train.fsdp_offload or cfg.train.parallel == "fsdp",
+    _check(not t.fsdp_offload or t.parallel == "fsdp",
            f"train.fsdp_offload=true needs train.parallel='fsdp' (it offloads FSDP's shards to the CPU), "
-           f"got train.parallel={cfg.train.parallel!r}")
-    if cfg.train.parallel != "fsdp":
+           f"got train.parallel={t.parallel!r}")
+    if t.parallel != "fsdp":
         return
-    t, why = cfg.train, "train.parallel='fsdp'"
+    why = "train.parallel='fsdp'"
     _check(t.precision != "fp16", f"{why} trains in fp32 or bf16; train.precision='fp16' is not supported, use bf16")
     _check(t.cuda_graphs != "on", f"{why} does not capture CUDA graphs; set train.cuda_graphs to 'auto' or 'off'")
     _check(t.compile != "on", f"{why} runs eager (auto turns compile off); set train.compile to 'auto' or 'off'")
@@ -970,9 +975,11 @@ def _check_dreambooth(cfg: Config) -> None:
 
 def check_environment(cfg: Config) -> None:
     """Checks of a config against this machine, before a command uses it: the device exists in
-    this PyTorch build, and the data folders exist. Not part of :func:`validate`, so that a
-    checkpoint trained on a GPU still loads on a CPU machine."""
-    import torch
+    this PyTorch build, the packages the options need are installed, and the data folders exist.
+    Not part of :func:`validate`, so that a checkpoint trained on a GPU still loads on a CPU
+    machine. Whether ``model.quantize_base`` runs on the device is a question for
+    networks/quantize.py, asked where a run starts (``difftrain.api.check_machine``)."""
+    import torch  # inside: config loads in 0.07 s of CPU without torch, which takes 1.8 s more (measured)
 
     device = cfg.train.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -984,19 +991,16 @@ def check_environment(cfg: Config) -> None:
         raise ConfigError(f"train.device is {device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
     if device == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("train.device is 'mps' but MPS is not available in this PyTorch build or machine")
-    if cfg.lora.rank:
-        import importlib.util
-
-        if importlib.util.find_spec("peft") is None:
-            raise ConfigError("lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'")
-    _check_quantize_environment(cfg)
+    if cfg.lora.rank and importlib.util.find_spec("peft") is None:
+        raise ConfigError("lora.rank > 0 needs the peft package, which is not installed: pip install 'difftrain[lora]'")
+    library = QUANTIZE_PACKAGES.get(cfg.model.quantize_base)
+    if library and importlib.util.find_spec(library) is None:
+        raise ConfigError(f"model.quantize_base='{cfg.model.quantize_base}' needs the {library} package, which is not "
+                          "installed: pip install 'difftrain[quant]'")
     package = OPTIMIZER_PACKAGES.get(cfg.optim.name)
-    if package:
-        import importlib.util
-
-        if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"optim.name={cfg.optim.name!r} needs the {package} package, which is not installed: "
-                              f"pip install 'difftrain[optim]'")
+    if package and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"optim.name={cfg.optim.name!r} needs the {package} package, which is not installed: "
+                          f"pip install 'difftrain[optim]'")
     for key, path in (("data.path", cfg.data.path), ("data.heldout_path", cfg.data.heldout_path)):
         if path and not path.startswith("builtin:"):
             if path.rstrip().lower().endswith((".tar", ".parquet")):
@@ -1006,25 +1010,6 @@ def check_environment(cfg: Config) -> None:
                 raise ConfigError(f"{key} {path} does not exist")
             if not where.is_dir():
                 raise ConfigError(f"{key} {path} is not a folder")
-
-
-def _check_quantize_environment(cfg: Config) -> None:
-    """model.quantize_base's library is installed and runs on the run's device."""
-    q = cfg.model.quantize_base
-    if q == "off":
-        return
-    import importlib.util
-
-    from difftrain.networks.quantize import QUANTIZE_KINDS, device_refusal
-    from difftrain.runtime.device import resolve_device
-
-    library = QUANTIZE_KINDS[q].library
-    if importlib.util.find_spec(library) is None:
-        raise ConfigError(f"model.quantize_base='{q}' needs the {library} package, which is not installed: "
-                          "pip install 'difftrain[quant]'")
-    refusal = device_refusal(q, resolve_device(cfg.train.device))
-    if refusal:
-        raise ConfigError(refusal)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,28 @@ def test_literal_choices_match_the_registries():
     assert set(typing.get_args(C.FlowTSampling)) == set(T_SAMPLINGS)
 
 
+def test_config_holds_the_registries_choices_without_importing_them():
+    """config sits below the registries (it imports none of them): the schema it holds of their
+    names (each objective's samplers and default, the UNet presets, the quantized base's
+    libraries) is the registries', in their order, since error messages list them."""
+    import ast
+
+    from difftrain.diffusion.objective import DEFAULT_SAMPLERS, OBJECTIVE_SAMPLERS
+    from difftrain.models import MODEL_PRESETS
+    from difftrain.networks.quantize import QUANTIZE_KINDS
+
+    assert C.OBJECTIVE_SAMPLER_NAMES == OBJECTIVE_SAMPLERS
+    assert C.DEFAULT_SAMPLERS == DEFAULT_SAMPLERS
+    assert C.MODEL_PRESET_NAMES == tuple(MODEL_PRESETS)
+    assert C.QUANTIZE_PACKAGES == {kind: k.library for kind, k in QUANTIZE_KINDS.items()}
+    assert set(typing.get_args(C.QuantizeBase)) == {"off", *QUANTIZE_KINDS}
+    tree = ast.parse(Path(C.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    # difftrain.families: _follow_base's, which the unet-family work takes out (issue 40)
+    assert {m for m in imported if m.startswith("difftrain")} <= {"difftrain.families"}
+
+
 def test_incompatible_keys_are_the_architecture_ones():
     old = config_to_dict(load_config())
     new = config_to_dict(load_config(None, ["model.base_channels=64", "train.total_steps=7", "data.resolution=64"]))

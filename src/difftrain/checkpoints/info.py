@@ -6,13 +6,12 @@ from pathlib import Path
 
 from difftrain.config import config_from_dict, config_to_toml
 from difftrain.checkpoints.checkpoint import load_checkpoint, state_dict_sha256
+from difftrain.checkpoints.weights_file import is_weights_file, load_weights_file
 
 
 def describe_checkpoint(path: str | Path) -> dict:
     """A JSON-ready description of the checkpoint at ``path`` (file or run directory), or of a
     weights file (``.safetensors``: one set of weights, so one digest; the other is None)."""
-    from difftrain.checkpoints.weights_file import is_weights_file, load_weights_file
-
     if is_weights_file(path):
         state = load_weights_file(path)
         cfg = config_from_dict(state["config"], source=state["path"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -302,8 +303,6 @@ def _read_latest(pointer: Path) -> _Pointer | None:
 def load_error(e: BaseException) -> str:
     """One line saying why ``torch.load(..., weights_only=True)`` (or a reader under it) failed:
     torch's refusal of a pickle that names code is several lines of advice to load it anyway."""
-    import pickle
-
     if isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower():
         return "it holds pickled objects other than tensors and plain data (refused: loading never runs code)"
     text = str(e).strip()

@@ -11,8 +11,12 @@ import json
 import tomllib
 from pathlib import Path
 
+from safetensors import safe_open
+from safetensors.torch import save
+
 from difftrain.checkpoints.checkpoint import CheckpointError, check_schema, first_non_finite
 from difftrain.config import config_from_dict, config_to_toml
+from difftrain.runtime.files import atomic_write_bytes
 
 WEIGHTS_FORMAT = "difftrain-weights-v1"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -27,10 +31,6 @@ def is_weights_file(path: str | Path) -> bool:
 def save_weights_file(state: dict, out: str | Path, use_ema: bool = True) -> Path:
     """Write the EMA (or raw) weights of a checkpoint read by ``load_checkpoint`` to ``out``
     (``.safetensors``); the config (TOML), class count, objective and step go in its metadata."""
-    from safetensors.torch import save
-
-    from difftrain.runtime.files import atomic_write_bytes
-
     out = Path(out)
     if out.suffix != WEIGHTS_SUFFIX:
         raise ValueError(f"the weights file must end in {WEIGHTS_SUFFIX}, got {out}")
@@ -58,8 +58,6 @@ def read_safetensors(path: Path, what: str) -> tuple[dict, dict]:
     """(metadata, tensors) of a .safetensors file, read on the CPU; one :class:`CheckpointError`
     naming the file (as ``what``, e.g. "weights file") when it cannot be read or a weight is not
     finite (naming the first such tensor)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}

@@ -20,6 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.checkpoints.checkpoint import list_checkpoints
+from difftrain.config import DiffusionConfig
+from difftrain.generation.inference import load_model
+
 # objective -> the cfg.diffusion keys that fix how its raw output becomes D: equal for the model and its guide.
 PARAMETERIZATION_KEYS = {"ddpm": ("prediction", "schedule", "num_timesteps", "zero_terminal_snr"),
                          "edm": ("edm_sigma_data",), "flow": ()}
@@ -48,8 +52,6 @@ def guide_checkpoint(main: str | Path, guide: str | Path | None = None, guide_st
     """The guide's checkpoint: ``guide`` (a run, checkpoint or weights file) as given, or, with
     ``guide_step``, the checkpoint of step ``guide_step`` of the run ``guide`` (default: the main
     run ``main``); a ValueError listing the steps there when it has none of that step."""
-    from difftrain.checkpoints.checkpoint import list_checkpoints
-
     if guide_step is None:
         if guide is None:
             raise ValueError("autoguidance needs a guide: a checkpoint or run (--guide) or a step of the run (--guide-step)")
@@ -65,11 +67,12 @@ def guide_checkpoint(main: str | Path, guide: str | Path | None = None, guide_st
     return found[guide_step]
 
 
-def check_compatible(cfg, num_classes: int, conditioning, what: str, guide) -> None:
+def check_compatible(diffusion: DiffusionConfig, num_classes: int, conditioning, what: str, guide) -> None:
     """A ValueError naming the first setting where the guide (a ``LoadedModel``) cannot guide the
-    model ``what`` of config ``cfg``: another parameterization, image shape, class count or conditioning."""
-    for key in ("objective", *PARAMETERIZATION_KEYS[cfg.diffusion.objective]):
-        ours, theirs = getattr(cfg.diffusion, key), getattr(guide.cfg.diffusion, key)
+    model ``what`` of ``diffusion`` (its config's section): another parameterization, image shape,
+    class count or conditioning."""
+    for key in ("objective", *PARAMETERIZATION_KEYS[diffusion.objective]):
+        ours, theirs = getattr(diffusion, key), getattr(guide.cfg.diffusion, key)
         if ours != theirs:
             raise ValueError(f"the guide {guide.path} was trained with diffusion.{key}={theirs!r}, the model "
                              f"{what} with {ours!r}: a guide must share the model's objective and parameterization")
@@ -88,12 +91,10 @@ def with_guide(loaded, guide: str | Path | None = None, weight: float = 2.0, *, 
     is False). Nothing to do (``loaded`` itself) when neither ``guide`` nor ``guide_step`` is given."""
     if guide is None and guide_step is None:
         return loaded
-    from difftrain.generation.inference import load_model
-
     path = guide_checkpoint(loaded.path, guide, guide_step)
     device = next(loaded.model.parameters()).device
     guide_model = load_model(path, use_ema=use_ema, device=str(device))
-    check_compatible(loaded.cfg, loaded.num_classes, loaded.conditioning, loaded.path, guide_model)
+    check_compatible(loaded.cfg.diffusion, loaded.num_classes, loaded.conditioning, loaded.path, guide_model)
     return dataclasses.replace(loaded, model=AutoGuided(loaded.model, guide_model.model, weight).eval(),
                                guide=guide_model.path, guide_step=guide_model.step, guide_weight=float(weight))
 
@@ -105,7 +106,7 @@ class ValidationGuide:
 
     def __init__(self, cfg, conditioning):
         self.path, self.weight = cfg.validation.guide, cfg.validation.guide_weight
-        self._cfg, self._conditioning = cfg, conditioning
+        self._diffusion, self._conditioning = cfg.diffusion, conditioning
         self._net: nn.Module | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -113,11 +114,9 @@ class ValidationGuide:
         if not self.path:
             return model
         if self._net is None:
-            from difftrain.generation.inference import load_model
-
             try:
                 guide = load_model(self.path, device=str(next(model.parameters()).device))
-                check_compatible(self._cfg, self._conditioning.num_classes, self._conditioning, "being trained", guide)
+                check_compatible(self._diffusion, self._conditioning.num_classes, self._conditioning, "being trained", guide)
             except (OSError, ValueError) as e:
                 raise ValueError(f"validation.guide {self.path}: {e}") from None
             self._net = guide.model.requires_grad_(False)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 from torch import nn
 
 from difftrain.networks.conditioning import condition_rows, expand_rows, map_condition
@@ -187,8 +188,6 @@ def save_png(image: np.ndarray, path: Path, text: tuple[str, str] | None = None)
     """Save an (H, W, C) uint8 array (C = 1 or 3) as PNG, with one (key, value) text chunk if given."""
     info = None
     if text is not None:
-        from PIL.PngImagePlugin import PngInfo
-
         info = PngInfo()
         info.add_text(*text)
     Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path, pnginfo=info)

@@ -74,7 +74,7 @@ images = (x / 2 + 0.5).clamp(0, 1)  # (N, C, H, W) in [0, 1]
 def ode_scheduler(objective):
     """The diffusers scheduler that samples ``objective`` (an ``EDMObjective`` or
     ``FlowObjective``) with difftrain's Euler steps; diffusers must be installed."""
-    import diffusers
+    import diffusers  # inside: diffusers is optional (the text extra)
 
     if objective.family == "edm":
         return diffusers.EDMEulerScheduler(
@@ -111,7 +111,7 @@ def export_ode_diffusers(unet, objective, out: str | Path, num_classes: int) -> 
     """Write ``out/unet`` (``unet``, a diffusers UNet2DModel), ``out/scheduler``
     (:func:`ode_scheduler`) and ``out/README.md`` (:func:`sampling_snippet`); a flow model also
     gets ``model_index.json`` (``DDPMPipeline`` samples it, on diffusers' grid). Returns ``out``."""
-    from diffusers import DDPMPipeline
+    from diffusers import DDPMPipeline  # inside: diffusers is optional (the text extra)
 
     out = Path(out)
     scheduler = ode_scheduler(objective)

@@ -85,7 +85,7 @@ class LatentCodec(nn.Module):
         diffusion_pytorch_model.safetensors) or a Stable Diffusion folder with ``vae/``."""
         folder = vae_folder(path)
         require("diffusers", "text", f"model.vae={path}")
-        from diffusers import AutoencoderKL
+        from diffusers import AutoencoderKL  # inside: diffusers is optional (the text extra), required above
         from diffusers.utils import logging
 
         check_weight_indexes(folder)  # from_pretrained reads the files a sharded VAE's index names, unchecked

@@ -11,6 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from PIL import Image
+
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
 _FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -42,8 +44,6 @@ def console_messages(stderr: str) -> list[str]:
 def _palette_png(path: Path) -> None:
     """Re-encode a screenshot with a 256-colour palette: plots and text lose nothing visible,
     and the file shrinks by half or more."""
-    from PIL import Image
-
     with Image.open(path) as im:
         small = im.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
     small.save(path, optimize=True)

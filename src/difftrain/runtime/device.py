@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from difftrain.runtime.files import cache_dir
+from difftrain.runtime.fsdp import is_sharded
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,8 +84,6 @@ def compile_model(net: nn.Module, device: torch.device, mode: str) -> nn.Module:
     compiled backward; save and average the unwrapped model, never this one. A model sharded by
     FSDP (``runtime/fsdp.py``) runs eager: ``auto`` leaves it uncompiled (the config refuses ``on``).
     """
-    from difftrain.runtime.fsdp import is_sharded
-
     if not resolve_toggle(mode, device, "compile") or is_sharded(net):
         return net
     # Inductor's compiled kernels are kept in difftrain's cache folder, so a second run (or a

@@ -44,6 +44,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 T = TypeVar("T")
@@ -163,8 +164,6 @@ def sync_gradients(net: nn.Module, sync: bool) -> contextlib.AbstractContextMana
     so gradients are all-reduced once per optimizer step, on the last micro-step; under FSDP
     its analogue, ``set_requires_gradient_sync(False)`` (unsharded gradients accumulate on each
     rank and are reduce-scattered on the last micro-step)."""
-    from torch.distributed.fsdp import FSDPModule
-
     ddp = getattr(net, "_orig_mod", net)  # under torch.compile, the DDP module it wraps
     if not sync and isinstance(ddp, FSDPModule):
         return _fsdp_no_sync(ddp)

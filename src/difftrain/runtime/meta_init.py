@@ -97,7 +97,7 @@ def recorded_build() -> Iterator[Recording]:
     """A context in which modules are built with their parameters on the meta device and every
     initialisation call on a parameter is recorded (``replay`` runs them); ``drew`` says whether
     the build drew from the global CPU generator besides (then ``replay`` refuses)."""
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # inside: accelerate is optional (see available())
 
     recording = Recording()
     _ACTIVE.append(recording.recorder)
@@ -118,7 +118,7 @@ def empty_build() -> Iterator[None]:
     recorded, as diffusers' ``from_pretrained`` builds a model before loading its weights (its
     initialisation computes nothing and draws no random number); inside :func:`recorded_build` too, whose
     recording then leaves these parameters out (their values come from files: ``runtime/tensor_source.py``)."""
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # inside: accelerate is optional (see available())
 
     recorder = _ACTIVE[-1] if _ACTIVE else None
     paused = recorder is not None and recorder.paused
@@ -145,7 +145,7 @@ def stand_in_weights(module: nn.Module) -> None:
 def available() -> bool:
     """Whether :func:`recorded_build` can run here (it needs accelerate's ``init_empty_weights``)."""
     try:
-        import accelerate  # noqa: F401
+        import accelerate  # noqa: F401 - inside: the optional package whose presence this asks
     except ImportError:
         return False
     return True

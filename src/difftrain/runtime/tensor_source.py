@@ -27,14 +27,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePath, PureWindowsPath
 
 import torch
+from safetensors import safe_open
 from torch import Tensor, nn
 
 WEIGHTS_STEM = "diffusion_pytorch_model"  # a diffusers model folder's weights file(s)
 
 
 def _safetensors_tensor(file: Path, key: str) -> Tensor:
-    from safetensors import safe_open
-
     with safe_open(str(file), framework="pt", device="cpu") as f:
         return f.get_tensor(key)
 
@@ -90,8 +89,6 @@ class TensorSource:
     def of_files(cls, files: list[Path], rename: Callable[[str], str] = str) -> TensorSource:
         """Every tensor of ``files`` (safetensors), under ``rename(key)``; one ValueError naming a file
         whose header cannot be read."""
-        from safetensors import safe_open
-
         keys: dict[str, tuple[Path, str]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         for file in files:

@@ -9,7 +9,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from difftrain.networks.conditioning import Conditioning
-from difftrain.config import Config
+from difftrain.config import Config, DataConfig
+from difftrain.data.latents import with_latent_cache
 from difftrain.data.loader import collate
 from difftrain.data.prepare import dataset_from_config
 from difftrain.data.split import split_heldout
@@ -39,11 +40,11 @@ class RandomImages(Dataset):
 
     num_classes = 0
 
-    def __init__(self, cfg: Config, num_items: int = 4096):
-        self.shape = (cfg.data.channels, cfg.data.resolution, cfg.data.resolution)
+    def __init__(self, data: DataConfig, num_items: int = 4096):
+        self.shape = (data.channels, data.resolution, data.resolution)
         self.num_items = num_items
-        self.captions = cfg.data.captions
-        self.masks = cfg.data.masks
+        self.captions = data.captions
+        self.masks = data.masks
 
     def __len__(self) -> int:
         return self.num_items
@@ -67,13 +68,11 @@ def build_setup(cfg: Config, need_data: bool = True, network: dict | None = None
     except ValueError:
         if need_data:
             raise
-        dataset = RandomImages(cfg)
+        dataset = RandomImages(cfg.data)
     dataset, _ = split_heldout(dataset, cfg, lambda p: None)
     num_classes = getattr(dataset, "num_classes", 0) if cfg.data.class_conditional else 0
     conditioning = Conditioning.from_config(cfg, num_classes, device)
     if conditioning.codec is not None:  # the tools see latents, as training does
-        from difftrain.data.latents import with_latent_cache
-
         dataset = with_latent_cache(dataset, random_flip=cfg.data.random_flip, codec=conditioning.codec,
                                     cache_dir=cfg.data.cache_dir or None, batch_size=64, device=device)
     state = RunState.build(cfg, num_classes, device, conditioning=conditioning, network=network,

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from difftrain.config import Parallel
+from difftrain.families.sd import ConditionUNet, unet_folder
+from difftrain.runtime.fsdp import blocks
 from difftrain.training.optimizers import OPTIMIZERS, state_bytes
 
 PARALLELISMS = typing.get_args(Parallel)  # train.parallel's values; the first is the default
@@ -46,8 +48,6 @@ def resolve_parallel(cfg, parallel: str | None) -> str:
 def fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules ``fully_shard`` wraps one by one before the root, as (qualified name, module):
     the units of ``runtime.fsdp.blocks``, which training shards. Empty: the root alone."""
-    from difftrain.runtime.fsdp import blocks
-
     names = {id(m): name for name, m in model.named_modules()}
     return [(names[id(b)], b) for b in blocks(model)]
 
@@ -141,8 +141,6 @@ def rank_memory(
 def meta_condition_unet(unet_config: str | Path) -> nn.Module:
     """The ConditionUNet of a UNet2DConditionModel ``config.json`` (or a folder holding one, or
     its ``unet/``), built on the meta device: shapes and dtypes, no memory, no weights."""
-    from difftrain.families.sd import ConditionUNet, unet_folder
-
     path = Path(unet_config).expanduser()
     path = path if path.is_file() else unet_folder(path) / "config.json"
     try:
