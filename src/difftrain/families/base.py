@@ -27,15 +27,22 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
 from difftrain.models.text import check_loading_info, first_line, quiet_loading
+from difftrain.models.vae import LatentCodec, vae_folder
+from difftrain.runtime import meta_init
+from difftrain.runtime.files import atomic_write_bytes
 from difftrain.runtime.optional import diffusers_pipeline
-from difftrain.runtime.tensor_source import check_weight_indexes
+from difftrain.runtime.tensor_source import TensorSource, check_weight_indexes
 
 Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
 
@@ -43,6 +50,11 @@ Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
 RECORD_KIND = "family"
 # The prefix of the wrapped diffusers model inside a Denoiser, hidden from state dicts.
 _PREFIX = "model."
+CLIP_TOKENS = 77  # the CLIP tokenizers' model_max_length in the released bases (prompts are padded to it)
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
+# Tokenizer files an exported pipeline keeps from its base where save_pretrained writes none (older
+# transformers read them: CLIP's BPE vocabulary and merges, T5's sentencepiece model).
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "spiece.model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +257,8 @@ class Family(ABC):
     # with "_" for the UNets, "lora_transformer_" + the same for SD3 and Flux (comfy/lora.py model_lora_keys_unet;
     # docs/lora_files.md). LoHa and LoKr files take these names with LyCORIS' tensor names (hada_w1_a, lokr_w1).
     kohya_prefix: str = "lora_unet_"
+    # Module names of another family's denoiser: a LoRA file naming them is not this family's (SD3: Flux's).
+    foreign_modules: tuple[str, ...] = ()
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -306,9 +320,6 @@ class Family(ABC):
         ``proj_attn``) are found under the names ``from_pretrained`` gives them (:func:`loaded_names`). None
         when the folder has neither (a ``.bin`` in torch's legacy format) or their names are still not the
         denoiser's: :meth:`load_denoiser` then reads it whole (or says what is wrong)."""
-        from difftrain.runtime import meta_init
-        from difftrain.runtime.tensor_source import TensorSource
-
         sub = self.denoiser_folder(folder)
         source = TensorSource.of_folder(sub)
         if source is None:
@@ -347,8 +358,6 @@ class Family(ABC):
 
     def load_codec(self, folder: Path, device: torch.device | str = "cpu"):
         """The frozen VAE (``models.vae.LatentCodec``: scaling AND shift factor) of ``folder/vae``."""
-        from difftrain.models.vae import LatentCodec
-
         return LatentCodec.from_path(str(folder)).to(device)
 
     def image_conditions(self, geometry: Tensor | None, size: tuple[int, int], device: torch.device | str
@@ -383,43 +392,121 @@ class Family(ABC):
 
     # -- files out and in ---------------------------------------------------------------------------
 
-    @abstractmethod
     def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
                         vae: Path | None = None) -> Path:
         """A pipeline folder the family's diffusers pipeline loads: ``denoiser``'s weights, the base's
-        frozen parts copied from ``base`` (the VAE from ``vae`` when given: a run's ``model.vae`` elsewhere),
-        ``scheduler`` (a diffusers scheduler config, None: the base's)."""
+        frozen parts from ``base`` (the VAE from ``vae`` when given: a run's ``model.vae`` elsewhere),
+        ``scheduler`` (a diffusers scheduler config, None: the base's). The one export path of every
+        family: the pipeline :meth:`export_parts` makes, written by its ``save_pretrained`` (safetensors)
+        into ``out`` (absent or empty), the base tokenizers' :data:`TOKENIZER_FILES` it leaves out copied,
+        then read back by the pipeline class's ``from_pretrained``: a written folder that does not load
+        is one ValueError naming it."""
+        out = Path(out).expanduser()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"export folder {out} exists and is not empty")
+        pipe = self.export_parts(denoiser, Path(base).expanduser(), scheduler,
+                                 None if vae is None else Path(vae).expanduser())
+        pipe.save_pretrained(str(out), safe_serialization=True)
+        keep_tokenizer_files(pipe, out)
+        del pipe  # the base's frozen parts: freed before the written folder is loaded back
+        check_pipeline_loads(self.pipeline_class, out)
+        return out
 
-    @abstractmethod
+    def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None):
+        """The diffusers pipeline :meth:`export_pipeline` writes: the base's, loaded from ``base`` in
+        float32, with ``denoiser``'s model as its :attr:`denoiser_subfolder` part, the VAE of ``vae``
+        (a VAE folder or a folder's ``vae/``) when given, and ``scheduler`` merged into the config of the
+        base's scheduler (its class kept). One ValueError naming the folder when it does not load. SD
+        builds its pipeline from parts instead (its text encoder may be a folder of its own)."""
+        from diffusers import AutoencoderKL  # diffusers: an optional package ([text])
+        from diffusers.utils import logging
+
+        read_json(base / "model_index.json", f"base {base}")
+        cls = diffusers_pipeline(self.pipeline_class)
+        parts = {self.denoiser_subfolder: denoiser.model}
+        if vae is not None:
+            folder = vae_folder(str(vae))
+            parts["vae"] = load_part(folder.parent, folder.name, AutoencoderKL, "VAE")
+        check_weight_indexes(base)  # from_pretrained reads the files a sharded part's index names, unchecked
+        try:
+            with quiet_loading(logging):
+                pipe = cls.from_pretrained(str(base), **parts, torch_dtype=torch.float32)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"export: cannot load the {self.name} base {base}: {first_line(e)}") from None
+        if scheduler is not None:
+            pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **scheduler})
+        return pipe
+
     def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
                   metadata: dict[str, str] | None = None) -> Path:
         """Write ``adapter`` (peft's names of the denoiser, ``...to_q.lora_A.weight``) through the
-        pipeline class's ``save_lora_weights``, with peft's ``LoraConfig`` fields ``lora_config`` and
-        difftrain's ``metadata``; returns the file, which ``load_lora_weights`` reads."""
+        pipeline class's ``save_lora_weights`` (``<lora_prefix>_lora_layers``: diffusers adds the
+        ``lora_prefix.`` and peft's ``LoraConfig`` fields ``lora_config`` as metadata), then difftrain's
+        ``metadata`` added to the file's; returns the file (``out/`` :data:`LORA_WEIGHT_NAME`), which
+        ``load_lora_weights`` and :meth:`read_lora` read."""
+        cls = diffusers_pipeline(self.pipeline_class)
+        out = Path(out)
+        tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
+        cls.save_lora_weights(str(out), **{f"{self.lora_prefix}_lora_layers": tensors,
+                                           f"{self.lora_prefix}_lora_adapter_metadata":
+                                               dict(lora_config) if lora_config else None})
+        file = out / LORA_WEIGHT_NAME
+        if metadata:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                merged = {**(f.metadata() or {}), **metadata}
+                written = {k: f.get_tensor(k) for k in f.keys()}
+            atomic_write_bytes(file, save(written, metadata=merged))
+        return file
 
-    @abstractmethod
-    def read_lora(self, path: Path) -> dict[str, Tensor]:
-        """The denoiser's adapter (peft's names, as :meth:`save_lora` takes them) of a LoRA file,
-        through the pipeline class's ``lora_state_dict``; a ValueError for a file of another family."""
+    def lora_file(self, path: Path, config: dict | None = None) -> tuple[dict[str, Tensor], dict | None, dict | None]:
+        """The one reader of LoRA files (:meth:`read_lora` and :meth:`lora_state` take its output): (every
+        tensor, the network alphas or None, diffusers' adapter metadata or None) of ``path`` as the pipeline
+        class's ``lora_state_dict`` returns them (safetensors only: it never unpickles), converting the
+        layouts it knows (kohya sd-scripts', ComfyUI's...) with :meth:`lora_state_options` of the denoiser's
+        diffusers config ``config`` (None: no options). One ValueError naming the file when it does not
+        exist or cannot be read."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ValueError(f"LoRA file {path} does not exist" if not path.exists() else
+                             f"LoRA file {path} is a folder, not a .safetensors file")
+        cls = diffusers_pipeline(self.pipeline_class)
+        try:
+            out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
+                                      **({} if config is None else self.lora_state_options(config)))
+        except Exception as e:  # noqa: BLE001 - diffusers' converters raise many kinds; re-raised as one line
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: {self.pipeline_class}.lora_state_dict "
+                             f"cannot read it ({type(e).__name__}: {first_line(e)})") from None
+        return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], None, out[1])
+
+    def read_lora(self, path: Path, denoiser: Denoiser | None = None) -> dict[str, Tensor]:
+        """The denoiser's adapter (peft's names, as :meth:`save_lora` takes them) of a LoRA file in the
+        pipeline's layout (:meth:`lora_file`); one ValueError naming the file for a file of another family:
+        tensors outside ``lora_prefix.`` (or none), module names of :attr:`foreign_modules`, or, given
+        ``denoiser``, a module it lacks or of another width (:func:`check_lora_fits`)."""
+        state, _, _ = self.lora_file(path)
+        prefix = self.lora_prefix + "."
+        outside = sorted({k.split(".")[0] for k in state if not k.startswith(prefix)})
+        if outside or not state:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: it holds "
+                             f"{'tensors of ' + ', '.join(outside) if outside else 'no tensors'}, not the "
+                             f"{self.lora_prefix}'s (a file for another family?)")
+        state = {k[len(prefix):]: v for k, v in state.items()}
+        strange = sorted({name for k in state for name in self.foreign_modules if name in k.split(".")})
+        if strange:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: it names {', '.join(strange)} "
+                             f"(another family's {self.lora_prefix})")
+        if denoiser is not None:
+            check_lora_fits(state, denoiser.model, path, self.name, self.lora_prefix)
+        return state
 
     def lora_state(self, path: Path, config: dict) -> tuple[dict[str, Tensor], dict | None, dict | None, int]:
         """A LoRA file of any layout the family's pipeline reads (diffusers' and peft's names, kohya
         sd-scripts' and ComfyUI's ``lora_unet_...``, the other layouts its ``lora_state_dict`` converts),
         as diffusers' loader takes it: (the denoiser's tensors under ``lora_prefix + "."``, their
         network alphas or None, diffusers' adapter metadata or None, how many tensors are of other parts
-        (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`). Read by the
-        pipeline class's ``lora_state_dict`` (safetensors only), not by a key map of difftrain's; one
-        ValueError naming the file when it cannot convert it."""
-        from difftrain.models.text import first_line
-
-        cls = diffusers_pipeline(self.pipeline_class)
-        try:
-            out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
-                                      **self.lora_state_options(config))
-        except Exception as e:  # noqa: BLE001 - diffusers' converters raise many kinds; re-raised as one line
-            raise ValueError(f"LoRA file {path}: {self.pipeline_class}.lora_state_dict cannot read it as a LoRA of "
-                             f"this {self.name} base ({type(e).__name__}: {first_line(e)})") from None
-        state, alphas, metadata = (out[0], out[1], out[2]) if len(out) == 3 else (out[0], None, out[1])
+        (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`). Read by
+        :meth:`lora_file` (the pipeline class's ``lora_state_dict``), not by a key map of difftrain's."""
+        state, alphas, metadata = self.lora_file(path, config)
         prefix = self.lora_prefix + "."
         ours = {k: v for k, v in state.items() if k.startswith(prefix)}
         alphas = {k: v for k, v in (alphas or {}).items() if k.startswith(prefix)} or None
@@ -449,6 +536,50 @@ def read_json(path: Path, what: str) -> dict:
     return value
 
 
+def check_lora_fits(state: dict[str, Tensor], model: nn.Module, path, family: str, part: str = "transformer") -> None:
+    """One ValueError unless every ``<module>.lora_A/B.weight`` of ``state`` names a module of
+    ``model`` (the base's ``part``) with the matching in/out width."""
+    modules = dict(model.named_modules())
+    for key, value in state.items():
+        owner = key.split(".lora_")[0]
+        layer = modules.get(owner)
+        layer = getattr(layer, "base_layer", layer)
+        weight = getattr(layer, "weight", None)
+        if weight is None:
+            raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: it names {owner}, which the "
+                             f"base's {part} lacks")
+        want, got = (weight.shape[1], value.shape[1]) if ".lora_A." in key else (weight.shape[0], value.shape[0])
+        if want != got:
+            raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: {key} has shape "
+                             f"{tuple(value.shape)}, the base's {owner} is {tuple(weight.shape)}")
+
+
+def keep_tokenizer_files(pipe, out: Path) -> None:
+    """Copy into ``out/<part>/`` the :data:`TOKENIZER_FILES` of each tokenizer of ``pipe`` (from the
+    folder it was loaded from) that its ``save_pretrained`` did not write."""
+    for name, part in pipe.components.items():
+        source = Path(str(getattr(part, "name_or_path", "") or ""))
+        if "Tokenizer" not in type(part).__name__ or not str(source) or not source.is_dir():
+            continue
+        for file in TOKENIZER_FILES:
+            if (source / file).is_file() and (out / name).is_dir() and not (out / name / file).exists():
+                shutil.copyfile(source / file, out / name / file)
+
+
+def check_pipeline_loads(pipeline_class: str, out: Path) -> None:
+    """``pipeline_class.from_pretrained(out)`` (every part, quiet), or one ValueError naming the
+    folder: an exported folder is checked to load where it was written."""
+    from diffusers.utils import logging  # diffusers: an optional package ([text])
+
+    cls = diffusers_pipeline(pipeline_class)
+    try:
+        with quiet_loading(logging):
+            cls.from_pretrained(str(out))
+    except Exception as e:  # noqa: BLE001 - diffusers and transformers raise many kinds; one line naming the folder
+        raise ValueError(f"export: the written folder {out} does not load in {pipeline_class}.from_pretrained "
+                         f"({type(e).__name__}: {first_line(e)})") from None
+
+
 def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
     """``cls.from_pretrained(folder/sub)`` (a diffusers or transformers class) in float32 on the CPU,
     quiet, every weight checked; one ValueError naming the folder and the missing or broken part."""
@@ -456,11 +587,10 @@ def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
     if not path.is_dir():
         raise ValueError(f"{folder}: no {sub}/ (the {what}); this base folder needs it")
     module = cls.__module__.split(".")[0]
-    if module == "transformers":
+    if module == "transformers":  # transformers and diffusers: optional packages ([text])
         from transformers.utils import logging
     else:
         from diffusers.utils import logging
-    from safetensors import SafetensorError  # a damaged weights file: not an OSError
 
     is_tokenizer = "Tokenizer" in cls.__name__
     check_weight_indexes(path)  # from_pretrained reads the files a sharded part's index names, unchecked

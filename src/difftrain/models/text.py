@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.runtime.device import to_device_async
 from difftrain.runtime.optional import require
 from difftrain.runtime.tensor_source import check_weight_indexes
 
@@ -89,7 +90,10 @@ def word_vocabulary(words: list[str]) -> tuple[dict[str, int], list[tuple[str, s
 def weights_digest(module: nn.Module, extra: bytes = b"", strip: str = "") -> str:
     """SHA-256 (hex) of a module's parameters and persistent float buffers, by sorted name
     (``strip`` removed from the front of names, so a wrapper prefix doesn't count), each
-    with its shape and float32 bytes, then ``extra`` (a tokenizer's vocabulary)."""
+    with its shape and float32 bytes, then ``extra`` (the tokenizers' vocabularies: :func:`vocab_bytes`).
+    The one digest of frozen parts (text encoders, VAEs, a LoRA's base): checkpoints record it and a
+    resumed run compares it, so its bytes never change. Several models are digested as one
+    ``nn.ModuleList`` of them (names ``0.``, ``1.``, ...)."""
     tensors = {n.removeprefix(strip): t for n, t in module.state_dict().items()}
     return tensors_digest(((name, tensors[name]) for name in sorted(tensors)), extra)
 
@@ -107,6 +111,32 @@ def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]], extra: bytes = b
         h.update(t.numpy().tobytes())
     h.update(extra)
     return h.hexdigest()
+
+
+def vocab_bytes(tokenizers: list, pairs: bool = False, ascii_only: bool = False) -> bytes:
+    """The vocabularies of ``tokenizers`` as the ``extra`` of :func:`weights_digest`: each one's
+    ``get_vocab()`` as a JSON object with sorted keys (``ascii_only``: non-ASCII escaped), or
+    (``pairs``) as a JSON list of sorted (token, id) pairs, concatenated. Three forms because
+    checkpoints already record digests made with each: CLIP's ``TextEncoder`` (an object, unescaped),
+    SDXL's encoders (an object, escaped), SD3's and Flux's (pairs, unescaped)."""
+    out = []
+    for tokenizer in tokenizers:
+        vocab = tokenizer.get_vocab()
+        value = sorted(vocab.items()) if pairs else vocab
+        out.append(json.dumps(value, sort_keys=not pairs, ensure_ascii=ascii_only).encode())
+    return b"".join(out)
+
+
+def token_ids(tokenizer, captions: list[str], length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(B, length) long: ``captions`` tokenized, padded to ``length`` and truncated (the tokenizer's
+    own BOS / EOS kept), as the diffusers pipelines tokenize; made on the host and, given ``device``,
+    copied there without waiting for it (``runtime.device.to_device_async``). The one tokenise-and-copy
+    of every text encoder."""
+    if isinstance(captions, str):
+        raise TypeError("tokenize takes a list of captions, got one string")
+    ids = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
+                    return_tensors="pt")["input_ids"].long()
+    return ids if device is None else to_device_async(ids, device)
 
 
 @contextlib.contextmanager
@@ -142,10 +172,6 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _vocab_bytes(tokenizer) -> bytes:
-    return json.dumps(tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False).encode()
-
-
 class TextEncoder(nn.Module):
     """A frozen CLIP text transformer and its tokenizer: captions -> (B, L, D) embeddings.
 
@@ -161,7 +187,7 @@ class TextEncoder(nn.Module):
         self.source = source
         self.dim = int(model.config.hidden_size)
         self.max_length = int(model.config.max_position_embeddings)
-        self.digest = weights_digest(model, _vocab_bytes(tokenizer), strip="text_model.")
+        self.digest = weights_digest(model, vocab_bytes([tokenizer]), strip="text_model.")
 
     @classmethod
     def from_path(cls, path: str) -> TextEncoder:
@@ -199,14 +225,11 @@ class TextEncoder(nn.Module):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def tokenize(self, captions: list[str]) -> torch.Tensor:
-        """Token ids (B, L) long on the CPU: BOS, the caption's tokens, EOS, padded with EOS
-        (or truncated, keeping EOS last) to ``max_length``. ``""`` gives BOS, EOS, padding."""
-        if isinstance(captions, str):
-            raise TypeError("tokenize takes a list of captions, got one string")
-        out = self.tokenizer(list(captions), padding="max_length", max_length=self.max_length, truncation=True,
-                             return_tensors="pt")
-        return out["input_ids"].long()
+    def tokenize(self, captions: list[str], device: torch.device | str | None = None) -> torch.Tensor:
+        """Token ids (B, L) long on the CPU (given ``device``: copied there without waiting): BOS, the
+        caption's tokens, EOS, padded with EOS (or truncated, keeping EOS last) to ``max_length``. ``""``
+        gives BOS, EOS, padding (:func:`token_ids`)."""
+        return token_ids(self.tokenizer, captions, self.max_length, device)
 
     @torch.no_grad()
     def encode_ids(self, ids: torch.Tensor) -> torch.Tensor:
