@@ -37,9 +37,10 @@ from torch import Tensor, nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from difftrain.models.text import check_loading_info, first_line, quiet_loading
+from difftrain.models.text import check_loading_info, first_line, quiet_loading, tokenize
 from difftrain.models.vae import LatentCodec, vae_folder
 from difftrain.runtime import meta_init
+from difftrain.runtime.device import to_device_async
 from difftrain.runtime.files import atomic_write_bytes
 from difftrain.runtime.optional import diffusers_pipeline
 from difftrain.runtime.tensor_source import TensorSource, check_weight_indexes
@@ -196,6 +197,13 @@ class PromptEncoder(nn.Module):
         return super().train(False)
 
 
+def token_ids(tokenizer, captions: list[str], length: int, device: torch.device | str) -> Tensor:
+    """(B, length) long on ``device``: ``captions`` tokenized as the pipelines tokenize them (padded to
+    ``length``, truncated: ``models.text.tokenize``), made on the host and copied without waiting for the
+    device (``runtime.device.to_device_async``). The one tokenise-and-copy of every family's text encoders."""
+    return to_device_async(tokenize(tokenizer, captions, length), device)
+
+
 def drop_rows(cond: Condition, null: Condition, drop: Tensor) -> Condition:
     """``cond`` with the rows where ``drop`` (B,) bool is True replaced by ``null``'s (rows
     broadcastable to B): caption dropout as one ``torch.where`` per tensor, no host read."""
@@ -344,9 +352,9 @@ class Family(ABC):
         FlowMatchEulerDiscreteScheduler settings of the flow keys."""
         return None
 
-    def prompt_options(self, cfg) -> dict[str, object]:
-        """Keyword arguments of :meth:`load_prompt_encoder` the run's config gives (none by default;
-        SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
+    def prompt_options(self, model) -> dict[str, object]:
+        """Keyword arguments of :meth:`load_prompt_encoder` the run's ``model`` section (``cfg.model``) gives
+        (none by default; SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
         return {}
 
     def run_conditions(self, cfg, sampling: bool = False) -> dict[str, float]:

@@ -48,9 +48,9 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import Denoiser, PromptEncoder, load_part, require_keys
+from difftrain.families.base import Denoiser, PromptEncoder, load_part, require_keys, token_ids
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, t5_length
-from difftrain.models.text import token_ids, vocab_bytes, weights_digest
+from difftrain.models.text import vocab_bytes, weights_digest
 
 DEFAULT_T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (and its most); diffusers' script: 512
 KEYS = ("prompt_embeds", "pooled", "guidance")

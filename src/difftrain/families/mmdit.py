@@ -65,10 +65,10 @@ class TransformerFamily(Family):
         """The base's FlowMatchEulerDiscreteScheduler config (scheduler/scheduler_config.json)."""
         return read_json(Path(folder) / "scheduler" / "scheduler_config.json", f"base {folder}")
 
-    def prompt_options(self, cfg) -> dict[str, object]:
-        """``max_sequence_length``: the T5 tokens per prompt (``model.max_sequence_length``; 0 = the
-        pipeline's default)."""
-        return {"max_sequence_length": int(getattr(cfg.model, "max_sequence_length", 0))}
+    def prompt_options(self, model) -> dict[str, object]:
+        """``max_sequence_length``: the T5 tokens per prompt (``model.max_sequence_length`` of the
+        ``cfg.model`` section; 0 = the pipeline's default)."""
+        return {"max_sequence_length": int(getattr(model, "max_sequence_length", 0))}
 
     def _defaults(self, folder: Path) -> dict[str, object]:
         return {"model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True,

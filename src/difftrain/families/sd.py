@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from difftrain.diffusion.scheduler_configs import diffusers_training
 from difftrain.families import register
-from difftrain.families.base import CLIP_TOKENS, Denoiser, Family, PromptEncoder, read_json, require_keys
+from difftrain.families.base import CLIP_TOKENS, Denoiser, Family, PromptEncoder, read_json, require_keys, token_ids
 from difftrain.models.text import TextEncoder, first_line, text_model_folders
 from difftrain.models.vae import vae_folder as find_vae_folder
 from difftrain.runtime.optional import diffusers_pipeline, require
@@ -162,7 +162,7 @@ class SDPromptEncoder(PromptEncoder):
         return self.text.dim
 
     def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
-        ids = self.text.tokenize(list(captions), device)  # (B, L) made on the host, copied without waiting
+        ids = token_ids(self.text.tokenizer, captions, self.text.max_length, device)  # (B, L), no wait
         return {"prompt_embeds": self.text.encode_ids(ids)}
 
 

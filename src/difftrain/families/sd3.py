@@ -54,9 +54,9 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import CLIP_TOKENS, PromptEncoder, load_part, read_json, require_keys
+from difftrain.families.base import CLIP_TOKENS, PromptEncoder, load_part, read_json, require_keys, token_ids
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, t5_length
-from difftrain.models.text import token_ids, vocab_bytes, weights_digest
+from difftrain.models.text import vocab_bytes, weights_digest
 
 DEFAULT_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default (diffusers' SD3 script: 77)
 KEYS = ("prompt_embeds", "pooled")

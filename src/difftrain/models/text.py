@@ -5,7 +5,9 @@ its tokenizer files), from a Stable Diffusion pipeline folder (``text_encoder/``
 ``tokenizer/``), or builds ``builtin:tiny-clip``: a small CLIP text model whose weights
 difftrain draws itself from a fixed seed, with a word vocabulary that covers the built-in
 datasets' captions. Nothing is downloaded. transformers is imported only when a model is
-loaded, so importing this module is cheap.
+loaded, so importing this module is cheap. Also the one weight digest of frozen parts
+(:func:`weights_digest`) and the one tokenization of captions (:func:`tokenize`) every
+family's text encoders use.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.runtime.device import to_device_async
 from difftrain.runtime.optional import require
 from difftrain.runtime.tensor_source import check_weight_indexes
 
@@ -127,16 +128,14 @@ def vocab_bytes(tokenizers: list, pairs: bool = False, ascii_only: bool = False)
     return b"".join(out)
 
 
-def token_ids(tokenizer, captions: list[str], length: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """(B, length) long: ``captions`` tokenized, padded to ``length`` and truncated (the tokenizer's
-    own BOS / EOS kept), as the diffusers pipelines tokenize; made on the host and, given ``device``,
-    copied there without waiting for it (``runtime.device.to_device_async``). The one tokenise-and-copy
-    of every text encoder."""
+def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
+    """(B, length) long on the host: ``captions`` tokenized, padded to ``length`` and truncated (the
+    tokenizer's own BOS / EOS kept), as the diffusers pipelines tokenize. The one tokenization of every
+    text encoder (``families.base.token_ids`` adds the copy to the device)."""
     if isinstance(captions, str):
         raise TypeError("tokenize takes a list of captions, got one string")
-    ids = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                    return_tensors="pt")["input_ids"].long()
-    return ids if device is None else to_device_async(ids, device)
+    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
+                     return_tensors="pt")["input_ids"].long()
 
 
 @contextlib.contextmanager
@@ -203,7 +202,7 @@ class TextEncoder(nn.Module):
             return BUILTIN_TEXT_ENCODERS[name]()
         model_dir, tokenizer_dir = text_model_folders(path)
         require("transformers", "text", f"model.text_encoder={path}")
-        from transformers import CLIPTextModel, CLIPTokenizer
+        from transformers import CLIPTextModel, CLIPTokenizer  # transformers: an optional package ([text])
         from transformers.utils import logging
 
         check_weight_indexes(model_dir)  # from_pretrained reads the files a sharded model's index names, unchecked
@@ -225,11 +224,10 @@ class TextEncoder(nn.Module):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def tokenize(self, captions: list[str], device: torch.device | str | None = None) -> torch.Tensor:
-        """Token ids (B, L) long on the CPU (given ``device``: copied there without waiting): BOS, the
-        caption's tokens, EOS, padded with EOS (or truncated, keeping EOS last) to ``max_length``. ``""``
-        gives BOS, EOS, padding (:func:`token_ids`)."""
-        return token_ids(self.tokenizer, captions, self.max_length, device)
+    def tokenize(self, captions: list[str]) -> torch.Tensor:
+        """Token ids (B, L) long on the CPU: BOS, the caption's tokens, EOS, padded with EOS
+        (or truncated, keeping EOS last) to ``max_length``. ``""`` gives BOS, EOS, padding."""
+        return tokenize(self.tokenizer, captions, self.max_length)
 
     @torch.no_grad()
     def encode_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -281,7 +279,7 @@ def text_model_folders(path: str) -> tuple[Path, Path]:
 def clip_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], max_length: int):
     """A transformers CLIPTokenizer made in memory from a vocabulary and its merges."""
     require("transformers", "text", "a text encoder (model.text_encoder)")
-    from transformers import CLIPTokenizer
+    from transformers import CLIPTokenizer  # transformers: an optional package ([text])
 
     return CLIPTokenizer(vocab=vocab, merges=list(merges), model_max_length=max_length)
 
@@ -312,7 +310,7 @@ def tiny_clip() -> TextEncoder:
     """``builtin:tiny-clip``: hidden 64, 2 layers, 4 heads, 16 tokens, the ``TINY_CLIP_WORDS``
     vocabulary, weights from ``TINY_CLIP_SEED`` (see :func:`seeded_clip_weights`)."""
     require("transformers", "text", "model.text_encoder=builtin:tiny-clip")
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTextModel  # transformers: an optional package ([text])
 
     vocab, merges = word_vocabulary(TINY_CLIP_WORDS)
     config = CLIPTextConfig(vocab_size=len(vocab), bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],

@@ -114,7 +114,7 @@ class Conditioning:
 
             from difftrain.data.text_cache import cached_prompt_encoder
 
-            folder, options = Path(cfg.model.text_encoder).expanduser(), family.prompt_options(cfg)
+            folder, options = Path(cfg.model.text_encoder).expanduser(), family.prompt_options(cfg.model)
             load = lambda: family.load_prompt_encoder(folder, device, **options)
             text = cached_prompt_encoder(cfg, family.name, folder, options, load, device) if text_cache else None
             text = load() if text is None else text  # without the cache: loaded now
