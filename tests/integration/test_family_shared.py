@@ -172,3 +172,163 @@ def test_an_exported_folder_is_loaded_back_and_one_that_does_not_load_is_one_lin
     with pytest.raises(ValueError, match="does not load") as info:
         family.export_pipeline(denoiser, bases[name], bad)
     assert "\n" not in str(info.value) and str(bad) in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The export keeps the base's frozen parts as they are, and checks the written folder without reading a weight.
+
+
+def _half_precision_copy(base: Path, out: Path, denoiser: str) -> Path:
+    """``base`` copied to ``out`` with every weight outside ``denoiser/`` stored in bfloat16 (as a real
+    half-precision base holds its text encoders and VAE), each file's metadata kept."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(base, out)
+    for file in sorted(out.rglob("*.safetensors")):
+        if file.relative_to(out).parts[0] == denoiser:
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a safe_open, not a dict
+        save_file({k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in tensors.items()},
+                  str(file), metadata=metadata)
+    return out
+
+
+def _dtypes(file: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 - a safe_open, not a dict
+
+
+@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux"])
+def test_an_export_writes_the_frozen_parts_as_the_base_holds_them(bases, tmp_path, name):
+    """Of a bfloat16 base's text encoders and VAE, the export writes the base's files byte for byte (bf16 stays
+    bf16: Flux's T5 is 9.5 GB, not 19), every tokenizer file too; only the denoiser is written from the run
+    (float32, its trained weights). It was float32 for every part (the pipeline loaded in float32 and saved)."""
+    import filecmp
+
+    from safetensors.torch import load_file
+
+    family = family_named(name)
+    base = _half_precision_copy(bases[name], tmp_path / "base", family.denoiser_subfolder)
+    denoiser = family.load_denoiser(base)
+    with torch.no_grad():
+        next(denoiser.parameters()).add_(1.0)
+    out = family.export_pipeline(denoiser, base, tmp_path / "out")
+    index = json.loads((out / "model_index.json").read_text())
+    frozen = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0]
+              and k not in (family.denoiser_subfolder, "scheduler")]
+    assert {"vae", "text_encoder", "tokenizer"} <= set(frozen)
+    for part in frozen:
+        for file in sorted((base / part).iterdir()):
+            assert filecmp.cmp(file, out / part / file.name, shallow=False), (part, file.name)
+            if file.suffix == ".safetensors":
+                assert _dtypes(out / part / file.name) == {"BF16"}, (part, file.name)
+    written = load_file(str(out / family.denoiser_subfolder / "diffusion_pytorch_model.safetensors"))
+    assert {k: v.dtype for k, v in written.items()} == {k: torch.float32 for k in denoiser.state_dict()}
+    assert all(torch.equal(written[k], v) for k, v in denoiser.state_dict().items())
+
+
+class _HeadersOnly:
+    """safetensors' ``safe_open`` that gives names, shapes and dtypes and refuses to read a tensor."""
+
+    def __init__(self, real, *args, **kwargs):
+        self._file = real(*args, **kwargs)
+
+    def __enter__(self):
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._file.__exit__(*exc)
+
+    def keys(self):
+        return self._file.keys()
+
+    def metadata(self):
+        return self._file.metadata()
+
+    def get_slice(self, key):
+        return _Header(self._file.get_slice(key))
+
+    def get_tensor(self, key):
+        raise AssertionError(f"the check read the tensor {key}")
+
+
+class _Header:
+    def __init__(self, piece):
+        self._piece = piece
+
+    def get_shape(self):
+        return self._piece.get_shape()
+
+    def get_dtype(self):
+        return self._piece.get_dtype()
+
+    def __getitem__(self, index):
+        raise AssertionError("the check read a slice of a tensor")
+
+
+def _refuse_tensor_reads(monkeypatch) -> None:
+    """Every way the loaders read weights (safe_open's get_tensor / slices, safetensors.torch.load_file and
+    load, torch.load) raises from now on, in every module holding them; headers stay readable."""
+    import sys
+
+    import safetensors
+    import safetensors.torch
+
+    real = safetensors.safe_open
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the check read a weights file's tensors")
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "safe_open", None) is real:
+            monkeypatch.setattr(module, "safe_open", lambda *a, **k: _HeadersOnly(real, *a, **k))
+        for attr in ("load_file", "safe_load_file"):
+            if getattr(module, attr, None) is safetensors.torch.load_file:
+                monkeypatch.setattr(module, attr, refuse)
+    monkeypatch.setattr(safetensors.torch, "load", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+@pytest.mark.parametrize("name", ["sd", "flux"])
+def test_the_export_check_reads_no_weight_and_still_finds_a_wrong_shape(bases, tmp_path, monkeypatch, name):
+    """The check of a written folder reads configs, tokenizers and safetensors headers, never a tensor (a real
+    Flux folder loaded whole took about 115 GB of host memory): with every tensor read refused, an export
+    passes; a weights file whose header gives a tensor another shape than its config makes, or a part
+    model_index.json names and the folder lacks, is one line naming the folder (exit 2). Before, the check
+    loaded the whole pipeline."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    family = family_named(name)
+    denoiser = family.load_denoiser(bases[name])
+    with monkeypatch.context() as patched:
+        _refuse_tensor_reads(patched)
+        out = family.export_pipeline(denoiser, bases[name], tmp_path / "out")  # checked in it
+    from difftrain.families.base import check_written_folder
+
+    file = out / "text_encoder" / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    key = min(k for k in tensors if tensors[k].ndim == 2)
+    tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
+    save_file(tensors, str(file), metadata=metadata)
+    with monkeypatch.context() as patched:
+        _refuse_tensor_reads(patched)
+        with pytest.raises(ValueError, match="does not load") as info:
+            check_written_folder(family.pipeline_class, out)
+    assert "\n" not in str(info.value) and str(out) in str(info.value) and key in str(info.value)
+
+    shutil.rmtree(out / "text_encoder")
+    with pytest.raises(ValueError, match="does not load") as info:
+        check_written_folder(family.pipeline_class, out)
+    assert "\n" not in str(info.value) and str(out) in str(info.value) and "text_encoder" in str(info.value)

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +45,7 @@ from difftrain.runtime import meta_init
 from difftrain.runtime.device import to_device_async
 from difftrain.runtime.files import atomic_write_bytes
 from difftrain.runtime.optional import diffusers_pipeline
-from difftrain.runtime.tensor_source import TensorSource, check_weight_indexes
+from difftrain.runtime.tensor_source import TensorSource, check_weight_indexes, index_files
 
 Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
 
@@ -53,9 +55,6 @@ RECORD_KIND = "family"
 _PREFIX = "model."
 CLIP_TOKENS = 77  # the CLIP tokenizers' model_max_length in the released bases (prompts are padded to it)
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
-# Tokenizer files an exported pipeline keeps from its base where save_pretrained writes none (older
-# transformers read them: CLIP's BPE vocabulary and merges, T5's sentencepiece model).
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "spiece.model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,45 +404,50 @@ class Family(ABC):
         """A pipeline folder the family's diffusers pipeline loads: ``denoiser``'s weights, the base's
         frozen parts from ``base`` (the VAE from ``vae`` when given: a run's ``model.vae`` elsewhere),
         ``scheduler`` (a diffusers scheduler config, None: the base's). The one export path of every
-        family: the pipeline :meth:`export_parts` makes, written by its ``save_pretrained`` (safetensors)
-        into ``out`` (absent or empty), the base tokenizers' :data:`TOKENIZER_FILES` it leaves out copied,
-        then read back by the pipeline class's ``from_pretrained``: a written folder that does not load
-        is one ValueError naming it."""
+        family, into ``out`` (absent or empty): the parts :meth:`export_parts` names, the frozen ones
+        (text encoders, tokenizers, VAE, an unchanged scheduler) copied as the base holds them (their
+        files' bytes, so their dtype: a half-precision base's stay half), the trained denoiser written by its
+        ``save_pretrained`` (safetensors), then ``model_index.json``; then checked to load without reading a
+        weight (:func:`check_written_folder`): a written folder that does not load is one ValueError naming it."""
         out = Path(out).expanduser()
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ValueError(f"export folder {out} exists and is not empty")
-        pipe = self.export_parts(denoiser, Path(base).expanduser(), scheduler,
-                                 None if vae is None else Path(vae).expanduser())
-        pipe.save_pretrained(str(out), safe_serialization=True)
-        keep_tokenizer_files(pipe, out)
-        del pipe  # the base's frozen parts: freed before the written folder is loaded back
-        check_pipeline_loads(self.pipeline_class, out)
+        parts = self.export_parts(denoiser, Path(base).expanduser(), scheduler,
+                                  None if vae is None else Path(vae).expanduser())
+        out.mkdir(parents=True, exist_ok=True)
+        for name, (folder, cls) in parts.copied.items():
+            copy_part(folder, out / name, cls)
+        denoiser.model.save_pretrained(str(out / self.denoiser_subfolder), safe_serialization=True)
+        if parts.scheduler is not None:
+            parts.scheduler.save_pretrained(str(out / "scheduler"))
+        atomic_write_bytes(out / "model_index.json", (json.dumps(parts.index, indent=2, sort_keys=True) + "\n").encode())
+        check_written_folder(self.pipeline_class, out)
         return out
 
-    def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None):
-        """The diffusers pipeline :meth:`export_pipeline` writes: the base's, loaded from ``base`` in
-        float32, with ``denoiser``'s model as its :attr:`denoiser_subfolder` part, the VAE of ``vae``
-        (a VAE folder or a folder's ``vae/``) when given, and ``scheduler`` merged into the config of the
-        base's scheduler (its class kept). One ValueError naming the folder when it does not load. SD
-        builds its pipeline from parts instead (its text encoder may be a folder of its own)."""
-        from diffusers import AutoencoderKL  # diffusers: an optional package ([text])
-        from diffusers.utils import logging
-
-        read_json(base / "model_index.json", f"base {base}")
-        cls = diffusers_pipeline(self.pipeline_class)
-        parts = {self.denoiser_subfolder: denoiser.model}
+    def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None) -> ExportParts:
+        """What :meth:`export_pipeline` writes besides the denoiser: the base's ``model_index.json`` and each
+        part it names copied from ``base`` as it is (the VAE from ``vae``, a VAE folder or a folder's
+        ``vae/``, when given), the scheduler a scheduler of the base's class with ``scheduler`` merged into the
+        base's config (None: copied). Reads configs only; one ValueError naming the base folder when a part
+        is missing. SD makes its own (its text encoder may be a folder of its own)."""
+        index = read_json(base / "model_index.json", f"base {base}")
+        check_weight_indexes(base)  # the files a sharded part's index names: inside its folder
+        copied: dict[str, tuple[Path, type]] = {}
+        for name, entry in index.items():
+            if name.startswith("_") or name == self.denoiser_subfolder or part_entry(entry) is None:
+                continue
+            if not (base / name).is_dir():
+                raise ValueError(f"export: the {self.name} base {base} lacks {name}/ (its model_index.json names it)")
+            copied[name] = (base / name, part_class(entry, f"base {base}: model_index.json's {name}"))
         if vae is not None:
-            folder = vae_folder(str(vae))
-            parts["vae"] = load_part(folder.parent, folder.name, AutoencoderKL, "VAE")
-        check_weight_indexes(base)  # from_pretrained reads the files a sharded part's index names, unchecked
-        try:
-            with quiet_loading(logging):
-                pipe = cls.from_pretrained(str(base), **parts, torch_dtype=torch.float32)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise ValueError(f"export: cannot load the {self.name} base {base}: {first_line(e)}") from None
+            copied["vae"] = (vae_folder(str(vae)), part_class(["diffusers", "AutoencoderKL"], f"VAE {vae}"))
+        made = None
         if scheduler is not None:
-            pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **scheduler})
-        return pipe
+            config = read_json(base / "scheduler" / "scheduler_config.json", f"base {base}")
+            cls = part_class(["diffusers", config.get("_class_name")], f"base {base}: scheduler/scheduler_config.json")
+            made = cls.from_config({**config, **scheduler})
+            copied.pop("scheduler", None)
+        return ExportParts(index=index, copied=copied, scheduler=made)
 
     def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
                   metadata: dict[str, str] | None = None) -> Path:
@@ -562,34 +566,185 @@ def check_lora_fits(state: dict[str, Tensor], model: nn.Module, path, family: st
                              f"{tuple(value.shape)}, the base's {owner} is {tuple(weight.shape)}")
 
 
-def keep_tokenizer_files(pipe, out: Path) -> None:
-    """Copy into ``out/<part>/`` the :data:`TOKENIZER_FILES` of each tokenizer of ``pipe`` (from the
-    folder it was loaded from) that its ``save_pretrained`` did not write."""
-    for name, part in pipe.components.items():
-        source = Path(str(getattr(part, "name_or_path", "") or ""))
-        if "Tokenizer" not in type(part).__name__ or not str(source) or not source.is_dir():
+# The weights files a part's from_pretrained reads (diffusers', transformers'), without a variant: each the
+# single file, else the index of its shards. Other weight formats and variants in a base's part folder
+# (.bin, .ckpt, .msgpack, .onnx, *.fp16.safetensors...) are not copied: the written parts are safetensors.
+WEIGHTS_STEMS = ("diffusion_pytorch_model", "model")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx", ".onnx_data", ".pb",
+                   ".gguf")
+# The libraries a model_index.json entry may name (its classes are looked up in them, never imported by name).
+PART_LIBRARIES = ("diffusers", "transformers")
+# A safetensors header's floating dtypes (``get_slice(key).get_dtype()``).
+SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+@dataclass
+class ExportParts:
+    """What :meth:`Family.export_pipeline` writes besides the denoiser: ``index`` (``model_index.json``),
+    ``copied`` (part name -> (the folder it is copied from as it is, the part's class)) and ``scheduler``
+    (a scheduler object saved in ``scheduler/``, or None: the scheduler is one of ``copied``)."""
+
+    index: dict
+    copied: dict[str, tuple[Path, type]]
+    scheduler: object | None = None
+
+
+def part_entry(entry) -> tuple[str, str] | None:
+    """(library, class name) of a ``model_index.json`` entry naming a part, None for a setting or an absent
+    part (``[null, null]``)."""
+    if isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry):
+        return entry[0], entry[1]
+    return None
+
+
+def part_class(entry, what: str) -> type:
+    """The class a ``model_index.json`` entry ``[library, class name]`` names, looked up among diffusers' and
+    transformers' public names (a pipeline's own module, ``"stable_diffusion"``, is diffusers'); one
+    ValueError naming ``what`` when it is none of theirs."""
+    found = part_entry(entry)
+    for library in PART_LIBRARIES if found else ():
+        try:
+            module = importlib.import_module(library)  # diffusers, transformers: optional packages ([text])
+        except ImportError:
             continue
-        for file in TOKENIZER_FILES:
-            if (source / file).is_file() and (out / name).is_dir() and not (out / name / file).exists():
-                shutil.copyfile(source / file, out / name / file)
+        cls = getattr(module, found[1], None)
+        if isinstance(cls, type):
+            return cls
+    raise ValueError(f"{what}: {entry!r} names no diffusers or transformers class")
 
 
-def check_pipeline_loads(pipeline_class: str, out: Path) -> None:
-    """``pipeline_class.from_pretrained(out)`` (every part, quiet), or one ValueError naming the
-    folder: an exported folder is checked to load where it was written."""
+def weights_files(folder: Path) -> list[Path]:
+    """The safetensors files a model part's ``from_pretrained`` reads in ``folder`` (a single
+    ``<stem>.safetensors``, else the files its ``<stem>.safetensors.index.json`` names, checked to lie in
+    the folder: ``runtime.tensor_source.index_files``), [] when it has none."""
+    for stem in WEIGHTS_STEMS:
+        single, index = folder / f"{stem}.safetensors", folder / f"{stem}.safetensors.index.json"
+        if single.is_file():
+            return [single]
+        if index.is_file():
+            return [index, *index_files(index)]
+    return []
+
+
+def _is_weights(file: Path) -> bool:
+    return file.suffix in WEIGHT_SUFFIXES or file.name.endswith(".index.json") or ".index." in file.name
+
+
+def copy_part(source: Path, dest: Path, cls: type) -> None:
+    """Write the part ``cls`` (a model, tokenizer, scheduler... class) of folder ``source`` into ``dest`` as the
+    base holds it: every file of ``source`` but weights, and a model's safetensors weights
+    (:func:`weights_files`) copied byte for byte (links followed: the Hugging Face cache's). A model part
+    without them (only ``.bin``), or a transformers model whose config is another model's (a whole CLIP
+    model as a CLIP text encoder), is loaded in the dtype its files hold and saved by its ``save_pretrained``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not _is_weights(file):
+            shutil.copyfile(file, dest / file.name)
+    if not issubclass(cls, nn.Module):
+        return
+    files = weights_files(source)
+    config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if files and (not config_type or read_json(source / "config.json", f"{source}").get("model_type") == config_type):
+        for file in files:
+            shutil.copyfile(file, dest / file.name)
+        return
+    dtype = stored_dtype(source)
+    part = load_part(source.parent, source.name, cls, f"{cls.__name__} to export", dtype=dtype)
+    (dest / "config.json").unlink(missing_ok=True)
+    part.save_pretrained(str(dest), safe_serialization=True)
+
+
+def stored_dtype(folder: Path) -> torch.dtype:
+    """The dtype of the first floating weight in a model folder's files (a safetensors header, else a ``.bin``
+    mapped by ``torch.load(weights_only=True, mmap=True)``: no tensor read, no code run); float32 when none."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - a safe_open, not a dict
+                dtype = SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    for file in sorted(folder.glob("*.bin")):
+        try:
+            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001, S112 - a legacy or damaged file: its loader says what is wrong
+            continue
+        for tensor in tensors.values() if isinstance(tensors, dict) else ():
+            if isinstance(tensor, Tensor) and tensor.is_floating_point():
+                return tensor.dtype
+    return torch.float32
+
+
+def load_config_part(cls: type, folder: Path):
+    """``cls.from_pretrained(folder)`` of a part without weights (a tokenizer, a scheduler, an image
+    processor: small files), quiet."""
     from diffusers.utils import logging  # diffusers: an optional package ([text])
 
-    cls = diffusers_pipeline(pipeline_class)
+    with quiet_loading(logging):
+        return cls.from_pretrained(str(folder))
+
+
+def check_written_folder(pipeline_class: str, out: Path) -> None:
+    """One ValueError naming ``out`` unless the pipeline folder loads in ``pipeline_class.from_pretrained``,
+    checked without reading a weight: ``model_index.json`` names that class and a folder for each of its
+    parts; each model part's class built from its config on the meta device (:func:`meta_init.empty_build`)
+    and its state dict's names and shapes found in its safetensors files' headers (:func:`check_model_part`);
+    tokenizers, schedulers and the other parts without weights loaded (their small files)."""
+    name = "model_index.json"
     try:
-        with quiet_loading(logging):
-            cls.from_pretrained(str(out))
-    except Exception as e:  # noqa: BLE001 - diffusers and transformers raise many kinds; one line naming the folder
+        index = read_json(out / name, "model_index.json")
+        if index.get("_class_name") != pipeline_class:
+            raise ValueError(f"model_index.json names the pipeline {index.get('_class_name')!r}")
+        for name, entry in sorted(index.items()):
+            if name.startswith("_") or part_entry(entry) is None:
+                continue
+            folder = out / name
+            if not folder.is_dir():
+                raise ValueError("no such folder (model_index.json names it)")
+            cls = part_class(entry, "model_index.json")
+            if issubclass(cls, nn.Module):
+                check_model_part(cls, folder)
+            else:
+                load_config_part(cls, folder)
+    except Exception as e:  # noqa: BLE001 - configs, tokenizers and headers fail in many kinds; one line naming the folder
         raise ValueError(f"export: the written folder {out} does not load in {pipeline_class}.from_pretrained "
-                         f"({type(e).__name__}: {first_line(e)})") from None
+                         f"({name}: {type(e).__name__}: {first_line(e)})") from None
 
 
-def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
-    """``cls.from_pretrained(folder/sub)`` (a diffusers or transformers class) in float32 on the CPU,
+def check_model_part(cls: type, folder: Path) -> None:
+    """One ValueError unless ``cls.from_pretrained(folder)`` would find every weight of the model its config
+    builds, in its shape: the model built on the meta device (nothing allocated, nothing read), its state
+    dict's names (a tied weight: any one of its names) and shapes against the headers of the folder's
+    safetensors files (``TensorSource.of_files``: headers only), under the names the loader gives them
+    (diffusers' renaming of one file's names: :func:`loaded_names`). Names the model lacks are not checked
+    (both loaders leave them out)."""
+    files = weights_files(folder)
+    if not files:
+        raise ValueError(f"{folder.name}/ holds no safetensors weights ({' or '.join(s + '.safetensors' for s in WEIGHTS_STEMS)})")
+    transformers = cls.__module__.split(".")[0] == "transformers"
+    with meta_init.empty_build():
+        model = cls(cls.config_class.from_pretrained(str(folder))) if transformers else cls.from_config(
+            cls.load_config(str(folder)))
+    if transformers:  # tied as from_pretrained ties them (T5's embed_tokens is its shared weight), outside the
+        model.tie_weights()  # empty build, whose register_parameter would make the tied weight a new one
+    source = TensorSource.of_files([f for f in files if not f.name.endswith(".index.json")])
+    if len(files) == 1 and not transformers:
+        source = source.renamed(loaded_names(model, source.names()))
+    groups: dict[int, list[tuple[str, Tensor]]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append((key, tensor))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
+    for group in groups.values():
+        found = [(key, tensor) for key, tensor in group if key in source.shapes]
+        if not found and not any(p.search(key) for key, _ in group for p in ignored):
+            raise ValueError(f"{folder.name}/ lacks the weight {group[0][0]} of its {cls.__name__}")
+        for key, tensor in found:
+            if source.shapes[key] != tuple(tensor.shape):
+                raise ValueError(f"{folder.name}/'s weight {key} has shape {source.shapes[key]}, its {cls.__name__} "
+                                 f"config makes it {tuple(tensor.shape)}")
+
+
+def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch.float32, **kwargs):
+    """``cls.from_pretrained(folder/sub)`` (a diffusers or transformers class) in ``dtype`` on the CPU,
     quiet, every weight checked; one ValueError naming the folder and the missing or broken part."""
     path = Path(folder) / sub
     if not path.is_dir():
@@ -606,12 +761,12 @@ def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
         with quiet_loading(logging):
             if is_tokenizer:
                 return cls.from_pretrained(str(path), **kwargs)
-            dtype = {"dtype": torch.float32} if module == "transformers" else {"torch_dtype": torch.float32}
-            part, info = cls.from_pretrained(str(path), **dtype, output_loading_info=True, **kwargs)
+            typed = {"dtype": dtype} if module == "transformers" else {"torch_dtype": dtype}
+            part, info = cls.from_pretrained(str(path), **typed, output_loading_info=True, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError) as e:
         raise ValueError(f"{folder}: cannot load the {what} in {sub}/: {first_line(e)}") from None
     check_loading_info(info, what, path)
-    return part.float()
+    return part.float() if dtype == torch.float32 else part.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ null condition.
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -22,10 +23,11 @@ from torch import Tensor, nn
 
 from difftrain.diffusion.scheduler_configs import diffusers_training
 from difftrain.families import register
-from difftrain.families.base import CLIP_TOKENS, Denoiser, Family, PromptEncoder, read_json, require_keys, token_ids
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, ExportParts, Family, PromptEncoder, read_json, require_keys,
+                                     token_ids)
 from difftrain.models.text import TextEncoder, first_line, text_model_folders
 from difftrain.models.vae import vae_folder as find_vae_folder
-from difftrain.runtime.optional import diffusers_pipeline, require
+from difftrain.runtime.optional import require
 from difftrain.runtime.tensor_source import check_weight_indexes
 
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
@@ -239,16 +241,16 @@ class SDFamily(Family):
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return unet_blocks(denoiser.model)
 
-    def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None):
+    def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None) -> ExportParts:
         """A ``StableDiffusionPipeline`` made from parts: ``denoiser``'s UNet, the CLIP text encoder and
-        tokenizer of ``base`` (a Stable Diffusion folder or one folder with both), the VAE of ``vae``
-        (else ``base``), a DDPMScheduler of ``scheduler`` (None: the base's ``scheduler/`` config); no
-        safety checker. One ValueError saying why a network or a part cannot be one."""
+        tokenizer of ``base`` (a Stable Diffusion folder or one folder with both) and the VAE of ``vae``
+        (else ``base``), each copied as it is (its files, its dtype), a DDPMScheduler of ``scheduler`` (None:
+        the base's ``scheduler/`` config); no safety checker. Reads configs only; one ValueError saying why a
+        network or a part cannot be one."""
         check_condition_unet(denoiser)
         try:
-            StableDiffusionPipeline = diffusers_pipeline("StableDiffusionPipeline")  # noqa: N806 - first: quietly
             from diffusers import AutoencoderKL, DDPMScheduler  # diffusers, transformers: optional ([text])
-            from transformers import CLIPTextModel, CLIPTokenizer
+            from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
         except ImportError:
             raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
                              "pip install 'difftrain[text]'") from None
@@ -258,29 +260,29 @@ class SDFamily(Family):
         text_encoder_source = str(base)
         text_folder, tokenizer_folder = text_model_folders(text_encoder_source)
         vae_folder = find_vae_folder(str(vae or base))
-        check_weight_indexes(text_folder)  # from_pretrained reads the files an index names, unchecked
+        check_weight_indexes(text_folder)  # the files an index names: inside its folder
         check_weight_indexes(vae_folder)
         try:
-            text_encoder = CLIPTextModel.from_pretrained(str(text_folder))
-            tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_folder))
+            width = CLIPTextConfig.from_pretrained(str(text_folder)).hidden_size
         except (OSError, ValueError) as e:
-            raise ValueError(f"text encoder {text_encoder_source}: cannot load a CLIP text model and tokenizer "
+            raise ValueError(f"text encoder {text_encoder_source}: cannot read a CLIP text model's config "
                              f"({first_line(e)})") from None
-        try:
-            vae_model = AutoencoderKL.from_pretrained(str(vae_folder))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"VAE {vae_folder}: cannot load an AutoencoderKL ({first_line(e)})") from None
-        if text_encoder.config.hidden_size != denoiser.context_dim:
-            raise ValueError(f"text encoder {text_encoder_source} has width {text_encoder.config.hidden_size}, the "
+        channels = read_json(vae_folder / "config.json", f"VAE {vae_folder}").get("latent_channels", 4)
+        if width != denoiser.context_dim:
+            raise ValueError(f"text encoder {text_encoder_source} has width {width}, the "
                              f"UNet cross-attends to width {denoiser.context_dim}")
-        if vae_model.config.latent_channels != denoiser.in_channels:
-            raise ValueError(f"VAE {vae_folder} has {vae_model.config.latent_channels} latent channels, the UNet "
+        if channels != denoiser.in_channels:
+            raise ValueError(f"VAE {vae_folder} has {channels} latent channels, the UNet "
                              f"takes {denoiser.in_channels}")
-        return StableDiffusionPipeline(
-            vae=vae_model, text_encoder=text_encoder, tokenizer=tokenizer, unet=denoiser.unet,
-            scheduler=DDPMScheduler(**scheduler), safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False,
-        )
+        index = {"_class_name": self.pipeline_class, "_diffusers_version": version("diffusers"),
+                 "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
+                 "safety_checker": [None, None], "scheduler": ["diffusers", "DDPMScheduler"],
+                 "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+                 "unet": ["diffusers", CONDITION_UNET_CLASS], "vae": ["diffusers", "AutoencoderKL"]}
+        return ExportParts(index=index, copied={"text_encoder": (text_folder, CLIPTextModel),
+                                                "tokenizer": (tokenizer_folder, CLIPTokenizer),
+                                                "vae": (vae_folder, AutoencoderKL)},
+                           scheduler=DDPMScheduler(**scheduler))
 
 
 def unet_blocks(unet: nn.Module) -> list[nn.Module]:
