@@ -71,7 +71,6 @@ def test_denoiser_is_the_unet_with_its_added_conditions(sdxl, pipe):
 
 def test_lora_file_round_trips_and_loads_in_the_pipeline(sdxl, pipe, tmp_path):
     from difftrain.families import FAMILIES
-    from difftrain.families.sd import read_pipeline_lora
 
     peft = pytest.importorskip("peft")
     family = detect(sdxl)
@@ -89,7 +88,7 @@ def test_lora_file_round_trips_and_loads_in_the_pipeline(sdxl, pipe, tmp_path):
         from safetensors.torch import save_file
 
         save_file({"transformer.a.lora_A.weight": torch.zeros(2, 2)}, str(tmp_path / "other.safetensors"))
-        read_pipeline_lora("StableDiffusionXLPipeline", "unet", tmp_path / "other.safetensors")
+        FAMILIES["sdxl"].read_lora(tmp_path / "other.safetensors")
     assert FAMILIES["sdxl"] is family
 
 

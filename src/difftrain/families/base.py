@@ -27,15 +27,25 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
+import shutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from difftrain.models.text import check_loading_info, first_line, quiet_loading
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from difftrain.models.text import check_loading_info, first_line, quiet_loading, tokenize
+from difftrain.models.vae import LatentCodec, vae_folder
+from difftrain.runtime import meta_init
+from difftrain.runtime.device import to_device_async
+from difftrain.runtime.files import atomic_write_bytes
 from difftrain.runtime.optional import diffusers_pipeline
-from difftrain.runtime.tensor_source import check_weight_indexes
+from difftrain.runtime.tensor_source import TensorSource, check_weight_indexes, index_files
 
 Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
 
@@ -43,6 +53,8 @@ Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
 RECORD_KIND = "family"
 # The prefix of the wrapped diffusers model inside a Denoiser, hidden from state dicts.
 _PREFIX = "model."
+CLIP_TOKENS = 77  # the CLIP tokenizers' model_max_length in the released bases (prompts are padded to it)
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +196,13 @@ class PromptEncoder(nn.Module):
         return super().train(False)
 
 
+def token_ids(tokenizer, captions: list[str], length: int, device: torch.device | str) -> Tensor:
+    """(B, length) long on ``device``: ``captions`` tokenized as the pipelines tokenize them (padded to
+    ``length``, truncated: ``models.text.tokenize``), made on the host and copied without waiting for the
+    device (``runtime.device.to_device_async``). The one tokenise-and-copy of every family's text encoders."""
+    return to_device_async(tokenize(tokenizer, captions, length), device)
+
+
 def drop_rows(cond: Condition, null: Condition, drop: Tensor) -> Condition:
     """``cond`` with the rows where ``drop`` (B,) bool is True replaced by ``null``'s (rows
     broadcastable to B): caption dropout as one ``torch.where`` per tensor, no host read."""
@@ -245,6 +264,8 @@ class Family(ABC):
     # with "_" for the UNets, "lora_transformer_" + the same for SD3 and Flux (comfy/lora.py model_lora_keys_unet;
     # docs/lora_files.md). LoHa and LoKr files take these names with LyCORIS' tensor names (hada_w1_a, lokr_w1).
     kohya_prefix: str = "lora_unet_"
+    # Module names of another family's denoiser: a LoRA file naming them is not this family's (SD3: Flux's).
+    foreign_modules: tuple[str, ...] = ()
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -306,9 +327,6 @@ class Family(ABC):
         ``proj_attn``) are found under the names ``from_pretrained`` gives them (:func:`loaded_names`). None
         when the folder has neither (a ``.bin`` in torch's legacy format) or their names are still not the
         denoiser's: :meth:`load_denoiser` then reads it whole (or says what is wrong)."""
-        from difftrain.runtime import meta_init
-        from difftrain.runtime.tensor_source import TensorSource
-
         sub = self.denoiser_folder(folder)
         source = TensorSource.of_folder(sub)
         if source is None:
@@ -333,9 +351,9 @@ class Family(ABC):
         FlowMatchEulerDiscreteScheduler settings of the flow keys."""
         return None
 
-    def prompt_options(self, cfg) -> dict[str, object]:
-        """Keyword arguments of :meth:`load_prompt_encoder` the run's config gives (none by default;
-        SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
+    def prompt_options(self, model) -> dict[str, object]:
+        """Keyword arguments of :meth:`load_prompt_encoder` the run's ``model`` section (``cfg.model``) gives
+        (none by default; SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
         return {}
 
     def run_conditions(self, cfg, sampling: bool = False) -> dict[str, float]:
@@ -347,8 +365,6 @@ class Family(ABC):
 
     def load_codec(self, folder: Path, device: torch.device | str = "cpu"):
         """The frozen VAE (``models.vae.LatentCodec``: scaling AND shift factor) of ``folder/vae``."""
-        from difftrain.models.vae import LatentCodec
-
         return LatentCodec.from_path(str(folder)).to(device)
 
     def image_conditions(self, geometry: Tensor | None, size: tuple[int, int], device: torch.device | str
@@ -383,43 +399,126 @@ class Family(ABC):
 
     # -- files out and in ---------------------------------------------------------------------------
 
-    @abstractmethod
     def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
                         vae: Path | None = None) -> Path:
         """A pipeline folder the family's diffusers pipeline loads: ``denoiser``'s weights, the base's
-        frozen parts copied from ``base`` (the VAE from ``vae`` when given: a run's ``model.vae`` elsewhere),
-        ``scheduler`` (a diffusers scheduler config, None: the base's)."""
+        frozen parts from ``base`` (the VAE from ``vae`` when given: a run's ``model.vae`` elsewhere),
+        ``scheduler`` (a diffusers scheduler config, None: the base's). The one export path of every
+        family, into ``out`` (absent or empty): the parts :meth:`export_parts` names, the frozen ones
+        (text encoders, tokenizers, VAE, an unchanged scheduler) copied as the base holds them (their
+        files' bytes, so their dtype: a half-precision base's stay half), the trained denoiser written by its
+        ``save_pretrained`` (safetensors), then ``model_index.json``; then checked to load without reading a
+        weight (:func:`check_written_folder`): a written folder that does not load is one ValueError naming it."""
+        out = Path(out).expanduser()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"export folder {out} exists and is not empty")
+        parts = self.export_parts(denoiser, Path(base).expanduser(), scheduler,
+                                  None if vae is None else Path(vae).expanduser())
+        out.mkdir(parents=True, exist_ok=True)
+        for name, (folder, cls) in parts.copied.items():
+            copy_part(folder, out / name, cls)
+        denoiser.model.save_pretrained(str(out / self.denoiser_subfolder), safe_serialization=True)
+        if parts.scheduler is not None:
+            parts.scheduler.save_pretrained(str(out / "scheduler"))
+        atomic_write_bytes(out / "model_index.json", (json.dumps(parts.index, indent=2, sort_keys=True) + "\n").encode())
+        check_written_folder(self.pipeline_class, out)
+        return out
 
-    @abstractmethod
+    def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None) -> ExportParts:
+        """What :meth:`export_pipeline` writes besides the denoiser: the base's ``model_index.json`` and each
+        part it names copied from ``base`` as it is (the VAE from ``vae``, a VAE folder or a folder's
+        ``vae/``, when given), the scheduler a scheduler of the base's class with ``scheduler`` merged into the
+        base's config (None: copied). Reads configs only; one ValueError naming the base folder when a part
+        is missing. SD makes its own (its text encoder may be a folder of its own)."""
+        index = read_json(base / "model_index.json", f"base {base}")
+        check_weight_indexes(base)  # the files a sharded part's index names: inside its folder
+        copied: dict[str, tuple[Path, type]] = {}
+        for name, entry in index.items():
+            if name.startswith("_") or name == self.denoiser_subfolder or part_entry(entry) is None:
+                continue
+            if not (base / name).is_dir():
+                raise ValueError(f"export: the {self.name} base {base} lacks {name}/ (its model_index.json names it)")
+            copied[name] = (base / name, part_class(entry, f"base {base}: model_index.json's {name}"))
+        if vae is not None:
+            copied["vae"] = (vae_folder(str(vae)), part_class(["diffusers", "AutoencoderKL"], f"VAE {vae}"))
+        made = None
+        if scheduler is not None:
+            config = read_json(base / "scheduler" / "scheduler_config.json", f"base {base}")
+            cls = part_class(["diffusers", config.get("_class_name")], f"base {base}: scheduler/scheduler_config.json")
+            made = cls.from_config({**config, **scheduler})
+            copied.pop("scheduler", None)
+        return ExportParts(index=index, copied=copied, scheduler=made)
+
     def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
                   metadata: dict[str, str] | None = None) -> Path:
         """Write ``adapter`` (peft's names of the denoiser, ``...to_q.lora_A.weight``) through the
-        pipeline class's ``save_lora_weights``, with peft's ``LoraConfig`` fields ``lora_config`` and
-        difftrain's ``metadata``; returns the file, which ``load_lora_weights`` reads."""
+        pipeline class's ``save_lora_weights`` (``<lora_prefix>_lora_layers``: diffusers adds the
+        ``lora_prefix.`` and peft's ``LoraConfig`` fields ``lora_config`` as metadata), then difftrain's
+        ``metadata`` added to the file's; returns the file (``out/`` :data:`LORA_WEIGHT_NAME`), which
+        ``load_lora_weights`` and :meth:`read_lora` read."""
+        cls = diffusers_pipeline(self.pipeline_class)
+        out = Path(out)
+        tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
+        cls.save_lora_weights(str(out), **{f"{self.lora_prefix}_lora_layers": tensors,
+                                           f"{self.lora_prefix}_lora_adapter_metadata":
+                                               dict(lora_config) if lora_config else None})
+        file = out / LORA_WEIGHT_NAME
+        if metadata:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                merged = {**(f.metadata() or {}), **metadata}
+                written = {k: f.get_tensor(k) for k in f.keys()}
+            atomic_write_bytes(file, save(written, metadata=merged))
+        return file
 
-    @abstractmethod
-    def read_lora(self, path: Path) -> dict[str, Tensor]:
-        """The denoiser's adapter (peft's names, as :meth:`save_lora` takes them) of a LoRA file,
-        through the pipeline class's ``lora_state_dict``; a ValueError for a file of another family."""
+    def lora_file(self, path: Path, config: dict | None = None) -> tuple[dict[str, Tensor], dict | None, dict | None]:
+        """The one reader of LoRA files (:meth:`read_lora` and :meth:`lora_state` take its output): (every
+        tensor, the network alphas or None, diffusers' adapter metadata or None) of ``path`` as the pipeline
+        class's ``lora_state_dict`` returns them (safetensors only: it never unpickles), converting the
+        layouts it knows (kohya sd-scripts', ComfyUI's...) with :meth:`lora_state_options` of the denoiser's
+        diffusers config ``config`` (None: no options). One ValueError naming the file when it does not
+        exist or cannot be read."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ValueError(f"LoRA file {path} does not exist" if not path.exists() else
+                             f"LoRA file {path} is a folder, not a .safetensors file")
+        cls = diffusers_pipeline(self.pipeline_class)
+        try:
+            out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
+                                      **({} if config is None else self.lora_state_options(config)))
+        except Exception as e:  # noqa: BLE001 - diffusers' converters raise many kinds; re-raised as one line
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: {self.pipeline_class}.lora_state_dict "
+                             f"cannot read it ({type(e).__name__}: {first_line(e)})") from None
+        return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], None, out[1])
+
+    def read_lora(self, path: Path, denoiser: Denoiser | None = None) -> dict[str, Tensor]:
+        """The denoiser's adapter (peft's names, as :meth:`save_lora` takes them) of a LoRA file in the
+        pipeline's layout (:meth:`lora_file`); one ValueError naming the file for a file of another family:
+        tensors outside ``lora_prefix.`` (or none), module names of :attr:`foreign_modules`, or, given
+        ``denoiser``, a module it lacks or of another width (:func:`check_lora_fits`)."""
+        state, _, _ = self.lora_file(path)
+        prefix = self.lora_prefix + "."
+        outside = sorted({k.split(".")[0] for k in state if not k.startswith(prefix)})
+        if outside or not state:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: it holds "
+                             f"{'tensors of ' + ', '.join(outside) if outside else 'no tensors'}, not the "
+                             f"{self.lora_prefix}'s (a file for another family?)")
+        state = {k[len(prefix):]: v for k, v in state.items()}
+        strange = sorted({name for k in state for name in self.foreign_modules if name in k.split(".")})
+        if strange:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: it names {', '.join(strange)} "
+                             f"(another family's {self.lora_prefix})")
+        if denoiser is not None:
+            check_lora_fits(state, denoiser.model, path, self.name, self.lora_prefix)
+        return state
 
     def lora_state(self, path: Path, config: dict) -> tuple[dict[str, Tensor], dict | None, dict | None, int]:
         """A LoRA file of any layout the family's pipeline reads (diffusers' and peft's names, kohya
         sd-scripts' and ComfyUI's ``lora_unet_...``, the other layouts its ``lora_state_dict`` converts),
         as diffusers' loader takes it: (the denoiser's tensors under ``lora_prefix + "."``, their
         network alphas or None, diffusers' adapter metadata or None, how many tensors are of other parts
-        (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`). Read by the
-        pipeline class's ``lora_state_dict`` (safetensors only), not by a key map of difftrain's; one
-        ValueError naming the file when it cannot convert it."""
-        from difftrain.models.text import first_line
-
-        cls = diffusers_pipeline(self.pipeline_class)
-        try:
-            out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
-                                      **self.lora_state_options(config))
-        except Exception as e:  # noqa: BLE001 - diffusers' converters raise many kinds; re-raised as one line
-            raise ValueError(f"LoRA file {path}: {self.pipeline_class}.lora_state_dict cannot read it as a LoRA of "
-                             f"this {self.name} base ({type(e).__name__}: {first_line(e)})") from None
-        state, alphas, metadata = (out[0], out[1], out[2]) if len(out) == 3 else (out[0], None, out[1])
+        (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`). Read by
+        :meth:`lora_file` (the pipeline class's ``lora_state_dict``), not by a key map of difftrain's."""
+        state, alphas, metadata = self.lora_file(path, config)
         prefix = self.lora_prefix + "."
         ours = {k: v for k, v in state.items() if k.startswith(prefix)}
         alphas = {k: v for k, v in (alphas or {}).items() if k.startswith(prefix)} or None
@@ -449,18 +548,212 @@ def read_json(path: Path, what: str) -> dict:
     return value
 
 
-def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
-    """``cls.from_pretrained(folder/sub)`` (a diffusers or transformers class) in float32 on the CPU,
+def check_lora_fits(state: dict[str, Tensor], model: nn.Module, path, family: str, part: str = "transformer") -> None:
+    """One ValueError unless every ``<module>.lora_A/B.weight`` of ``state`` names a module of
+    ``model`` (the base's ``part``) with the matching in/out width."""
+    modules = dict(model.named_modules())
+    for key, value in state.items():
+        owner = key.split(".lora_")[0]
+        layer = modules.get(owner)
+        layer = getattr(layer, "base_layer", layer)
+        weight = getattr(layer, "weight", None)
+        if weight is None:
+            raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: it names {owner}, which the "
+                             f"base's {part} lacks")
+        want, got = (weight.shape[1], value.shape[1]) if ".lora_A." in key else (weight.shape[0], value.shape[0])
+        if want != got:
+            raise ValueError(f"LoRA file {path} is not a LoRA of this {family} base: {key} has shape "
+                             f"{tuple(value.shape)}, the base's {owner} is {tuple(weight.shape)}")
+
+
+# The weights files a part's from_pretrained reads (diffusers', transformers'), without a variant: each the
+# single file, else the index of its shards. Other weight formats and variants in a base's part folder
+# (.bin, .ckpt, .msgpack, .onnx, *.fp16.safetensors...) are not copied: the written parts are safetensors.
+WEIGHTS_STEMS = ("diffusion_pytorch_model", "model")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx", ".onnx_data", ".pb",
+                   ".gguf")
+# The libraries a model_index.json entry may name (its classes are looked up in them, never imported by name).
+PART_LIBRARIES = ("diffusers", "transformers")
+# A safetensors header's floating dtypes (``get_slice(key).get_dtype()``).
+SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+@dataclass
+class ExportParts:
+    """What :meth:`Family.export_pipeline` writes besides the denoiser: ``index`` (``model_index.json``),
+    ``copied`` (part name -> (the folder it is copied from as it is, the part's class)) and ``scheduler``
+    (a scheduler object saved in ``scheduler/``, or None: the scheduler is one of ``copied``)."""
+
+    index: dict
+    copied: dict[str, tuple[Path, type]]
+    scheduler: object | None = None
+
+
+def part_entry(entry) -> tuple[str, str] | None:
+    """(library, class name) of a ``model_index.json`` entry naming a part, None for a setting or an absent
+    part (``[null, null]``)."""
+    if isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry):
+        return entry[0], entry[1]
+    return None
+
+
+def part_class(entry, what: str) -> type:
+    """The class a ``model_index.json`` entry ``[library, class name]`` names, looked up among diffusers' and
+    transformers' public names (a pipeline's own module, ``"stable_diffusion"``, is diffusers'); one
+    ValueError naming ``what`` when it is none of theirs."""
+    found = part_entry(entry)
+    for library in PART_LIBRARIES if found else ():
+        try:
+            module = importlib.import_module(library)  # diffusers, transformers: optional packages ([text])
+        except ImportError:
+            continue
+        cls = getattr(module, found[1], None)
+        if isinstance(cls, type):
+            return cls
+    raise ValueError(f"{what}: {entry!r} names no diffusers or transformers class")
+
+
+def weights_files(folder: Path) -> list[Path]:
+    """The safetensors files a model part's ``from_pretrained`` reads in ``folder`` (a single
+    ``<stem>.safetensors``, else the files its ``<stem>.safetensors.index.json`` names, checked to lie in
+    the folder: ``runtime.tensor_source.index_files``), [] when it has none."""
+    for stem in WEIGHTS_STEMS:
+        single, index = folder / f"{stem}.safetensors", folder / f"{stem}.safetensors.index.json"
+        if single.is_file():
+            return [single]
+        if index.is_file():
+            return [index, *index_files(index)]
+    return []
+
+
+def _is_weights(file: Path) -> bool:
+    return file.suffix in WEIGHT_SUFFIXES or file.name.endswith(".index.json") or ".index." in file.name
+
+
+def copy_part(source: Path, dest: Path, cls: type) -> None:
+    """Write the part ``cls`` (a model, tokenizer, scheduler... class) of folder ``source`` into ``dest`` as the
+    base holds it: every file of ``source`` but weights, and a model's safetensors weights
+    (:func:`weights_files`) copied byte for byte (links followed: the Hugging Face cache's). A model part
+    without them (only ``.bin``), or a transformers model whose config is another model's (a whole CLIP
+    model as a CLIP text encoder), is loaded in the dtype its files hold and saved by its ``save_pretrained``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not _is_weights(file):
+            shutil.copyfile(file, dest / file.name)
+    if not issubclass(cls, nn.Module):
+        return
+    files = weights_files(source)
+    config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if files and (not config_type or read_json(source / "config.json", f"{source}").get("model_type") == config_type):
+        for file in files:
+            shutil.copyfile(file, dest / file.name)
+        return
+    dtype = stored_dtype(source)
+    part = load_part(source.parent, source.name, cls, f"{cls.__name__} to export", dtype=dtype)
+    (dest / "config.json").unlink(missing_ok=True)
+    part.save_pretrained(str(dest), safe_serialization=True)
+
+
+def stored_dtype(folder: Path) -> torch.dtype:
+    """The dtype of the first floating weight in a model folder's files (a safetensors header, else a ``.bin``
+    mapped by ``torch.load(weights_only=True, mmap=True)``: no tensor read, no code run); float32 when none."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - a safe_open, not a dict
+                dtype = SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    for file in sorted(folder.glob("*.bin")):
+        try:
+            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001, S112 - a legacy or damaged file: its loader says what is wrong
+            continue
+        for tensor in tensors.values() if isinstance(tensors, dict) else ():
+            if isinstance(tensor, Tensor) and tensor.is_floating_point():
+                return tensor.dtype
+    return torch.float32
+
+
+def load_config_part(cls: type, folder: Path):
+    """``cls.from_pretrained(folder)`` of a part without weights (a tokenizer, a scheduler, an image
+    processor: small files), quiet."""
+    from diffusers.utils import logging  # diffusers: an optional package ([text])
+
+    with quiet_loading(logging):
+        return cls.from_pretrained(str(folder))
+
+
+def check_written_folder(pipeline_class: str, out: Path) -> None:
+    """One ValueError naming ``out`` unless the pipeline folder loads in ``pipeline_class.from_pretrained``,
+    checked without reading a weight: ``model_index.json`` names that class and a folder for each of its
+    parts; each model part's class built from its config on the meta device (:func:`meta_init.empty_build`)
+    and its state dict's names and shapes found in its safetensors files' headers (:func:`check_model_part`);
+    tokenizers, schedulers and the other parts without weights loaded (their small files)."""
+    name = "model_index.json"
+    try:
+        index = read_json(out / name, "model_index.json")
+        if index.get("_class_name") != pipeline_class:
+            raise ValueError(f"model_index.json names the pipeline {index.get('_class_name')!r}")
+        for name, entry in sorted(index.items()):
+            if name.startswith("_") or part_entry(entry) is None:
+                continue
+            folder = out / name
+            if not folder.is_dir():
+                raise ValueError("no such folder (model_index.json names it)")
+            cls = part_class(entry, "model_index.json")
+            if issubclass(cls, nn.Module):
+                check_model_part(cls, folder)
+            else:
+                load_config_part(cls, folder)
+    except Exception as e:  # noqa: BLE001 - configs, tokenizers and headers fail in many kinds; one line naming the folder
+        raise ValueError(f"export: the written folder {out} does not load in {pipeline_class}.from_pretrained "
+                         f"({name}: {type(e).__name__}: {first_line(e)})") from None
+
+
+def check_model_part(cls: type, folder: Path) -> None:
+    """One ValueError unless ``cls.from_pretrained(folder)`` would find every weight of the model its config
+    builds, in its shape: the model built on the meta device (nothing allocated, nothing read), its state
+    dict's names (a tied weight: any one of its names) and shapes against the headers of the folder's
+    safetensors files (``TensorSource.of_files``: headers only), under the names the loader gives them
+    (diffusers' renaming of one file's names: :func:`loaded_names`). Names the model lacks are not checked
+    (both loaders leave them out)."""
+    files = weights_files(folder)
+    if not files:
+        raise ValueError(f"{folder.name}/ holds no safetensors weights ({' or '.join(s + '.safetensors' for s in WEIGHTS_STEMS)})")
+    transformers = cls.__module__.split(".")[0] == "transformers"
+    with meta_init.empty_build():
+        model = cls(cls.config_class.from_pretrained(str(folder))) if transformers else cls.from_config(
+            cls.load_config(str(folder)))
+    if transformers:  # tied as from_pretrained ties them (T5's embed_tokens is its shared weight), outside the
+        model.tie_weights()  # empty build, whose register_parameter would make the tied weight a new one
+    source = TensorSource.of_files([f for f in files if not f.name.endswith(".index.json")])
+    if len(files) == 1 and not transformers:
+        source = source.renamed(loaded_names(model, source.names()))
+    groups: dict[int, list[tuple[str, Tensor]]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append((key, tensor))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
+    for group in groups.values():
+        found = [(key, tensor) for key, tensor in group if key in source.shapes]
+        if not found and not any(p.search(key) for key, _ in group for p in ignored):
+            raise ValueError(f"{folder.name}/ lacks the weight {group[0][0]} of its {cls.__name__}")
+        for key, tensor in found:
+            if source.shapes[key] != tuple(tensor.shape):
+                raise ValueError(f"{folder.name}/'s weight {key} has shape {source.shapes[key]}, its {cls.__name__} "
+                                 f"config makes it {tuple(tensor.shape)}")
+
+
+def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch.float32, **kwargs):
+    """``cls.from_pretrained(folder/sub)`` (a diffusers or transformers class) in ``dtype`` on the CPU,
     quiet, every weight checked; one ValueError naming the folder and the missing or broken part."""
     path = Path(folder) / sub
     if not path.is_dir():
         raise ValueError(f"{folder}: no {sub}/ (the {what}); this base folder needs it")
     module = cls.__module__.split(".")[0]
-    if module == "transformers":
+    if module == "transformers":  # transformers and diffusers: optional packages ([text])
         from transformers.utils import logging
     else:
         from diffusers.utils import logging
-    from safetensors import SafetensorError  # a damaged weights file: not an OSError
 
     is_tokenizer = "Tokenizer" in cls.__name__
     check_weight_indexes(path)  # from_pretrained reads the files a sharded part's index names, unchecked
@@ -468,12 +761,12 @@ def load_part(folder: Path, sub: str, cls, what: str, **kwargs):
         with quiet_loading(logging):
             if is_tokenizer:
                 return cls.from_pretrained(str(path), **kwargs)
-            dtype = {"dtype": torch.float32} if module == "transformers" else {"torch_dtype": torch.float32}
-            part, info = cls.from_pretrained(str(path), **dtype, output_loading_info=True, **kwargs)
+            typed = {"dtype": dtype} if module == "transformers" else {"torch_dtype": dtype}
+            part, info = cls.from_pretrained(str(path), **typed, output_loading_info=True, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError) as e:
         raise ValueError(f"{folder}: cannot load the {what} in {sub}/: {first_line(e)}") from None
     check_loading_info(info, what, path)
-    return part.float()
+    return part.float() if dtype == torch.float32 else part.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

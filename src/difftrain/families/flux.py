@@ -48,8 +48,9 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import Denoiser, PromptEncoder, load_part, require_keys
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, parts_digest, t5_length, token_ids
+from difftrain.families.base import Denoiser, PromptEncoder, load_part, require_keys, token_ids
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, t5_length
+from difftrain.models.text import vocab_bytes, weights_digest
 
 DEFAULT_T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (and its most); diffusers' script: 512
 KEYS = ("prompt_embeds", "pooled", "guidance")
@@ -102,7 +103,7 @@ class FluxPromptEncoder(PromptEncoder):
 
     def __init__(self, folder: Path, max_sequence_length: int = 0):
         super().__init__()
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # optional ([text])
 
         self.source = str(folder)
         self.clip = frozen(load_part(folder, "text_encoder", CLIPTextModel, "CLIP text encoder"))
@@ -111,8 +112,8 @@ class FluxPromptEncoder(PromptEncoder):
         self.tok_t5 = load_part(folder, "tokenizer_2", T5TokenizerFast, "T5 tokenizer")
         self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
         self.clip_length = int(self.tok_clip.model_max_length)
-        self.digest = parts_digest([self.clip, self.t5], [self.tok_clip, self.tok_t5],
-                                   f"t5_length={self.t5_length}")
+        self.digest = weights_digest(nn.ModuleList([self.clip, self.t5]), vocab_bytes([self.tok_clip, self.tok_t5], pairs=True)
+                                     + f"t5_length={self.t5_length}".encode())
 
     @property
     def dim(self) -> int:

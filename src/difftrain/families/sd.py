@@ -15,20 +15,22 @@ null condition.
 from __future__ import annotations
 
 import json
-import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from difftrain.diffusion.scheduler_configs import diffusers_training
 from difftrain.families import register
-from difftrain.families.base import Denoiser, Family, PromptEncoder, read_json, require_keys
-from difftrain.runtime.device import to_device_async
-from difftrain.runtime.optional import diffusers_pipeline, require
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, ExportParts, Family, PromptEncoder, read_json, require_keys,
+                                     token_ids)
+from difftrain.models.text import TextEncoder, first_line, text_model_folders
+from difftrain.models.vae import vae_folder as find_vae_folder
+from difftrain.runtime.optional import require
 from difftrain.runtime.tensor_source import check_weight_indexes
 
 CONDITION_UNET_CLASS = "UNet2DConditionModel"
-CLIP_TOKENS = 77  # the CLIP tokenizers' model_max_length in the released bases (prompts are padded to it)
 # The "kind" of the network record checkpoints kept of a ConditionUNet before the families package.
 LEGACY_KIND = "diffusers.UNet2DConditionModel"
 
@@ -109,7 +111,7 @@ class ConditionUNet(Denoiser):
         """The architecture of a UNet2DConditionModel config (``unet_config``), weights random,
         in float32."""
         require("diffusers", "text", "a checkpoint of a diffusers UNet2DConditionModel")
-        from diffusers import UNet2DConditionModel
+        from diffusers import UNet2DConditionModel  # diffusers: an optional package ([text])
 
         return cls(UNet2DConditionModel.from_config(dict(config)).float())
 
@@ -119,15 +121,14 @@ class ConditionUNet(Denoiser):
         ``unet/``), weights included, in float32; a ValueError naming the folder if it is not one
         or its weights do not load."""
         require("diffusers", "text", f"model.init_from={path} (a diffusers UNet2DConditionModel)")
-        from diffusers import UNet2DConditionModel
+        from diffusers import UNet2DConditionModel  # diffusers: an optional package ([text])
 
         folder = unet_folder(path)
         check_weight_indexes(folder)  # from_pretrained reads the files a sharded UNet's index names, unchecked
         try:
             unet = UNet2DConditionModel.from_pretrained(str(folder), torch_dtype=torch.float32)
         except (OSError, ValueError, RuntimeError, KeyError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"cannot load the UNet2DConditionModel in {folder}: {first}") from None
+            raise ValueError(f"cannot load the UNet2DConditionModel in {folder}: {first_line(e)}") from None
         return cls(unet.float())
 
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor] | Tensor | None = None) -> Tensor:
@@ -163,7 +164,7 @@ class SDPromptEncoder(PromptEncoder):
         return self.text.dim
 
     def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
-        ids = to_device_async(self.text.tokenize(list(captions)), device)  # (B, L) made on the host, no wait
+        ids = token_ids(self.text.tokenizer, captions, self.text.max_length, device)  # (B, L), no wait
         return {"prompt_embeds": self.text.encode_ids(ids)}
 
 
@@ -174,112 +175,29 @@ class SDPromptEncoder(PromptEncoder):
 def scheduler_training(scheduler: dict) -> dict[str, object]:
     """The ``diffusion.*`` values (dotted keys) a diffusers DDPM-style scheduler config describes
     (``scheduler_configs.diffusers_training``: diffusers' defaults where it is silent)."""
-    from difftrain.diffusion.scheduler_configs import diffusers_training
-
     return {f"diffusion.{k}": v for k, v in diffusers_training(scheduler).items()}
 
 
-def write_pipeline(unet: ConditionUNet, scheduler: dict, text_encoder_source: str, vae_source: str | None,
-                   out_dir: str | Path) -> Path:
-    """Write a ``StableDiffusionPipeline`` folder: ``unet/`` (``unet``'s weights), ``text_encoder/`` and
-    ``tokenizer/`` (from ``text_encoder_source``: a Stable Diffusion folder or one folder with both),
-    ``vae/`` (from ``vae_source``), ``scheduler/`` (a DDPMScheduler of the config ``scheduler``) and
-    ``model_index.json``; no safety checker. One ValueError saying why a network cannot be one."""
+def check_condition_unet(unet: Denoiser) -> None:
+    """One ValueError unless ``unet`` is a UNet2DConditionModel's (what StableDiffusionPipeline loads)."""
     if not isinstance(unet, ConditionUNet):
         raise ValueError("export to a Stable Diffusion pipeline needs a UNet2DConditionModel (a run with "
                          "model.init_from naming one); difftrain's own text UNet has a different architecture, "
                          "which StableDiffusionPipeline cannot load")
+
+
+def write_pipeline(unet: ConditionUNet, scheduler: dict, text_encoder_source: str, vae_source: str | None,
+                   out_dir: str | Path) -> Path:
+    """Write a ``StableDiffusionPipeline`` folder (:meth:`Family.export_pipeline`, the one export path,
+    checked to load): ``unet/`` (``unet``'s weights), ``text_encoder/`` and ``tokenizer/`` (from
+    ``text_encoder_source``: a Stable Diffusion folder or one folder with both), ``vae/`` (from
+    ``vae_source``), ``scheduler/`` (a DDPMScheduler of the config ``scheduler``) and ``model_index.json``;
+    no safety checker. One ValueError saying why a network cannot be one."""
+    check_condition_unet(unet)
     if vae_source is None:
         raise ValueError("export to a Stable Diffusion pipeline needs a VAE (model.vae): StableDiffusionPipeline "
                          "denoises latents, and this model has none")
-    try:
-        StableDiffusionPipeline = diffusers_pipeline("StableDiffusionPipeline")  # noqa: N806 - first: quietly
-        from diffusers import AutoencoderKL, DDPMScheduler
-        from transformers import CLIPTextModel, CLIPTokenizer
-    except ImportError:
-        raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
-                         "pip install 'difftrain[text]'") from None
-    from difftrain.models.text import first_line, text_model_folders
-    from difftrain.models.vae import vae_folder as find_vae_folder
-
-    text_folder, tokenizer_folder = text_model_folders(text_encoder_source)
-    vae_folder = find_vae_folder(vae_source)
-    check_weight_indexes(text_folder)  # from_pretrained reads the files an index names, unchecked
-    check_weight_indexes(vae_folder)
-    try:
-        text_encoder = CLIPTextModel.from_pretrained(str(text_folder))
-        tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_folder))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"text encoder {text_encoder_source}: cannot load a CLIP text model and tokenizer "
-                         f"({first_line(e)})") from None
-    try:
-        vae = AutoencoderKL.from_pretrained(str(vae_folder))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"VAE {vae_folder}: cannot load an AutoencoderKL ({first_line(e)})") from None
-    if text_encoder.config.hidden_size != unet.context_dim:
-        raise ValueError(f"text encoder {text_encoder_source} has width {text_encoder.config.hidden_size}, the "
-                         f"UNet cross-attends to width {unet.context_dim}")
-    if vae.config.latent_channels != unet.in_channels:
-        raise ValueError(f"VAE {vae_folder} has {vae.config.latent_channels} latent channels, the UNet "
-                         f"takes {unet.in_channels}")
-    pipe = StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet.unet,
-        scheduler=DDPMScheduler(**scheduler), safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    out = Path(out_dir)
-    pipe.save_pretrained(out, safe_serialization=True)
-    for name in ("vocab.json", "merges.txt"):  # what CLIPTokenizers of older transformers read
-        if (tokenizer_folder / name).is_file() and not (out / "tokenizer" / name).exists():
-            shutil.copyfile(tokenizer_folder / name, out / "tokenizer" / name)
-    return out
-
-
-def save_pipeline_lora(pipeline_class: str, denoiser_name: str, adapter: dict[str, Tensor], lora_config: dict,
-                       out: Path, metadata: dict[str, str] | None) -> Path:
-    """``pipeline_class.save_lora_weights(out, <denoiser_name>_lora_layers=adapter, ...)`` (diffusers
-    adds its prefix and peft's LoraConfig as metadata), then ``metadata`` added to the file's; returns
-    the file. Shared by the families whose pipeline has a LoRA loader mixin."""
-    from safetensors import safe_open
-    from safetensors.torch import save
-
-    from difftrain.runtime.files import atomic_write_bytes
-
-    cls = diffusers_pipeline(pipeline_class)
-    out = Path(out)
-    tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
-    cls.save_lora_weights(str(out), **{f"{denoiser_name}_lora_layers": tensors,
-                                       f"{denoiser_name}_lora_adapter_metadata": dict(lora_config) if lora_config else None})
-    file = out / LORA_WEIGHT_NAME
-    if metadata:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            merged = {**(f.metadata() or {}), **metadata}
-            written = {k: f.get_tensor(k) for k in f.keys()}
-        atomic_write_bytes(file, save(written, metadata=merged))
-    return file
-
-
-def read_pipeline_lora(pipeline_class: str, denoiser_name: str, path: Path) -> dict[str, Tensor]:
-    """The denoiser's adapter (peft's names) of a LoRA file, read by ``pipeline_class.lora_state_dict``;
-    a ValueError naming the file when it holds no tensor of ``denoiser_name`` (another family's)."""
-    cls = diffusers_pipeline(pipeline_class)
-    try:
-        state = cls.lora_state_dict(str(path), use_safetensors=True)  # never unpickles
-    except Exception as e:  # noqa: BLE001 - safetensors and diffusers raise many kinds; one line naming the file
-        from difftrain.models.text import first_line
-
-        raise ValueError(f"LoRA adapter {path}: {pipeline_class} cannot read it ({first_line(e)})") from None
-    state = state[0] if isinstance(state, tuple) else state
-    prefix = denoiser_name + "."
-    ours = {k[len(prefix):]: t for k, t in state.items() if k.startswith(prefix)}
-    if not ours or len(ours) != len(state):
-        others = sorted({k.split(".")[0] for k in state if not k.startswith(prefix)})
-        raise ValueError(f"LoRA adapter {path} is not a {pipeline_class} adapter of the {denoiser_name}: it holds "
-                         f"{'tensors of ' + ', '.join(others) if others else 'no tensors'} (a file for another family?)")
-    return ours
-
-
-LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes, load_lora_weights reads
+    return SD.export_pipeline(unet, Path(text_encoder_source), Path(out_dir), scheduler, vae=Path(vae_source))
 
 
 class SDFamily(Family):
@@ -318,26 +236,53 @@ class SDFamily(Family):
         return {"prompt_embeds": (CLIP_TOKENS, int(dim if isinstance(dim, int) else dim[0]))}
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> SDPromptEncoder:
-        from difftrain.models.text import TextEncoder
-
         return SDPromptEncoder(TextEncoder.from_path(str(folder)).to(device))
 
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return unet_blocks(denoiser.model)
 
-    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
-                        vae: Path | None = None) -> Path:
+    def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None) -> ExportParts:
+        """A ``StableDiffusionPipeline`` made from parts: ``denoiser``'s UNet, the CLIP text encoder and
+        tokenizer of ``base`` (a Stable Diffusion folder or one folder with both) and the VAE of ``vae``
+        (else ``base``), each copied as it is (its files, its dtype), a DDPMScheduler of ``scheduler`` (None:
+        the base's ``scheduler/`` config); no safety checker. Reads configs only; one ValueError saying why a
+        network or a part cannot be one."""
+        check_condition_unet(denoiser)
+        try:
+            from diffusers import AutoencoderKL, DDPMScheduler  # diffusers, transformers: optional ([text])
+            from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+        except ImportError:
+            raise ValueError("export to a Stable Diffusion pipeline needs diffusers and transformers: "
+                             "pip install 'difftrain[text]'") from None
         if scheduler is None:
             scheduler = read_json(Path(base) / "scheduler" / "scheduler_config.json", f"base {base}")
             scheduler = {k: v for k, v in scheduler.items() if not k.startswith("_")}
-        return write_pipeline(denoiser, scheduler, str(base), str(vae or base), out)
-
-    def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
-                  metadata: dict[str, str] | None = None) -> Path:
-        return save_pipeline_lora(self.pipeline_class, "unet", adapter, lora_config, out, metadata)
-
-    def read_lora(self, path: Path) -> dict[str, Tensor]:
-        return read_pipeline_lora(self.pipeline_class, "unet", path)
+        text_encoder_source = str(base)
+        text_folder, tokenizer_folder = text_model_folders(text_encoder_source)
+        vae_folder = find_vae_folder(str(vae or base))
+        check_weight_indexes(text_folder)  # the files an index names: inside its folder
+        check_weight_indexes(vae_folder)
+        try:
+            width = CLIPTextConfig.from_pretrained(str(text_folder)).hidden_size
+        except (OSError, ValueError) as e:
+            raise ValueError(f"text encoder {text_encoder_source}: cannot read a CLIP text model's config "
+                             f"({first_line(e)})") from None
+        channels = read_json(vae_folder / "config.json", f"VAE {vae_folder}").get("latent_channels", 4)
+        if width != denoiser.context_dim:
+            raise ValueError(f"text encoder {text_encoder_source} has width {width}, the "
+                             f"UNet cross-attends to width {denoiser.context_dim}")
+        if channels != denoiser.in_channels:
+            raise ValueError(f"VAE {vae_folder} has {channels} latent channels, the UNet "
+                             f"takes {denoiser.in_channels}")
+        index = {"_class_name": self.pipeline_class, "_diffusers_version": version("diffusers"),
+                 "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
+                 "safety_checker": [None, None], "scheduler": ["diffusers", "DDPMScheduler"],
+                 "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+                 "unet": ["diffusers", CONDITION_UNET_CLASS], "vae": ["diffusers", "AutoencoderKL"]}
+        return ExportParts(index=index, copied={"text_encoder": (text_folder, CLIPTextModel),
+                                                "tokenizer": (tokenizer_folder, CLIPTokenizer),
+                                                "vae": (vae_folder, AutoencoderKL)},
+                           scheduler=DDPMScheduler(**scheduler))
 
 
 def unet_blocks(unet: nn.Module) -> list[nn.Module]:

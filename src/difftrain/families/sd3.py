@@ -54,9 +54,9 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import PromptEncoder, load_part, read_json, require_keys
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, parts_digest, t5_length, token_ids
-from difftrain.families.sd import CLIP_TOKENS
+from difftrain.families.base import CLIP_TOKENS, PromptEncoder, load_part, read_json, require_keys, token_ids
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, t5_length
+from difftrain.models.text import vocab_bytes, weights_digest
 
 DEFAULT_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default (diffusers' SD3 script: 77)
 KEYS = ("prompt_embeds", "pooled")
@@ -98,7 +98,8 @@ class SD3PromptEncoder(PromptEncoder):
 
     def __init__(self, folder: Path, max_sequence_length: int = 0):
         super().__init__()
-        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+        from transformers import (CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel,  # optional ([text])
+                                  T5TokenizerFast)
 
         self.source = str(folder)
         self.clip_l = frozen(load_part(folder, "text_encoder", CLIPTextModelWithProjection, "CLIP-L text encoder"))
@@ -119,8 +120,9 @@ class SD3PromptEncoder(PromptEncoder):
         self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
         self.clip_length = int(self.tok_l.model_max_length)
         t5 = [] if self.t5 is None else [self.t5]
-        self.digest = parts_digest([self.clip_l, self.clip_g, *t5], [self.tok_l, self.tok_g, *[self.tok_t5] * len(t5)],
-                                   f"t5_length={self.t5_length}" + ("" if t5 else f",t5=zeros({self.width})"))
+        extra = f"t5_length={self.t5_length}" + ("" if t5 else f",t5=zeros({self.width})")
+        vocab = vocab_bytes([self.tok_l, self.tok_g, *[self.tok_t5] * len(t5)], pairs=True)
+        self.digest = weights_digest(nn.ModuleList([self.clip_l, self.clip_g, *t5]), vocab + extra.encode())
 
     @property
     def dim(self) -> int:

@@ -25,12 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import Denoiser, Family, PromptEncoder, load_part, read_json, require_keys
-from difftrain.families.sd import CLIP_TOKENS, read_pipeline_lora, save_pipeline_lora, scheduler_training, unet_blocks
-from difftrain.models.text import weights_digest
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, Family, PromptEncoder, load_part, read_json, require_keys,
+                                     token_ids)
+from difftrain.families.sd import scheduler_training, unet_blocks
+from difftrain.models.text import vocab_bytes, weights_digest
 from difftrain.runtime.device import to_device_async
-from difftrain.runtime.optional import diffusers_pipeline, require
-from difftrain.runtime.tensor_source import check_weight_indexes
+from difftrain.runtime.optional import require
 
 KEYS = ("prompt_embeds", "pooled", "time_ids")
 
@@ -45,7 +45,7 @@ class SDXLUNet(Denoiser):
     @classmethod
     def from_config(cls, config: dict) -> SDXLUNet:
         require("diffusers", "text", "an SDXL UNet")
-        from diffusers import UNet2DConditionModel
+        from diffusers import UNet2DConditionModel  # diffusers: an optional package ([text])
 
         return cls(UNet2DConditionModel.from_config(dict(config)).float())
 
@@ -65,19 +65,15 @@ class SDXLPromptEncoder(PromptEncoder):
         super().__init__()
         self.encoders = nn.ModuleList(e.eval().requires_grad_(False) for e in encoders)
         self.tokenizers, self.source, self.force_zeros = tokenizers, source, force_zeros
-        import json
-
-        vocab = b"".join(json.dumps(t.get_vocab(), sort_keys=True).encode() for t in tokenizers)
-        self.digest = weights_digest(self.encoders, vocab)
+        self.digest = weights_digest(self.encoders, vocab_bytes(tokenizers, ascii_only=True))
         self.dim = sum(int(e.config.hidden_size) for e in encoders)  # D of prompt_embeds
 
     @torch.no_grad()
     def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
         hidden, pooled = [], None
         for tokenizer, encoder in zip(self.tokenizers, self.encoders):
-            ids = tokenizer(list(captions), padding="max_length", max_length=tokenizer.model_max_length,
-                            truncation=True, return_tensors="pt").input_ids  # (B, 77) on the host
-            out = encoder(to_device_async(ids, device), output_hidden_states=True)  # no wait for the device
+            ids = token_ids(tokenizer, captions, tokenizer.model_max_length, device)  # (B, 77) made on the host
+            out = encoder(ids, output_hidden_states=True)
             if out[0].ndim == 2:  # CLIPTextModelWithProjection: text_embeds
                 pooled = out[0]
             hidden.append(out.hidden_states[-2])
@@ -114,7 +110,7 @@ class SDXLFamily(Family):
     def lora_state_options(self, config: dict) -> dict:
         """kohya sd-scripts names SDXL's UNet blocks as SGM does (input_blocks.4.1...); diffusers maps them
         with the UNet's config, as StableDiffusionXLPipeline.load_lora_weights does."""
-        from diffusers.configuration_utils import FrozenDict
+        from diffusers.configuration_utils import FrozenDict  # diffusers: an optional package ([text])
 
         return {"unet_config": FrozenDict(config)}
 
@@ -128,7 +124,7 @@ class SDXLFamily(Family):
 
     def load_denoiser(self, folder: Path) -> SDXLUNet:
         require("diffusers", "text", f"the SDXL base {folder}")
-        from diffusers import UNet2DConditionModel
+        from diffusers import UNet2DConditionModel  # diffusers: an optional package ([text])
 
         return SDXLUNet(load_part(Path(folder), "unet", UNet2DConditionModel, "SDXL UNet"))
 
@@ -137,7 +133,7 @@ class SDXLFamily(Family):
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> SDXLPromptEncoder:
         require("transformers", "text", f"the SDXL base {folder}")
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer  # optional ([text])
 
         folder = Path(folder)
         encoders = [load_part(folder, "text_encoder", CLIPTextModel, "first text encoder (CLIP-L)"),
@@ -160,38 +156,6 @@ class SDXLFamily(Family):
 
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return unet_blocks(denoiser.model)
-
-    def export_pipeline(self, denoiser: Denoiser, base: Path, out: Path, scheduler: dict | None = None,
-                        vae: Path | None = None) -> Path:
-        """A StableDiffusionXLPipeline folder: the base's parts with ``denoiser``'s UNet (and ``scheduler``,
-        a diffusers scheduler config of the base's class, when given)."""
-        StableDiffusionXLPipeline = diffusers_pipeline("StableDiffusionXLPipeline")  # noqa: N806 - the class
-
-        from difftrain.models.text import first_line
-
-        parts = {"unet": denoiser.model}
-        if vae is not None:
-            from diffusers import AutoencoderKL
-
-            from difftrain.models.vae import vae_folder
-
-            parts["vae"] = load_part(vae_folder(str(vae)).parent, vae_folder(str(vae)).name, AutoencoderKL, "VAE")
-        check_weight_indexes(base)  # from_pretrained reads the files a sharded part's index names, unchecked
-        try:
-            pipe = StableDiffusionXLPipeline.from_pretrained(str(base), **parts, torch_dtype=torch.float32)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise ValueError(f"export: cannot load the SDXL base {base}: {first_line(e)}") from None
-        if scheduler is not None:
-            pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **scheduler})
-        pipe.save_pretrained(Path(out), safe_serialization=True)
-        return Path(out)
-
-    def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
-                  metadata: dict[str, str] | None = None) -> Path:
-        return save_pipeline_lora(self.pipeline_class, "unet", adapter, lora_config, out, metadata)
-
-    def read_lora(self, path: Path) -> dict[str, Tensor]:
-        return read_pipeline_lora(self.pipeline_class, "unet", path)
 
 
 SDXL = register(SDXLFamily())

@@ -5,7 +5,9 @@ its tokenizer files), from a Stable Diffusion pipeline folder (``text_encoder/``
 ``tokenizer/``), or builds ``builtin:tiny-clip``: a small CLIP text model whose weights
 difftrain draws itself from a fixed seed, with a word vocabulary that covers the built-in
 datasets' captions. Nothing is downloaded. transformers is imported only when a model is
-loaded, so importing this module is cheap.
+loaded, so importing this module is cheap. Also the one weight digest of frozen parts
+(:func:`weights_digest`) and the one tokenization of captions (:func:`tokenize`) every
+family's text encoders use.
 """
 
 from __future__ import annotations
@@ -89,7 +91,10 @@ def word_vocabulary(words: list[str]) -> tuple[dict[str, int], list[tuple[str, s
 def weights_digest(module: nn.Module, extra: bytes = b"", strip: str = "") -> str:
     """SHA-256 (hex) of a module's parameters and persistent float buffers, by sorted name
     (``strip`` removed from the front of names, so a wrapper prefix doesn't count), each
-    with its shape and float32 bytes, then ``extra`` (a tokenizer's vocabulary)."""
+    with its shape and float32 bytes, then ``extra`` (the tokenizers' vocabularies: :func:`vocab_bytes`).
+    The one digest of frozen parts (text encoders, VAEs, a LoRA's base): checkpoints record it and a
+    resumed run compares it, so its bytes never change. Several models are digested as one
+    ``nn.ModuleList`` of them (names ``0.``, ``1.``, ...)."""
     tensors = {n.removeprefix(strip): t for n, t in module.state_dict().items()}
     return tensors_digest(((name, tensors[name]) for name in sorted(tensors)), extra)
 
@@ -107,6 +112,30 @@ def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]], extra: bytes = b
         h.update(t.numpy().tobytes())
     h.update(extra)
     return h.hexdigest()
+
+
+def vocab_bytes(tokenizers: list, pairs: bool = False, ascii_only: bool = False) -> bytes:
+    """The vocabularies of ``tokenizers`` as the ``extra`` of :func:`weights_digest`: each one's
+    ``get_vocab()`` as a JSON object with sorted keys (``ascii_only``: non-ASCII escaped), or
+    (``pairs``) as a JSON list of sorted (token, id) pairs, concatenated. Three forms because
+    checkpoints already record digests made with each: CLIP's ``TextEncoder`` (an object, unescaped),
+    SDXL's encoders (an object, escaped), SD3's and Flux's (pairs, unescaped)."""
+    out = []
+    for tokenizer in tokenizers:
+        vocab = tokenizer.get_vocab()
+        value = sorted(vocab.items()) if pairs else vocab
+        out.append(json.dumps(value, sort_keys=not pairs, ensure_ascii=ascii_only).encode())
+    return b"".join(out)
+
+
+def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
+    """(B, length) long on the host: ``captions`` tokenized, padded to ``length`` and truncated (the
+    tokenizer's own BOS / EOS kept), as the diffusers pipelines tokenize. The one tokenization of every
+    text encoder (``families.base.token_ids`` adds the copy to the device)."""
+    if isinstance(captions, str):
+        raise TypeError("tokenize takes a list of captions, got one string")
+    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
+                     return_tensors="pt")["input_ids"].long()
 
 
 @contextlib.contextmanager
@@ -142,10 +171,6 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _vocab_bytes(tokenizer) -> bytes:
-    return json.dumps(tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False).encode()
-
-
 class TextEncoder(nn.Module):
     """A frozen CLIP text transformer and its tokenizer: captions -> (B, L, D) embeddings.
 
@@ -161,7 +186,7 @@ class TextEncoder(nn.Module):
         self.source = source
         self.dim = int(model.config.hidden_size)
         self.max_length = int(model.config.max_position_embeddings)
-        self.digest = weights_digest(model, _vocab_bytes(tokenizer), strip="text_model.")
+        self.digest = weights_digest(model, vocab_bytes([tokenizer]), strip="text_model.")
 
     @classmethod
     def from_path(cls, path: str) -> TextEncoder:
@@ -177,7 +202,7 @@ class TextEncoder(nn.Module):
             return BUILTIN_TEXT_ENCODERS[name]()
         model_dir, tokenizer_dir = text_model_folders(path)
         require("transformers", "text", f"model.text_encoder={path}")
-        from transformers import CLIPTextModel, CLIPTokenizer
+        from transformers import CLIPTextModel, CLIPTokenizer  # transformers: an optional package ([text])
         from transformers.utils import logging
 
         check_weight_indexes(model_dir)  # from_pretrained reads the files a sharded model's index names, unchecked
@@ -202,11 +227,7 @@ class TextEncoder(nn.Module):
     def tokenize(self, captions: list[str]) -> torch.Tensor:
         """Token ids (B, L) long on the CPU: BOS, the caption's tokens, EOS, padded with EOS
         (or truncated, keeping EOS last) to ``max_length``. ``""`` gives BOS, EOS, padding."""
-        if isinstance(captions, str):
-            raise TypeError("tokenize takes a list of captions, got one string")
-        out = self.tokenizer(list(captions), padding="max_length", max_length=self.max_length, truncation=True,
-                             return_tensors="pt")
-        return out["input_ids"].long()
+        return tokenize(self.tokenizer, captions, self.max_length)
 
     @torch.no_grad()
     def encode_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -258,7 +279,7 @@ def text_model_folders(path: str) -> tuple[Path, Path]:
 def clip_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], max_length: int):
     """A transformers CLIPTokenizer made in memory from a vocabulary and its merges."""
     require("transformers", "text", "a text encoder (model.text_encoder)")
-    from transformers import CLIPTokenizer
+    from transformers import CLIPTokenizer  # transformers: an optional package ([text])
 
     return CLIPTokenizer(vocab=vocab, merges=list(merges), model_max_length=max_length)
 
@@ -289,7 +310,7 @@ def tiny_clip() -> TextEncoder:
     """``builtin:tiny-clip``: hidden 64, 2 layers, 4 heads, 16 tokens, the ``TINY_CLIP_WORDS``
     vocabulary, weights from ``TINY_CLIP_SEED`` (see :func:`seeded_clip_weights`)."""
     require("transformers", "text", "model.text_encoder=builtin:tiny-clip")
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTextModel  # transformers: an optional package ([text])
 
     vocab, merges = word_vocabulary(TINY_CLIP_WORDS)
     config = CLIPTextConfig(vocab_size=len(vocab), bos_token_id=vocab[BOS], eos_token_id=vocab[EOS],

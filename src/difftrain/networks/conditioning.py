@@ -108,7 +108,7 @@ class Conditioning:
         if cfg.model.text_encoder and cfg.model.init_from and cfg.model.family != "":
             family = family_of_config(cfg)  # a base family encodes its own prompts
         if cfg.model.text_encoder and family is not None:
-            folder, options = Path(cfg.model.text_encoder).expanduser(), family.prompt_options(cfg)
+            folder, options = Path(cfg.model.text_encoder).expanduser(), family.prompt_options(cfg.model)
             load = lambda: family.load_prompt_encoder(folder, device, **options)
             text = cached_prompt_encoder(cfg, family.name, folder, options, load, device) if text_cache else None
             text = load() if text is None else text  # without the cache: loaded now
