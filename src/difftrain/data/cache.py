@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from difftrain.runtime.files import cache_dir
 
+from .check import file_stats
 from .folder import ImageFolderDataset
 from .sampler import split_key
 from .transforms import augment, resize_center_crop, square_geometry, to_tensor
@@ -42,8 +43,6 @@ def cache_key(dataset: ImageFolderDataset) -> str:
     where there are any, so a resumed run finds its cache even if a file changed since; a
     file that is gone counts as size -1.
     """
-    from .check import file_stats
-
     h = hashlib.sha256(f"v{PREPROCESS_VERSION}:{dataset.resolution}:{dataset.channels}".encode())
     stats = dataset.file_stats or file_stats(dataset.paths)
     for name, (size, mtime) in zip(dataset.files, stats):

@@ -29,8 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
+from .sampler import mix_seed, split_key
 from .transforms import printable
 
 METADATA_NAME = "metadata.jsonl"
@@ -243,10 +245,6 @@ class CaptionOptions:
         FID, the text cache's list): the trigger word alone is added."""
         if seed is None or not self.random:
             return f"{self.trigger_word}, {caption}" if self.trigger_word and caption else self.trigger_word or caption
-        import torch
-
-        from .sampler import mix_seed
-
         tags = [t.strip() for t in caption.split(",") if t.strip()]
         kept, rest = tags[: self.keep_tokens], tags[self.keep_tokens :]
         g = torch.Generator().manual_seed(mix_seed(seed, _CAPTION_TAG))
@@ -285,8 +283,6 @@ class TaggedCaptions(Dataset):
         return getattr(self.base, name)
 
     def __getitem__(self, key):
-        from .sampler import split_key
-
         item = self.base[key]
         seed = split_key(key)[1]
         return (item[0], self.options.apply(item[1], seed), *item[2:])

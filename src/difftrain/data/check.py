@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from difftrain.checkpoints.store import list_checkpoints
 from difftrain.runtime.files import cache_dir
 
 from .buckets import BucketSpec, assign_buckets
@@ -39,6 +40,8 @@ from .transforms import BadImage, image_size, load_image, mask_path, open_image,
 CACHE_NAME = "data_check.json"
 BAD_LOG_NAME = "bad_images.log"
 FILE_LIST_NAME = "data_files.json"
+
+Scan = tuple[list[Path], dict[str, str]]  # (image files, unreadable folder "relative/" -> reason) of a folder
 
 
 @dataclasses.dataclass
@@ -141,17 +144,17 @@ def folder_key(root: Path, files: list[Path], resolution: int) -> str:
     return h.hexdigest()
 
 
-def check_folder(root: str | Path, resolution: int, num_workers: int = 0) -> DataReport:
+def check_folder(root: str | Path, resolution: int, num_workers: int = 0, scan: Scan | None = None) -> DataReport:
     """Decode every image under ``root`` and report it (see :class:`DataReport`).
 
     ``resolution`` is the smallest short side accepted: the training resolution, or
     ``data.min_image_size`` when smaller images are to be upscaled. ``num_workers`` > 0
-    decodes in that many processes. Raises ValueError naming ``root`` when it is missing or
-    holds no image file.
+    decodes in that many processes. ``scan``: the folder's files and unreadable folders as a
+    dataset already listed them, else it is scanned here. Raises ValueError naming ``root`` when
+    it is missing or holds no image file.
     """
     root = Path(root).expanduser()
-    unreadable: dict[str, str] = {}
-    files = scan_images(root, unreadable)
+    files, unreadable = scan or _scan(root)
     modes: collections.Counter[str] = collections.Counter()
     formats: collections.Counter[str] = collections.Counter()
     sides: collections.Counter[str] = collections.Counter()
@@ -172,6 +175,12 @@ def check_folder(root: str | Path, resolution: int, num_workers: int = 0) -> Dat
     )
 
 
+def _scan(root: Path) -> Scan:
+    """The image files under ``root`` and the folders that could not be listed (see ``scan_images``)."""
+    unreadable: dict[str, str] = {}
+    return scan_images(root, unreadable), unreadable
+
+
 def _check_files(files: list[Path], resolution: int, num_workers: int):
     """:func:`_check_file` of each file, in order; in ``num_workers`` processes when > 0."""
     if num_workers <= 0 or len(files) < 256:
@@ -186,14 +195,17 @@ def shared_scan_cache(root: Path, key: str) -> Path:
     return cache_dir("scan") / f"{name}.json"
 
 
-def cached_check(root: str | Path, resolution: int, cache: Path, num_workers: int = 0) -> tuple[DataReport, bool]:
+def cached_check(root: str | Path, resolution: int, cache: Path, num_workers: int = 0,
+                 scan: Scan | None = None) -> tuple[DataReport, bool]:
     """:func:`check_folder`, reusing ``cache`` (the run's copy), or the scan another run made of
-    the same folder (:func:`shared_scan_cache`), when its key still matches the folder.
+    the same folder (:func:`shared_scan_cache`), when its key still matches the folder. ``scan``:
+    as :func:`check_folder` takes it (the folder is listed once).
 
     Returns (report, True when it came from a cache).
     """
     root = Path(root).expanduser()
-    key = folder_key(root, scan_images(root, {}), resolution)
+    scan = scan or _scan(root)
+    key = folder_key(root, scan[0], resolution)
     shared = shared_scan_cache(root, key)
     for path in (cache, shared):
         try:
@@ -204,7 +216,7 @@ def cached_check(root: str | Path, resolution: int, cache: Path, num_workers: in
                 return DataReport(**data), True
         except (OSError, ValueError, TypeError):  # missing, unreadable, not JSON, or another layout
             pass
-    report = check_folder(root, resolution, num_workers)
+    report = check_folder(root, resolution, num_workers, scan)
     _write_json(cache, dataclasses.asdict(report))
     try:
         _write_json(shared, dataclasses.asdict(report))
@@ -267,20 +279,36 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     min_size = min_size or (1 if buckets is not None else dataset.resolution)
     dataset.on_bad_image = on_bad_image
     dataset.bad_log = run_dir / BAD_LOG_NAME
-    saved = _saved_file_list(run_dir, dataset, min_size, buckets is not None)
-    if saved is not None and buckets is not None and assign_buckets(saved["sizes"], buckets).dropped:
-        print(f"difftrain: warning: the sizes in {run_dir / FILE_LIST_NAME} put images of the run's first start in "
-              "no bucket (edited, or data.bucket_resolutions changed); rescanning the data, so the resumed data order "
-              "may differ", file=sys.stderr)
-        saved = None
-    if saved is not None:
-        dataset = _resume_file_list(dataset, saved, on_bad_image)
-        if buckets is not None:
-            dataset.set_sizes(saved["sizes"])
-            _put_in_buckets(dataset, buckets, on_bad_image)
-        return dataset
+    saved = _saved_file_list(run_dir, dataset, min_size, buckets)
+    if saved is not None:  # a resume: the first start's files and sizes, no rescan
+        _resume_file_list(dataset, saved, on_bad_image)
+        report, files, sizes, bad = None, dataset.files, saved["sizes"], set()
+    else:  # the scan's report of the files the dataset listed: its bad files are left out, or the run stops
+        report, bad = _bad_files(dataset, on_bad_image, min_size, run_dir / CACHE_NAME, num_workers)
+        files = [f for f in dataset.files if f not in bad]
+        sizes = [report.sizes.get(f, [0, 0]) for f in files]
+    shapes = None
+    if buckets is not None and files:  # an image no bucket takes is bad too
+        unfit, shapes = _bucket_shapes(files, sizes, buckets, on_bad_image, dataset)
+        bad |= unfit
+        sizes = [size for f, size in zip(files, sizes) if f not in unfit]
+    if bad:
+        dataset.drop(bad)
+    if shapes is not None:
+        dataset.set_sizes(sizes)
+        dataset.set_buckets(shapes)
+    if report is not None:
+        _save_file_list(dataset, run_dir, min_size, report)
+    return dataset
 
-    report, cached = cached_check(dataset.root, min_size, run_dir / CACHE_NAME, num_workers)
+
+def _bad_files(dataset: ImageFolderDataset, on_bad_image: str, min_size: int, cache: Path,
+               num_workers: int) -> tuple[DataReport, set[str]]:
+    """(the scan's report of ``dataset``'s folder, cached in ``cache``; the files to leave out). Bad files,
+    images with a bad caption or mask and unreadable folders: in fail mode a ValueError listing them, else
+    logged."""
+    report, cached = cached_check(dataset.root, min_size, cache, num_workers,
+                                  (dataset.paths, dict(dataset.unreadable_folders)))
     print(
         f"difftrain: data {printable(report.root)}: {report.num_files} files, {len(report.bad)} bad"
         f"{' (cached scan)' if cached else ''}",
@@ -300,19 +328,41 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
             f"{f' and {len(report.unreadable_folders)} unreadable folders' if report.unreadable_folders else ''} "
             f"(data.on_bad_image='fail'; set it to 'skip' to leave them out):\n{listed}{more}"
         )
+    bad = set(report.bad) | set(captions)
     if problems:
-        dataset.drop(set(report.bad) | set(captions))
         _append_log(dataset.bad_log, [f"start\t{printable(p)}\t{printable(r)}" for p, r in sorted(problems.items())])
         folders = f" and {len(report.unreadable_folders)} unreadable folders" if report.unreadable_folders else ""
         folders = (f", {len(captions)} images with a bad caption{_or_mask(dataset)}" if captions else "") + folders
+        remain = sum(f not in bad for f in dataset.files)
         print(
             f"difftrain: skipped {len(report.bad)} bad image files{folders} (listed in {dataset.bad_log}); "
-            f"{len(dataset)} remain",
+            f"{remain} remain",
             file=sys.stderr,
         )
-    if buckets is not None and len(dataset):
-        dataset.set_sizes([report.sizes.get(f, [0, 0]) for f in dataset.files])
-        _put_in_buckets(dataset, buckets, on_bad_image)
+    return report, bad
+
+
+def _bucket_shapes(files: list[str], sizes: list[list[int]], spec: BucketSpec, on_bad_image: str,
+                   dataset: ImageFolderDataset) -> tuple[set[str], np.ndarray]:
+    """(the ``files`` no bucket takes, the (N, 2) bucket shape of each other one) from their ``sizes`` ((W, H)
+    each, as the scan found them). An image no bucket takes is bad: in fail mode a ValueError listing them,
+    else logged to ``dataset``'s bad log."""
+    plan = assign_buckets(sizes, spec)
+    unfit = {files[i]: reason for i, reason in plan.dropped.items()}
+    if unfit and on_bad_image == "fail":
+        listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(unfit.items())[:20])
+        raise ValueError(f"data.path {printable(str(dataset.root))}: {len(unfit)} images fit no bucket "
+                         f"(data.on_bad_image='fail'; 'skip' leaves them out):\n{listed}")
+    if unfit:
+        _append_log(dataset.bad_log, [f"start\t{printable(p)}\tbucket: {printable(r)}" for p, r in sorted(unfit.items())])
+        print(f"difftrain: {len(unfit)} images fit no bucket and are skipped (listed in {dataset.bad_log})",
+              file=sys.stderr)
+    keep = np.array([i not in plan.dropped for i in range(len(files))], dtype=bool)
+    return set(unfit), plan.shapes[keep]
+
+
+def _save_file_list(dataset: ImageFolderDataset, run_dir: Path, min_size: int, report: DataReport) -> None:
+    """Save the files a first start trains on (and their sizes) for its resumes; ValueError when none is left."""
     if len(dataset) == 0:
         small = sum(r.startswith("too small") for r in report.bad.values())
         hint = f"; {small} too small: lower data.min_image_size to upscale them" if small else ""
@@ -328,28 +378,6 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
         "files": dataset.files, "stats": stats,
         **({"sizes": dataset.image_sizes.tolist()} if dataset.image_sizes is not None else {}),
     })
-    return dataset
-
-
-def _put_in_buckets(dataset: ImageFolderDataset, spec: BucketSpec, on_bad_image: str) -> None:
-    """Put ``dataset``'s images (their sizes known) in buckets; an image no bucket takes is bad: in fail
-    mode a ValueError listing them, else left out and logged."""
-    plan = assign_buckets(dataset.image_sizes, spec)
-    if plan.dropped:
-        files = dataset.files
-        bad = {files[i]: reason for i, reason in plan.dropped.items()}
-        if on_bad_image == "fail":
-            listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(bad.items())[:20])
-            raise ValueError(f"data.path {printable(str(dataset.root))}: {len(bad)} images fit no bucket "
-                             f"(data.on_bad_image='fail'; 'skip' leaves them out):\n{listed}")
-        _append_log(dataset.bad_log, [f"start\t{printable(p)}\tbucket: {printable(r)}" for p, r in sorted(bad.items())])
-        print(f"difftrain: {len(bad)} images fit no bucket and are skipped (listed in {dataset.bad_log})",
-              file=sys.stderr)
-        keep = np.array([i not in plan.dropped for i in range(len(files))], dtype=bool)
-        dataset.drop(set(bad))
-        dataset.set_buckets(plan.shapes[keep])
-    else:
-        dataset.set_buckets(plan.shapes)
 
 
 def _or_mask(dataset) -> str:
@@ -387,14 +415,14 @@ def _saved_sizes(saved: dict, count: int) -> list[list[int]] | None:
     return sizes
 
 
-def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int, buckets: bool = False) -> dict | None:
+def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int,
+                     buckets: BucketSpec | None = None) -> dict | None:
     """The file list of this run's first start, when this start resumes it; else None.
 
     Resuming means: the run directory holds a checkpoint, and the list was made for the same
-    folder, minimum size and class layout (a changed data.path is rescanned, with a warning).
+    folder, minimum size and class layout (a changed data.path is rescanned, with a warning), with
+    ``buckets`` the sizes of its images, each of which a bucket takes.
     """
-    from difftrain.checkpoints.checkpoint import list_checkpoints
-
     path = run_dir / FILE_LIST_NAME
     if not path.is_file() or not list_checkpoints(run_dir / "checkpoints"):
         return None
@@ -416,10 +444,15 @@ def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int, 
         print(f"difftrain: warning: {path} holds no valid image sizes (data.buckets); rescanning "
               f"{printable(str(dataset.root))} (the resumed data order may differ)", file=sys.stderr)
         return None
+    if buckets and assign_buckets(sizes, buckets).dropped:
+        print(f"difftrain: warning: the sizes in {path} put images of the run's first start in "
+              "no bucket (edited, or data.bucket_resolutions changed); rescanning the data, so the resumed data order "
+              "may differ", file=sys.stderr)
+        return None
     return {"files": files, "classes": list(saved.get("classes", [])), "stats": stats, "sizes": sizes}
 
 
-def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: str) -> ImageFolderDataset:
+def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: str) -> None:
     """Put the saved file list on ``dataset``; report (or, in fail mode, refuse) files now gone."""
     dataset.set_files(saved["files"], saved["classes"])
     dataset.file_stats = saved["stats"]
@@ -439,7 +472,6 @@ def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: st
         raise ValueError(f"data.path {printable(str(dataset.root))}: all {len(gone)} image files of this run are gone")
     if changed:
         _append_log(dataset.bad_log, [f"resume\t{printable(f)}\tgone or changed since the run started" for f in changed])
-    return dataset
 
 
 def _report_bad_captions(dataset, bad: dict[str, str], on_bad_image: str, when: str) -> None:

@@ -1,8 +1,10 @@
-"""The data chain of a run in one call: build, check, cache, split off the held-out images."""
+"""The data chain of a run in one call, walked once top to bottom: scan, check (buckets placed), cache,
+split off the held-out images."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -14,6 +16,7 @@ from .cache import with_decode_cache
 from .check import prepare_dataset
 from .folder import ImageFolderDataset
 from .loader import build_dataset
+from .prompted import instance_dataset
 from .split import split_heldout
 
 
@@ -76,23 +79,22 @@ def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8, wor
     bucket holds a global micro-batch: ``train.batch_size`` x ``world_size`` processes).
     """
     d = cfg.data
+    spec = bucket_spec(d, side_multiple)  # aspect-ratio buckets, or None: square crops
     dreambooth = bool(cfg.dreambooth.instance_prompt)
     captions = False if dreambooth else None  # the instance prompt is every image's caption: caption files are not read
-    dataset = dataset_from_config(d, captions=captions)
+    dataset = dataset_from_config(d, captions=captions)  # an image folder is listed here, once
     if run_dir is not None:
-        # The scan and the cache build decode in data.num_workers processes; both are reused by
-        # later runs of the same folder (the scan keyed by its files, the cache by their contents).
-        dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size, d.num_workers,
-                                  bucket_spec(d, side_multiple))
+        # Checked (bad files out, the images put in buckets, the file list kept for resumes), then decoded
+        # once into the cache: both decode in data.num_workers processes and are reused by later runs of
+        # the same folder (the check keyed by its files, the cache by their contents).
+        dataset = prepare_dataset(dataset, d.on_bad_image, run_dir, d.min_image_size, d.num_workers, spec)
         try:
             dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
         except OSError as e:
             raise cache_dir_error(e, d.cache_dir, "decode") from e
     train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False, captions=captions))
     if dreambooth:
-        from .prompted import instance_dataset
-
-        train = instance_dataset(train, cfg)
+        train = instance_dataset(train, cfg.dreambooth.instance_prompt, d.path)
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0
     if len(train) < cfg.train.batch_size:
         held = (f" after data.heldout_fraction={d.heldout_fraction} held out {len(heldout)} of its {len(dataset)}"
@@ -110,8 +112,6 @@ def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8, wor
                              "(difftrain data check --buckets prints the table); lower train.batch_size or set "
                              "data.buckets = 'off'")
         if usable < len(train):
-            import sys
-
             print(f"difftrain: warning: {len(train) - usable} of {len(train)} images are in aspect-ratio buckets "
                   f"smaller than {what} and never train (difftrain data check --buckets lists them)", file=sys.stderr)
     return TrainingData(train, heldout, num_classes)

@@ -2,7 +2,7 @@
 
     PromptedDataset(images, "a photo of sks dog")    # items (image, prompt)
     PairedDataset(instance, prior)                   # instance and class items interleaved
-    instance_dataset(images, cfg)                    # data.path's images under dreambooth.instance_prompt
+    instance_dataset(images, prompt, path)           # data.path's images under dreambooth.instance_prompt
 
 Data-layer pieces of ``difftrain.training.dreambooth``, here so that ``data/prepare.py`` needs nothing above
 the data layer.
@@ -10,7 +10,10 @@ the data layer.
 
 from __future__ import annotations
 
+import numpy as np
 from torch.utils.data import Dataset
+
+from difftrain.data.latents import dataset_fingerprint
 
 from .sampler import split_key
 
@@ -44,8 +47,6 @@ class PromptedDataset(Dataset):
         return [self.prompt] * len(self)
 
     def fingerprint(self) -> str:
-        from difftrain.data.latents import dataset_fingerprint
-
         return f"{dataset_fingerprint(self.images)}:{self.prompt}"
 
 
@@ -68,8 +69,6 @@ class PairedDataset(Dataset):
     def bucket_shapes(self):
         """(N, 2) each item's bucket shape when either part is bucketed (the other's items square at the
         resolution), else None."""
-        import numpy as np
-
         parts = [getattr(p, "bucket_shapes", None) for p in (self.instance, self.prior)]
         if all(s is None for s in parts):
             return None
@@ -90,13 +89,12 @@ class PairedDataset(Dataset):
         return [self._item(i)[0].prompt for i in range(len(self))]
 
     def fingerprint(self) -> str:
-        from difftrain.data.latents import dataset_fingerprint
-
         return f"paired:{dataset_fingerprint(self.instance)}:{dataset_fingerprint(self.prior)}"
 
 
-def instance_dataset(images: Dataset, cfg) -> Dataset:
-    """The instance images (``data.path``, read without caption files) under the instance prompt."""
+def instance_dataset(images: Dataset, prompt: str, path: str) -> Dataset:
+    """The instance images (``data.path`` ``path``, read without caption files) under the instance prompt
+    ``prompt`` (``dreambooth.instance_prompt``)."""
     if len(images) == 0:
-        raise ValueError(f"dreambooth: the instance folder data.path {cfg.data.path} holds no usable images")
-    return PromptedDataset(images, cfg.dreambooth.instance_prompt)
+        raise ValueError(f"dreambooth: the instance folder data.path {path} holds no usable images")
+    return PromptedDataset(images, prompt)

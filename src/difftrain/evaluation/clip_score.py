@@ -129,6 +129,7 @@ class CLIPScorer(nn.Module):
     def from_path(cls, folder: str | os.PathLike) -> CLIPScorer:
         """Load a transformers CLIPModel folder (config.json, weights, vocab.json, merges.txt)."""
         require("transformers", "text", f"evaluation.clip_model={folder}")
+        # Imported here: transformers is an optional package (the text extra).
         from transformers import CLIPModel, CLIPTokenizer
 
         root = Path(folder).expanduser()

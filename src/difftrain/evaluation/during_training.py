@@ -18,14 +18,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.generation.autoguidance import ValidationGuide
+from difftrain.checkpoints.checkpoint import is_better
 from difftrain.config import Config
+from difftrain.generation.autoguidance import ValidationGuide
+from difftrain.networks.conditioning import Conditioning
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.fsdp import in_lockstep
 
 from .evaluate import DatasetCaptions, FIDConditions, fid_result, num_batches, sample_features, statistics_from_features
 from .inception import InceptionFeatures
+from .reference import load_or_compute, reference_statistics
 from .sample_check import CheckedInception
 
 
@@ -70,8 +73,6 @@ class TrainingFID:
 
     def __init__(self, cfg: Config, objective, device: torch.device, ctx: DistContext | None = None,
                  conditioning=None, dataset=None, check=None):
-        from difftrain.networks.conditioning import Conditioning
-
         self.cfg, self.objective, self.device = cfg, objective, device
         self.ctx = ctx or DistContext()
         self.every = cfg.evaluation.fid_every_steps
@@ -84,8 +85,6 @@ class TrainingFID:
         self._reference = None
 
     def _setup(self) -> None:
-        from .reference import load_or_compute, reference_statistics
-
         e, d = self.cfg.evaluation, self.cfg.data
         c = self.conditioning
         self._conditions = FIDConditions(
@@ -141,8 +140,6 @@ class TrainingFID:
         """The FID in ``metrics`` when it is lower than the run's best checkpoint's (so this step is
         saved and becomes ``best``), else None; the same decision on every rank (rank 0 measures:
         the others get NaN for the value, which only rank 0 writes). Every rank must call it."""
-        from difftrain.checkpoints.checkpoint import is_better
-
         better = int("fid" in metrics and is_better(ckpt_dir, metrics["fid"]))
         if not distributed.max_over_ranks(better, self.ctx):
             return None

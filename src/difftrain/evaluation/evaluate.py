@@ -12,6 +12,7 @@ captions give the same distribution); a latent model's are decoded by its VAE be
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -20,13 +21,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from difftrain.data.prepare import dataset_from_config
+from difftrain.generation.autoguidance import with_guide
+from difftrain.generation.inference import load_model, sampled_from
 from difftrain.generation.sampling import generate, initial_noise, naming_samples, quantize
+from difftrain.networks.conditioning import map_condition
+from difftrain.runtime.progress import CountProgress
 from difftrain.runtime.seeding import derive_seed
 
 from .confetti import laplacian_energy, share_against
 from .fid import compare
 from .inception import InceptionFeatures
 from .reference import reference_statistics
+from .sample_check import CheckedInception, SampleCheck
 from .stats import FeatureStats
 
 
@@ -93,8 +100,6 @@ class FIDConditions:
         if c.kind == "text":
             device = next(c.text.parameters()).device
             rows = torch.randint(len(self.captions), (n,), generator=gen).tolist()
-            from difftrain.networks.conditioning import map_condition
-
             cpu = lambda t: t.cpu()  # noqa: E731
             return (map_condition(cpu, c.prompts([self.captions[i] for i in rows], device)),
                     map_condition(cpu, c.null(1, device)))
@@ -287,10 +292,6 @@ def evaluate_checkpoint(
     ``guide`` / ``guide_step``: autoguidance by that checkpoint or run, or by the checkpoint of that
     step of this run, with weight ``guide_weight`` (autoguidance.py); the result names the guide,
     and its ``nfe`` counts both networks."""
-    from difftrain.generation.autoguidance import with_guide
-    from difftrain.generation.inference import load_model, sampled_from
-    from difftrain.runtime.progress import CountProgress
-
     start = time.perf_counter()
     loaded = load_model(checkpoint, use_ema=use_ema, device=device, text_encoder=text_encoder, vae=vae)
     loaded = with_guide(loaded, guide, guide_weight, guide_step=guide_step, use_ema=use_ema)
@@ -329,12 +330,6 @@ def _checked(inception: InceptionFeatures, loaded, space: str | None):
     """The FID network checking each sample against the training images in ``space``; None for no check."""
     if not space:
         return None
-    import dataclasses
-
-    from difftrain.data.prepare import dataset_from_config
-
-    from .sample_check import CheckedInception, SampleCheck
-
     cfg = dataclasses.replace(loaded.cfg, validation=dataclasses.replace(loaded.cfg.validation, memorization=space))
     dataset = dataset_from_config(_unmasked(loaded.cfg.data), augment=False)
     return CheckedInception(inception, SampleCheck(cfg, dataset, next(loaded.model.parameters()).device))
@@ -342,8 +337,6 @@ def _checked(inception: InceptionFeatures, loaded, space: str | None):
 
 def _unmasked(data):
     """A run's ``DataConfig`` without ``data.masks``: evaluation reads its images (or captions), not their masks."""
-    import dataclasses
-
     return dataclasses.replace(data, masks=False)
 
 
@@ -361,8 +354,6 @@ def checkpoint_conditions(loaded, guidance_scale: float = 1.0, captions: str | P
         if not lines:
             raise ValueError(f"--captions {captions} holds no captions (one per line)")
         return FIDConditions(c, captions=lines, captions_from=str(captions), guidance_scale=guidance_scale)
-    from difftrain.data.prepare import dataset_from_config
-
     dataset = dataset_from_config(_unmasked(loaded.cfg.data), augment=False)
     return FIDConditions(c, captions=DatasetCaptions(dataset), captions_from=f"data.path {loaded.cfg.data.path}",
                          guidance_scale=guidance_scale)

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from difftrain.generation.sampling import is_sample_grid
+
 from .confetti import REFERENCE_PERCENTILE, THRESHOLD_KEY, laplacian_energy
 from .inception import InceptionFeatures
 from .stats import FeatureStats
@@ -190,8 +192,6 @@ def list_images(folder: str | os.PathLike) -> list[Path]:
     .ipynb_checkpoints), as difftrain.data does for training images; so is the grid that
     ``difftrain sample`` writes among its samples (``grid.png`` with its text chunk).
     """
-    from difftrain.generation.sampling import is_sample_grid
-
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist or is not a folder")

@@ -57,8 +57,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from difftrain.data.latents import dataset_fingerprint
+from difftrain.generation.sampling import make_grid, quantize, to_uint8
 from difftrain.runtime.files import atomic_write, atomic_write_bytes, cache_dir
-from difftrain.generation.sampling import quantize, to_uint8
+
+from .clip_score import CLIPScorer
+from .inception import InceptionFeatures
 
 NEAR_COPY_RATIO = 0.5  # a sample is a near-copy when d(sample, NN) < this x d_train(NN)
 CHUNK_ROWS = 65_536  # training features per matrix product in the search
@@ -122,15 +126,11 @@ def feature_network(space: str, *, inception_path: str = "", clip_model: str = "
         return FeatureNetwork("pixels", f"pixels-{SHIFT_SIZE}-{MAX_SHIFT}-{PIXEL_SIZE}-mirror-v1",
                               pixel_descriptor, 3 * PIXEL_SIZE**2, views=pixel_queries)
     if space == "inception":
-        from .inception import InceptionFeatures
-
         net = InceptionFeatures(inception_path or None).to(device)
         return FeatureNetwork("inception", "inception-" + net.metadata["weights_sha1"], net, net.feature_dim)
     if space == "clip":
         if not clip_model:
             raise ValueError("validation.memorization='clip' needs evaluation.clip_model (a local CLIP folder)")
-        from .clip_score import CLIPScorer
-
         scorer = CLIPScorer.from_path(clip_model).to(device)
         return FeatureNetwork("clip", "clip-" + str(Path(clip_model).expanduser().resolve()),
                               lambda images: scorer.image_embeddings(images.permute(0, 2, 3, 1)),
@@ -166,8 +166,6 @@ def build_features(dataset, net: FeatureNetwork, batch_size: int = 256, indices=
 
 def index_key(dataset, net: FeatureNetwork) -> str:
     """Cache key of the features of ``dataset`` in ``net``'s space (the latent cache's fingerprint)."""
-    from difftrain.data.latents import dataset_fingerprint
-
     h = hashlib.sha256(f"memorization-v1|{net.identity}|{len(dataset)}|".encode())
     h.update(dataset_fingerprint(dataset).encode())
     return h.hexdigest()[:32]
@@ -308,8 +306,6 @@ def memorization(queries: torch.Tensor, index: np.ndarray, threshold: float = NE
 def neighbour_grid(samples: np.ndarray, dataset, result: Memorization, max_pairs: int = 32) -> np.ndarray:
     """(H', W', C) uint8: each sample beside its nearest training image, pairs nearest first, a
     red bar under the near-copies. samples: (Q, H, W, C) uint8."""
-    from difftrain.generation.sampling import make_grid
-
     order = result.ratio.argsort()[:max_pairs]
     tiles = []
     for i in order.tolist():

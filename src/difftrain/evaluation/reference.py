@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from difftrain.data import build_dataset
+from difftrain.generation.sampling import quantize
 from difftrain.runtime.files import atomic_write, cache_dir, files_fingerprint
 from difftrain.runtime.progress import CountProgress
-from difftrain.generation.sampling import quantize
 
 from .fid import _ImageFiles, _same_size_runs, list_images, statistics_from_images
 from .inception import InceptionFeatures
@@ -78,8 +79,6 @@ def _source_description(data: str, resolution: int | None, channels: int | None)
             raise ValueError(f"image folder {root} holds 0 images")
         return {"source": str(root), "files": files_fingerprint(root, paths), "count": len(paths),
                 "preprocessing": FOLDER_PREPROCESSING}, paths
-    from difftrain.data import build_dataset  # local: keeps evaluation importable without data
-
     dataset = build_dataset(data, resolution=resolution, channels=channels, random_flip=False, color_jitter=0.0,
                             class_conditional=False)
     if hasattr(dataset, "paths"):

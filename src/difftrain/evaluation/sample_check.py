@@ -17,9 +17,14 @@ import numpy as np
 import torch
 
 from difftrain.config import Config
+from difftrain.generation.sampling import save_png
+from difftrain.runtime import distributed
+from difftrain.runtime.optional import require
 
 from .diversity import data_features, diversity
-from .memorization import FeatureNetwork, TrainingIndex, feature_network, memorization, neighbour_grid, training_index
+from .inception import find_inception_weights
+from .memorization import (FeatureNetwork, Memorization, TrainingIndex, feature_network, memorization, neighbour_grid,
+                           training_index)
 
 
 class SampleCheck:
@@ -47,7 +52,7 @@ class SampleCheck:
             e = self.cfg.evaluation
             self._net = feature_network(self.space, inception_path=e.inception_path, clip_model=e.clip_model,
                                         device=self.device)
-            self._index = training_index(self.dataset, self._net, folder=_cache_folder(self.cfg))
+            self._index = training_index(self.dataset, self._net, folder=_cache_folder(self.cfg.data.cache_dir))
 
     def features(self, images: np.ndarray) -> torch.Tensor:
         """(N, H, W, C) uint8 -> (N, V, D) query views."""
@@ -67,8 +72,6 @@ class SampleCheck:
         out.update(diversity(queries[:, 0], reference, groups))
         pairs = self.cfg.validation.memorization_pairs
         if pairs and run_dir is not None:
-            from difftrain.generation.sampling import save_png
-
             grid = neighbour_grid(images, self.dataset, result, pairs)
             folder = run_dir / "samples" / "neighbours"
             folder.mkdir(parents=True, exist_ok=True)
@@ -96,8 +99,6 @@ class SampleCheck:
         if not self.enabled or self.space == "inception":
             return None
         if ctx is not None and ctx.enabled:
-            from difftrain.runtime import distributed
-
             distributed.run_on_main(self.setup, ctx)
         return CheckedInception(inception, self)
 
@@ -132,10 +133,6 @@ class CheckedInception:
     def result(self, ctx=None, prefix: str = "") -> dict[str, float]:
         """The metrics of every sample seen (under torchrun: of every rank's, on rank 0; {} on the
         others; every rank must call it). Resets the tap for the next evaluation."""
-        from difftrain.runtime import distributed
-
-        from .memorization import Memorization
-
         dim = self.check._index.features.shape[1]
         parts, centre, self.parts, self.centre = self.parts, self.centre, [], []
         local = [torch.cat([getattr(p, k) for p in parts]) if parts else torch.zeros(0, dtype=dtype)
@@ -171,18 +168,14 @@ def check_available(cfg: Config) -> None:
     missing: the FID Inception file (FileNotFoundError), transformers for CLIP (MissingDependency)."""
     space = cfg.validation.memorization
     if space == "inception":
-        from .inception import find_inception_weights
-
         find_inception_weights(cfg.evaluation.inception_path or None)
     elif space == "clip":
-        from difftrain.runtime.optional import require
-
         require("transformers", "text", f"validation.memorization='clip' (evaluation.clip_model={cfg.evaluation.clip_model})")
 
 
-def _cache_folder(cfg: Config) -> str | None:
-    """data.cache_dir/memorization when data.cache_dir is set, else the default cache folder."""
-    return str(Path(cfg.data.cache_dir) / "memorization") if cfg.data.cache_dir else None
+def _cache_folder(cache_dir: str) -> str | None:
+    """data.cache_dir/memorization when data.cache_dir (``cache_dir``) is set, else the default cache folder."""
+    return str(Path(cache_dir) / "memorization") if cache_dir else None
 
 
 def plan_groups(plan) -> list[int] | None:

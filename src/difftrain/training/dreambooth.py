@@ -3,7 +3,7 @@ Subject-Driven Generation"): a few images of one subject under one instance prom
 optionally prior preservation: class images made once by the base model from a class prompt,
 trained beside them with their loss weighted by ``dreambooth.prior_loss_weight``.
 
-    dataset = instance_dataset(folder_dataset, cfg)       # every image captioned "a photo of sks dog"
+    dataset = instance_dataset(folder_dataset, prompt, path)  # every image captioned "a photo of sks dog"
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)   # + the class images (made once)
     weights = loss_weights(cfg, captions, device)          # (B,) 1 or prior_loss_weight; None without a prior
 
@@ -21,8 +21,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from difftrain.data.prepare import dataset_from_config, with_buckets
 from difftrain.data.prompted import PairedDataset, PromptedDataset, instance_dataset  # noqa: F401 - re-exported
+from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
+from difftrain.generation.sampling import generate, initial_noise, save_png, to_uint8
 from difftrain.networks.build import build_network, without_lora
+from difftrain.networks.conditioning import expand_rows, image_side_multiple, map_condition
+from difftrain.runtime import distributed
 from difftrain.runtime.device import to_device_async
 
 CLASS_RECORD = "class_images.json"  # beside the class images: the prompt and base they were made from
@@ -39,8 +44,9 @@ def loss_weights(cfg, captions, device: torch.device) -> torch.Tensor | None:
     return to_device_async(weights, device)  # made on the host: no wait for the device per micro-batch
 
 
-def class_dir(cfg, run_dir: Path) -> Path:
-    return Path(cfg.dreambooth.class_dir).expanduser() if cfg.dreambooth.class_dir else Path(run_dir) / "class_images"
+def class_dir(db, run_dir: Path) -> Path:
+    """Where the class images of ``dreambooth`` section ``db`` are made and kept."""
+    return Path(db.class_dir).expanduser() if db.class_dir else Path(run_dir) / "class_images"
 
 
 def _class_names(n: int) -> list[str]:
@@ -52,9 +58,6 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     sampled by the base network (``model.init_from``, before any training) from the class prompt
     with DDIM; image i always from the same noise. Returns how many were made. A folder made for
     another prompt or resolution is refused (one ValueError naming it)."""
-    from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
-    from difftrain.generation.sampling import generate, initial_noise, save_png, to_uint8
-
     db = cfg.dreambooth
     folder.mkdir(parents=True, exist_ok=True)
     names = _class_names(db.num_class_images)
@@ -75,8 +78,6 @@ def make_class_images(cfg, conditioning, folder: Path, device: torch.device) -> 
     channels, resolution = conditioning.network_shape()
     seed = int(hashlib.sha256(f"{cfg.train.seed}:{db.class_prompt}".encode()).hexdigest()[:8], 16)
     noise = initial_noise(db.num_class_images, (channels, resolution, resolution), seed)[missing]
-    from difftrain.networks.conditioning import expand_rows, map_condition
-
     condition = expand_rows(map_condition(lambda t: t.cpu(), conditioning.prompts([db.class_prompt], device)),
                             len(missing))
     sampler = DEFAULT_SAMPLERS[cfg.diffusion.objective]  # DDIM for DDPM bases; the flow bases' ODE solver
@@ -98,11 +99,7 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
     without ``dreambooth.class_prompt``."""
     if not cfg.dreambooth.class_prompt:
         return data
-    from difftrain.networks.conditioning import image_side_multiple
-    from difftrain.data.prepare import dataset_from_config, with_buckets
-    from difftrain.runtime import distributed
-
-    folder = class_dir(cfg, run_dir)
+    folder = class_dir(cfg.dreambooth, run_dir)
     distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device), dctx, long_wait=True)
     images = dataset_from_config(cfg.data, str(folder), captions=False)  # the class prompt is their caption
     images = _first(images, cfg.dreambooth.num_class_images)

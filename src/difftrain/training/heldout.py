@@ -18,9 +18,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from difftrain.networks.conditioning import Conditioning, condition_rows
 from difftrain.config import Config
+from difftrain.data.latents import sample_latents
 from difftrain.diffusion.objective import Objective, per_sample_loss
+from difftrain.networks.conditioning import Conditioning, condition_rows
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.fsdp import in_lockstep
@@ -63,8 +64,6 @@ class HeldOutLoss:
         items = [dataset[i] for i in rows]
         self.x0 = torch.stack([it[0] for it in items]).to(device) if items else torch.zeros_like(noise[mine]).to(device)
         if conditioning.codec is not None and items:  # the mean latent of each image
-            from difftrain.data.latents import sample_latents
-
             self.x0 = sample_latents(self.x0, torch.zeros_like(noise[mine]).to(device), conditioning.codec)
         seconds = [it[1] for it in items]
         if conditioning.kind == "class":

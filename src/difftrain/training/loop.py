@@ -9,25 +9,27 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from difftrain.networks.conditioning import Conditioning, image_side_multiple
-from difftrain.config import Config, config_to_dict
+from difftrain.checkpoints import checkpoint as ckpt
+from difftrain.checkpoints import sharded as sharded
+from difftrain.config import Config, ModelConfig, config_to_dict
 from difftrain.data import build_loader
+from difftrain.data.latents import with_latent_cache
 from difftrain.data.prepare import prepare_training_data
 from difftrain.data.text_cache import with_caption_options, with_text_cache
 from difftrain.diffusion.objective import build_objective
-from difftrain.training.dreambooth import with_class_images
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
+from difftrain.generation.sampling import naming_samples
+from difftrain.networks.conditioning import Conditioning, image_side_multiple
+from difftrain.networks.frozen_dtype import frozen_dtype, hold_frozen
+from difftrain.networks.init_from import init_source_changes
 from difftrain.networks.lora_import import check_adapted_output
 from difftrain.networks.quantize import logical_numel
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
 from difftrain.runtime.files import cache_dir_error
-from difftrain.generation.sampling import naming_samples
-from difftrain.checkpoints import checkpoint as ckpt
-from difftrain.checkpoints import sharded as sharded
 from difftrain.training.diagnostics import divergence_report
-from difftrain.networks.frozen_dtype import frozen_dtype, hold_frozen
+from difftrain.training.dreambooth import with_class_images
 from difftrain.training.heldout import build_heldout
 from difftrain.training.lr_schedule import lr_at
 from difftrain.training.power_ema import save_snapshots
@@ -71,7 +73,7 @@ def train(
     same data order, random numbers, LR schedule and EMA, so the result is the same as one
     uninterrupted run (bit for bit on the CPU in fp32).
     """
-    started = time.perf_counter()
+    clock = _Clock()  # start-up, the log window, and the seconds paused in it for evaluation and saving
     run_dir, tc = Path(run_dir), cfg.train
     dctx = distributed.setup(resolve_device(tc.device), tc.collective_timeout_s)  # a no-op without torchrun
     device, is_main = dctx.device, dctx.is_main
@@ -98,12 +100,7 @@ def train(
     state = RunState.build(cfg, data.num_classes, device, init_weights=source is None, conditioning=conditioning,
                            network=saved["network"] if saved else None, dctx=dctx)  # FSDP: sharded, never whole
     if saved is not None:
-        resumed_from = Path(saved["path"])
-        for line in state.check_resumable(saved, dctx.world_size):
-            print(f"difftrain: {line}")
-        state.load_state_dict(saved)
-        if is_main:
-            print(f"difftrain: resumed from {saved['path']} at step {state.step} ({state.position:,} images seen)")
+        resumed_from = _resume(state, saved, dctx)
         del saved
     elif cfg.model.init_lora_from:  # finite weights can still overflow: refused before any step (every rank)
         check_adapted_output(state.model, objective, conditioning, device,
@@ -113,84 +110,55 @@ def train(
     step_fn = _step_function(state, objective, dctx, bucketed=getattr(data.train, "bucket_shapes", None) is not None)
 
     # Run folder, loader, trackers and the evaluations.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        (run_dir / "samples").mkdir(exist_ok=True)
-        record_start(run_dir, cfg, device, dctx.world_size, state.step)  # config.toml once, history.jsonl always
-        print(f"difftrain: {_start_line(cfg, state, data, dctx)}")
-        for warning in _warnings(cfg, fresh=resumed_from is None):
-            print(f"difftrain: warning: {warning}", file=sys.stderr)
-    d = cfg.data
-    loader = build_loader(
-        data.train, batch_size=tc.batch_size, seed=tc.seed, start=state.position, num_workers=d.num_workers,
-        device=device, rank=dctx.rank, world_size=dctx.world_size, prefetch_factor=d.prefetch_factor,
-        worker_init_fn=leave_process_group,  # a SIGTERM to the group is the main process's to handle
-    )
+    _open_run_dir(run_dir, cfg, state, data, dctx, fresh=resumed_from is None)
+    loader = build_loader(data.train, batch_size=tc.batch_size, seed=tc.seed, start=state.position, device=device,
+                          num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor, rank=dctx.rank,
+                          world_size=dctx.world_size, worker_init_fn=leave_process_group)  # SIGTERM: the main process's
     # Rank 0's trackers, watched for the signs of a run going wrong (training/warnings.py).
     trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)),
                                RunWarnings.resumed(cfg, run_dir / "metrics.jsonl", state.step)) if is_main else Trackers([])
     heldout = build_heldout(data.heldout, cfg, objective, device, dctx, conditioning)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
     plan = validation_plan(cfg, conditioning, data.train) if cfg.validation.every_steps else None
-    scores = ValidationScores(cfg, device)  # CLIP score, Inception Score: no-ops unless configured
+    scores = ValidationScores(cfg.evaluation, device)  # CLIP score, Inception Score: no-ops unless configured
     # A no-op unless evaluation.fid_every_steps > 0; a text run's samples take captions of data.train.
     fid = TrainingFID(cfg, objective, device, dctx, conditioning, data.train, check)
     metrics = StepMetrics(device)  # running sums on the device, read at log steps only
     lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
     start_step = last_saved = state.step
-    stopped_by, first_step_s = None, None
-    posthoc_every = cfg.ema.posthoc_every_steps or cfg.checkpoint.every_steps
-    paused: dict[str, float] = {}  # seconds of evaluation and saving in this log window
+    stopped_by, posthoc_every = None, cfg.ema.posthoc_every_steps or cfg.checkpoint.every_steps
     state.model.train()
     # SIGTERM / SIGINT: save at the end of the step, then return. Installed before the loader's
     # workers fork, so that they inherit it and survive a Ctrl-C sent to the whole group.
     stop = StopRequest().install()
-    batches = _TimedBatches(iter(loader))
-    window_start = time.perf_counter()
+    batches = clock.timed(iter(loader))  # the first log window starts: its seconds waiting for batches counted
     try:
         while state.step < end:
             # One optimizer step: accumulate, clip, step, EMA (training/step.py).
             lr = lr_at(state.step, peak_lr=lr_peak, warmup_steps=cfg.optim.warmup_steps, total_steps=tc.total_steps,
                        schedule=cfg.optim.lr_schedule, min_lr_ratio=cfg.optim.min_lr_ratio, ref_steps=cfg.optim.lr_ref_steps)
             step_fn(state, objective, batches, lr, metrics, dctx)
-            if first_step_s is None:
-                first_step_s = time.perf_counter() - started
-                if is_main:
-                    print(f"difftrain: first step after {first_step_s:.1f} s (start-up: data, model, compile)")
+            clock.first_step(is_main)
             step = state.step
 
             # Log.
             if step % tc.log_every_steps == 0 or step == end:
-                elapsed = time.perf_counter() - window_start - sum(paused.values())
-                window = metrics.read(dctx)
-                state.skipped_steps += window["skipped"]
-                logged = {
-                    "loss": window["loss"], "grad_norm": window["grad_norm"], "lr": lr,
-                    "ema_decay": state.ema.current_decay(),
-                    "images_per_s": window["steps"] * images_per_step / elapsed,
-                    "data_wait_frac": batches.take_wait() / elapsed,
-                    "skipped_steps": state.skipped_steps, "images_seen": state.position,
-                    "time_to_first_step_s": first_step_s,
-                    **paused,  # validation_s, fid_s, checkpoint_s: so their cost is visible
-                    **{f"loss_bucket/{i}": v for i, v in enumerate(window["buckets"])},
-                    **memory_stats(device),
-                }
+                window, logged = _log_window(clock, metrics, lr, state, images_per_step, dctx)  # every rank's sums
                 trackers.log(step, logged)
                 progress.update(step, logged)
                 if window["max_streak"] >= tc.max_nonfinite_in_row:
                     raise TrainingDiverged(_diverged_message(state, objective, metrics, window["max_streak"], run_dir))
-                window_start, paused = time.perf_counter(), {}
+                clock.new_window()
 
             # Agree on stopping: a signal to any rank stops all of them after this same step. A
             # stopping run saves at once (a preemption gives it seconds), skipping evaluation.
             stopped_by = signal_name(distributed.max_over_ranks(stop.signum, dctx))
 
             # Validate: grids from fixed noise and the held-out loss, each rank its share.
-            v = cfg.validation
-            if v.every_steps and (step % v.every_steps == 0 or step == tc.total_steps) and not stopped_by:
+            if (v := cfg.validation.every_steps) and (step % v == 0 or step == tc.total_steps) and not stopped_by:
                 # schedule-free: its average; NaN or inf samples stop the run with one line
-                with _Timed(paused, "validation_s"), state.reading_weights(), _naming(cfg, step, run_dir):
+                with clock.paused("validation_s"), state.reading_weights(), _naming(cfg.model, step, run_dir):
                     model, ema_model = state.evaluation_models()  # themselves; under FSDP the sharded model, in lockstep
                     grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(model, ema_model)
@@ -203,25 +171,22 @@ def train(
             # Measure FID of the EMA weights; a new lowest FID is saved now and becomes checkpoints/best.
             best_fid = None
             if not stopped_by and fid.due(step):
-                with _Timed(paused, "fid_s"), state.reading_weights(), _naming(cfg, step, run_dir, "the FID samples"):
+                with clock.paused("fid_s"), state.reading_weights(), _naming(cfg.model, step, run_dir, "the FID samples"):
                     fid_metrics = fid(step, state.evaluation_models()[1])
                     trackers.log(step, fid_metrics)
                     best_fid = fid.new_best(fid_metrics, run_dir / "checkpoints")
 
-            # Snapshot the post-hoc EMAs, before the checkpoint of the same step: a checkpoint of step
-            # N implies every snapshot up to N is on disk. Only at their interval and the last step,
-            # so a stop and resume leaves the same files.
+            # Snapshot the post-hoc EMAs before the checkpoint of the same step (which so implies every snapshot up
+            # to it on disk); only at their interval and the last step, so a stop and resume leaves the same files.
             if state.posthoc.stds and (step % posthoc_every == 0 or step == tc.total_steps):
-                with _Timed(paused, "checkpoint_s"):  # rank 0 writes (gathered whole under FSDP)
+                with clock.paused("checkpoint_s"):  # rank 0 writes (gathered whole under FSDP)
                     save_snapshots(state.posthoc, run_dir, step, config_to_dict(cfg), data.num_classes, dctx)
 
             # Save: rank 0 writes (under FSDP every rank its shards), every rank gets its outcome
             # (the path, None when on_write_error="continue" let a failure pass, or the error to raise).
             if step % cfg.checkpoint.every_steps == 0 or step == end or stopped_by or best_fid is not None:
-                with _Timed(paused, "checkpoint_s"), state.reading_weights():  # live tensors: written inside
-                    snapshot = state.state_dict()
-                    snapshot["skipped_steps"] += int(metrics.skipped.item())  # this window's, not yet logged
-                    saved_to = _save(state, snapshot, run_dir / "checkpoints", step, best_fid, dctx)
+                with clock.paused("checkpoint_s"), state.reading_weights():  # live tensors: written inside
+                    saved_to = _save(state, metrics, run_dir / "checkpoints", step, best_fid, dctx)
                 last_saved = step if saved_to else last_saved
             if stopped_by:
                 break
@@ -240,14 +205,9 @@ def train(
         # Last: under torchrun a rank that exits stops the others with SIGTERM, which must not
         # kill one that is still closing its files.
         stop.restore()
-    if resumed_from is not None and state.step == start_step:
-        final = resumed_from  # nothing was left to train: the checkpoint resumed from is the result
-    elif last_saved != state.step:  # on_write_error="continue" went on, and the last save failed too
-        raise ckpt.CheckpointWriteError(_unsaved_message(run_dir, state.step, start_step, resumed_from))
-    else:
-        final = ckpt.find_checkpoint(run_dir)
+    final = _final_checkpoint(run_dir, state.step, start_step, last_saved, resumed_from)
     if not stopped_by and 0 < state.step <= state.skipped_steps:  # counted over the run, every start of it
-        raise NothingTrained(_nothing_trained_message(cfg, state.step, final))
+        raise NothingTrained(_nothing_trained_message(cfg.model, state.step, final))
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
 
@@ -257,8 +217,6 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
     Rank 0 encodes the images once while the other ranks wait, then they read its cache."""
     if conditioning.codec is None:
         return data
-    from difftrain.data.latents import with_latent_cache
-
     d = cfg.data
 
     def build() -> dict:
@@ -278,10 +236,54 @@ def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distribute
     return dataclasses.replace(data, **(built or build()))
 
 
-def _save(state: RunState, snapshot: dict, ckpt_dir: Path, step: int, best_fid: float | None,
+def _resume(state: RunState, saved: dict, dctx: distributed.DistContext) -> Path:
+    """Load the checkpoint ``saved`` into ``state`` (each reason it cannot resume exactly printed first); its path."""
+    for line in state.check_resumable(saved, dctx.world_size):
+        print(f"difftrain: {line}")
+    state.load_state_dict(saved)
+    if dctx.is_main:
+        print(f"difftrain: resumed from {saved['path']} at step {state.step} ({state.position:,} images seen)")
+    return Path(saved["path"])
+
+
+def _open_run_dir(run_dir: Path, cfg: Config, state: RunState, data, dctx: distributed.DistContext, fresh: bool) -> None:
+    """The run folder (every rank); rank 0 records the start (config.toml once, history.jsonl always) and
+    prints the start line and the warnings of the settings."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if dctx.is_main:
+        (run_dir / "samples").mkdir(exist_ok=True)
+        record_start(run_dir, cfg, dctx.device, dctx.world_size, state.step)
+        print(f"difftrain: {_start_line(cfg, state, data, dctx)}")
+        for warning in _warnings(cfg, fresh=fresh):
+            print(f"difftrain: warning: {warning}", file=sys.stderr)
+
+
+def _log_window(clock: _Clock, metrics: StepMetrics, lr: float, state: RunState, images_per_step: int,
+                dctx: distributed.DistContext) -> tuple[dict, dict]:
+    """(this log window's sums, read on every rank; the metrics logged for it); its skipped steps are added to
+    the run's."""
+    elapsed = clock.window_s()
+    window = metrics.read(dctx)
+    state.skipped_steps += window["skipped"]
+    return window, {
+        "loss": window["loss"], "grad_norm": window["grad_norm"], "lr": lr,
+        "ema_decay": state.ema.current_decay(),
+        "images_per_s": window["steps"] * images_per_step / elapsed,
+        "data_wait_frac": clock.take_wait() / elapsed,
+        "skipped_steps": state.skipped_steps, "images_seen": state.position,
+        "time_to_first_step_s": clock.first_step_s,
+        **clock.paused_s,  # validation_s, fid_s, checkpoint_s: so their cost is visible
+        **{f"loss_bucket/{i}": v for i, v in enumerate(window["buckets"])},
+        **memory_stats(dctx.device),
+    }
+
+
+def _save(state: RunState, metrics: StepMetrics, ckpt_dir: Path, step: int, best_fid: float | None,
           dctx: distributed.DistContext) -> Path | None:
     """Rank 0 writes the checkpoint file (every rank gets its outcome), or, under FSDP, every rank
     writes its shards of one checkpoint folder (checkpoints/sharded.py)."""
+    snapshot = state.state_dict()
+    snapshot["skipped_steps"] += int(metrics.skipped.item())  # this window's, not yet logged
     c = state.cfg.checkpoint
     if state.template is not None:
         return sharded.save_or_report(state, snapshot, ckpt_dir, step, c.keep_last, c.keep_every_steps,
@@ -291,6 +293,16 @@ def _save(state: RunState, snapshot: dict, ckpt_dir: Path, step: int, best_fid: 
                                     best=best_fid),
         dctx,
     )
+
+
+def _final_checkpoint(run_dir: Path, step: int, start_step: int, last_saved: int, resumed_from: Path | None) -> Path | None:
+    """The run's result: the checkpoint of its last step, or the one resumed from when nothing was left to
+    train; CheckpointWriteError when the last step's save failed too (on_write_error="continue" went on)."""
+    if resumed_from is not None and step == start_step:
+        return resumed_from
+    if last_saved != step:
+        raise ckpt.CheckpointWriteError(_unsaved_message(run_dir, step, start_step, resumed_from))
+    return ckpt.find_checkpoint(run_dir)
 
 
 def _step_function(state: RunState, objective, dctx: distributed.DistContext, bucketed: bool = False):
@@ -305,11 +317,48 @@ def _step_function(state: RunState, objective, dctx: distributed.DistContext, bu
     return CapturedStep(state, objective) if use_graphs else train_step
 
 
-class _TimedBatches:
-    """The loader's iterator, counting the seconds spent waiting for batches."""
+class _Clock:
+    """The run's time: seconds to its first step, and in each log window the seconds waiting for batches and
+    those paused for evaluation and saving (``with clock.paused("fid_s"):``), which images/s leaves out (it
+    counts training only) and the log shows."""
 
-    def __init__(self, it: Iterator):
-        self.it, self.wait = it, 0.0
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.first_step_s: float | None = None
+        self.window_start, self.wait, self.paused_s = self.started, 0.0, {}
+
+    def timed(self, it: Iterator) -> _TimedBatches:
+        """``it``, its waits counted; the first log window starts now."""
+        self.new_window()
+        return _TimedBatches(it, self)
+
+    def first_step(self, is_main: bool) -> None:
+        """Note the start-up's seconds after the first step (rank 0 prints them)."""
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.started
+            if is_main:
+                print(f"difftrain: first step after {self.first_step_s:.1f} s (start-up: data, model, compile)")
+
+    def window_s(self) -> float:
+        """Seconds of training in this log window: its time, less that paused."""
+        return time.perf_counter() - self.window_start - sum(self.paused_s.values())
+
+    def take_wait(self) -> float:
+        wait, self.wait = self.wait, 0.0
+        return wait
+
+    def new_window(self) -> None:
+        self.window_start, self.paused_s = time.perf_counter(), {}
+
+    def paused(self, name: str) -> _Paused:
+        return _Paused(self.paused_s, name)
+
+
+class _TimedBatches:
+    """The loader's iterator, adding the seconds spent waiting for batches to its clock's."""
+
+    def __init__(self, it: Iterator, clock: _Clock):
+        self.it, self.clock = it, clock
 
     def __iter__(self):
         return self
@@ -319,16 +368,11 @@ class _TimedBatches:
         try:
             return next(self.it)
         finally:
-            self.wait += time.perf_counter() - start
-
-    def take_wait(self) -> float:
-        wait, self.wait = self.wait, 0.0
-        return wait
+            self.clock.wait += time.perf_counter() - start
 
 
-class _Timed:
-    """``with _Timed(paused, "name"):`` adds the block's seconds to ``paused[name]``; the loop
-    leaves paused time out of images/s (it counts training only) and logs it."""
+class _Paused:
+    """``with _Paused(paused, "name"):`` adds the block's seconds to ``paused[name]``."""
 
     def __init__(self, paused: dict, name: str):
         self.paused, self.name = paused, name
@@ -360,24 +404,23 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     return (f"{where}, {network}, {len(data.train):,} images{held}, "
             f"batch {tc.batch_size} x {tc.grad_accum_steps} accumulation x {w} processes = {per_step} per step, "
             f"steps {state.step:,} -> {tc.total_steps:,} ({tc.total_steps * per_step:,} images), {tc.precision}, "
-            f"{cfg.diffusion.objective} objective{_condition_text(cfg, state)}")
+            f"{cfg.diffusion.objective} objective{_condition_text(cfg.model, state)}")
 
 
-def _condition_text(cfg: Config, state: RunState) -> str:
+def _condition_text(m: ModelConfig, state: RunState) -> str:
+    """", text-conditioned (...), latent CxHxW (...)": the frozen parts of ``model`` section ``m`` that run."""
     c, parts = state.conditioning, []
     if c.text is not None:
-        parts.append(f"text-conditioned ({cfg.model.text_encoder}, {c.text.dim}-d)")
+        parts.append(f"text-conditioned ({m.text_encoder}, {c.text.dim}-d)")
     if c.codec is not None:
         channels, resolution = c.network_shape()
-        parts.append(f"latent {channels}x{resolution}x{resolution} ({cfg.model.vae})")
+        parts.append(f"latent {channels}x{resolution}x{resolution} ({m.vae})")
     return "".join(f", {p}" for p in parts)
 
 
 def _warnings(cfg: Config, fresh: bool) -> list[str]:
     """Settings that are valid but probably not what was meant; in a new run, a model.init_from
     trained with another prediction (or schedule, ...) than this run's, which it switches."""
-    from difftrain.networks.init_from import init_source_changes
-
     o, tc = cfg.optim, cfg.train
     out = (init_source_changes(cfg) if fresh else []) + distributed.launch_warnings()
     if cfg.diffusion.zero_terminal_snr and cfg.diffusion.loss_weighting == "min_snr":
@@ -423,27 +466,28 @@ def _group_fault_message(fault: str, dctx: distributed.DistContext, run_dir: Pat
             f"{distributed.EXIT_GROUP_FAULT}: torchrun --max-restarts restarts the group, which {then}")
 
 
-def _naming(cfg: Config, step: int, run_dir: Path, what: str = ""):
+def _naming(m: ModelConfig, step: int, run_dir: Path, what: str = ""):
     """Samples of the run that come out NaN or infinite (validation, FID) stop it with one line naming the
     step, what was sampled and where the weights started; its newest checkpoint is left as it is."""
     return naming_samples(f"step {step}" + (f": {what}" if what else ""),
                           then=f"the newest checkpoint in {run_dir / 'checkpoints'} is untouched; lower optim.lr, or "
-                               f"check the weights the run started from{_started_from(cfg)}")
+                               f"check the weights the run started from{_started_from(m)}")
 
 
-def _started_from(cfg: Config) -> str:
-    """" (model.init_lora_from FILE, model.init_from FOLDER)": the run's starting weights, where set."""
-    started = [f"{key} {value}" for key, value in (("model.init_lora_from", cfg.model.init_lora_from),
-                                                   ("model.init_from", cfg.model.init_from)) if value]
+def _started_from(m: ModelConfig) -> str:
+    """" (model.init_lora_from FILE, model.init_from FOLDER)": the run's starting weights (``model`` section
+    ``m``), where set."""
+    started = [f"{key} {value}" for key, value in (("model.init_lora_from", m.init_lora_from),
+                                                   ("model.init_from", m.init_from)) if value]
     return f" ({', '.join(started)})" if started else ""
 
 
-def _nothing_trained_message(cfg: Config, steps: int, final: Path | None) -> str:
+def _nothing_trained_message(m: ModelConfig, steps: int, final: Path | None) -> str:
     """The line of a run whose every optimizer step was skipped (fewer than train.max_nonfinite_in_row in a
     row in each start, so no start stopped)."""
     held = f"; {final} holds them" if final else ""
     return (f"no step of this run was applied: all {steps} were skipped for a non-finite loss or gradient, so its "
-            f"weights are those it started from{_started_from(cfg)}{held}. Lower optim.lr, use bf16 instead of fp16, "
+            f"weights are those it started from{_started_from(m)}{held}. Lower optim.lr, use bf16 instead of fp16, "
             "or check the data and the starting weights")
 
 

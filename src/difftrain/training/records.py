@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import tomllib
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 import torch
@@ -29,9 +31,6 @@ HISTORY_NAME = "history.jsonl"
 
 def version() -> str:
     """The installed difftrain version."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
-
     try:
         return package_version("difftrain")
     except PackageNotFoundError:

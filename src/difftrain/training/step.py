@@ -20,11 +20,12 @@ from collections.abc import Iterator
 
 import torch
 
+from difftrain.data.latents import sample_latents
 from difftrain.diffusion.objective import Objective, per_sample_loss
-from difftrain.training.dreambooth import loss_weights
 from difftrain.runtime import distributed
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.seeding import derive_seed, step_generator
+from difftrain.training.dreambooth import loss_weights
 from difftrain.training.optimizers import averaged_weights
 from difftrain.training.state import RunState
 
@@ -76,8 +77,6 @@ def draw_micro_batch(
     condition = c.condition(second, drop, device, geometry, c.pixel_size(x0))  # the batch's (bucket's) pixels
     weight = loss_weights(cfg, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
-        from difftrain.data.latents import sample_latents
-
         eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         x0 = sample_latents(x0, eps, c.codec)
     dc, input_noise = cfg.diffusion, None

@@ -63,6 +63,7 @@ class TensorBoardTracker:
     """TensorBoard event files under ``run_dir/tensorboard``."""
 
     def __init__(self, log_dir: Path):
+        # Imported here: tensorboard is an optional package.
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(log_dir))
@@ -141,6 +142,7 @@ class MLflowTracker:
 
     def __init__(self, run_dir: Path, tracking_uri: str | None, experiment: str, config: dict[str, Any]):
         require("mlflow", "tracking", "tracking.mlflow=true")
+        # Imported here: mlflow is an optional package (the tracking extra).
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
 

@@ -11,14 +11,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from difftrain.config import Config, ConfigError, EvaluationConfig
+from difftrain.evaluation.clip_score import CLIPScorer
+from difftrain.evaluation.inception_score import InceptionClassifier, images_inception_score
 from difftrain.generation.autoguidance import ValidationGuide
+from difftrain.generation.captioned_grid import captioned_grid
+from difftrain.generation.sampling import (generate, grid_class_labels, grid_columns, initial_noise, make_grid, naming_samples,
+                                           save_png, to_uint8)
 from difftrain.networks.conditioning import Conditioning, map_condition
-from difftrain.config import Config, ConfigError
 from difftrain.runtime import distributed
 from difftrain.runtime.device import is_out_of_memory
 from difftrain.runtime.fsdp import in_lockstep
-from difftrain.generation.sampling import (generate, grid_class_labels, grid_columns, initial_noise, make_grid, naming_samples,
-                               save_png, to_uint8)
 
 DATA_PROMPTS = 8  # rows of a text model's grid when validation.prompts is empty: captions of the training data
 
@@ -129,8 +132,6 @@ def grid(images: np.ndarray, plan: ValidationPlan) -> np.ndarray:
     """The grid of a plan's images: a text model's with each row's prompt under it."""
     if plan.prompts is None:
         return make_grid(images, plan.ncols)
-    from difftrain.generation.captioned_grid import captioned_grid
-
     return captioned_grid(images, plan.prompts, plan.ncols)
 
 
@@ -159,31 +160,26 @@ class ValidationScores:
     (``evaluation.is_inception_path``) of the validation images, each logged with its image count.
     Networks load on first use, on rank 0 only; no-ops when neither is set."""
 
-    def __init__(self, cfg: Config, device: torch.device):
-        self.cfg, self.device = cfg, device
+    def __init__(self, e: EvaluationConfig, device: torch.device):
+        self.e, self.device = e, device  # the evaluation section
         self._clip = self._inception = None
 
     @property
     def enabled(self) -> bool:
-        e = self.cfg.evaluation
-        return bool(e.clip_model or e.is_inception_path)
+        return bool(self.e.clip_model or self.e.is_inception_path)
 
     def __call__(self, images: np.ndarray, plan: ValidationPlan) -> dict[str, float]:
         """images: (N, H, W, C) uint8 of the plan (EMA weights)."""
-        e, out = self.cfg.evaluation, {}
+        e, out = self.e, {}
         if images.shape[-1] == 1:
             images = np.repeat(images, 3, axis=-1)
         if e.clip_model and plan.prompts is not None:
-            from difftrain.evaluation.clip_score import CLIPScorer
-
             if self._clip is None:
                 self._clip = CLIPScorer.from_path(e.clip_model).to(self.device)
             prompts = [p for p in plan.prompts for _ in range(plan.ncols)]
             scores = self._clip.score(images, prompts)
             out.update({"clip_score": float(scores.mean()), "clip_score_images": len(prompts)})
         if e.is_inception_path:
-            from difftrain.evaluation.inception_score import InceptionClassifier, images_inception_score
-
             if self._inception is None:
                 self._inception = InceptionClassifier.from_path(e.is_inception_path).to(self.device)
             splits = max(1, min(10, len(images) // 100))  # the usual 10 splits need hundreds of images each
