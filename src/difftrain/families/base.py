@@ -339,15 +339,13 @@ class Family(ABC):
         """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming
         the folder and the missing part."""
 
-    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", text_cache: bool = False) -> nn.Module:
+    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> nn.Module:
         """The run's ``model.text_encoder`` (:meth:`load_prompt_encoder` with :meth:`prompt_options`) on
-        ``device``; ``text_cache`` (training): behind the text cache where ``text.cache`` asks for it
-        (``data/text_cache.py``), loaded only to fill it."""
-        from difftrain.data.text_cache import cached_prompt_encoder  # local: data/ reads no family at import
-
+        ``device``; ``cache`` (training: ``data.text_cache.cached_prompt_encoder``): behind the text cache where
+        ``text.cache`` asks for it, loaded only to fill it."""
         folder, options = Path(cfg.model.text_encoder).expanduser(), self.prompt_options(cfg)
         load = lambda: self.load_prompt_encoder(folder, device, **options)
-        text = cached_prompt_encoder(cfg, self.name, folder, options, load, device) if text_cache else None
+        text = cache(cfg, self.name, folder, options, load, device) if cache is not None else None
         return load() if text is None else text  # without the cache: loaded now
 
     # -- a text run's condition (networks/conditioning.py's ``c``: its text, resolution, run values, memo) ---

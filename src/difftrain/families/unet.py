@@ -39,7 +39,9 @@ class UNetFamily(Family):
     diffusers_lora = False
     cuda_graphs = True
     export_kind = "unet2d"
-    lora_targets = ("q", "k", "v", "proj_out")  # self- and cross-attention (models/attention.py)
+    # self- and cross-attention: what networks/lora.py adapts by default in a {"kind": "unet"} record (ATTENTION_TARGETS,
+    # read there without importing the families: runtime/fsdp.py imports networks/lora.py)
+    lora_targets = ("q", "k", "v", "proj_out")
 
     # -- what the base decides: nothing (it has none) ------------------------------------------------
 
@@ -51,10 +53,10 @@ class UNetFamily(Family):
 
     # -- parts ----------------------------------------------------------------------------------------
 
-    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", text_cache: bool = False) -> TextEncoder:
+    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> TextEncoder:
         """``model.text_encoder`` as ``models.text.TextEncoder`` on ``device``: run at each step, never behind
-        the text cache (``text_cache``: ``text.cache='on'`` refused in one line)."""
-        if text_cache and cfg.text.cache == "on":
+        the text cache (``cache`` given, training: ``text.cache='on'`` refused in one line)."""
+        if cache is not None and cfg.text.cache == "on":
             raise ValueError(f"text.cache='on' caches a base family's text encoders (model.init_from a diffusers "
                              f"base folder); model.text_encoder={cfg.model.text_encoder} is difftrain's own, run "
                              "at each step: set text.cache='auto' or 'off'")

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from difftrain.data.text_cache import cached_prompt_encoder
 from difftrain.families import UNET, Family, family_of_config
 # A network's condition: labels (B,), text embeddings (B, L, D), a base family's dict of batch-first
 # tensors (difftrain.families: {"prompt_embeds", "pooled", "time_ids", ...}), or None.
@@ -102,7 +103,7 @@ class Conditioning:
         text = codec = None
         family = family_of_config(cfg)  # a base family encodes its own prompts; difftrain's UNet with TextEncoder
         if cfg.model.text_encoder:
-            text = family.run_prompt_encoder(cfg, device, text_cache)
+            text = family.run_prompt_encoder(cfg, device, cached_prompt_encoder if text_cache else None)
         if cfg.model.vae:
             from difftrain.models.vae import LatentCodec
 

@@ -25,7 +25,6 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
-from difftrain.families import family_of_record
 from difftrain.networks.quantize import quantize_base
 
 NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
@@ -39,6 +38,11 @@ ADAPTER = "default"  # peft's adapter name; never in difftrain's names
 # lora.kind existed are "lora".
 KINDS = {"lora": "LoraConfig", "dora": "LoraConfig", "loha": "LoHaConfig", "lokr": "LoKrConfig"}
 
+# The attention projections each network names (peft matches a module by its name's suffix).
+ATTENTION_TARGETS = {
+    "diffusers.UNet2DConditionModel": ("to_q", "to_k", "to_v", "to_out.0"),
+    "unet": ("q", "k", "v", "proj_out"),  # difftrain's UNet: self- and cross-attention (families.UNET.lora_targets)
+}
 # The convolutions of the residual blocks (``lora.include_conv``); both networks name them so.
 CONV_TARGETS = ("conv1", "conv2")
 
@@ -53,10 +57,9 @@ def import_peft():
 
 def target_modules(lora_cfg, base_record: dict) -> list[str]:
     """The module-name suffixes LoRA adapts: ``lora.target_modules``, or the attention
-    projections of the base network (its record's ``lora_targets``, else its family's ``Family.lora_targets``:
-    difftrain's UNet's ``q``, ``k``, ``v``, ``proj_out``; see ``difftrain.families``), plus the residual
-    convolutions with ``lora.include_conv``."""
-    default = base_record.get("lora_targets") or family_of_record(base_record).lora_targets
+    projections of the base network (its record's ``lora_targets``: a family's, see
+    ``difftrain.families``), plus the residual convolutions with ``lora.include_conv``."""
+    default = base_record.get("lora_targets") or ATTENTION_TARGETS[base_record["kind"]]
     targets = list(lora_cfg.target_modules) or list(default)
     if lora_cfg.include_conv:
         targets += [t for t in CONV_TARGETS if t not in targets]
