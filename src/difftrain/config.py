@@ -580,11 +580,11 @@ def _follow_base(cfg: Config, chosen: set[str]) -> None:
         family = family_of_config(cfg)
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}" if cfg.model.family == "auto" else str(e)) from None
-    if family is not None and cfg.train.cuda_graphs == "on":
+    if not family.cuda_graphs and cfg.train.cuda_graphs == "on":
         raise ConfigError(f"train.cuda_graphs='on' captures difftrain's own networks; a base family's step "
                           f"({family.name}: its conditions are dicts of text embeddings) is not captured in a CUDA "
                           "graph (not verified): set train.cuda_graphs to 'auto' or 'off'")
-    if family is None or not cfg.model.init_from:
+    if not family.base or not cfg.model.init_from:  # difftrain's own UNet: no base folder decides a key
         return
     try:
         defaults = family.training_defaults(Path(cfg.model.init_from).expanduser())

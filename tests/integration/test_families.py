@@ -13,7 +13,7 @@ pytest.importorskip("diffusers")
 
 from difftrain.cli import main  # noqa: E402
 from difftrain.config import ConfigError, load_config  # noqa: E402
-from difftrain.families import FAMILIES, detect, drop_rows, family_named, family_of_record  # noqa: E402
+from difftrain.families import FAMILIES, UNET, detect, drop_rows, family_named, family_of_record  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
 from tests.text_components import write_tiny_sd_folder  # noqa: E402
 
@@ -27,7 +27,7 @@ def test_detect_finds_the_family_of_a_pipeline_folder_and_of_a_bare_unet(sd_fold
     assert detect(sd_folder) is FAMILIES["sd"] is family_named("sd")
     assert detect(sd_folder / "unet").name == "sd"
     assert family_of_record({"kind": "diffusers.UNet2DConditionModel", "config": {}}).name == "sd"  # old checkpoints
-    assert family_of_record({"kind": "unet"}) is None and family_of_record(None) is None
+    assert family_of_record({"kind": "unet"}) is UNET and family_of_record(None) is UNET  # difftrain's own UNet
 
 
 def test_an_unknown_folder_names_the_classes_found_and_the_families_supported(sd_folder, tmp_path):

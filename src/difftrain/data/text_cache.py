@@ -377,17 +377,11 @@ def text_cache_wanted(cfg) -> bool:
     return mode == "on" or (mode == "auto" and not (cfg.text.shuffle_tags or cfg.text.tag_dropout > 0))
 
 
-def cached_prompt_encoder(cfg, family: str | None, folder: Path, options: dict, load: Callable[[], nn.Module],
+def cached_prompt_encoder(cfg, family: str, folder: Path, options: dict, load: Callable[[], nn.Module],
                           device: torch.device | str) -> CachedPromptEncoder | None:
-    """The run's text encoders behind the cache (``text.cache``), or None when it is off or does not
-    apply (difftrain's own text encoder: ``text.cache='on'`` then refused with one line)."""
+    """The base ``family``'s text encoders behind the cache (``text.cache``), or None when it is off
+    (difftrain's own text encoder is never cached: ``families/unet.py`` refuses ``text.cache='on'``)."""
     if not text_cache_wanted(cfg):
-        return None
-    if family is None:
-        if cfg.text.cache == "on":
-            raise ValueError(f"text.cache='on' caches a base family's text encoders (model.init_from a diffusers "
-                             f"base folder); model.text_encoder={cfg.model.text_encoder} is difftrain's own, run "
-                             "at each step: set text.cache='auto' or 'off'")
         return None
     try:
         store = TextCache.for_encoder(folder, family, options, cfg.data.cache_dir or None)

@@ -29,6 +29,7 @@ import importlib
 import json
 import re
 import shutil
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,6 +267,17 @@ class Family(ABC):
     kohya_prefix: str = "lora_unet_"
     # Module names of another family's denoiser: a LoRA file naming them is not this family's (SD3: Flux's).
     foreign_modules: tuple[str, ...] = ()
+    # Whether the family is a base of diffusers folders (detect, model.family, model.init_from's defaults);
+    # False: difftrain's own UNet (families/unet.py), built from the config.
+    base: bool = True
+    # Whether diffusers' load_lora_weights (and the programs reading kohya's layout) load this family's adapters;
+    # False: difftrain's own UNet, whose adapters difftrain alone reads (export --format lora --layout difftrain).
+    diffusers_lora: bool = True
+    # Whether a run's step may be captured in a CUDA graph (train.cuda_graphs='on'): difftrain's own UNet only.
+    cuda_graphs: bool = False
+    # How ``export --format diffusers`` writes a checkpoint of this family (a key of interop/diffusers.py's
+    # EXPORTS): "pipeline" (:meth:`export_pipeline`) or "unet2d" (difftrain's own UNet: a UNet2DModel folder).
+    export_kind: str = "pipeline"
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -344,6 +356,58 @@ class Family(ABC):
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> PromptEncoder:
         """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming
         the folder and the missing part."""
+
+    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> nn.Module:
+        """The run's ``model.text_encoder`` (:meth:`load_prompt_encoder` with :meth:`prompt_options`) on
+        ``device``; ``cache`` (training: ``data.text_cache.cached_prompt_encoder``): behind the text cache where
+        ``text.cache`` asks for it, loaded only to fill it."""
+        folder, options = Path(cfg.model.text_encoder).expanduser(), self.prompt_options(cfg.model)
+        load = lambda: self.load_prompt_encoder(folder, device, **options)
+        text = cache(cfg, self.name, folder, options, load, device) if cache is not None else None
+        return load() if text is None else text  # without the cache: loaded now
+
+    # -- a text run's condition (networks/conditioning.py's ``c``: its text, resolution, run values, memo) ---
+
+    def condition(self, c, captions, drop: Tensor | None, device: torch.device, geometry: Tensor | None = None,
+                  size: tuple[int, int] | None = None) -> Condition:
+        """The condition of B captions: the prompt encoder's dict, the null's rows where ``drop`` (B,) bool is
+        True (:func:`drop_rows`: no host read), | :meth:`image_conditions` of ``geometry`` (B, 4) at ``size``
+        (H, W) | the run's scalars (:meth:`run_conditions`)."""
+        cond = c.text.encode(list(captions), device)
+        if drop is not None:
+            cond = drop_rows(cond, c.text.null(1, device), drop)
+        n = len(captions)
+        image = self._image_rows(c, n, device, geometry, size)
+        if geometry is None and image and not c.memo.get("warned_sizes"):
+            c.memo["warned_sizes"] = True  # the one warning for training images without their sizes
+            h, w = size if size is not None else (c.resolution, c.resolution)
+            print(f"difftrain: warning: the training data gives no original size and crop per image; the "
+                  f"{self.name} base's size conditioning takes each as {h}x{w}, uncropped", file=sys.stderr)
+        return cond | image | self._run_rows(c, n, device)
+
+    def prompt_condition(self, c, prompts, device: torch.device | str = "cpu") -> Condition:
+        """The condition of N prompts (sampling: the samples' run scalars)."""
+        return (c.text.encode(list(prompts), device) | self._image_rows(c, len(prompts), device)
+                | self._run_rows(c, len(prompts), device, sampling=True))
+
+    def null_condition(self, c, n: int, device: torch.device | str = "cpu") -> Condition:
+        """The null condition of ``n`` rows (guidance): the prompt encoder's null | image | run scalars."""
+        return c.text.null(n, device) | self._image_rows(c, n, device) | self._run_rows(c, n, device, True)
+
+    def _image_rows(self, c, n: int, device, geometry: Tensor | None = None,
+                    size: tuple[int, int] | None = None) -> Condition:
+        """:meth:`image_conditions` of ``n`` rows at ``size`` (H, W) pixels (default the run's square), from
+        each image's ``geometry`` (n, 4) where given (on the host), else uncropped."""
+        size = tuple(size) if size is not None else (c.resolution, c.resolution)
+        if geometry is not None:
+            return self.image_conditions(geometry, size, device)
+        return {k: v.expand(n, *v.shape[1:]) for k, v in self.image_conditions(None, size, device).items()}
+
+    @staticmethod
+    def _run_rows(c, n: int, device, sampling: bool = False) -> Condition:
+        """The run's scalars as (n,) float32 rows: training's or, with ``sampling``, the samples'."""
+        values = c.sample_values if sampling else c.train_values
+        return {k: torch.full((n,), v, device=device) for k, v in values.items()}
 
     def export_scheduler(self, diffusion) -> dict | None:
         """The scheduler config :meth:`export_pipeline` writes for a run's ``cfg.diffusion``; None (the
@@ -797,8 +861,8 @@ def load_all() -> dict[str, Family]:
 
 
 def family_named(name: str) -> Family:
-    """The registered family ``name`` (``model.family``), or one ValueError naming the choices."""
-    families = load_all()
+    """The registered base family ``name`` (``model.family``), or one ValueError naming the choices."""
+    families = {n: f for n, f in load_all().items() if f.base}
     if name not in families:
         raise ValueError(f"model.family must be one of {', '.join(sorted(families))} (or auto), got {name!r}")
     return families[name]

@@ -104,7 +104,7 @@ def _family_of(adapter: Adapter, layout: str):
     from difftrain.families import family_of_record
 
     family = family_of_record(adapter.record["base"])
-    if family is None:
+    if not family.diffusers_lora:  # difftrain's own UNet
         raise ValueError(f"{adapter.source}: the adapter is of difftrain's own network, which diffusers cannot load: "
                          f"--layout {layout} is for a base family's; --layout difftrain writes the adapter file that "
                          "sample --lora reads (the default), --merge the adapted network")
@@ -227,7 +227,7 @@ def default_layout(record: dict) -> str:
     from difftrain.families import family_of_record
 
     family, kind = family_of_record(record["base"]), record_kind(record)
-    if family is None:
+    if not family.diffusers_lora:  # difftrain's own UNet
         return "difftrain"
     if kind == "lora":
         return "kohya" if family.writes_kohya_lora else "diffusers"
@@ -241,7 +241,7 @@ def where_it_loads(record: dict, layout: str) -> str | None:
     from difftrain.families import family_of_record
 
     family, kind = family_of_record(record["base"]), record_kind(record)
-    if family is None:
+    if not family.diffusers_lora:  # difftrain's own UNet: its adapters load in difftrain alone, as they are
         return None
     if layout == "difftrain":
         return "loads in difftrain only (sample --lora): --layout " + default_layout(record) + " for other programs"

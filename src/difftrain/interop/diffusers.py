@@ -9,6 +9,7 @@ diffusers is needed only to write a pipeline folder.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,12 @@ import torch
 
 from difftrain.checkpoints.checkpoint import load_weights
 from difftrain.config import config_from_dict
+from difftrain.diffusion.objective import build_objective
 from difftrain.diffusion.scheduler_configs import scheduler_config
+from difftrain.families import family_of_record
+from difftrain.interop.ode_export import export_ode_diffusers
+from difftrain.models import build_model
+from difftrain.networks.conditioning import Conditioning, moved_parts
 
 if TYPE_CHECKING:
     from difftrain.families.sd import ConditionUNet
@@ -51,38 +57,46 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
 
     A fine-tuned UNet2DConditionModel becomes a ``StableDiffusionPipeline`` folder with the text
     encoder and VAE it was trained with (``text_encoder`` / ``vae``: where they are now, if their
-    folders moved), checked against the checkpoint's digests first."""
+    folders moved), checked against the checkpoint's digests first. The checkpoint's family says which
+    (``Family.export_kind``, a key of :data:`EXPORTS`)."""
     try:
-        from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+        import diffusers  # noqa: F401 - optional: only to say in one line that it is needed
     except ImportError:
         raise ValueError("export --format diffusers needs diffusers: pip install 'difftrain[bench]' "
                          "(or pip install diffusers)") from None
-    from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
-    from difftrain.models import build_model
-    from difftrain.networks.conditioning import moved_parts
-    from difftrain.families import family_of_record
-
     cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
     family = family_of_record(state["network"])
-    if family is not None:  # a fine-tuned base of a family
-        from difftrain.networks.conditioning import Conditioning
+    return EXPORTS[family.export_kind](state, cfg, family, Path(out), use_ema)
 
-        frozen = Conditioning.from_config(cfg)
-        frozen.check_references(state["frozen"], f"checkpoint {state['path']}")
-        if frozen.codec is not None and frozen.codec.shift_factor and not family.applies_shift_factor:
-            raise ValueError(f"the VAE {cfg.model.vae} has a shift_factor ({frozen.codec.shift_factor}), which "
-                             "StableDiffusionPipeline does not apply when it decodes; export --format safetensors")
 
-        unet = family.denoiser_from_record(state["network"])
-        load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],
-                     "ema.model" if use_ema else "model")
-        # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
-        # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
-        scheduler = family.export_scheduler(cfg.diffusion) or {**scheduler_config(cfg.diffusion), "clip_sample": False,
-                                                                "steps_offset": 1}
-        base = Path(cfg.model.text_encoder).expanduser()
-        vae_folder = Path(cfg.model.vae).expanduser() if cfg.model.vae else None
-        return family.export_pipeline(unet, base, Path(out), scheduler, vae=vae_folder if vae_folder != base else None)
+def _export_pipeline(state: dict, cfg, family, out: Path, use_ema: bool) -> Path:
+    """A fine-tuned base of a family: its pipeline's folder (``Family.export_pipeline``), the frozen parts
+    checked against the checkpoint's digests."""
+    frozen = Conditioning.from_config(cfg)
+    frozen.check_references(state["frozen"], f"checkpoint {state['path']}")
+    if frozen.codec is not None and frozen.codec.shift_factor and not family.applies_shift_factor:
+        raise ValueError(f"the VAE {cfg.model.vae} has a shift_factor ({frozen.codec.shift_factor}), which "
+                         "StableDiffusionPipeline does not apply when it decodes; export --format safetensors")
+
+    unet = family.denoiser_from_record(state["network"])
+    load_weights(unet, state["ema"]["model"] if use_ema else state["model"], state["path"],
+                 "ema.model" if use_ema else "model")
+    # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
+    # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
+    scheduler = family.export_scheduler(cfg.diffusion) or {**scheduler_config(cfg.diffusion), "clip_sample": False,
+                                                            "steps_offset": 1}
+    base = Path(cfg.model.text_encoder).expanduser()
+    vae_folder = Path(cfg.model.vae).expanduser() if cfg.model.vae else None
+    return family.export_pipeline(unet, base, out, scheduler, vae=vae_folder if vae_folder != base else None)
+
+
+def _export_unet2d(state: dict, cfg, family, out: Path, use_ema: bool) -> Path:
+    """difftrain's own pixel UNet: a ``UNet2DModel`` folder, DDPM's ``DDPMPipeline`` (EDM and flow:
+    ``ode_export.export_ode_diffusers``); a text or latent model is refused in one line."""
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel  # optional: export_diffusers checked it is here
+
+    from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
+
     if cfg.model.text_encoder:
         raise ValueError(f"{state['path']}: difftrain's own text UNet has no diffusers pipeline (a Stable Diffusion "
                          "pipeline needs a UNet2DConditionModel, from model.init_from); export --format safetensors")
@@ -94,11 +108,7 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
                  "ema.model" if use_ema else "model")
     unet = UNet2DModel(**diffusers_config(model))
     unet.load_state_dict(to_diffusers_state_dict(model), strict=True)
-    out = Path(out)
     if cfg.diffusion.objective != "ddpm":  # EDM and flow: diffusers' own ODE schedulers (ode_export.py)
-        from difftrain.diffusion.objective import build_objective
-        from difftrain.interop.ode_export import export_ode_diffusers
-
         return export_ode_diffusers(unet, build_objective(cfg.diffusion), out, state["num_classes"])
     scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))
     DDPMPipeline(unet=unet.eval(), scheduler=scheduler).save_pretrained(out, safe_serialization=True)
@@ -110,6 +120,11 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
             "(\"class_labels should be provided\"). Sample with the scheduler and the UNet:\n\n"
             f"```python\n{snippet}```\n")
     return out
+
+
+# Family.export_kind -> the writer of its export --format diffusers folder: (state, cfg, family, out, use_ema) -> out.
+EXPORTS: dict[str, Callable[[dict, object, object, Path, bool], Path]] = {"pipeline": _export_pipeline,
+                                                                         "unet2d": _export_unet2d}
 
 
 def pipeline_generator(seed: int) -> torch.Generator:

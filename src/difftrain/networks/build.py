@@ -77,7 +77,7 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
         else:
             base = build_network(without_lora(cfg), conditioning,
                                  saved_lora["base"] if saved_lora else None, init_weights=True, deferred=deferred)
-            if saved_lora is not None and family_of_record(saved_lora["base"]) is not None:  # its config, weights from init_from
+            if saved_lora is not None and family_of_record(saved_lora["base"]).base:  # its config, weights from init_from
                 _init_weights(base, init_from, deferred)
             digest = _deferred_digest(base, deferred)
         net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
@@ -87,9 +87,9 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
             _start_adapter(net, cfg.model.init_lora_from, deferred)
         return net
     family = family_of_record(network) if network is not None else family_of_config(cfg)
-    if family is not None and not init_from and network is None:
+    if family.base and not init_from and network is None:
         raise ValueError(f"model.family={family.name} needs model.init_from: the base folder to fine-tune")
-    if family is not None:
+    if family.base:
         if network is not None:
             denoiser = family.denoiser_from_record(network)
         else:
@@ -177,7 +177,7 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
         return None
     record = saved_lora["base"] if saved_lora is not None else None
     files = DeferredWeights()
-    if (family_of_record(record) if record is not None else family_of_config(cfg)) is None:
+    if not (family_of_record(record) if record is not None else family_of_config(cfg)).base:
         base = _replayed_unet(cfg, conditioning, record, files)
         if base is None:
             return None

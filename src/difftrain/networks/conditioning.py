@@ -18,20 +18,16 @@ run or a sampler that loads it checks that the parts it finds are the same.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from difftrain.data.text_cache import cached_prompt_encoder
-from difftrain.families import drop_rows, family_of_config
+from difftrain.families import UNET, Family, family_of_config
 from difftrain.models import MODEL_PRESETS
-from difftrain.models.text import TextEncoder
 from difftrain.models.vae import LatentCodec, vae_factor
-from difftrain.runtime.device import to_device_async
 
 # A network's condition: labels (B,), text embeddings (B, L, D), a base family's dict of batch-first
 # tensors (difftrain.families: {"prompt_embeds", "pooled", "time_ids", ...}), or None.
@@ -59,15 +55,11 @@ def expand_rows(c: Condition, n: int) -> Condition:
 
 def image_side_multiple(cfg) -> int:
     """The multiple every image side must be for ``cfg``'s network, from config files alone (nothing
-    loaded): a base family's (``Family.image_side_multiple``: the VAE's factor, Flux's times 2), a latent
-    run's VAE factor, or a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio
-    buckets (``data/buckets.py``) round their sides to it."""
+    loaded): a latent run's family's (``Family.image_side_multiple``: the VAE's factor, Flux's times 2), or
+    a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio buckets (``data/buckets.py``)
+    round their sides to it."""
     if cfg.model.vae:
-        factor = vae_factor(cfg.model.vae)
-        family = None
-        if cfg.model.init_from and cfg.model.family != "":
-            family = family_of_config(cfg)
-        return family.image_side_multiple(SimpleNamespace(factor=factor)) if family is not None else factor
+        return family_of_config(cfg).image_side_multiple(SimpleNamespace(factor=vae_factor(cfg.model.vae)))
     mult = cfg.model.channel_mult or MODEL_PRESETS.get(cfg.model.preset, {}).get("channel_mult", (1,))
     return 2 ** (len(mult) - 1)
 
@@ -80,17 +72,20 @@ class Conditioning:
         text: a ``difftrain.models.text.TextEncoder`` for a text-conditional run, else None.
         codec: a ``difftrain.models.vae.LatentCodec`` for a latent run, else None.
         channels, resolution: the images' (``data.channels``, ``data.resolution``).
+        family: the ``difftrain.families.Family`` whose text ``text`` is (its ``condition``, ``prompt_condition``
+            and ``null_condition`` make a text run's conditions): a base's (``text`` its PromptEncoder), or
+            difftrain's own UNet (``families.UNET``, the default: ``text`` a ``models.text.TextEncoder``).
     """
 
-    def __init__(self, num_classes: int = 0, text=None, codec=None, *, channels: int = 3, resolution: int = 32):
+    def __init__(self, num_classes: int = 0, text=None, codec=None, *, channels: int = 3, resolution: int = 32,
+                 family: Family = UNET):
         if num_classes and text is not None:
             raise ValueError("a run is class-conditional or text-conditional, not both")
         self.num_classes, self.text, self.codec = num_classes, text, codec
         self.channels, self.resolution = channels, resolution
-        self._null_text: Tensor | None = None  # the empty caption's encoding (1, L, D), once
-        self._null_tokens: dict[str, Tensor] = {}  # the empty caption's token ids (1, L), once per device
-        self._warned_sizes = False  # the one warning for training images without their sizes
-        self.family = None  # a base family's text (difftrain.families): text is then its PromptEncoder
+        self.family = family
+        # what the family's condition methods compute once (the empty caption's tokens or embedding per device)
+        self.memo: dict = {}
         # the family's per-run scalars (Family.run_conditions: Flux's distilled guidance), training's and sampling's
         self.train_values: dict[str, float] = {}
         self.sample_values: dict[str, float] = {}
@@ -104,25 +99,16 @@ class Conditioning:
         """The conditioning of ``cfg``: loads ``model.text_encoder`` and ``model.vae`` (local folders,
         frozen) onto ``device``. ``text_cache`` (training): a base family's encoders behind the text cache
         where ``text.cache`` asks for it (``data/text_cache.py``), loaded only to fill it."""
-        text = codec = family = None
-        if cfg.model.text_encoder and cfg.model.init_from and cfg.model.family != "":
-            family = family_of_config(cfg)  # a base family encodes its own prompts
-        if cfg.model.text_encoder and family is not None:
-            folder, options = Path(cfg.model.text_encoder).expanduser(), family.prompt_options(cfg.model)
-            load = lambda: family.load_prompt_encoder(folder, device, **options)
-            text = cached_prompt_encoder(cfg, family.name, folder, options, load, device) if text_cache else None
-            text = load() if text is None else text  # without the cache: loaded now
-        elif cfg.model.text_encoder:
-            if text_cache:  # refuses text.cache='on' for difftrain's own encoder, which is not cached
-                cached_prompt_encoder(cfg, None, None, {}, None, device)
-            text = TextEncoder.from_path(cfg.model.text_encoder).to(device)
+        text = codec = None
+        family = family_of_config(cfg)  # a base family encodes its own prompts; difftrain's UNet with TextEncoder
+        if cfg.model.text_encoder:
+            text = family.run_prompt_encoder(cfg, device, cached_prompt_encoder if text_cache else None)
         if cfg.model.vae:
             codec = LatentCodec.from_path(cfg.model.vae).to(device)
-        made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution)
-        made.family = family
-        if family is not None:
+        made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution, family=family)
+        if text is not None:  # the family's scalars and multiple apply to its text runs (UNet: none, the VAE's)
             made.train_values, made.sample_values = family.run_conditions(cfg), family.run_conditions(cfg, True)
-        if family is not None and codec is not None and cfg.data.resolution % family.image_side_multiple(codec):
+        if text is not None and codec is not None and cfg.data.resolution % family.image_side_multiple(codec):
             raise ValueError(f"data.resolution={cfg.data.resolution} must be a multiple of "
                              f"{family.image_side_multiple(codec)} for the {family.name} base {cfg.model.init_from} "
                              f"(its VAE's factor {codec.factor} and its denoiser's patches)")
@@ -161,73 +147,27 @@ class Conditioning:
         Returns labels (B,) long (the null label where dropped), text embeddings (B, L, D) float32
         (of "" where dropped), or None for an unconditional run.
         """
-        if self.family is not None:  # a base family's dict; dropped rows take the null's, no host read
-            cond = self.text.encode(list(second), device)
-            if drop is not None:
-                cond = drop_rows(cond, self.text.null(1, device), drop)
-            n = len(second)
-            image = self._image_conditions(n, device, geometry, size)
-            if geometry is None and image and not self._warned_sizes:
-                self._warned_sizes = True
-                h, w = size if size is not None else (self.resolution, self.resolution)
-                print(f"difftrain: warning: the training data gives no original size and crop per image; the "
-                      f"{self.family.name} base's size conditioning takes each as {h}x{w}, uncropped", file=sys.stderr)
-            return cond | image | self._run_values(n, device)
-        if self.text is not None:
-            ids = to_device_async(self.text.tokenize(list(second)), device)  # (B, L), made on the host
-            if drop is not None:  # the empty caption's tokens on the dropped rows, chosen on the device
-                ids = torch.where(drop[:, None], self._null_ids(device), ids)
-            return self.text.encode_ids(ids)
+        if self.text is not None:  # the family's: a base's dict, difftrain's UNet's (B, L, D); no host read
+            return self.family.condition(self, second, drop, device, geometry, size)
         if self.num_classes:
             labels = second.to(device, non_blocking=True)
             return labels if drop is None else torch.where(drop, torch.full_like(labels, self.num_classes), labels)
         return None
 
-    def _null_ids(self, device: torch.device) -> Tensor:
-        """(1, L) token ids of the empty caption on ``device``, tokenized and copied once (so a
-        step reads nothing back from the device to drop a caption)."""
-        key = str(device)  # as given: "cuda" and the tensor's "cuda:0" would never compare equal
-        if key not in self._null_tokens:
-            self._null_tokens[key] = to_device_async(self.text.tokenize([""]), device)
-        return self._null_tokens[key]
-
     def prompts(self, prompts: Sequence[str], device: torch.device | str = "cpu") -> Tensor:
         """(N, L, D) text embeddings of ``prompts`` (a text run only)."""
         if self.text is None:
             raise ValueError("prompts need a text-conditioned model (model.text_encoder)")
-        if self.family is not None:
-            return (self.text.encode(list(prompts), device) | self._image_conditions(len(prompts), device)
-                    | self._run_values(len(prompts), device, sampling=True))
-        return self.text.encode_ids(self.text.tokenize(list(prompts)).to(device))
+        return self.family.prompt_condition(self, prompts, device)
 
     def null(self, n: int, device: torch.device | str = "cpu") -> Tensor | None:
         """The null condition for ``n`` rows: the null label (n,), the empty caption's embedding
         (n, L, D), or None for an unconditional run."""
-        if self.family is not None:
-            return self.text.null(n, device) | self._image_conditions(n, device) | self._run_values(n, device, True)
         if self.text is not None:
-            if self._null_text is None or self._null_text.device != torch.device(device):
-                self._null_text = self.text.encode_ids(self.text.tokenize([""]).to(device))
-            return self._null_text.expand(n, *self._null_text.shape[1:])
+            return self.family.null_condition(self, n, device)
         if self.num_classes:
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
         return None
-
-    def _image_conditions(self, n: int, device, geometry: Tensor | None = None,
-                          size: tuple[int, int] | None = None) -> dict[str, Tensor]:
-        """The family's per-image condition of ``n`` rows (SDXL's time_ids) at ``size`` (H, W) pixels
-        (default the run's square), from each image's ``geometry`` (n, 4) where given (on the host: the family
-        copies what it makes of it without waiting for the device), else uncropped."""
-        size = tuple(size) if size is not None else (self.resolution, self.resolution)
-        if geometry is not None:
-            return self.family.image_conditions(geometry, size, device)
-        return expand_rows(self.family.image_conditions(None, size, device), n)
-
-    def _run_values(self, n: int, device, sampling: bool = False) -> dict[str, Tensor]:
-        """The family's per-run scalars as (n,) float32 rows: training's (:meth:`condition`) or, with
-        ``sampling``, the samples' (:meth:`prompts`, :meth:`null`); Flux: ``{"guidance": ...}``."""
-        values = self.sample_values if sampling else self.train_values
-        return {k: torch.full((n,), v, device=device) for k, v in values.items()}
 
     def pixel_size(self, x: Tensor) -> tuple[int, int]:
         """(H, W) in pixels of a batch of what the network denoises (latents: times the VAE's factor)."""

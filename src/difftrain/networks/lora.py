@@ -44,7 +44,7 @@ KINDS = {"lora": "LoraConfig", "dora": "LoraConfig", "loha": "LoHaConfig", "lokr
 # The attention projections each network names (peft matches a module by its name's suffix).
 ATTENTION_TARGETS = {
     "diffusers.UNet2DConditionModel": ("to_q", "to_k", "to_v", "to_out.0"),
-    "unet": ("q", "k", "v", "proj_out"),  # difftrain's UNet: self- and cross-attention
+    "unet": ("q", "k", "v", "proj_out"),  # difftrain's UNet: self- and cross-attention (families.UNET.lora_targets)
 }
 # The convolutions of the residual blocks (``lora.include_conv``); both networks name them so.
 CONV_TARGETS = ("conv1", "conv2")

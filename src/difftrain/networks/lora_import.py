@@ -268,7 +268,7 @@ def _own_tensors(path: Path, fields: dict, tensors: dict[str, Tensor]) -> dict[s
     if fields["layout"] == "difftrain":
         return tensors
     family = family_of_record(fields["network"]["base"])
-    if family is None:
+    if not family.diffusers_lora:  # difftrain's own UNet: only the difftrain layout
         raise CheckpointError(f"LoRA adapter {path}: its base is a network of no base family")
     if fields["layout"] == "diffusers":  # the adapter's scale folded into lora_B (files before issue 39: 1)
         return fold_scale(family.read_lora(path), 1 / fields["folded_scale"])
@@ -298,7 +298,7 @@ def adapter_start(net, path: str | Path) -> dict[str, Tensor]:
         kind = record_kind(record["network"])
     else:
         family = family_of_record(net.base_record)
-        if family is None:
+        if not family.diffusers_lora:  # difftrain's own UNet: only difftrain's files
             raise ValueError(f"{where}: a LoRA file of another program goes on a base family's network (a diffusers "
                              "base folder in model.init_from), not on difftrain's own")
         with torch.random.fork_rng(devices=[]):  # peft's layers draw their start, which the file replaces
