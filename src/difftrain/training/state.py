@@ -414,6 +414,7 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
     saved_lora = network if is_lora_record(network) else None
     if saved_lora is not None or (network is None and cfg.lora.rank):
         from difftrain.networks.lora import apply_lora
+        from difftrain.networks.quantize import compute_dtype
 
         quantized = _quantized_base(cfg, conditioning, saved_lora) if deferred is None else None
         if quantized is not None:  # model.quantize_base, each layer quantized as it is read from the files
@@ -426,7 +427,8 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
             digest = _deferred_digest(base, deferred)
         net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
                          saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})",
-                         quantize=cfg.model.quantize_base, digest=digest)
+                         quantize=cfg.model.quantize_base, quantize_dtype=compute_dtype(cfg.train.precision),
+                         digest=digest)
         if saved_lora is None and cfg.model.init_lora_from:  # a new run's adapter from a LoRA file
             _start_adapter(net, cfg.model.init_lora_from, deferred)
         return net
@@ -497,7 +499,7 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     weights are not all in files it can map (``Family.empty_denoiser``)."""
     from difftrain.families import family_of_config, family_of_record
     from difftrain.networks.init_from import defer_init_weights
-    from difftrain.networks.quantize import quantize_while_loading
+    from difftrain.networks.quantize import compute_dtype, quantize_while_loading
 
     if cfg.model.quantize_base == "off" or not cfg.model.init_from or not meta_init.available():
         return None
@@ -519,7 +521,7 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     if any(p.is_meta for name, p in base.named_parameters() if name not in readers):
         return None
     digest = _deferred_digest(base, files)
-    quantize_while_loading(base, cfg.model.quantize_base, readers)
+    quantize_while_loading(base, cfg.model.quantize_base, readers, compute_dtype(cfg.train.precision))
     return base, digest
 
 
