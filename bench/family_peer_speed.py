@@ -29,7 +29,8 @@ training" is the largest reading from step ``--skip`` to its last step (start-up
 left out), and the difference between the two bases divided by the difference in their denoiser's
 parameters is the bytes each holds per frozen-base parameter. Peak RSS (start-up included) beside it:
 
-    python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --memory --steps 30 --skip 10
+    python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --memory --steps 20 --skip 8
+    python bench/family_peer_speed.py ... --memory --steps 20 --skip 8 --batch 1 --resolution 32
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ PEERS = next((p for p in (ROOT.parent / "shared" / "peers", ROOT.parents[1] / "s
              ROOT.parent / "shared" / "peers")
 sys.path.insert(0, str(ROOT / "bench"))
 
-from family_bases_sized import parameter_counts, write_base  # noqa: E402
+from family_bases_sized import _numel, parameter_counts, write_base  # noqa: E402
 from peer_lora_speed import difftrain_times, peer_times, rate, run_pair  # noqa: E402  (the same runner and log readers)
 
 SCRIPTS = {"sdxl": "train_text_to_image_lora_sdxl.py", "sd3": "train_dreambooth_lora_sd3.py",
@@ -171,11 +172,13 @@ def memory_main(args) -> int:
         peer = pinned + [args.peer_python, str(PEERS / SCRIPTS["flux"])] + peer_command(
             "flux", base, data, peer_out, args) + peer_precision(args)
         ours = pinned + our_command("flux", base, data, run_dir, args)
-        rows[size] = {
-            "params": parameter_counts(base)["denoiser"],
-            "peer": held_while_training(peer, work / "peer.log", lambda: peer_step(work / "peer.log"), args.skip,
-                                        args.steps),
-            "ours": held_while_training(ours, work / "difftrain.log", lambda: our_step(run_dir), args.skip, args.steps)}
+        peer_log, ours_log = work / "peer.log", work / "difftrain.log"
+        rows[size] = {"params": parameter_counts(base)["denoiser"]}
+        rows[size]["peer"] = held_while_training(peer, peer_log, lambda log=peer_log: peer_step(log), args.skip,
+                                                 args.steps)
+        rows[size]["adapter"] = _adapter_params(peer_out)  # the same targets as difftrain's preset
+        rows[size]["ours"] = held_while_training(ours, ours_log, lambda run=run_dir: our_step(run), args.skip,
+                                                 args.steps)
     small, large = rows["proportioned"], rows["large"]
     extra = large["params"] - small["params"]
     print(f"\nFlux bases: transformer {small['params']:,} and {large['params']:,} parameters (+{extra:,}); "
@@ -189,7 +192,19 @@ def memory_main(args) -> int:
         per_peak = (b["peak"] - a["peak"]) * 2**20 / extra
         print(f"| {name} | {a['held']:.0f} / {b['held']:.0f} | {a['peak']:.0f} / {b['peak']:.0f} | {per:.2f} "
               f"| {per_peak:.2f} |")
+    adapter = large["adapter"] - small["adapter"]
+    print(f"\nThe adapter (the same targets in both): +{adapter:,} parameters; each byte held per adapter parameter "
+          f"(difftrain: float32 weight, gradient, AdamW's two moments and the EMA, 20; the script in bf16: weight, "
+          f"gradient and AdamW's moments in bf16, 8) adds {adapter / extra:.4f} bytes per frozen-base parameter")
     return 0
+
+
+def _adapter_params(peer_out: Path) -> int:
+    """Parameters of the adapter the peer saved (``pytorch_lora_weights.safetensors``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(peer_out / "pytorch_lora_weights.safetensors"), "pt") as f:
+        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def main() -> int:
@@ -209,7 +224,7 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--cores", default="0,1", help="the peer's core and difftrain's (swap them for a second run)")
     args = p.parse_args()
-    args.resolution = args.resolution or (32 if args.size == "tiny" else 64)
+    args.resolution = args.resolution or (32 if args.size == "tiny" and not args.memory else 64)
     args.precision = args.precision or ("bf16" if args.memory else "fp32")
     if args.memory:
         return memory_main(args)
