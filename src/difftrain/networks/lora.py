@@ -299,7 +299,7 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
                          f"{saved['base_source']} (digest {saved['base_digest'][:12]}), and {base_source} holds "
                          f"different weights (digest {digest[:12]}); point model.init_from (or --base) at that base")
     base.requires_grad_(False)
-    quantize_base(base, quantize, quantize_dtype)  # the digest above is the unquantized base's: what the adapter loads on
+    quantize_base(base, quantize, quantize_dtype)  # the digest above is the unquantized base's: the adapter's
     with warnings.catch_warnings():  # fp8: peft's torchao layer cannot merge; an export merges on the float32 base
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
         import_peft().inject_adapter_in_model(peft_config(kind, rank, alpha, dropout, targets, lora_cfg.init), base)

@@ -11,14 +11,15 @@ network stored in int8, nf4 or fp8, the adapter trained in float32 over it.
 The libraries, and why (``pip install 'difftrain[quant]'``):
 
 - ``int8`` and ``nf4``: bitsandbytes' ``Linear8bitLt`` (LLM.int8(): int8 weights with row-wise absmax
-  scales, outlier inputs above :data:`INT8_THRESHOLD` in 16-bit) and ``Linear4bit`` (QLoRA's NormalFloat4, blocks of 64,
-  computing in ``train.precision``'s dtype: its ``compute_dtype``, bf16 in a bf16 run as QLoRA's and diffusers'
-  ``bnb_4bit_compute_dtype``; float32 only in an fp32 run). Both run on the CPU (bitsandbytes >= 0.45 has CPU kernels; measured here) and on CUDA (its
-  home), and peft puts its LoRA layers on them (``peft.tuners.lora.bnb``): the QLoRA path diffusers'
-  ``BitsAndBytesConfig`` users know.
+  scales, outlier inputs above :data:`INT8_THRESHOLD` in 16-bit) and ``Linear4bit`` (QLoRA's NormalFloat4, blocks
+  of 64, computing in ``train.precision``'s dtype: its ``compute_dtype``, bf16 in a bf16 run as QLoRA's and
+  diffusers' ``bnb_4bit_compute_dtype``; float32 only in an fp32 run). Both run on the CPU (bitsandbytes >= 0.45
+  has CPU kernels; measured here) and on CUDA (its home), and peft puts its LoRA layers on them
+  (``peft.tuners.lora.bnb``): the QLoRA path diffusers' ``BitsAndBytesConfig`` users know.
 - ``fp8``: torchao's ``Float8WeightOnlyConfig`` (float8_e4m3fn weights, one scale per row, the matmul in
-  the input's precision: the step's autocast dtype); peft's ``TorchaoLoraLinear`` wraps it. bitsandbytes has no fp8 weights, and
-  torchao's int8 would add nothing over bitsandbytes' (peft's torchao layer takes int8 only besides).
+  the input's precision: the step's autocast dtype); peft's ``TorchaoLoraLinear`` wraps it. bitsandbytes has no
+  fp8 weights, and torchao's int8 would add nothing over bitsandbytes' (peft's torchao layer takes int8 only
+  besides).
 
 Convolutions (most of a UNet's weights) stay float32: neither library quantizes them, nor does diffusers'.
 A Linear whose shape a kind's kernels cannot take stays float32 too, decided by its shape alone, the same on
@@ -183,10 +184,10 @@ def device_refusal(kind: str, device: torch.device | str, world_size: int = 1) -
 @torch.no_grad()
 def quantize_base(base: nn.Module, kind: str, dtype: torch.dtype = torch.float32) -> int:
     """Every ``nn.Linear`` of ``base`` held quantized as ``kind`` (:data:`QUANTIZE_KINDS`) computing in ``dtype``
-    (:func:`compute_dtype`), in place, frozen; the number of layers converted. "off" leaves ``base`` as it is (0). Call it after the base's weights
-    are loaded and its digest taken, before peft injects the adapter (which then wraps the quantized
-    layers with its matching LoRA layers). A layer :func:`unfit` for ``kind`` stays float32, and one note
-    says how many did and why."""
+    (:func:`compute_dtype`), in place, frozen; the number of layers converted. "off" leaves ``base`` as it is (0).
+    Call it after the base's weights are loaded and its digest taken, before peft injects the adapter (which
+    then wraps the quantized layers with its matching LoRA layers). A layer :func:`unfit` for ``kind`` stays
+    float32, and one note says how many did and why."""
     if kind == "off":
         return 0
     spec = QUANTIZE_KINDS[kind]
@@ -225,8 +226,8 @@ def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callab
     tensor, read from its files: ``runtime/tensor_source.py``) one module at a time, each ``nn.Linear``
     held quantized as ``kind`` (computing in ``dtype``) as soon as its weight is read: what :func:`quantize_base`
     makes of the loaded float base, layer for layer, with the float weights of one layer alive at a time; frozen.
-    The number of layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's flag. A layer
-    :func:`unfit` for ``kind`` stays float32, as there."""
+    The number of layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's
+    flag. A layer :func:`unfit` for ``kind`` stays float32, as there."""
     spec = QUANTIZE_KINDS[kind]
     count, reasons = 0, []
     for name in [n for n, _ in base.named_modules()]:  # names only: a float layer replaced is freed at once
