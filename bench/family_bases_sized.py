@@ -2,11 +2,14 @@
 text encoders against denoiser by parameters (SDXL about 0.3: CLIP-L + CLIP-bigG against the UNet;
 SD3 about 2.8: CLIP-L + CLIP-G + T5-XXL against the MMDiT; Flux about 0.4: CLIP-L + T5-XXL against
 the transformer), built offline like tests/family_bases.py (the same tokenizers, the same classes,
-wider and deeper), and tiny ones of about the tests' size. Their CLIP encoders take 77 tokens, as
+wider and deeper), tiny ones of about the tests' size, and a "large" Flux: the proportioned one's text
+encoders and VAE with a transformer of about 130M parameters (the host-memory comparison of
+``bench/family_peer_speed.py --memory``: with and without it, the difference is the frozen base's). Their CLIP encoders take 77 tokens, as
 the real ones do: diffusers' SD3 and Flux scripts tokenize CLIP prompts to 77 whatever the
 tokenizer says. ``bench/family_peer_speed.py`` trains on them.
 
     write_base(family, size, path)     -> path; family in ("sdxl", "sd3", "flux"), size "tiny" or "proportioned"
+                                          (or "large": flux only)
     parameter_counts(path)             -> {"denoiser": n, "text encoders": n, "vae": n, "ratio": text / denoiser}
 """
 
@@ -99,20 +102,27 @@ def write_sd3(path: Path, tiny: bool = False, seed: int = 0) -> Path:
     return path
 
 
-def write_flux(path: Path, tiny: bool = False, seed: int = 0) -> Path:
+# The large Flux transformer: 4 double + 11 single blocks, 10 heads of 64 (640 wide): 129M parameters.
+LARGE_FLUX = {"num_layers": 4, "num_single_layers": 11, "attention_head_dim": 64, "num_attention_heads": 10,
+              "axes_dims_rope": (16, 24, 24)}
+
+
+def write_flux(path: Path, tiny: bool = False, seed: int = 0, large: bool = False) -> Path:
     """Flux transformer 2 double + 4 single blocks, 4 heads of 16; CLIP-L 32 wide; a T5 96 wide, 2 layers.
-    Tiny: the tests' sizes (1 + 1 blocks, 2 heads of 8; CLIP 16, T5 32)."""
+    Tiny: the tests' sizes (1 + 1 blocks, 2 heads of 8; CLIP 16, T5 32). Large: the same encoders and VAE,
+    the transformer :data:`LARGE_FLUX`."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer, vocab = fb.clip_tokenizer(path / "tokenizer")
     t5_tokenizer = fb.tiny_t5_tokenizer()
     clip_width, t5_width = (16, 32) if tiny else (32, 96)
+    shape = LARGE_FLUX if large else {
+        "num_layers": 1 if tiny else 2, "num_single_layers": 1 if tiny else 4, "attention_head_dim": 8 if tiny else 16,
+        "num_attention_heads": 2 if tiny else 4, "axes_dims_rope": (2, 2, 4) if tiny else (4, 6, 6)}
     transformer = fb.seeded(seed, lambda: FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * fb.LATENT_CHANNELS, num_layers=1 if tiny else 2,
-        num_single_layers=1 if tiny else 4, attention_head_dim=8 if tiny else 16,
-        num_attention_heads=2 if tiny else 4, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
-        guidance_embeds=True, axes_dims_rope=(2, 2, 4) if tiny else (4, 6, 6)))
+        patch_size=1, in_channels=4 * fb.LATENT_CHANNELS, joint_attention_dim=t5_width,
+        pooled_projection_dim=clip_width, guidance_embeds=True, **shape))
     pipe = FluxPipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**fb.FLUX_SCHEDULER),
         vae=fb.tiny_vae16(seed, **fb.FLUX_VAE),
@@ -127,9 +137,12 @@ WRITERS = {"sdxl": write_sdxl, "sd3": write_sd3, "flux": write_flux}
 
 
 def write_base(family: str, size: str, path: Path) -> Path:
-    """The ``size`` ("tiny" or "proportioned") base of ``family``, CLIP tokenizers 77 tokens long."""
+    """The ``size`` ("tiny", "proportioned", or for flux "large") base of ``family``, CLIP tokenizers 77
+    tokens long."""
+    if size == "large" and family != "flux":
+        raise ValueError(f"size 'large' is a Flux base only, not {family}")
     if not (path / "model_index.json").is_file():
-        WRITERS[family](path, tiny=size == "tiny")
+        WRITERS[family](path, tiny=size == "tiny", **({"large": True} if size == "large" else {}))
         for folder in path.glob("tokenizer*"):
             if (folder / "merges.txt").is_file():  # a CLIP tokenizer (T5's has no merges)
                 write_tiny_tokenizer(folder, max_length=CLIP_TOKENS)

@@ -20,21 +20,39 @@ else is difftrain's default (its latent cache, its text-encoder cache, its EMA o
 step the peers run the VAE encoder on the batch's images and every text encoder on its captions,
 then the denoiser forward and backward; difftrain reads both from its caches and runs the denoiser
 (a benchmark, not a test; results go to docs/fine_tuning.md).
+
+``--memory`` (Flux, issue 41 item 1) measures instead the host memory each holds while training per
+frozen-base parameter, in bf16: on the proportioned Flux base and on the large one (the same encoders
+and VAE, a transformer of about 130M parameters: bench/family_bases_sized.py), each program alone on
+one core (``--cores``' first), its resident memory read from /proc every 0.1 s; "held while
+training" is the largest reading from step ``--skip`` to its last step (start-up and the final save
+left out), and the difference between the two bases divided by the difference in their denoiser's
+parameters is the bytes each holds per frozen-base parameter. Peak RSS (start-up included) beside it:
+
+    python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --memory --steps 20 --skip 8
+    python bench/family_peer_speed.py ... --memory --steps 20 --skip 8 --batch 1 --resolution 32
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = ROOT.parent / "shared" / "peers"
+# diffusers' scripts: ../shared/peers beside the main checkout (a worktree under wt/ has it two levels up)
+PEERS = next((p for p in (ROOT.parent / "shared" / "peers", ROOT.parents[1] / "shared" / "peers") if p.is_dir()),
+             ROOT.parent / "shared" / "peers")
 sys.path.insert(0, str(ROOT / "bench"))
 
-from family_bases_sized import parameter_counts, write_base  # noqa: E402
+from family_bases_sized import _numel, parameter_counts, write_base  # noqa: E402
 from peer_lora_speed import difftrain_times, peer_times, rate, run_pair  # noqa: E402  (the same runner and log readers)
 
 SCRIPTS = {"sdxl": "train_text_to_image_lora_sdxl.py", "sd3": "train_dreambooth_lora_sd3.py",
@@ -69,6 +87,10 @@ def peer_command(family: str, base: Path, data: Path, out: Path, args) -> list[s
                      "--max_sequence_length", str(T5_TOKENS)]
 
 
+def peer_precision(args) -> list[str]:
+    return ["--mixed_precision", args.precision] if args.precision != "fp32" else []
+
+
 def our_command(family: str, base: Path, data: Path, run_dir: Path, args) -> list[str]:
     cmd = [sys.executable, "-m", "difftrain", "train", "--config", str(ROOT / "configs" / f"{family}-lora.toml"),
            "--run-dir", str(run_dir)]
@@ -76,7 +98,7 @@ def our_command(family: str, base: Path, data: Path, run_dir: Path, args) -> lis
               "data.random_flip=false", "data.num_workers=0", f"lora.rank={args.rank}", f"lora.alpha={args.rank}",
               f"optim.lr={args.lr}", "optim.lr_schedule=constant", "optim.warmup_steps=0",
               f"train.batch_size={args.batch}", "train.grad_accum_steps=1", f"train.total_steps={args.steps}",
-              "train.log_every_steps=5", "train.precision=fp32", "train.device=cpu", "train.seed=0",
+              f"train.log_every_steps={1 if args.memory else 5}", f"train.precision={args.precision}", "train.device=cpu", "train.seed=0",
               "train.progress_bar=false", "validation.every_steps=0", f"checkpoint.every_steps={args.steps}",
               f"model.max_sequence_length={T5_TOKENS if family != 'sdxl' else 0}"]:
         cmd += ["--set", o]
@@ -88,10 +110,109 @@ def peak_mib(log: str) -> float:
     return int(re.findall(r"peak-kib (\d+)", log)[-1]) / 1024
 
 
+def _tail(path: Path, size: int = 4096) -> str:
+    """The last ``size`` characters of ``path`` ("" while it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+
+
+def peer_step(log: Path) -> int:
+    """The peer's last step from its progress bar (0 before the first)."""
+    steps = re.findall(r"Steps:[^|]*\|[^|]*\| *(\d+)/\d+", _tail(log))
+    return int(steps[-1]) if steps else 0
+
+
+def our_step(run_dir: Path) -> int:
+    """difftrain's last logged step from its metrics.jsonl (0 before the first)."""
+    steps = re.findall(r'"step": *(\d+)', _tail(run_dir / "metrics.jsonl"))
+    return int(steps[-1]) if steps else 0
+
+
+def held_while_training(cmd: list[str], log: Path, step: Callable[[], int], first: int, last: int) -> dict:
+    """Run ``cmd`` alone (one thread, offline; output to ``log``), its resident memory read from
+    /proc every 0.1 s: {"held": the largest reading while ``step()`` is in [first, last) (MiB), "peak": the
+    process's peak RSS (MiB, start-up included), "readings": how many readings were in the window}."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+    print("$ OMP_NUM_THREADS=1 " + " ".join(cmd), flush=True)
+    held, readings = 0, 0
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)  # usage: the finished process's peak RSS
+            if pid:
+                break
+            kib = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{proc.pid}/status").read_text())
+            if kib and first <= step() < last:
+                held, readings = max(held, int(kib.group(1))), readings + 1
+            time.sleep(0.1)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{cmd[3]} exited {proc.returncode}: see {log}")
+    peak = usage.ru_maxrss
+    return {"held": held / 1024, "peak": peak / 1024, "readings": readings}
+
+
+def memory_main(args) -> int:
+    """``--memory``: bytes held while training per frozen-base parameter, difftrain and diffusers' Flux script."""
+    core = args.cores.split(",")[0]
+    rows = {}
+    for size in ("proportioned", "large"):
+        work = Path(args.work) / f"flux-{size}"
+        base = write_base("flux", size, work / "base")
+        data = write_data(work / "data", args.images, args.resolution)
+        peer_out, run_dir = work / "peer-out", work / "difftrain-run"
+        shutil.rmtree(peer_out, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        pinned = ["taskset", "-c", core]
+        peer = pinned + [args.peer_python, str(PEERS / SCRIPTS["flux"])] + peer_command(
+            "flux", base, data, peer_out, args) + peer_precision(args)
+        ours = pinned + our_command("flux", base, data, run_dir, args)
+        peer_log, ours_log = work / "peer.log", work / "difftrain.log"
+        rows[size] = {"params": parameter_counts(base)["denoiser"]}
+        rows[size]["peer"] = held_while_training(peer, peer_log, lambda log=peer_log: peer_step(log), args.skip,
+                                                 args.steps)
+        rows[size]["adapter"] = _adapter_params(peer_out)  # the same targets as difftrain's preset
+        rows[size]["ours"] = held_while_training(ours, ours_log, lambda run=run_dir: our_step(run), args.skip,
+                                                 args.steps)
+    small, large = rows["proportioned"], rows["large"]
+    extra = large["params"] - small["params"]
+    print(f"\nFlux bases: transformer {small['params']:,} and {large['params']:,} parameters (+{extra:,}); "
+          f"{args.images} images at {args.resolution} px, batch {args.batch}, rank {args.rank}, {args.precision}, "
+          f"{args.steps} steps, memory held from step {args.skip} on, core {core}")
+    print("\n| program | held while training MiB, proportioned / large | peak RSS MiB, proportioned / large "
+          "| bytes per frozen-base parameter (held) | (peak) |\n|---|---|---|---:|---:|")
+    for key, name in (("peer", f"diffusers {SCRIPTS['flux']}"), ("ours", "difftrain train --config configs/flux-lora.toml")):
+        a, b = small[key], large[key]
+        per = (b["held"] - a["held"]) * 2**20 / extra
+        per_peak = (b["peak"] - a["peak"]) * 2**20 / extra
+        print(f"| {name} | {a['held']:.0f} / {b['held']:.0f} | {a['peak']:.0f} / {b['peak']:.0f} | {per:.2f} "
+              f"| {per_peak:.2f} |")
+    adapter = large["adapter"] - small["adapter"]
+    print(f"\nThe adapter (the same targets in both): +{adapter:,} parameters; each byte held per adapter parameter "
+          f"(difftrain: float32 weight, gradient, AdamW's two moments and the EMA, 20; the script in bf16: weight, "
+          f"gradient and AdamW's moments in bf16, 8) adds {adapter / extra:.4f} bytes per frozen-base parameter")
+    return 0
+
+
+def _adapter_params(peer_out: Path) -> int:
+    """Parameters of the adapter the peer saved (``pytorch_lora_weights.safetensors``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(peer_out / "pytorch_lora_weights.safetensors"), "pt") as f:
+        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peer-python", required=True, help="a Python with diffusers, accelerate, peft, datasets")
-    p.add_argument("--family", choices=sorted(SCRIPTS), required=True)
+    p.add_argument("--family", choices=sorted(SCRIPTS), help="required without --memory (which is Flux's)")
+    p.add_argument("--memory", action="store_true", help="bytes held per frozen-base parameter (module docstring)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: fp32, bf16 with --memory")
     p.add_argument("--size", choices=("tiny", "proportioned"), default="tiny")
     p.add_argument("--work", default="/tmp/family-peer-speed")
     p.add_argument("--images", type=int, default=32)
@@ -103,7 +224,12 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--cores", default="0,1", help="the peer's core and difftrain's (swap them for a second run)")
     args = p.parse_args()
-    args.resolution = args.resolution or (32 if args.size == "tiny" else 64)
+    args.resolution = args.resolution or (32 if args.size == "tiny" and not args.memory else 64)
+    args.precision = args.precision or ("bf16" if args.memory else "fp32")
+    if args.memory:
+        return memory_main(args)
+    if args.family is None:
+        p.error("--family is required (or --memory)")
     work = Path(args.work) / f"{args.family}-{args.size}"
     base = write_base(args.family, args.size, work / "base")
     data = write_data(work / "data", args.images, args.resolution)
@@ -111,7 +237,7 @@ def main() -> int:
     peer_core, our_core = args.cores.split(",")
     timed = ["/usr/bin/time", "-f", "peak-kib %M", "taskset", "-c"]
     peer = timed + [peer_core, args.peer_python, str(PEERS / SCRIPTS[args.family])] + peer_command(
-        args.family, base, data, peer_out, args)
+        args.family, base, data, peer_out, args) + peer_precision(args)
     ours = timed + [our_core] + our_command(args.family, base, data, run_dir, args)
     if not run_pair(peer, ours, work, run_dir, peer_out):
         return 1
@@ -121,7 +247,7 @@ def main() -> int:
     counts = parameter_counts(base)
     print(f"\n{args.family} {args.size} base: denoiser {counts['denoiser']:,} parameters, text encoders "
           f"{counts['text encoders']:,} (ratio {counts['ratio']:.2f}), VAE {counts['vae']:,}; "
-          f"{args.images} images at {args.resolution} px, batch {args.batch}, rank {args.rank}, fp32")
+          f"{args.images} images at {args.resolution} px, batch {args.batch}, rank {args.rank}, {args.precision}")
     print("\n| program | core | steps timed | steps / s | peak RSS MiB |\n|---|---|---|---:|---:|")
     print(f"| diffusers {SCRIPTS[args.family]} | {peer_core} | {p0}-{p1} | {peer_sps:.2f} | {peak_mib(peer_log):.0f} |")
     print(f"| difftrain train --config configs/{args.family}-lora.toml | {our_core} | {o0}-{o1} | {ours_sps:.2f} "

@@ -6,6 +6,9 @@ tolerance of difftrain's own quantized-base samples; bad input is one line, exit
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -139,6 +142,33 @@ def test_every_base_linear_is_held_quantized_and_the_adapter_alone_trains(tmp_pa
     assert _frozen(ema.model) and all(a.data_ptr() == b.data_ptr() for a, b in zip(_storage(net), _storage(ema.model)))
     with torch.no_grad():
         assert torch.equal(ema.model(x, t, cond), net.eval()(x, t, cond))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_an_nf4_base_computes_in_the_runs_precision(tmp_path, tiny_overrides, monkeypatch, precision):
+    """Issue 41 item 1: every bitsandbytes ``Linear4bit`` of an nf4 base computes in ``train.precision``'s dtype
+    (its ``compute_dtype``: bf16 in a bf16 run, as QLoRA's and diffusers' ``bnb_4bit_compute_dtype``; it was
+    float32 whatever the precision), built either way (quantized as it loads, and after a whole load); a bf16
+    run trains over it, its quantized layers computing in bf16 under the step's autocast."""
+    import difftrain.training.state as state_module
+
+    cfg = load_config(None, _overrides(tmp_path, tiny_overrides, "nf4", f"train.precision={precision}"))
+    want = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    conditioning = Conditioning.from_config(cfg, 0)
+    as_it_loads = build_network(cfg, conditioning)
+    monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
+    for net in (as_it_loads, build_network(cfg, conditioning)):
+        layers = [m for m in net.modules() if layer_kind(m) == "nf4"]
+        assert layers and {m.compute_dtype for m in layers} == {want}
+    if precision == "bf16":
+        layer, x = layers[0], torch.randn(2, layers[0].in_features)
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            out = layer(x)  # in x's dtype, computed in bf16: every value a bf16 one
+        assert torch.equal(out, out.bfloat16().float())
+        train(cfg, tmp_path / "run")
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in rows if "loss" in r]
+        assert losses and rows[-1]["step"] == 4 and all(math.isfinite(v) for v in losses)
 
 
 @pytest.mark.parametrize("kind", ["int8", *(pytest.param(k, marks=pytest.mark.slow) for k in KINDS if k != "int8")])

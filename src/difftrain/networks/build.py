@@ -28,7 +28,7 @@ from difftrain.networks.conditioning import Conditioning
 from difftrain.networks.init_from import defer_init_weights, load_init_weights
 from difftrain.networks.lora import LoraNetwork, apply_lora, is_lora_record
 from difftrain.networks.lora_import import adapter_start, init_adapter_from
-from difftrain.networks.quantize import device_refusal, quantize_while_loading
+from difftrain.networks.quantize import compute_dtype, device_refusal, quantize_while_loading
 from difftrain.runtime import meta_init
 from difftrain.runtime.tensor_source import DeferredWeights, TensorSource
 
@@ -82,7 +82,8 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
             digest = _deferred_digest(base, deferred)
         net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
                          saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})",
-                         quantize=cfg.model.quantize_base, digest=digest)
+                         quantize=cfg.model.quantize_base, quantize_dtype=compute_dtype(cfg.train.precision),
+                         digest=digest)
         if saved_lora is None and cfg.model.init_lora_from:  # a new run's adapter from a LoRA file
             _start_adapter(net, cfg.model.init_lora_from, deferred)
         return net
@@ -193,7 +194,7 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
     if any(p.is_meta for name, p in base.named_parameters() if name not in readers):
         return None
     digest = _deferred_digest(base, files)
-    quantize_while_loading(base, cfg.model.quantize_base, readers)
+    quantize_while_loading(base, cfg.model.quantize_base, readers, compute_dtype(cfg.train.precision))
     return base, digest
 
 

@@ -105,6 +105,18 @@ def base_digest(base: nn.Module) -> str:
     return weights_digest(base)
 
 
+def cast_adapter_input(base: nn.Module, enabled: bool) -> None:
+    """Whether peft's adapter layers in ``base`` cast their input to the adapter's dtype (float32) before the
+    adapter's matmul (peft's ``cast_input_dtype_enabled``, on by default). Off where the network runs under
+    autocast with its base held in bf16/fp16 (:attr:`LoraNetwork.held_dtype`; ``tools/base_memory.py`` counts
+    it so): autocast casts the input back for the matmul, so the cast only copies it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in base.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = enabled
+
+
 class LoraNetwork(nn.Module):
     """``net(x, t, cond)`` of the base network with LoRA layers injected; only they train.
 
@@ -126,9 +138,24 @@ class LoraNetwork(nn.Module):
             if hasattr(base, attr):
                 setattr(self, attr, getattr(base, attr))
 
-    # The dtype the frozen base is held in (``networks/frozen_dtype.py``: a bf16/fp16 LoRA run's training copy),
-    # None: as loaded (float32).
-    held_dtype: torch.dtype | None = None
+    _held_dtype: torch.dtype | None = None
+
+    @property
+    def held_dtype(self) -> torch.dtype | None:
+        """The dtype the frozen base is held in (``networks/frozen_dtype.py``: a bf16/fp16 LoRA run's training
+        copy), None: as loaded (float32)."""
+        return self._held_dtype
+
+    @held_dtype.setter
+    def held_dtype(self, dtype: torch.dtype | None) -> None:
+        """Set it; with a dtype, peft's layers stop casting their input to the adapter's float32 before
+        the adapter's matmul (``cast_input_dtype_enabled``): the network then always runs under autocast
+        (:meth:`forward`), which casts it back to ``dtype`` for the matmul, the same values, so the cast
+        only made a float32 copy of each adapted layer's input and a second ``dtype`` copy kept for
+        backward beside the base layer's (measured: 40-60 MiB of a 129M-parameter Flux LoRA step's
+        activations at batch 4, 64 px)."""
+        self._held_dtype = dtype
+        cast_adapter_input(self.base, dtype is None)
 
     def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
         """The base network's call: x (B, C, H, W), t (B,), cond -> (B, C, H, W). A base held in bf16/fp16
@@ -243,6 +270,7 @@ def _state_names(base: nn.Module, modules: dict) -> dict[str, str]:
 
 def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str,
                saved: dict | None = None, where: str = "checkpoint", quantize: str = "off",
+               quantize_dtype: torch.dtype = torch.float32,
                digest: str | None = None) -> LoraNetwork:
     """Freeze ``base`` and inject LoRA layers of ``lora_cfg`` (``cfg.lora``) into it, in place.
 
@@ -253,7 +281,8 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     rank, alpha and targets are used (a resume may change lora.dropout), and ``base`` must be
     the base it was trained on (one ValueError if not).
     quantize: ``model.quantize_base``; other than "off", every Linear layer of the base is held quantized
-    (``networks/quantize.py``) after its digest is taken, and peft wraps the quantized layers.
+    (``networks/quantize.py``) after its digest is taken, and peft wraps the quantized layers;
+    quantize_dtype: the dtype they compute in (``quantize.compute_dtype(train.precision)``).
     digest: the base's :func:`base_digest`, taken by the caller (a base on the meta device, whose weights
     are read from its files one tensor at a time); None: taken here.
     """
@@ -272,7 +301,7 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
                          f"{saved['base_source']} (digest {saved['base_digest'][:12]}), and {base_source} holds "
                          f"different weights (digest {digest[:12]}); point model.init_from (or --base) at that base")
     base.requires_grad_(False)
-    quantize_base(base, quantize)  # the digest above is the unquantized base's: what the adapter loads on
+    quantize_base(base, quantize, quantize_dtype)  # the digest above is the unquantized base's: the adapter's
     with warnings.catch_warnings():  # fp8: peft's torchao layer cannot merge; an export merges on the float32 base
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
         import_peft().inject_adapter_in_model(peft_config(kind, rank, alpha, dropout, targets, lora_cfg.init), base)

@@ -1,22 +1,25 @@
 """A LoRA run's frozen base held quantized (``model.quantize_base``): every ``nn.Linear`` of the base
 network stored in int8, nf4 or fp8, the adapter trained in float32 over it.
 
-    quantize_base(base, "int8")          # in place, before peft wraps the targets; returns the layer count
+    dtype = compute_dtype("bf16")        # the dtype the quantized layers compute in: train.precision's
+    quantize_base(base, "int8", dtype)   # in place, before peft wraps the targets; returns the layer count
     unfit("nf4", linear)                 # None, or why bitsandbytes cannot hold this layer (it stays float32)
-    quantize_while_loading(base, "int8", readers)  # a meta-built base filled from its files, quantized layer by layer
+    quantize_while_loading(base, "int8", readers, dtype)  # a meta-built base filled from its files, layer by layer
     device_refusal("nf4", device, world)  # None where the kind runs, else why not (one line)
     quantized_layers(net)                # {module name: kind} of the layers held quantized
 
 The libraries, and why (``pip install 'difftrain[quant]'``):
 
 - ``int8`` and ``nf4``: bitsandbytes' ``Linear8bitLt`` (LLM.int8(): int8 weights with row-wise absmax
-  scales, outlier inputs above :data:`INT8_THRESHOLD` in 16-bit) and ``Linear4bit`` (QLoRA's NormalFloat4, blocks of 64, float32
-  compute). Both run on the CPU (bitsandbytes >= 0.45 has CPU kernels; measured here) and on CUDA (its
-  home), and peft puts its LoRA layers on them (``peft.tuners.lora.bnb``): the QLoRA path diffusers'
-  ``BitsAndBytesConfig`` users know.
+  scales, outlier inputs above :data:`INT8_THRESHOLD` in 16-bit) and ``Linear4bit`` (QLoRA's NormalFloat4, blocks
+  of 64, computing in ``train.precision``'s dtype: its ``compute_dtype``, bf16 in a bf16 run as QLoRA's and
+  diffusers' ``bnb_4bit_compute_dtype``; float32 only in an fp32 run). Both run on the CPU (bitsandbytes >= 0.45
+  has CPU kernels; measured here) and on CUDA (its home), and peft puts its LoRA layers on them
+  (``peft.tuners.lora.bnb``): the QLoRA path diffusers' ``BitsAndBytesConfig`` users know.
 - ``fp8``: torchao's ``Float8WeightOnlyConfig`` (float8_e4m3fn weights, one scale per row, the matmul in
-  the input's precision); peft's ``TorchaoLoraLinear`` wraps it. bitsandbytes has no fp8 weights, and
-  torchao's int8 would add nothing over bitsandbytes' (peft's torchao layer takes int8 only besides).
+  the input's precision: the step's autocast dtype); peft's ``TorchaoLoraLinear`` wraps it. bitsandbytes has no
+  fp8 weights, and torchao's int8 would add nothing over bitsandbytes' (peft's torchao layer takes int8 only
+  besides).
 
 Convolutions (most of a UNet's weights) stay float32: neither library quantizes them, nor does diffusers'.
 A Linear whose shape a kind's kernels cannot take stays float32 too, decided by its shape alone, the same on
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 
 from difftrain.runtime.optional import require
+from difftrain.runtime.precision import DTYPES
 
 EXTRA = "quant"  # the extra that installs every kind's library
 # LLM.int8()'s outlier threshold (Dettmers et al. 2022): input columns above it are multiplied in 16-bit,
@@ -77,10 +81,17 @@ def _note_float(kind: str, reasons: list[str], total: int) -> None:
               f"({why})")
 
 
-def _bnb_linear(kind: str) -> Callable[[nn.Linear], nn.Module]:
-    """One float32 ``nn.Linear`` -> bitsandbytes' quantized layer of ``kind``, on the CPU, frozen."""
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype a quantized base computes in under ``train.precision`` = ``precision``: that precision's
+    (bf16, fp16; float32 for fp32), as its float layers do under the step's autocast."""
+    return DTYPES[precision]
 
-    def convert(linear: nn.Linear) -> nn.Module:
+
+def _bnb_linear(kind: str) -> Callable[[nn.Linear, torch.dtype], nn.Module]:
+    """One float32 ``nn.Linear`` -> bitsandbytes' quantized layer of ``kind`` computing in ``dtype`` (nf4's
+    ``compute_dtype``; int8's LLM.int8() matmul has its own), on the CPU, frozen."""
+
+    def convert(linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
         # imported here, by a run that quantizes only: an optional package (the quant extra), slow to import
         bnb = require("bitsandbytes", EXTRA, f"model.quantize_base='{kind}'")
         _quiet_int8_cast()
@@ -90,7 +101,7 @@ def _bnb_linear(kind: str) -> Callable[[nn.Linear], nn.Module]:
                                         threshold=INT8_THRESHOLD, device="meta")
             layer.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
         else:
-            layer = bnb.nn.Linear4bit(*shape, bias=linear.bias is not None, compute_dtype=torch.float32,
+            layer = bnb.nn.Linear4bit(*shape, bias=linear.bias is not None, compute_dtype=dtype,
                                       quant_type="nf4", device="meta")
             layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
                                              blocksize=NF4_BLOCKSIZE)
@@ -115,8 +126,9 @@ def _quiet_int8_cast() -> None:
         log.addFilter(quiet)
 
 
-def _torchao_fp8(linear: nn.Linear) -> nn.Module:
-    """``linear`` with its weight made torchao's Float8Tensor (per-row scales), in place."""
+def _torchao_fp8(linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+    """``linear`` with its weight made torchao's Float8Tensor (per-row scales), in place; its matmul runs in its
+    input's dtype (``dtype`` under the step's autocast), so ``dtype`` is not needed."""
     # imported here, by an fp8 run only (the quant extra); require drops the lines its import logs
     require("torchao", EXTRA, "model.quantize_base='fp8'")
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
@@ -134,7 +146,7 @@ class QuantKind:
     """One ``model.quantize_base``: the layer converter, the library, the devices it runs on, and the flag
     peft reads off the model to pick its LoRA layer for bitsandbytes' layers (None: it needs none)."""
 
-    convert: Callable[[nn.Linear], nn.Module]
+    convert: Callable[[nn.Linear, torch.dtype], nn.Module]  # (float layer, compute dtype) -> quantized layer
     library: str
     runs_on: Callable[[torch.device], bool]
     devices: str  # in words, for the refusal
@@ -169,12 +181,12 @@ def device_refusal(kind: str, device: torch.device | str, world_size: int = 1) -
 
 
 @torch.no_grad()
-def quantize_base(base: nn.Module, kind: str) -> int:
-    """Every ``nn.Linear`` of ``base`` held quantized as ``kind`` (:data:`QUANTIZE_KINDS`), in place, frozen;
-    the number of layers converted. "off" leaves ``base`` as it is (0). Call it after the base's weights
-    are loaded and its digest taken, before peft injects the adapter (which then wraps the quantized
-    layers with its matching LoRA layers). A layer :func:`unfit` for ``kind`` stays float32, and one note
-    says how many did and why."""
+def quantize_base(base: nn.Module, kind: str, dtype: torch.dtype = torch.float32) -> int:
+    """Every ``nn.Linear`` of ``base`` held quantized as ``kind`` (:data:`QUANTIZE_KINDS`) computing in ``dtype``
+    (:func:`compute_dtype`), in place, frozen; the number of layers converted. "off" leaves ``base`` as it is (0).
+    Call it after the base's weights are loaded and its digest taken, before peft injects the adapter (which
+    then wraps the quantized layers with its matching LoRA layers). A layer :func:`unfit` for ``kind`` stays
+    float32, and one note says how many did and why."""
     if kind == "off":
         return 0
     spec = QUANTIZE_KINDS[kind]
@@ -187,7 +199,7 @@ def quantize_base(base: nn.Module, kind: str) -> int:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = base.get_submodule(parent_name) if parent_name else base
-        setattr(parent, child, spec.convert(linear))
+        setattr(parent, child, spec.convert(linear, dtype))
     _note_float(kind, reasons, len(targets))
     base.requires_grad_(False)
     if spec.peft_flag:
@@ -207,13 +219,14 @@ def _keep_float(kind: str, linear: nn.Linear) -> str | None:
 
 
 @torch.no_grad()
-def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callable[[], torch.Tensor]]) -> int:
+def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callable[[], torch.Tensor]],
+                           dtype: torch.dtype = torch.float32) -> int:
     """Fill ``base``, built on the meta device, from ``readers`` (its parameter and buffer names -> the whole
     tensor, read from its files: ``runtime/tensor_source.py``) one module at a time, each ``nn.Linear``
-    held quantized as ``kind`` as soon as its weight is read: what :func:`quantize_base` makes of the loaded
-    float base, layer for layer, with the float weights of one layer alive at a time; frozen. The number of
-    layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's flag. A layer
-    :func:`unfit` for ``kind`` stays float32, as there."""
+    held quantized as ``kind`` (computing in ``dtype``) as soon as its weight is read: what :func:`quantize_base`
+    makes of the loaded float base, layer for layer, with the float weights of one layer alive at a time; frozen.
+    The number of layers quantized; :func:`quantize_base` (before peft) then finds none left and sets peft's
+    flag. A layer :func:`unfit` for ``kind`` stays float32, as there."""
     spec = QUANTIZE_KINDS[kind]
     count, reasons = 0, []
     for name in [n for n, _ in base.named_modules()]:  # names only: a float layer replaced is freed at once
@@ -230,7 +243,7 @@ def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callab
                 reasons.append(reason)
                 continue
             parent_name, _, child = name.rpartition(".")
-            setattr(base.get_submodule(parent_name) if parent_name else base, child, spec.convert(module))
+            setattr(base.get_submodule(parent_name) if parent_name else base, child, spec.convert(module, dtype))
             count += 1
     _note_float(kind, reasons, count + len(reasons))
     base.requires_grad_(False)

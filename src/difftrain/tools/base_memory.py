@@ -171,10 +171,14 @@ class _Network:
 
     def hold(self, dtype: torch.dtype | None) -> None:
         """The frozen parameters held in ``dtype`` (None: float32), as ``training/frozen_dtype.hold_frozen``
-        holds a LoRA run's base; on the meta device, free."""
+        holds a LoRA run's base, and its adapter layers casting their input as ``LoraNetwork.held_dtype`` has them
+        (not to float32 over a base held in ``dtype``); on the meta device, free."""
+        from difftrain.networks.lora import cast_adapter_input
+
         for p in self.model.parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(dtype or torch.float32)
+        cast_adapter_input(self.model, dtype is None)
 
     def quantized(self, quantize: str) -> list[nn.Parameter]:
         """The frozen base's Linear weights that ``quantize`` holds quantized: those whose shape its library takes
