@@ -150,13 +150,13 @@ def test_an_nf4_base_computes_in_the_runs_precision(tmp_path, tiny_overrides, mo
     (its ``compute_dtype``: bf16 in a bf16 run, as QLoRA's and diffusers' ``bnb_4bit_compute_dtype``; it was
     float32 whatever the precision), built either way (quantized as it loads, and after a whole load); a bf16
     run trains over it, its quantized layers computing in bf16 under the step's autocast."""
-    import difftrain.training.state as state_module
+    import difftrain.networks.build as build_module
 
     cfg = load_config(None, _overrides(tmp_path, tiny_overrides, "nf4", f"train.precision={precision}"))
     want = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     conditioning = Conditioning.from_config(cfg, 0)
     as_it_loads = build_network(cfg, conditioning)
-    monkeypatch.setattr(state_module, "_quantized_base", lambda *args: None)
+    monkeypatch.setattr(build_module, "_quantized_base", lambda *args: None)
     for net in (as_it_loads, build_network(cfg, conditioning)):
         layers = [m for m in net.modules() if layer_kind(m) == "nf4"]
         assert layers and {m.compute_dtype for m in layers} == {want}
