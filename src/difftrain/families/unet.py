@@ -27,7 +27,7 @@ from difftrain.families.base import Family, register
 from difftrain.models.text import TextEncoder
 from difftrain.runtime.device import to_device_async
 
-# The "kind" of difftrain's UNet's network record in checkpoints (state.network_record writes it).
+# The "kind" of difftrain's UNet's network record in checkpoints (networks/build.network_record writes it).
 NETWORK_KIND = "unet"
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from difftrain.config import Config
 from difftrain.families import Denoiser, family_of_config, family_of_record
+from difftrain.families.unet import NETWORK_KIND as UNET_KIND
 from difftrain.models import build_model
 from difftrain.models.text import tensors_digest
 from difftrain.networks.conditioning import Conditioning
@@ -121,7 +122,7 @@ def network_record(model: nn.Module) -> dict:
         return model.network_record()
     if isinstance(model, Denoiser):
         return model.record()
-    return {"kind": "unet"}
+    return {"kind": UNET_KIND}
 
 
 def without_lora(cfg: Config) -> Config:
