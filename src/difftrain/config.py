@@ -203,6 +203,9 @@ class ModelConfig(_Section):
     # a LoRA run's frozen base with every Linear layer held quantized: "int8", "nf4" (bitsandbytes) or "fp8"
     # (torchao), the adapter trained in float32 over it (networks/quantize.py, docs/fine_tuning.md); "off" = float32
     quantize_base: QuantizeBase = "off"
+    # block swap (networks/block_swap.py): the frozen weights of the base's last N blocks live in host memory and
+    # each block's are copied onto the device just before it runs, then dropped; 0 = off
+    swap_blocks: int = 0
 
 
 @dataclass
@@ -909,6 +912,7 @@ def _check_lora(cfg: Config) -> None:
            "lora.rank > 0 needs model.init_from: the base network the adapter is trained on")
     _check(not cfg.model.init_lora_from or bool(lc.rank),
            "model.init_lora_from needs a LoRA run: set lora.rank (and lora.kind) to the file's")
+    _check(cfg.model.swap_blocks >= 0, f"model.swap_blocks must be >= 0 (0 = off), got {cfg.model.swap_blocks}")
     _check_quantize_base(cfg)
 
 
