@@ -203,8 +203,9 @@ class ModelConfig(_Section):
     # a LoRA run's frozen base with every Linear layer held quantized: "int8", "nf4" (bitsandbytes) or "fp8"
     # (torchao), the adapter trained in float32 over it (networks/quantize.py, docs/fine_tuning.md); "off" = float32
     quantize_base: QuantizeBase = "off"
-    # block swap (networks/block_swap.py): the frozen weights of the base's last N blocks live in host memory and
-    # each block's are copied onto the device just before it runs, then dropped; 0 = off
+    # block swap (networks/block_swap.py, docs/fine_tuning.md): a LoRA run's frozen weights of the base's last N
+    # blocks live in host memory, each block's copied onto the device just before it runs, then dropped; 0 = off.
+    # At most the base's number of blocks; not with quantize_base, FSDP, train.compile or cuda_graphs 'on'
     swap_blocks: int = 0
 
 
@@ -914,6 +915,7 @@ def _check_lora(cfg: Config) -> None:
            "model.init_lora_from needs a LoRA run: set lora.rank (and lora.kind) to the file's")
     _check(cfg.model.swap_blocks >= 0, f"model.swap_blocks must be >= 0 (0 = off), got {cfg.model.swap_blocks}")
     _check_quantize_base(cfg)
+    _check_swap_blocks(cfg)
 
 
 def _check_quantize_base(cfg: Config) -> None:
@@ -930,6 +932,26 @@ def _check_quantize_base(cfg: Config) -> None:
                                          "quantized layers): use train.parallel='ddp' or model.quantize_base='off'")
     _check(cfg.train.cuda_graphs != "on", f"{why} is not captured in a CUDA graph (not verified): set "
                                           "train.cuda_graphs to 'auto' or 'off'")
+
+
+def _check_swap_blocks(cfg: Config) -> None:
+    """model.swap_blocks keeps a LoRA run's frozen blocks on the host (networks/block_swap.py); what it does not
+    combine with. (A count above the base's blocks is refused where the base is built: the training loop.)"""
+    n = cfg.model.swap_blocks
+    if not n:
+        return
+    why = f"model.swap_blocks={n}"
+    _check(bool(cfg.lora.rank), f"{why} swaps a LoRA run's frozen base; full fine-tuning (lora.rank=0) trains every "
+                                "weight, which must stay on the device: set lora.rank > 0 or model.swap_blocks=0")
+    _check(cfg.model.quantize_base == "off", f"{why} does not combine with model.quantize_base="
+                                             f"'{cfg.model.quantize_base}' (a copy of a quantized weight's data leaves "
+                                             "its scales behind): set model.quantize_base='off' or model.swap_blocks=0")
+    _check(cfg.train.parallel != "fsdp", f"{why} does not combine with train.parallel='fsdp' (train.fsdp_offload is "
+                                         "FSDP's own offload): use train.parallel='ddp' or model.swap_blocks=0")
+    _check(cfg.train.cuda_graphs != "on", f"{why} moves weights between steps, which a CUDA graph cannot: set "
+                                          "train.cuda_graphs to 'auto' or 'off'")
+    _check(cfg.train.compile != "on", f"{why} runs eager (its hooks move weights; auto leaves compile off): set "
+                                      "train.compile to 'auto' or 'off'")
 
 
 def _check_text_options(cfg: Config) -> None:

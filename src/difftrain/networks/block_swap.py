@@ -71,6 +71,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from difftrain.networks.quantize import layer_kind
+from difftrain.runtime import fsdp
 
 OPTION = "model.swap_blocks"  # the config option a refusal names
 
@@ -169,6 +170,21 @@ def _unshared(blocks: list[nn.Module], n: int, other: list[nn.Module]) -> str | 
                 return (f"{OPTION}: {name} of block {i} is not shared by a network given as sharing the swapped "
                         f"blocks (it holds a copy): that network cannot follow the swap")
     return None
+
+
+def swap_base(model: nn.Module, n: int, device: torch.device | str, averages: list[nn.Module] = ()) -> BlockSwap | None:
+    """A training run's plan (``model.swap_blocks = n``, what ``RunState.parallelize`` installs): the last ``n``
+    of ``runtime/fsdp.blocks(model)`` (a LoRA network's: its base's) swapped, the averages that share its frozen
+    base (the EMA's and post-hoc EMA's copies, ``training/ema.averaged_copy``) following it; installed. None for
+    n = 0. A count above the base's blocks is one ValueError naming the option, the count and the base's blocks."""
+    if not n:
+        return None
+    units = fsdp.blocks(model)
+    if n > len(units):
+        inner = model.fsdp_inner() if callable(getattr(model, "fsdp_inner", None)) else model
+        raise ValueError(f"{OPTION} = {n} is more than the {len(units)} blocks of the base "
+                         f"({type(inner).__name__}): set it to at most {len(units)}")
+    return BlockSwap(units, n, device, shared_with=[fsdp.blocks(a) for a in averages]).install()
 
 
 class BlockSwap:

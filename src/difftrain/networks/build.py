@@ -130,6 +130,7 @@ def without_lora(cfg: Config) -> Config:
     base = copy.deepcopy(cfg)
     base.model.init_lora_from = ""
     base.model.quantize_base = "off"  # the base is quantized by apply_lora, after its digest
+    base.model.swap_blocks = 0  # the block swap is the training loop's (training/state.py), over the LoRA network
     base.lora.rank = 0  # validated like any change
     return base
 

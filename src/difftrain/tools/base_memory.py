@@ -14,6 +14,9 @@ and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on 
   in a LoRA setting in bf16/fp16 in that dtype (2 bytes a weight; float32 under FSDP, where its shards are
   gathered in the compute dtype), float32 otherwise, or with ``model.quantize_base`` its Linear weights at
   :data:`QUANT_BYTES` (the rest float32);
+- with ``model.swap_blocks = N`` (the configured setting's row), the frozen bytes of the base's last N blocks
+  leave the weights but for two of them (the one running and the one prefetched), shown as a host figure
+  (``networks/block_swap.planned_bytes``);
 - buffers (SD3's position embedding table: 0.84 GiB in SD3.5 Medium), whole on every rank, in the model and
   in each EMA copy;
 - gradients of the trained weights; optimizer state by ``optim.name`` (``training/optimizers.py``'s exact
@@ -42,7 +45,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.networks.block_swap import OPTION as SWAP_OPTION, planned_bytes
 from difftrain.networks.quantize import unfit_shape
+from difftrain.runtime.fsdp import blocks
 from difftrain.models.text import first_line
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
@@ -139,11 +144,13 @@ class Setting:
     quantize: str  # "off", "int8", "nf4", "fp8" (LoRA's frozen base)
     parallel: str
     ranks: int
+    swap: int = 0  # model.swap_blocks: the base's blocks whose frozen weights live on the host
 
     def label(self) -> str:
         parts = ["LoRA" if self.lora else "full", f"{self.ranks} x {self.parallel.upper()}" if self.ranks > 1 else "1 GPU",
                  "checkpointing" if self.checkpointing else "no checkpointing", self.optimizer]
-        return ", ".join(parts + ([f"{self.quantize} base"] if self.quantize != "off" else []))
+        return ", ".join(parts + ([f"{self.quantize} base"] if self.quantize != "off" else [])
+                         + ([f"{self.swap} blocks swapped"] if self.swap else []))
 
 
 class _Network:
@@ -248,7 +255,18 @@ def _config_setting(cfg, ranks: int, parallel: str | None) -> Setting:
     if quantize != "off" and quantize not in QUANT_BYTES:
         raise ValueError(f"model.quantize_base={quantize!r}: estimate counts {', '.join(QUANT_BYTES)} (or off)")
     return Setting(bool(cfg.lora.rank), cfg.model.gradient_checkpointing, cfg.optim.name, quantize,
-                   parallel or cfg.train.parallel, ranks)
+                   parallel or cfg.train.parallel, ranks, cfg.model.swap_blocks)
+
+
+def swapped_bytes(net: _Network, swap: int) -> tuple[int, int]:
+    """(device bytes a block swap of ``swap`` blocks saves, host bytes it holds): the frozen bytes of the base's
+    blocks as held (``networks/block_swap.planned_bytes``: at most two swapped blocks on the device at once)."""
+    units = blocks(net.model)
+    if swap > len(units):
+        raise ValueError(f"{SWAP_OPTION} = {swap} is more than the {len(units)} blocks of the base: "
+                         f"set it to at most {len(units)}")
+    device, host = planned_bytes(units, swap)
+    return planned_bytes(units, 0)[0] - device, host
 
 
 def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text_params: int) -> dict:
@@ -260,7 +278,8 @@ def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text_params: int) -> dic
     state = optimizer_state(trained, s.optimizer, s.parallel)
     ema = trained * (1 + len(cfg.ema.posthoc_std))
     rank = rank_memory(net.model, state, ema, s.parallel, s.ranks, precision)
-    weights = net.weight_bytes(s.quantize, s.parallel, s.ranks)
+    saved, host = swapped_bytes(net, s.swap)  # model.swap_blocks: off the device, onto the host
+    weights = net.weight_bytes(s.quantize, s.parallel, s.ranks) - saved
     activations = a.sharded_total if s.parallel == "fsdp" and precision != "fp32" else a.total
     # buffers: whole on every rank, in the model and in each EMA copy (ema.averaged_copy copies them)
     buffers = (1 + len(cfg.ema.posthoc_std) + 1) * sum(b.numel() * b.element_size() for b in net.model.buffers())
@@ -269,7 +288,7 @@ def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text_params: int) -> dic
             "quantize_base": s.quantize, "parallel": s.parallel, "ranks": s.ranks, "weights": weights,
             "buffers": buffers, "grads": rank.grads, "optimizer_state": rank.optimizer, "ema": rank.ema,
             "transient": rank.transient, "activations": activations, "activation_parts": vars(a),
-            "text_encoders": text, "total": total, "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]}
+            "text_encoders": text, "total": total, "swap_blocks": s.swap, "host_swapped": host, "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]}
 
 
 def text_cache_on(cfg) -> bool:
@@ -305,6 +324,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
     own = _config_setting(cfg, ranks, parallel)
     settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
     net = _Network(family, config)
+    swapped_bytes(net, own.swap)  # a model.swap_blocks above the base's blocks: refused before anything is counted
     parameters = sum(p.numel() for p in net.model.parameters())
     stored = stored_parameters(net.model)  # before LoRA: the base's own tensors
     failed = ""
@@ -370,6 +390,8 @@ def format_base(r: dict) -> str:
                           f"weights' casts {_gib(a['frozen_casts'])}; checkpointed inputs {_gib(a['checkpoint_inputs'])}; "
                           f"largest block's recompute {_gib(a['largest_block'])}; autocast cache {_gib(a['cast_cache'])})"),
         ("  text encoders", _gib(own["text_encoders"]) + " GiB"),
+        *([("  host (block swap)", _gib(own["host_swapped"]) + f" GiB pinned: {own['swap_blocks']} blocks' frozen "
+            "weights, off the device figures")] if own["swap_blocks"] else []),
         ("  total per rank", _gib(own["total"]) + " GiB"),
     ]
     if not r["activations_note"].startswith("counted"):

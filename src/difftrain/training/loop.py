@@ -106,7 +106,7 @@ def train(
         check_adapted_output(state.model, objective, conditioning, device,
                              f"model.init_lora_from {cfg.model.init_lora_from}", state.precision.autocast())
     # `state.net` runs forward and backward (DDP-wrapped or FSDP-sharded, compiled); `state.model` is saved and averaged.
-    state.net = compile_model(state.parallelize(dctx), device, tc.compile)
+    state.net = compile_model(state.parallelize(dctx), device, "off" if state.swap else tc.compile)  # block swap: eager
     step_fn = _step_function(state, objective, dctx, bucketed=getattr(data.train, "bucket_shapes", None) is not None)
 
     # Run folder, loader, trackers and the evaluations.
@@ -199,6 +199,7 @@ def train(
         # The loader's workers are shut down while the handler is still installed, so that a
         # second signal during their shutdown exits at once with its one line, as during the save.
         del batches, loader
+        state.close()  # model.swap_blocks: the frozen base back on its device
         progress.close()
         trackers.close()
         distributed.teardown(dctx)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
+from difftrain.networks.block_swap import BlockSwap, swap_base
 from difftrain.networks.build import build_network, network_record
 from difftrain.networks.conditioning import Conditioning
 from difftrain.runtime import distributed, fsdp, meta_init
@@ -75,6 +76,7 @@ class RunState:
     net: nn.Module | None = None
     template: nn.Module | None = None  # under FSDP: the model's structure on the meta device (runtime/fsdp.py)
     dctx: DistContext | None = None  # the ranks a sharded state spans (build with dctx)
+    swap: BlockSwap | None = None  # model.swap_blocks: the plan ``parallelize`` installed (networks/block_swap.py)
 
     @classmethod
     def build(cls, cfg: Config, num_classes: int, device: torch.device, init_weights: bool = True,
@@ -164,11 +166,18 @@ class RunState:
         and the averages (EMA, post-hoc EMAs) laid out as its shards (``runtime/fsdp.py``; weights in
         the contiguous layout, train.channels_last does not apply), and the optimizer built anew over
         the shards (a LoRA run's: the adapter's), with the state it had (a
-        resumed run's) carried over. In one process: ``model`` itself."""
+        resumed run's) carried over. In one process: ``model`` itself.
+
+        With ``model.swap_blocks`` (a LoRA run, never under FSDP: the config refuses it) the block swap's plan is
+        installed last (:attr:`swap`, ``networks/block_swap.swap_base``), over the network on its device, its frozen
+        base in its held dtype and its checkpoint loaded, the averages sharing its base following it: run it eager
+        (the loop passes compile "off"); :meth:`close` removes it."""
         if self.template is not None:  # built sharded (build with dctx)
             return self.model
         if self.cfg.train.parallel != "fsdp" or not dctx.enabled:
-            return distributed.wrap(self.model, dctx)
+            net = distributed.wrap(self.model, dctx)  # DDP broadcasts the weights from the device: before the swap
+            self.swap = swap_base(self.model, self.cfg.model.swap_blocks, dctx.device, [self.ema.model, *self.posthoc.models])
+            return net
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
         )
@@ -186,6 +195,13 @@ class RunState:
         if carried is not None:
             set_optimizer_state_dict(self.model, self.optimizer, carried, options=StateDictOptions(full_state_dict=True))
         return self.model
+
+    def close(self) -> None:
+        """Undo what :meth:`parallelize` left in place that moves the network's weights: the block swap's plan
+        (every frozen tensor back on the device, the same objects and values). A no-op without one."""
+        if self.swap is not None:
+            self.swap.remove()
+            self.swap = None
 
     def evaluation_models(self) -> tuple[nn.Module, nn.Module]:
         """(model, EMA model) for evaluation: the run's own; under FSDP, the sharded model and the EMA
