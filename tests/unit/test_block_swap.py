@@ -327,3 +327,21 @@ def test_side_stream_prefetch_on_cuda(folders):
     for name in expected[1]:
         torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(got[2], expected[2], rtol=1e-5, atol=1e-6)
+
+
+def test_digest_and_state_dict_read_the_right_values_under_the_plan(folders):
+    """Between steps (and after one) a swapped tensor's ``.data`` is its host copy, so what reads the network
+    outside the step (the base's digest, ``networks/lora.base_digest``; a state dict, what a checkpoint writes)
+    finds the values it had before the plan; ``swap_base`` (the training loop's) is None for 0 blocks."""
+    from difftrain.networks.block_swap import swap_base
+    from difftrain.networks.lora import base_digest
+
+    net, batch = _network("flux", folders, False)
+    digest, values = base_digest(net.base), {k: v.clone() for k, v in net.base.state_dict().items()}
+    assert swap_base(net, 0, "cpu") is None
+    plan = swap_base(net, len(blocks(net)), "cpu")
+    _step(net, batch)
+    assert plan.resident() == [] and base_digest(net.base) == digest
+    after = net.base.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in values.items())
+    plan.remove()
