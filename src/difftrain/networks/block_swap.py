@@ -12,6 +12,7 @@ each block's copied onto the compute device just before it runs and dropped afte
     with BlockSwap(blocks, 16, device):  # the same, as a context manager
         ...
     BlockSwap(blocks, 16, device, shared_with=[fsdp.blocks(ema.model)])  # the EMA's copy (sharing the base) too
+    swap_base(model, 16, device, [ema.model])  # a training run's (RunState.parallelize): the above, installed
 
 What lives where. ``blocks`` is the list ``runtime/fsdp.blocks(model)`` returns, in forward order (a family
 denoiser's ``fsdp_units()``: Flux's double and single transformer blocks, an SDXL UNet's ResNet, transformer
