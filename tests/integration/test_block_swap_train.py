@@ -45,14 +45,15 @@ def _cfg(root, *extra):
 
 
 def _overrides(root, *extra) -> list[str]:
-    """A 4-step LoRA run (checkpoints at 2 and 4) of the tiny SD base, validated at step 2 and 4."""
+    """A 4-step LoRA run (checkpoints at 2 and 4) of the tiny SD base, validated at step 2 and 4, with a post-hoc
+    EMA."""
     sd = root / "sd"
     return [
         "data.num_workers=0", "optim.warmup_steps=1", "train.total_steps=4", "train.batch_size=2",
         "train.log_every_steps=2", "train.progress_bar=false", "ema.decay=0.9", "checkpoint.every_steps=2",
         "checkpoint.keep_last=2", "text.cache=off", "optim.lr=1e-2", "data.resolution=16", f"data.path={root / 'data'}",
         "data.captions=true", f"model.init_from={sd}", f"model.text_encoder={sd}", f"model.vae={sd}",
-        "diffusion.num_timesteps=100", "lora.rank=4", "lora.alpha=4", "validation.every_steps=2",
+        "diffusion.num_timesteps=100", "lora.rank=4", "lora.alpha=4", "ema.posthoc_std=[0.1]", "validation.every_steps=2",
         f"validation.prompts=['{PROMPT}']", "validation.num_images=2", "validation.steps=2", *extra]
 
 
@@ -91,10 +92,11 @@ def built(monkeypatch):
 
 
 def _saved(run_dir) -> dict[str, torch.Tensor]:
-    """The adapter and its EMA of a run's last checkpoint, by key."""
+    """The adapter, its EMA and its post-hoc EMA of a run's last checkpoint, by key."""
     state = ckpt.load_checkpoint(run_dir)
     return {**{f"model.{k}": v for k, v in state["model"].items()},
-            **{f"ema.{k}": v for k, v in state["ema"]["model"].items()}}
+            **{f"ema.{k}": v for k, v in state["ema"]["model"].items()},
+            **{f"posthoc.{k}": v for k, v in state["posthoc_ema"]["models"][0].items()}}
 
 
 def test_swapped_lora_run_trains_validates_and_resumes_as_without(tmp_path, base, plans, built):
@@ -108,7 +110,7 @@ def test_swapped_lora_run_trains_validates_and_resumes_as_without(tmp_path, base
     assert plan.n == SWAP and plan.swapped == blocks(state.model)[-SWAP:]
     assert plan.loads > 4 * SWAP  # every swapped block loaded at each step (forward and backward) and in sampling
     assert 1 <= plan.most <= 2  # the one running and the one prefetched
-    assert plan.twins == [blocks(state.ema.model)]  # the EMA (sharing the frozen base) follows the swap
+    assert plan.twins == [blocks(state.ema.model), blocks(state.posthoc.models[0])]  # sharing the base: following it
     assert state.swap is None and not plan._slots and not plan._handles  # removed at the end: the base as it was
     assert list((tmp_path / "swapped").rglob("*.png"))  # validation grids sampled under the plan
     got = _saved(tmp_path / "swapped")
