@@ -144,8 +144,8 @@ def test_more_blocks_than_the_base_has_is_refused_in_one_line(tmp_path, base, ca
 @pytest.mark.parametrize("extra, words", [
     (["lora.rank=0"], "model.swap_blocks=2 swaps a LoRA run's frozen base; full fine-tuning (lora.rank=0)"),
     (["model.quantize_base=int8"], "model.swap_blocks=2 does not combine with model.quantize_base='int8'"),
-    (["train.parallel=fsdp"], "model.swap_blocks=2 does not combine with train.parallel='fsdp' (train.fsdp_offload is "
-                              "FSDP's own offload)"),
+    (["train.parallel=fsdp"], ("model.swap_blocks=2 does not combine with train.parallel='fsdp' (train.fsdp_offload is "
+                               "FSDP's own offload)")),
     (["train.cuda_graphs=on"], "model.swap_blocks=2 moves weights between steps, which a CUDA graph cannot"),
     (["train.compile=on"], "model.swap_blocks=2 runs eager"),
 ], ids=["full", "quantized", "fsdp", "cuda-graphs", "compile"])
