@@ -369,14 +369,17 @@ class Clock:
 
 
 def run_setting(family: str, folder: Path, data: Path, name: str, swap: int, args, clock: Clock,
-                reserve: float) -> Row:
-    """One setting on one base: its run, its figures, or the note why it did not run."""
+                reserve: float, needed: float) -> Row:
+    """One setting on one base: its run, its figures, or the note why it did not run. It runs when ``needed``
+    seconds (what the runs so far suggest) are left before the ``reserve`` kept for the later phases, and is
+    stopped at ``--setting-budget`` seconds or at that reserve, whichever comes first."""
     row = Row(family, name)
     device = torch.device(args.device)
     why = setting_refusal(name, device)
-    if why is None and clock.left() - reserve < args.setting_budget:
-        why = (f"skipped: {max(clock.left() - reserve, 0):.0f} s of the budget left for the settings, "
-               f"each is given {args.setting_budget:.0f} s")
+    timeout = min(args.setting_budget, clock.left() - reserve)
+    if why is None and timeout < needed:
+        why = (f"skipped: {max(timeout, 0):.0f} s of the budget left for the settings, a run takes about "
+               f"{needed:.0f} s")
     if why:
         row.notes.append(why)
         return row
@@ -391,7 +394,7 @@ def run_setting(family: str, folder: Path, data: Path, name: str, swap: int, arg
     log.parent.mkdir(parents=True, exist_ok=True)
     argv = train_argv(family, run_dir, sets)
     began = time.monotonic()
-    failed = (run_subprocess(argv, log, args.setting_budget) if args.runner == "subprocess"
+    failed = (run_subprocess(argv, log, timeout) if args.runner == "subprocess"
               else run_inprocess(argv, log, device))
     row.wall_s = time.monotonic() - began
     row.steps, row.peak_gib, row.step_s = read_metrics(run_dir)
@@ -484,7 +487,8 @@ def gpu_test_files() -> list[str]:
 
 
 def run_gpu_tests(args, clock: Clock) -> Row:
-    """``pytest -m gpu`` on the files that mark some; the counts of its closing line."""
+    """``pytest -m gpu`` on the files that mark some (verbose: a run stopped at its budget still counts the tests
+    it finished); the counts of its closing line, or of its per-test lines."""
     row = Row("tests", "pytest -m gpu")
     budget = min(args.tests_budget, clock.left())
     if budget < 20:
@@ -495,7 +499,8 @@ def run_gpu_tests(args, clock: Clock) -> Row:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         try:
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider",
+            xdist = [] if missing("xdist") else ["-n", "0"]  # one process (scripts/test.sh runs two workers)
+            subprocess.run([sys.executable, "-m", "pytest", "-v", "-m", "gpu", *xdist, "-p", "no:cacheprovider",
                             *files], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=budget)
         except subprocess.TimeoutExpired:
             row.notes.append(f"stopped after its {budget:.0f} s budget")
@@ -507,10 +512,12 @@ def run_gpu_tests(args, clock: Clock) -> Row:
 
 
 def pytest_counts(text: str) -> dict[str, int]:
-    """{"passed": n, "failed": n, ...} from pytest's closing line (the last that counts anything)."""
+    """{"passed": n, "failed": n, ...} from pytest's closing line (the last that counts anything), or, without
+    one (a run stopped), from its verbose per-test lines (``path::test PASSED``)."""
     lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|deselected|error)", ln)]
     if not lines:
-        return {}
+        outcomes = re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", text)
+        return {k.lower(): outcomes.count(k) for k in dict.fromkeys(outcomes)}
     return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)",
                                              lines[-1])}
 
@@ -573,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
     p.add_argument("--bases", default="flux,sdxl")
     p.add_argument("--budget", type=float, default=450, help="seconds for the whole check (default 450)")
-    p.add_argument("--setting-budget", type=float, default=75, help="seconds for one setting's run")
+    p.add_argument("--setting-budget", type=float, default=75,
+                   help="seconds one setting's run may take (a run is skipped when less than 1.25 x the longest "
+                        "so far is left)")
     p.add_argument("--peer-budget", type=float, default=90)
     p.add_argument("--tests-budget", type=float, default=75)
     p.add_argument("--peer-script", help=f"diffusers' {PEER_NAME} (default: ../shared/peers)")
@@ -618,11 +627,14 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda":
         head.append("On the CPU: no device peak, so no memory comparison; this checks that each setting trains.")
     reserve = (0 if args.no_peer else args.peer_budget) + (0 if args.no_tests else args.tests_budget)
-    rows = []
+    rows, longest = [], 0.0
     for family in bases:
         swap = max(1, facts[family][1] // 2)
         for name in names:
-            rows.append(run_setting(family, folders[family], data, name, swap, args, clock, reserve))
+            needed = min(args.setting_budget, max(30.0, 1.25 * longest))  # a first run is given the whole budget
+            rows.append(run_setting(family, folders[family], data, name, swap, args, clock, reserve,
+                                    args.setting_budget if not longest else needed))
+            longest = max(longest, rows[-1].wall_s or 0.0)
     if "flux" in bases and not args.no_peer:
         rows.append(run_peer(folders["flux"], data, args, clock, 0 if args.no_tests else args.tests_budget))
         ours = next((r for r in rows if r.base == "flux" and r.setting == "bf16 base"), None)

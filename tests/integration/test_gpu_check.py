@@ -29,6 +29,9 @@ def test_reading_the_runs_the_script_and_pytest(gc, tmp_path):
     assert gc.peer_rate("no bar") is None
     assert gc.pytest_counts("...\n7 passed, 1 failed, 2 skipped, 93 deselected in 40.1s\n") == {
         "passed": 7, "failed": 1, "skipped": 2, "deselected": 93}
+    stopped = ("tests/unit/test_step.py::test_a PASSED  [ 10%]\ntests/unit/test_step.py::test_b FAILED  [ 20%]\n"
+               "tests/unit/test_step.py::test_c PASSED  [ 30%]\n")
+    assert gc.pytest_counts(stopped) == {"passed": 2, "failed": 1}
     assert gc.Row("flux", "bf16 base", peak_gib=10.5, estimate_gib=10.0).ratio() == 1.05
     assert gc.table([gc.Row("flux", "bf16 base", 6, 10.5, 10.0, 0.25, 30.0, ["ok"])], ["head"]).splitlines()[-1] == (
         "| flux | bf16 base | 6 | 10.50 | 10.00 | 1.05 | 0.250 | 30 | ok |")
