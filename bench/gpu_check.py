@@ -58,6 +58,8 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.util
+import itertools
 import json
 import os
 import re
@@ -75,6 +77,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
+import difftrain.training  # noqa: E402  (swap_wired reads its modules)
+from difftrain.cli import main as cli_main  # noqa: E402
+from difftrain.config import ModelConfig, load_config  # noqa: E402
+from difftrain.families import detect  # noqa: E402
+from difftrain.models.text import BOS, EOS  # noqa: E402
+from difftrain.runtime.fsdp import blocks  # noqa: E402
+from difftrain.tools.base_memory import count_base, denoiser_config  # noqa: E402
 from family_peer_speed import T5_TOKENS, write_data  # noqa: E402  (the benchmarks' captioned images)
 from tests import family_bases as fb  # noqa: E402
 from tests.text_components import write_tiny_tokenizer  # noqa: E402
@@ -103,9 +112,7 @@ PEER_NAME = "train_dreambooth_lora_flux.py"
 
 def _clip(vocab: dict, width: int, seed: int, projection: bool):
     """A one-layer CLIP text model ``width`` wide (projected to ``width`` with ``projection``), 77 positions."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    from difftrain.models.text import BOS, EOS
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # the text extra
 
     config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=width, intermediate_size=256, num_hidden_layers=1,
                             num_attention_heads=4, max_position_embeddings=CLIP_TOKENS, projection_dim=width,
@@ -195,10 +202,10 @@ def write_sdxl(path: Path, device: torch.device, narrow: dict | None = None) -> 
     return path
 
 
-def write_bases(work: Path, tiny: bool, device: torch.device) -> dict[str, Path]:
-    """{"flux": folder, "sdxl": folder} under ``work`` (kept: a folder already written is used again); tiny: the
-    tests' folders (tests/family_bases.py, the Flux one 64 wide so that nf4 takes its layers)."""
-    folders = {"flux": work / ("flux-tiny" if tiny else "flux"), "sdxl": work / ("sdxl-tiny" if tiny else "sdxl")}
+def write_bases(work: Path, tiny: bool, device: torch.device, families: list[str]) -> dict[str, Path]:
+    """{family: folder} under ``work`` for ``families`` of "flux", "sdxl" (kept: a folder already written is used
+    again); tiny: the tests' folders (tests/family_bases.py, the Flux one 64 wide so that nf4 takes its layers)."""
+    folders = {f: work / (f"{f}-tiny" if tiny else f) for f in families}
     writers = ({"flux": lambda p: fb.write_tiny_flux_folder(p, head_dim=32), "sdxl": fb.write_tiny_sdxl_folder}
                if tiny else {"flux": lambda p: write_flux(p, device), "sdxl": lambda p: write_sdxl(p, device)})
     for family, folder in folders.items():
@@ -213,10 +220,6 @@ def write_bases(work: Path, tiny: bool, device: torch.device) -> dict[str, Path]
 
 def denoiser_facts(folder: Path) -> tuple[int, int]:
     """(parameters of the folder's denoiser, its blocks: what ``model.swap_blocks`` counts), built on meta."""
-    from difftrain.families import detect
-    from difftrain.runtime.fsdp import blocks
-    from difftrain.tools.base_memory import denoiser_config
-
     with torch.device("meta"):
         denoiser = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})
     return sum(p.numel() for p in denoiser.parameters()), len(blocks(denoiser))
@@ -228,20 +231,15 @@ def denoiser_facts(folder: Path) -> tuple[int, int]:
 def swap_wired() -> str | None:
     """None when ``model.swap_blocks`` is an option and training reads it, else why not (one line). Training
     reads it when a module of difftrain's training package names it (the option's wiring, issue 41 item 3)."""
-    from difftrain.config import ModelConfig
-    import difftrain.training as training
-
     if "swap_blocks" not in getattr(ModelConfig, "__dataclass_fields__", {}):
         return "model.swap_blocks is not an option of this difftrain"
-    package = Path(training.__file__).parent
+    package = Path(difftrain.training.__file__).parent
     if not any("swap_blocks" in f.read_text() for f in package.glob("*.py")):
         return "model.swap_blocks is not wired into training yet (issue 41 item 3)"
     return None
 
 
 def missing(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is None
 
 
@@ -302,7 +300,7 @@ def run_subprocess(argv: list[str], log: Path, timeout: float) -> str | None:
     with open(log, "w") as out:
         try:
             proc = subprocess.run([sys.executable, "-m", "difftrain", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                                  timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=False)
         except subprocess.TimeoutExpired:
             return f"stopped after its {timeout:.0f} s budget"
     return None if proc.returncode == 0 else f"exit {proc.returncode}: {last_line(log)}"
@@ -311,8 +309,6 @@ def run_subprocess(argv: list[str], log: Path, timeout: float) -> str | None:
 def run_inprocess(argv: list[str], log: Path, device: torch.device) -> str | None:
     """The same arguments through ``difftrain.cli.main`` in this process, output to ``log`` (device memory
     freed and its peak reset first); None, or why it failed (one line)."""
-    from difftrain.cli import main as cli_main
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -341,7 +337,7 @@ def read_metrics(run_dir: Path) -> tuple[int, float | None, float | None]:
     peaks = [r["gpu_max_allocated_mib"] for r in rows if "gpu_max_allocated_mib" in r]
     times = {r["step"]: r["time"] for r in rows}
     steps = sorted(times)
-    gaps = [(times[b] - times[a]) / (b - a) for a, b in zip(steps[1:], steps[2:])]  # from the first step's end
+    gaps = [(times[b] - times[a]) / (b - a) for a, b in itertools.pairwise(steps[1:])]  # from the first step's end
     if not gaps and len(steps) == 2:
         gaps = [times[steps[1]] - times[steps[0]]]
     return (steps[-1] if steps else 0, max(peaks) / 1024 if peaks else None,
@@ -351,9 +347,6 @@ def read_metrics(run_dir: Path) -> tuple[int, float | None, float | None]:
 def estimate_gib(family: str, folder: Path, sets: list[str]) -> float:
     """``difftrain estimate --base FOLDER --config PRESET --set ...``'s figure for the setting itself (its first
     row), one rank, in GiB."""
-    from difftrain.config import load_config
-    from difftrain.tools.base_memory import count_base
-
     cfg = load_config(str(ROOT / "configs" / f"{family}-lora.toml"), sets)
     return count_base(cfg, str(folder), ranks=1)["rows"][0]["total"] / GiB
 
@@ -440,15 +433,16 @@ def run_peer(folder: Path, data: Path, args, clock: Clock, reserve: float) -> Ro
     if script is None or not script.is_file():
         row.notes.append(f"skipped: {PEER_NAME} not found (--peer-script; ../shared/peers)")
         return row
-    probe = subprocess.run([python, "-c", "import importlib.util as u, sys; "
-                            f"print(' '.join(m for m in {PEER_MODULES!r} if u.find_spec(m) is None))"],
-                           capture_output=True, text=True)
+    code = f"import importlib.util as u; print(' '.join(m for m in {PEER_MODULES!r} if u.find_spec(m) is None))"
+    probe = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
     if probe.returncode or probe.stdout.strip():
-        row.notes.append(f"skipped: the script's packages do not import here ({probe.stdout.strip() or probe.stderr[-120:]})")
+        absent = probe.stdout.strip() or probe.stderr[-120:]
+        row.notes.append(f"skipped: the script's packages do not import here ({absent})")
         return row
     budget = min(args.peer_budget, clock.left() - reserve)
     if budget < args.peer_budget:
-        row.notes.append(f"skipped: {max(budget, 0):.0f} s of the budget left, the script is given {args.peer_budget:.0f} s")
+        row.notes.append(f"skipped: {max(budget, 0):.0f} s of the budget left, the script is given "
+                         f"{args.peer_budget:.0f} s")
         return row
     images = Path(args.work) / "peer-images"  # the same images without metadata.jsonl (the script opens every file)
     images.mkdir(parents=True, exist_ok=True)
@@ -467,7 +461,7 @@ def run_peer(folder: Path, data: Path, args, clock: Clock, reserve: float) -> Ro
     began = time.monotonic()
     with open(log, "w") as f:
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=budget,
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=budget, check=False,
                                   env=dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
             failed = f"exit {proc.returncode}: {last_line(log)}" if proc.returncode else None
         except subprocess.TimeoutExpired:
@@ -501,7 +495,7 @@ def run_gpu_tests(args, clock: Clock) -> Row:
         try:
             xdist = [] if missing("xdist") else ["-n", "0"]  # one process (scripts/test.sh runs two workers)
             subprocess.run([sys.executable, "-m", "pytest", "-v", "-m", "gpu", *xdist, "-p", "no:cacheprovider",
-                            *files], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=budget)
+                            *files], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=budget, check=False)
         except subprocess.TimeoutExpired:
             row.notes.append(f"stopped after its {budget:.0f} s budget")
     counts = pytest_counts(log.read_text(errors="replace"))
@@ -538,8 +532,9 @@ def _count(n: int) -> str:
 
 def table(rows: list[Row], head: list[str]) -> str:
     """The markdown: the facts of the run, then one row per setting, the peer and the tests."""
-    lines = head + ["", "| base | setting | steps | peak device GiB | estimate GiB | measured / estimate "
-                    "| step s (median) | run s | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    header = ("| base | setting | steps | peak device GiB | estimate GiB | measured / estimate | step s (median) "
+              "| run s | note |")
+    lines = [*head, "", header, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         ratio = r.ratio()
         lines.append(f"| {r.base} | {r.setting} | {_f(r.steps, 'd')} | {_f(r.peak_gib, '.2f')} "
@@ -550,9 +545,10 @@ def table(rows: list[Row], head: list[str]) -> str:
 
 def commit() -> str:
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=False)
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+                               capture_output=True, text=True, check=False).stdout.strip()
         return (out.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
     except OSError:
         return "unknown"
@@ -578,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runner", choices=("subprocess", "inprocess"), default=None,
                    help="each setting in a process of its own (default on CUDA) or in this one (default on the CPU)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
-    p.add_argument("--bases", default="flux,sdxl")
+    p.add_argument("--bases", default="flux,sdxl", help="comma-separated, of: flux, sdxl")
     p.add_argument("--budget", type=float, default=450, help="seconds for the whole check (default 450)")
     p.add_argument("--setting-budget", type=float, default=75,
                    help="seconds one setting's run may take (a run is skipped when less than 1.25 x the longest "
@@ -603,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:
         p.error(f"--settings: unknown {', '.join(unknown)} (known: {', '.join(SETTINGS)})")
+    if any(b.strip() not in ("flux", "sdxl") for b in args.bases.split(",") if b.strip()):
+        p.error(f"--bases: {args.bases!r} names a base other than flux and sdxl")
     clock = Clock(args.budget)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -610,20 +608,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     began = time.monotonic()
-    folders = write_bases(work, args.tiny, device)
+    bases = [b.strip() for b in args.bases.split(",") if b.strip()]
+    folders = write_bases(work, args.tiny, device, bases)
     data = write_data(work / f"data-{args.resolution}", args.images, args.resolution)
     written_s = time.monotonic() - began
-    bases = [b.strip() for b in args.bases.split(",") if b.strip()]
     facts = {b: denoiser_facts(folders[b]) for b in bases}
-    head = [f"GPU check: {device_name(device)}; torch {torch.version.__version__}"
-            f"{' CUDA ' + torch.version.cuda if torch.version.cuda else ''}; difftrain at {commit()}; "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            "", f"Bases (random weights, written in {written_s:.0f} s): "
-            + "; ".join(f"{b} {_count(n)} denoiser parameters, {k} blocks" for b, (n, k) in facts.items())
-            + f". Each setting: LoRA rank {args.rank} over the family's preset, bf16, {args.resolution} px, batch 1, "
-            f"{args.steps} steps, train.compile off, {args.runner}. Peak: metrics.jsonl's gpu_max_allocated_mib; "
-            f"estimate: `difftrain estimate --base FOLDER --config configs/FAMILY-lora.toml --set ...` "
-            f"(within {TOLERANCE:.0%} = ok)."]
+    cuda = f" CUDA {torch.version.cuda}" if torch.version.cuda else ""
+    when = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    counted = "; ".join(f"{b} {_count(n)} denoiser parameters, {k} blocks" for b, (n, k) in facts.items())
+    machine = f"GPU check: {device_name(device)}; torch {torch.version.__version__}{cuda}; difftrain at {commit()}"
+    how = (f"Bases (random weights, written in {written_s:.0f} s): {counted}. Each setting: LoRA rank {args.rank} "
+           f"over the family's preset, bf16, {args.resolution} px, batch 1, {args.steps} steps, train.compile off, "
+           f"{args.runner}. Peak: metrics.jsonl's gpu_max_allocated_mib; estimate: `difftrain estimate --base "
+           f"FOLDER --config configs/FAMILY-lora.toml --set ...` (within {TOLERANCE:.0%} = ok).")
+    head = [f"{machine}; {when}", "", how]
     if device.type != "cuda":
         head.append("On the CPU: no device peak, so no memory comparison; this checks that each setting trains.")
     reserve = (0 if args.no_peer else args.peer_budget) + (0 if args.no_tests else args.tests_budget)
@@ -642,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1].notes.append(f"difftrain's bf16 step / the script's: {ours.step_s / rows[-1].step_s:.2f}")
     if not args.no_tests:
         rows.append(run_gpu_tests(args, clock))
-    text = table(rows, head + ["", f"Whole check: {time.monotonic() - clock.start:.0f} s of a {args.budget:.0f} s budget."])
+    whole = f"Whole check: {time.monotonic() - clock.start:.0f} s of a {args.budget:.0f} s budget."
+    text = table(rows, [*head, "", whole])
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

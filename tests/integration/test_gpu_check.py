@@ -49,8 +49,8 @@ def test_tiny_mode_trains_each_setting_and_writes_the_table(gc, tmp_path):
     assert gc.main(["--tiny", "--device", "cpu", "--work", str(tmp_path / "work"), "--out", str(out),
                     "--no-tests"]) == 0
     lines = out.read_text().splitlines()
-    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in lines if line.startswith("| flux")
-            or line.startswith("| sdxl")}
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in lines
+            if line.startswith(("| flux", "| sdxl"))}
     for base in ("flux", "sdxl"):
         for name in gc.SETTINGS:
             row = rows[(base, name)]
