@@ -15,8 +15,8 @@ difftrain's own entry (``python -m difftrain train`` with the family's preset an
 process per setting on CUDA), and the table gives for each: the peak device memory difftrain records in the
 run folder's ``metrics.jsonl`` (``gpu_max_allocated_mib``: ``torch.cuda.max_memory_allocated`` of the run's
 process) against ``difftrain estimate``'s figure for that setting (``tools/base_memory.count_base`` on the
-folder, the setting's own row; within 10% = ok), and the median step time (from the steps' timestamps in
-``metrics.jsonl``, the first step left out). Then diffusers' ``train_dreambooth_lora_flux.py``
+folder, the setting's own row, counted on a thread while the runs go; within 10% = ok), and the median step
+time (from the steps' timestamps in ``metrics.jsonl``, the first step left out). Then diffusers' ``train_dreambooth_lora_flux.py``
 (``--peer-script``; ../shared/peers) on the same Flux folder, images, resolution, batch, rank and bf16, with
 its prompt embeddings and latents computed once as difftrain's caches do (its step time from its progress
 bar's rate), where its packages import; and the ``gpu``-marked tests (``pytest -m gpu`` on the files that mark
@@ -62,11 +62,13 @@ import importlib.util
 import itertools
 import json
 import os
+import queue
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +273,14 @@ class Row:
     def ratio(self) -> float | None:
         return self.peak_gib / self.estimate_gib if self.peak_gib and self.estimate_gib else None
 
+    def verdict(self) -> list[str]:
+        """["ok"] when the measured peak is within :data:`TOLERANCE` of the estimate, a note when it is not, []
+        without both figures."""
+        ratio = self.ratio()
+        if ratio is None:
+            return []
+        return ["ok" if abs(ratio - 1) <= TOLERANCE else f"off by more than {TOLERANCE:.0%}"]
+
 
 def overrides(family: str, folder: Path, data: Path, args, extra: list[str]) -> list[str]:
     """The --set lines of one run: the family preset's LoRA with the check's data, size, steps and device."""
@@ -351,6 +361,39 @@ def estimate_gib(family: str, folder: Path, sets: list[str]) -> float:
     return count_base(cfg, str(folder), ranks=1)["rows"][0]["total"] / GiB
 
 
+class Estimates:
+    """``difftrain estimate``'s figures of the settings, counted one after another on a daemon thread while the
+    runs go (on the meta device: no device memory, one CPU core). On the real-size bases each takes seconds to
+    most of a minute (the SDXL UNet's: 40 s on the loaded 2-core machine here), which counted between the runs
+    would take a large share of the budget."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._results: dict[tuple[str, str], float | str] = {}
+        self._done = threading.Condition()
+        threading.Thread(target=self._work, daemon=True, name="gpu_check-estimates").start()
+
+    def add(self, key: tuple[str, str], family: str, folder: Path, sets: list[str]) -> None:
+        self._jobs.put((key, family, folder, sets))
+
+    def _work(self) -> None:
+        while True:
+            key, family, folder, sets = self._jobs.get()
+            try:
+                value: float | str = estimate_gib(family, folder, sets)
+            except Exception as e:  # noqa: BLE001 - the estimate's failure is the row's note; the check goes on
+                value = f"estimate failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            with self._done:
+                self._results[key] = value
+                self._done.notify_all()
+
+    def get(self, key: tuple[str, str], timeout: float) -> float | str:
+        """The figure in GiB, or why there is none (one line), waiting at most ``timeout`` seconds for it."""
+        with self._done:
+            self._done.wait_for(lambda: key in self._results, timeout=max(timeout, 0))
+            return self._results.get(key, "estimate not finished within the budget")
+
+
 class Clock:
     """The check's deadline: ``budget`` seconds from its start."""
 
@@ -361,8 +404,8 @@ class Clock:
         return self.budget - (time.monotonic() - self.start)
 
 
-def run_setting(family: str, folder: Path, data: Path, name: str, swap: int, args, clock: Clock,
-                reserve: float, needed: float) -> Row:
+def run_setting(family: str, data: Path, name: str, sets: list[str], args, clock: Clock, reserve: float,
+                needed: float) -> Row:
     """One setting on one base: its run, its figures, or the note why it did not run. It runs when ``needed``
     seconds (what the runs so far suggest) are left before the ``reserve`` kept for the later phases, and is
     stopped at ``--setting-budget`` seconds or at that reserve, whichever comes first."""
@@ -376,11 +419,6 @@ def run_setting(family: str, folder: Path, data: Path, name: str, swap: int, arg
     if why:
         row.notes.append(why)
         return row
-    sets = overrides(family, folder, data, args, [s.format(swap=swap) for s in SETTINGS[name]])
-    try:
-        row.estimate_gib = estimate_gib(family, folder, sets)
-    except Exception as e:  # noqa: BLE001 - the estimate's failure is a note; the run still goes
-        row.notes.append(f"estimate failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
     run_dir = Path(args.work) / "runs" / f"{family}-{name.replace(' ', '-')}"
     shutil.rmtree(run_dir, ignore_errors=True)
     log = Path(args.work) / "logs" / f"{family}-{name.replace(' ', '-')}.log"
@@ -395,10 +433,7 @@ def run_setting(family: str, folder: Path, data: Path, name: str, swap: int, arg
         row.notes.append(failed)
     elif row.steps < args.steps:
         row.notes.append(f"trained {row.steps} of {args.steps} steps")
-    if name == "block swap":
-        row.notes.append(f"model.swap_blocks={swap}")
-    if row.ratio() is not None:
-        row.notes.append("ok" if abs(row.ratio() - 1) <= TOLERANCE else f"off by more than {TOLERANCE:.0%}")
+    row.notes += [s for s in sets if s.startswith("model.swap_blocks=")]
     print(f"gpu_check: {family} {name}: {row.steps} steps in {row.wall_s:.0f} s; {'; '.join(row.notes)}", flush=True)
     return row
 
@@ -539,7 +574,7 @@ def table(rows: list[Row], head: list[str]) -> str:
         ratio = r.ratio()
         lines.append(f"| {r.base} | {r.setting} | {_f(r.steps, 'd')} | {_f(r.peak_gib, '.2f')} "
                      f"| {_f(r.estimate_gib, '.2f')} | {_f(ratio, '.2f')} | {_f(r.step_s, '.3f')} "
-                     f"| {_f(r.wall_s, '.0f')} | {'; '.join(r.notes).replace('|', '/')} |")
+                     f"| {_f(r.wall_s, '.0f')} | {'; '.join(r.notes + r.verdict()).replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -625,14 +660,19 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda":
         head.append("On the CPU: no device peak, so no memory comparison; this checks that each setting trains.")
     reserve = (0 if args.no_peer else args.peer_budget) + (0 if args.no_tests else args.tests_budget)
+    plan = {(family, name): overrides(family, folders[family], data, args,
+                                      [s.format(swap=max(1, facts[family][1] // 2)) for s in SETTINGS[name]])
+            for family in bases for name in names}
+    estimates = Estimates()
+    for (family, name), sets in plan.items():
+        if setting_refusal(name, device) is None:
+            estimates.add((family, name), family, folders[family], sets)
     rows, longest = [], 0.0
-    for family in bases:
-        swap = max(1, facts[family][1] // 2)
-        for name in names:
-            needed = min(args.setting_budget, max(30.0, 1.25 * longest))  # a first run is given the whole budget
-            rows.append(run_setting(family, folders[family], data, name, swap, args, clock, reserve,
-                                    args.setting_budget if not longest else needed))
-            longest = max(longest, rows[-1].wall_s or 0.0)
+    for (family, name), sets in plan.items():
+        needed = min(args.setting_budget, max(30.0, 1.25 * longest))  # a first run is given the whole budget
+        rows.append(run_setting(family, data, name, sets, args, clock, reserve,
+                                args.setting_budget if not longest else needed))
+        longest = max(longest, rows[-1].wall_s or 0.0)
     if "flux" in bases and not args.no_peer:
         rows.append(run_peer(folders["flux"], data, args, clock, 0 if args.no_tests else args.tests_budget))
         ours = next((r for r in rows if r.base == "flux" and r.setting == "bf16 base"), None)
@@ -640,6 +680,13 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1].notes.append(f"difftrain's bf16 step / the script's: {ours.step_s / rows[-1].step_s:.2f}")
     if not args.no_tests:
         rows.append(run_gpu_tests(args, clock))
+    for row in rows:  # the estimates, counted meanwhile (a skipped setting keeps its figure)
+        if (row.base, row.setting) in plan and setting_refusal(row.setting, device) is None:
+            value = estimates.get((row.base, row.setting), max(clock.left(), 10.0))
+            if isinstance(value, str):
+                row.notes.append(value)
+            else:
+                row.estimate_gib = value
     whole = f"Whole check: {time.monotonic() - clock.start:.0f} s of a {args.budget:.0f} s budget."
     text = table(rows, [*head, "", whole])
     print(text)

@@ -33,8 +33,18 @@ def test_reading_the_runs_the_script_and_pytest(gc, tmp_path):
                "tests/unit/test_step.py::test_c PASSED  [ 30%]\n")
     assert gc.pytest_counts(stopped) == {"passed": 2, "failed": 1}
     assert gc.Row("flux", "bf16 base", peak_gib=10.5, estimate_gib=10.0).ratio() == 1.05
-    assert gc.table([gc.Row("flux", "bf16 base", 6, 10.5, 10.0, 0.25, 30.0, ["ok"])], ["head"]).splitlines()[-1] == (
+    assert gc.table([gc.Row("flux", "bf16 base", 6, 10.5, 10.0, 0.25, 30.0)], ["head"]).splitlines()[-1] == (
         "| flux | bf16 base | 6 | 10.50 | 10.00 | 1.05 | 0.250 | 30 | ok |")
+    assert gc.Row("sdxl", "nf4 base", 6, 11.5, 10.0, notes=["a note"]).verdict() == ["off by more than 10%"]
+    assert gc.Row("sdxl", "nf4 base", 6, None, 10.0).verdict() == []
+
+
+def test_an_estimate_that_fails_is_a_note(gc, tmp_path):
+    """The estimates are counted on a thread while the runs go; one that fails gives its row one line."""
+    estimates = gc.Estimates()
+    estimates.add(("flux", "bf16 base"), "flux", tmp_path / "absent", [f"model.init_from={tmp_path / 'absent'}"])
+    assert estimates.get(("flux", "bf16 base"), 60).startswith("estimate failed: ")
+    assert estimates.get(("sdxl", "bf16 base"), 0) == "estimate not finished within the budget"
 
 
 def test_the_gpu_test_files_are_found(gc):
