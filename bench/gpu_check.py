@@ -16,8 +16,8 @@ process per setting on CUDA), and the table gives for each: the peak device memo
 run folder's ``metrics.jsonl`` (``gpu_max_allocated_mib``: ``torch.cuda.max_memory_allocated`` of the run's
 process) against ``difftrain estimate``'s figure for that setting (``tools/base_memory.count_base`` on the
 folder, the setting's own row, counted on a thread while the runs go; within 10% = ok), and the median step
-time (from the steps' timestamps in ``metrics.jsonl``, the first step left out). Then diffusers' ``train_dreambooth_lora_flux.py``
-(``--peer-script``; ../shared/peers) on the same Flux folder, images, resolution, batch, rank and bf16, with
+time (from the steps' timestamps in ``metrics.jsonl``, the first step left out). Then diffusers'
+``train_dreambooth_lora_flux.py`` (``--peer-script``; ../shared/peers) on the same Flux folder, images, resolution, batch, rank and bf16, with
 its prompt embeddings and latents computed once as difftrain's caches do (its step time from its progress
 bar's rate), where its packages import; and the ``gpu``-marked tests (``pytest -m gpu`` on the files that mark
 some), their pass / fail / skip counts. Whatever cannot run is a row with a note (a library missing, the
