@@ -17,14 +17,14 @@ run folder's ``metrics.jsonl`` (``gpu_max_allocated_mib``: ``torch.cuda.max_memo
 process) against ``difftrain estimate``'s figure for that setting (``tools/base_memory.count_base`` on the
 folder, the setting's own row, counted on a thread while the runs go; within 10% = ok), and the median step
 time (from the steps' timestamps in ``metrics.jsonl``, the first step left out). Then diffusers'
-``train_dreambooth_lora_flux.py`` (``--peer-script``; ../shared/peers) on the same Flux folder, images, resolution, batch, rank and bf16, with
-its prompt embeddings and latents computed once as difftrain's caches do (its step time from its progress
-bar's rate), where its packages import; and the ``gpu``-marked tests (``pytest -m gpu`` on the files that mark
-some), their pass / fail / skip counts. Whatever cannot run is a row with a note (a library missing, the
-block swap not wired yet, a phase that would overrun the budget: each setting is given ``--setting-budget``
-seconds and skipped when less is left before the ``--budget`` deadline, keeping the peer's and the tests'
-reserves). ``train.compile`` is off in every run (the estimate counts the eager step; compiling a 2B
-model would take most of the budget).
+``train_dreambooth_lora_flux.py`` (``--peer-script``; ../shared/peers) on the same Flux folder, images,
+resolution, batch, rank and bf16, with its prompt embeddings and latents computed once as difftrain's caches
+do (its step time from its progress bar's rate), where its packages import; and the ``gpu``-marked tests
+(``pytest -m gpu`` on the files that mark some), their pass / fail / skip counts. Whatever cannot run is a
+row with a note (a library missing, the block swap not wired yet, a phase that would overrun the budget: each
+setting's run is stopped at ``--setting-budget`` seconds and skipped when less than 1.25 x the longest run so
+far is left before the ``--budget`` deadline, keeping the peer's and the tests' reserves). ``train.compile``
+is off in every run (the estimate counts the eager step; compiling a 2B model would take most of the budget).
 
 On a lent H200 (the device has PyTorch with CUDA, transformers, peft, accelerate, torchvision, safetensors,
 tensorboard and pytest, no package registry): once, here, wheels of what its image lacks, and a copy of the
