@@ -44,18 +44,26 @@ def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 def test_diffusers_torchao_config_makes_the_fp8_base_quantize_base_makes(tmp_path, family):
     """A tiny Flux transformer and a tiny SD UNet loaded by their family with diffusers' ``TorchAoConfig``
     (``library_config("fp8")``) against the float32 denoiser quantized by ``quantize_base``: the same layers
-    held in fp8, and every tensor of every module (float8 data, scales, the float layers) equal, bit for bit."""
+    held in fp8, every tensor of every module (float8 data, scales, the float layers) equal, bit for bit, and
+    peft's LoRA on the family's targets the same torchao LoRA layer over both."""
     folder = WRITERS[family](tmp_path / family)
     fam = detect(folder)
     ours = fam.load_denoiser(folder)
     assert quantize_base(ours, "fp8", torch.bfloat16) > 0
-    theirs = fam.load_denoiser(folder, library_config("fp8", torch.bfloat16, keep_float_modules(ours, "fp8")))
+    theirs = fam.load_denoiser(folder, library_config("fp8", torch.bfloat16, keep_float_modules(ours.model, "fp8")))
     assert quantized_layers(theirs) == quantized_layers(ours) != {}
     mine, library = dict(ours.named_modules()), dict(theirs.named_modules())
     assert mine.keys() == library.keys()
     for name, module in mine.items():
         a, b = _tensors(module), _tensors(library[name])
         assert len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b)), name
+    from peft import LoraConfig, inject_adapter_in_model  # the LoRA difftrain puts on a quantized base
+
+    for net in (ours, theirs):
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=list(fam.lora_targets)), net.model)
+    wrapped = {n: type(m).__name__ for n, m in theirs.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped and set(wrapped.values()) == {"TorchaoLoraLinear"}
+    assert wrapped == {n: type(m).__name__ for n, m in ours.named_modules() if hasattr(m, "lora_A")}
 
 
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
@@ -67,16 +75,16 @@ def test_the_bitsandbytes_configs_say_what_quantize_base_does(tmp_path, kind):
     default: diffusers takes no block size), int8 with LLM.int8()'s threshold."""
     folder = write_tiny_flux_folder(tmp_path / "flux", head_dim=32)
     base = detect(folder).load_denoiser(folder)
-    keep = keep_float_modules(base, kind)
+    keep = keep_float_modules(base.model, kind)  # the diffusers model's names, as its loader takes them
     config = library_config(kind, torch.bfloat16, keep)
     assert config.llm_int8_skip_modules == keep
     quantize_base(base, kind, torch.bfloat16)
     held = quantized_layers(base)
-    assert not any(name in held for name in keep)  # left float by both
+    assert not any(f"model.{name}" in held for name in keep)  # left float by both
     if kind == "int8":
         assert config.load_in_8bit and config.llm_int8_threshold == INT8_THRESHOLD and keep == []
         return
-    assert keep and held and all(layer_kind(base.get_submodule(name)) is None for name in keep)
+    assert keep and held and all(layer_kind(base.model.get_submodule(name)) is None for name in keep)
     assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
     assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.bnb_4bit_use_double_quant
     import bitsandbytes as bnb

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from difftrain.diffusion.scheduler_configs import diffusers_training
 from difftrain.families import register
-from difftrain.families.base import (CLIP_TOKENS, Denoiser, ExportParts, Family, PromptEncoder, quantized, read_json, require_keys,
-                                     token_ids)
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, ExportParts, Family, PromptEncoder, quantized, read_json,
+                                     require_keys, token_ids)
 from difftrain.models.text import TextEncoder, first_line, text_model_folders
 from difftrain.models.vae import vae_folder as find_vae_folder
 from difftrain.runtime.optional import require

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import (CLIP_TOKENS, Denoiser, Family, PromptEncoder, load_part, quantized, read_json, require_keys,
-                                     token_ids)
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, Family, PromptEncoder, load_part, quantized, read_json,
+                                     require_keys, token_ids)
 from difftrain.families.sd import scheduler_training, unet_blocks
 from difftrain.models.text import vocab_bytes, weights_digest
 from difftrain.runtime.device import to_device_async

@@ -253,7 +253,8 @@ def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callab
 def keep_float_modules(base: nn.Module, kind: str) -> list[str]:
     """The names of the ``nn.Linear`` layers of ``base`` (built on the meta device is enough: shapes only) that
     :func:`quantize_base` leaves float32 under ``kind`` (:func:`unfit`): what diffusers' loader is told not to
-    convert (:func:`library_config`)."""
+    convert (:func:`library_config`), so ``base`` is the diffusers model (a ``Denoiser``'s ``.model``), whose
+    names its loader matches (as substrings of each weight's name)."""
     return [name for name, m in base.named_modules() if type(m) is nn.Linear and unfit(kind, m) is not None]
 
 
