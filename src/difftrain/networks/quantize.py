@@ -276,7 +276,8 @@ def library_config(kind: str, dtype: torch.dtype, keep_float: list[str] = ()):
     (``ModelMixin``), which difftrain's frozen-dtype cast and EMA call on a base. It is the check that the hand
     path does what the library does: ``tests/integration/test_quantized_library.py`` compares them layer for
     layer."""
-    from diffusers import BitsAndBytesConfig, TorchAoConfig  # an optional package ([text]), a quantizing run only
+    # imported here: diffusers is an optional package ([text]), torchao the quant extra's
+    from diffusers import BitsAndBytesConfig, TorchAoConfig
 
     skip = list(keep_float)
     if kind == "int8":
@@ -286,7 +287,7 @@ def library_config(kind: str, dtype: torch.dtype, keep_float: list[str] = ()):
                                   bnb_4bit_use_double_quant=True, llm_int8_skip_modules=skip)
     if kind == "fp8":
         require("torchao", EXTRA, "model.quantize_base='fp8'")
-        from torchao.quantization import Float8WeightOnlyConfig  # the quant extra, an fp8 run only
+        from torchao.quantization import Float8WeightOnlyConfig
 
         return TorchAoConfig(Float8WeightOnlyConfig(set_inductor_config=False), modules_to_not_convert=skip)
     raise ValueError(f"model.quantize_base={kind!r} has no library config (one of {', '.join(QUANTIZE_KINDS)})")
