@@ -422,11 +422,12 @@ def write_attention_unet_folder(path, channels: int = 320, depth: int = 4):
     return path
 
 
-def build_peak(unet: str, kind: str, as_it_loads: bool) -> dict:
+def build_peak(unet: str, kind: str, as_it_loads: bool, small: str | None = None) -> dict:
     """In a fresh process: the peak RSS above its start while ``build_network`` makes a rank-4 LoRA over
-    ``unet`` quantized as ``kind`` (as it loads, or loaded whole and quantized after), after the same build of
-    a small UNet (so that imports and first-use set-up are done), the RSS it holds after, the base's parameter
-    count and its quantized weights' bytes."""
+    ``unet`` (a base folder) quantized as ``kind`` ("off": the float32 base; as it loads, or loaded whole and
+    quantized after), after the same build of a small base (``small``, default a small UNet: so that imports
+    and first-use set-up are done), the RSS it holds after, the base's parameter count and its quantized
+    weights' bytes."""
     import tempfile
     from pathlib import Path
 
@@ -447,13 +448,21 @@ def build_peak(unet: str, kind: str, as_it_loads: bool) -> dict:
         return build_module.build_network(cfg, Conditioning(0, channels=cfg.data.channels, resolution=cfg.data.resolution))
 
     with tempfile.TemporaryDirectory() as tmp:  # a small one first: what the first build imports and sets up
-        build(write_attention_unet_folder(Path(tmp) / "small", channels=32, depth=1))
+        build(small or write_attention_unet_folder(Path(tmp) / "small", channels=32, depth=1))
     start = reset_peak(give_back=True)
     net = build(unet)
     peak, held = status_bytes("VmHWM") - start, status_bytes("VmRSS") - start
     frozen = [p for p in net.base.parameters() if not p.requires_grad]
     return {"peak": peak, "held": held, "params": sum(logical_numel(p) for p in frozen),
-            "bytes": sum(p.numel() * p.element_size() for p in frozen)}
+            "bytes": sum(_stored_bytes(p) for p in frozen)}
+
+
+def _stored_bytes(param: torch.Tensor) -> int:
+    """The bytes ``param`` stores: an fp8 weight's float8 data and scales (torchao's Float8Tensor reports the
+    element size of the dtype it computes in), else its own."""
+    if type(param).__name__ == "Float8Tensor":
+        return sum(t.numel() * t.element_size() for t in (param.qdata, param.scale))
+    return param.numel() * param.element_size()
 
 
 def test_a_base_quantized_as_it_loads_never_holds_the_float_base(tmp_path, monkeypatch):

@@ -315,8 +315,10 @@ class Family(ABC):
     # -- parts ------------------------------------------------------------------------------------
 
     @abstractmethod
-    def load_denoiser(self, folder: Path) -> Denoiser:
-        """The base's denoiser, weights included, float32 on the CPU; one ValueError naming the folder."""
+    def load_denoiser(self, folder: Path, quantization_config=None) -> Denoiser:
+        """The base's denoiser, weights included, float32 on the CPU; one ValueError naming the folder.
+        ``quantization_config``: diffusers' own (``networks.quantize.library_config``), passed to its
+        ``from_pretrained``, the model then left in the dtypes it loads in (diffusers refuses to cast it)."""
 
     @abstractmethod
     def denoiser_from_record(self, record: dict) -> Denoiser:
@@ -807,6 +809,12 @@ def check_model_part(cls: type, folder: Path) -> None:
                                  f"config makes it {tuple(tensor.shape)}")
 
 
+def quantized(quantization_config) -> dict:
+    """``from_pretrained``'s keyword for diffusers' ``quantization_config`` (none without one): what a family's
+    ``load_denoiser`` passes on."""
+    return {} if quantization_config is None else {"quantization_config": quantization_config}
+
+
 def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch.float32, **kwargs):
     """``cls.from_pretrained(folder/sub)`` (a diffusers or transformers class) in ``dtype`` on the CPU,
     quiet, every weight checked; one ValueError naming the folder and the missing or broken part."""
@@ -830,6 +838,8 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError) as e:
         raise ValueError(f"{folder}: cannot load the {what} in {sub}/: {first_line(e)}") from None
     check_loading_info(info, what, path)
+    if kwargs.get("quantization_config") is not None:  # diffusers refuses to cast a model it quantized
+        return part
     return part.float() if dtype == torch.float32 else part.to(dtype)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
-from difftrain.families.base import Denoiser, Family, load_part, read_json
+from difftrain.families.base import Denoiser, Family, load_part, quantized, read_json
 
 PATCH = 2  # the transformers' patch side (SD3's patch_size, Flux's 2x2 packing) in every released base
 
@@ -74,11 +74,11 @@ class TransformerFamily(Family):
         return {"model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True,
                 "diffusion.objective": "flow"}
 
-    def load_denoiser(self, folder: Path) -> TransformerDenoiser:
+    def load_denoiser(self, folder: Path, quantization_config=None) -> TransformerDenoiser:
         import diffusers  # an optional package ([text])
 
         return self.denoiser_class(load_part(folder, "transformer", getattr(diffusers, self.transformer_class),
-                                             f"{self.name} transformer"))
+                                             f"{self.name} transformer", **quantized(quantization_config)))
 
     def denoiser_from_record(self, record: dict) -> TransformerDenoiser:
         import diffusers  # an optional package ([text])

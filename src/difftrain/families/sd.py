@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from difftrain.diffusion.scheduler_configs import diffusers_training
 from difftrain.families import register
-from difftrain.families.base import (CLIP_TOKENS, Denoiser, ExportParts, Family, PromptEncoder, read_json, require_keys,
-                                     token_ids)
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, ExportParts, Family, PromptEncoder, quantized, read_json,
+                                     require_keys, token_ids)
 from difftrain.models.text import TextEncoder, first_line, text_model_folders
 from difftrain.models.vae import vae_folder as find_vae_folder
 from difftrain.runtime.optional import require
@@ -116,20 +116,21 @@ class ConditionUNet(Denoiser):
         return cls(UNet2DConditionModel.from_config(dict(config)).float())
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> ConditionUNet:
+    def from_folder(cls, path: str | Path, quantization_config=None) -> ConditionUNet:
         """The UNet2DConditionModel of a UNet folder or of a Stable Diffusion folder (its
-        ``unet/``), weights included, in float32; a ValueError naming the folder if it is not one
-        or its weights do not load."""
+        ``unet/``), weights included, in float32 (with diffusers' ``quantization_config``: as that loads it);
+        a ValueError naming the folder if it is not one or its weights do not load."""
         require("diffusers", "text", f"model.init_from={path} (a diffusers UNet2DConditionModel)")
         from diffusers import UNet2DConditionModel  # diffusers: an optional package ([text])
 
         folder = unet_folder(path)
         check_weight_indexes(folder)  # from_pretrained reads the files a sharded UNet's index names, unchecked
         try:
-            unet = UNet2DConditionModel.from_pretrained(str(folder), torch_dtype=torch.float32)
+            unet = UNet2DConditionModel.from_pretrained(str(folder), torch_dtype=torch.float32,
+                                                        **quantized(quantization_config))
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise ValueError(f"cannot load the UNet2DConditionModel in {folder}: {first_line(e)}") from None
-        return cls(unet.float())
+        return cls(unet if quantization_config is not None else unet.float())  # diffusers refuses to cast it
 
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor] | Tensor | None = None) -> Tensor:
         """x: (B, in_channels, H, W), t: (B,) timesteps (a 0-d tensor is broadcast), cond:
@@ -221,8 +222,8 @@ class SDFamily(Family):
             out.update(scheduler_training(read_json(scheduler, f"base {folder}")))
         return out
 
-    def load_denoiser(self, folder: Path) -> ConditionUNet:
-        return ConditionUNet.from_folder(folder)
+    def load_denoiser(self, folder: Path, quantization_config=None) -> ConditionUNet:
+        return ConditionUNet.from_folder(folder, quantization_config)
 
     def denoiser_from_record(self, record: dict) -> ConditionUNet:
         return ConditionUNet.from_config(record["config"])

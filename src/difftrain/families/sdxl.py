@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import (CLIP_TOKENS, Denoiser, Family, PromptEncoder, load_part, read_json, require_keys,
-                                     token_ids)
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, Family, PromptEncoder, load_part, quantized, read_json,
+                                     require_keys, token_ids)
 from difftrain.families.sd import scheduler_training, unet_blocks
 from difftrain.models.text import vocab_bytes, weights_digest
 from difftrain.runtime.device import to_device_async
@@ -122,11 +122,12 @@ class SDXLFamily(Family):
             out.update(scheduler_training(read_json(scheduler, f"base {folder}")))
         return out
 
-    def load_denoiser(self, folder: Path) -> SDXLUNet:
+    def load_denoiser(self, folder: Path, quantization_config=None) -> SDXLUNet:
         require("diffusers", "text", f"the SDXL base {folder}")
         from diffusers import UNet2DConditionModel  # diffusers: an optional package ([text])
 
-        return SDXLUNet(load_part(Path(folder), "unet", UNet2DConditionModel, "SDXL UNet"))
+        return SDXLUNet(load_part(Path(folder), "unet", UNet2DConditionModel, "SDXL UNet",
+                                  **quantized(quantization_config)))
 
     def denoiser_from_record(self, record: dict) -> SDXLUNet:
         return SDXLUNet.from_config(record["config"])

@@ -65,7 +65,7 @@ class UNetFamily(Family):
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> TextEncoder:
         return TextEncoder.from_path(str(folder)).to(device)
 
-    def load_denoiser(self, folder: Path):
+    def load_denoiser(self, folder: Path, quantization_config=None):
         raise ValueError(f"{folder}: difftrain's own UNet is built from the config (model.preset), not loaded as "
                          "a base's denoiser")
 

@@ -250,6 +250,49 @@ def quantize_while_loading(base: nn.Module, kind: str, readers: dict[str, Callab
     return count
 
 
+def keep_float_modules(base: nn.Module, kind: str) -> list[str]:
+    """The names of the ``nn.Linear`` layers of ``base`` (built on the meta device is enough: shapes only) that
+    :func:`quantize_base` leaves float32 under ``kind`` (:func:`unfit`): what diffusers' loader is told not to
+    convert (:func:`library_config`), so ``base`` is the diffusers model (a ``Denoiser``'s ``.model``), whose
+    names its loader matches (as substrings of each weight's name)."""
+    return [name for name, m in base.named_modules() if type(m) is nn.Linear and unfit(kind, m) is not None]
+
+
+def library_config(kind: str, dtype: torch.dtype, keep_float: list[str] = ()):
+    """diffusers' own ``quantization_config`` (``from_pretrained(..., quantization_config=...)``) that makes the
+    layers :func:`quantize_base` makes by hand for ``kind`` computing in ``dtype``, the layers ``keep_float``
+    (:func:`keep_float_modules`) left float32: int8 ``BitsAndBytesConfig(load_in_8bit=True)`` with LLM.int8()'s
+    threshold :data:`INT8_THRESHOLD`; nf4 ``BitsAndBytesConfig(load_in_4bit=True)``, NormalFloat4 with its
+    ``bnb_4bit_compute_dtype`` ``dtype`` and double quantization on (bitsandbytes' ``Params4bit`` default, which
+    :func:`quantize_base` keeps; diffusers' default is off), blocks of 64 (bitsandbytes' default, the same as
+    :data:`NF4_BLOCKSIZE`: diffusers takes no block size); fp8 ``TorchAoConfig(Float8WeightOnlyConfig)``.
+
+    Not what training loads its base with (``networks/build.py``'s ``_quantized_base`` quantizes as it loads, by
+    hand), for what diffusers' loader cannot do there, measured on the CPU (docs/fine_tuning.md): diffusers 0.42's
+    bitsandbytes quantizer refuses to load without a GPU (``validate_environment``: "No GPU found"), and its
+    torchao loader holds the safetensors file mapped while it quantizes, every page of it read (the float32
+    base's bytes, resident) beside the quantized layers: its peak is above the float32 base's, where quantizing
+    as it loads holds one float layer at a time. A model it loads refuses ``.float()`` and ``.to(dtype)``
+    (``ModelMixin``), which difftrain's frozen-dtype cast and EMA call on a base. It is the check that the hand
+    path does what the library does: ``tests/integration/test_quantized_library.py`` compares them layer for
+    layer."""
+    # imported here: diffusers is an optional package ([text]), torchao the quant extra's
+    from diffusers import BitsAndBytesConfig, TorchAoConfig
+
+    skip = list(keep_float)
+    if kind == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=INT8_THRESHOLD, llm_int8_skip_modules=skip)
+    if kind == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                  bnb_4bit_use_double_quant=True, llm_int8_skip_modules=skip)
+    if kind == "fp8":
+        require("torchao", EXTRA, "model.quantize_base='fp8'")
+        from torchao.quantization import Float8WeightOnlyConfig
+
+        return TorchAoConfig(Float8WeightOnlyConfig(set_inductor_config=False), modules_to_not_convert=skip)
+    raise ValueError(f"model.quantize_base={kind!r} has no library config (one of {', '.join(QUANTIZE_KINDS)})")
+
+
 def layer_kind(module: nn.Module) -> str | None:
     """The ``model.quantize_base`` kind a layer's weight is held in, or None for an unquantized one."""
     weight = dict(module.named_parameters(recurse=False)).get("weight")  # its own (peft's wrapper only shows its base's)
