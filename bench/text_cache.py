@@ -191,6 +191,9 @@ def scale_write(family: str, root: Path, entries: int, dtype: str) -> list[str]:
     from difftrain.data.text_cache import MANIFEST, NULL_ENTRY, entry_name
 
     store = _scale_store(family, root, dtype)
+    captions = [f"a photo of thing {i}, in a bench of text-cache entries" for i in range(entries)]
+    if (store.folder / MANIFEST).is_file() and len(list(store.folder.glob("*.safetensors"))) == entries + 1:
+        return captions  # written by an earlier run on this --root (START's and this difftrain's float32 keys agree)
     store.folder.mkdir(parents=True, exist_ok=True)
     shapes = SCALE_SHAPES[family]
     manifest = {"key": store.key, "version": 2, "family": family, "source": store.source, "options": store.options,
@@ -200,7 +203,6 @@ def scale_write(family: str, root: Path, entries: int, dtype: str) -> list[str]:
     (store.folder / MANIFEST).write_text(json.dumps(manifest))
     store.manifest = store.read_manifest()
     gen = torch.Generator().manual_seed(0)
-    captions = [f"a photo of thing {i}, in a bench of text-cache entries" for i in range(entries)]
     for name, caption in [(NULL_ENTRY, "")] + [(entry_name(c), c) for c in captions]:
         store.write(name, caption, {k: torch.randn(1, *s, generator=gen) for k, s in shapes.items()})
     return captions

@@ -513,6 +513,10 @@ class CaptionBatch(list):
     def __reduce__(self):
         return CaptionBatch, (list(self), self.cond)
 
+    def pin_memory(self) -> CaptionBatch:
+        """The loader's pinning (CUDA): the conditions in pinned memory, so that their copy does not wait."""
+        return CaptionBatch(self, {k: v.pin_memory() for k, v in self.cond.items()})
+
 
 def caption_batch(captions: list) -> list[str]:
     """The loader's collate of B captions: a :class:`CaptionBatch` when every one is a :class:`CaptionRow` with
