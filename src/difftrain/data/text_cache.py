@@ -12,22 +12,30 @@ Layout (beside the latent cache, in ``cache_dir("text", data.cache_dir)``): one 
 ``text-FAMILY-KEY/``, holding ``manifest.json`` (family, source, prompt options, the encoders' weights
 digest that checkpoints name, the condition's keys and shapes) and one safetensors file per caption,
 ``SHA256(caption)[:32].safetensors``, whose tensors are the family's :class:`Condition` for that one
-caption (each (1, ...) float32, exactly what ``PromptEncoder.encode([caption])`` returns) and whose
+caption (each (1, ...), what ``PromptEncoder.encode([caption])`` returns, in the run's compute dtype:
+bf16 / fp16 for a bf16 / fp16 run, else float32; the manifest's ``dtype``) and whose
 metadata names the store key and the caption; ``null.safetensors`` is the null condition
 (``PromptEncoder.null(1)``: caption dropout's, guidance's). Only the text encoders' outputs are cached: a
 run's own settings that enter the condition (``Family.run_conditions``: Flux's distilled guidance) are
 added by ``Conditioning`` at each use, so changing them needs no new store.
 
 KEY is a SHA-256 of the cache version, the family, its prompt options (``Family.prompt_options``: today SD3's
-and Flux's T5 ``max_sequence_length``; any option a family adds there enters the key) and the (relative path, size, mtime) of every file of the
+and Flux's T5 ``max_sequence_length``; any option a family adds there enters the key), the entries' dtype
+when not float32 (a float32 store keeps the key it had before entries had a dtype) and the (relative path, size, mtime) of every file of the
 folder's text encoders and tokenizers (``text_encoder*/``, ``tokenizer*/`` and ``model_index.json`` of a
 pipeline folder; every file of a bare text-model folder), the rule of the latent and decode caches:
 change any of them and another store is used (built on first use); the old one stays until removed.
 The key is computed without loading anything, which is what lets a complete cache leave the encoders
 unloaded.
 
-Every entry is checked when read (safetensors only, never pickle; its metadata's key and caption, its
-tensors' names, shapes, dtype, all finite): a missing entry is encoded; a damaged or foreign one (crafted,
+The fill (:func:`staged_conditions`) runs the family's encoder models one at a time (``PromptEncoder.parts``),
+each on the run's device in the compute dtype only for its turn (on the CPU when a GPU cannot hold the
+largest: :func:`fill_device`). Entries are read in the training loader's workers (:class:`CachedConditions`:
+a batch's captions come as a :class:`CaptionBatch` with their conditions), not on the training thread.
+
+Every entry is checked (safetensors only, never pickle): at the start by its header (its metadata's key and
+caption, its tensors' names, shapes, dtype), when first read by its values too (all finite): a missing entry
+is encoded; a damaged or foreign one (crafted,
 truncated, a header lying about sizes, NaN, another store's) gives one warning line naming the file and is
 rebuilt in place. Each file is written to a temporary name (``NAME.safetensors.PID.tmp``) and renamed,
 so a killed build leaves whole entries or none (and its temporary file, removed by the next build);

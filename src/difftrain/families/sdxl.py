@@ -83,8 +83,8 @@ class SDXLPromptEncoder(PromptEncoder):
     def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
         parts = [outputs[name] for name in self.parts]
         pooled = [p["pooled"] for p in parts if "pooled" in p][-1]
-        hidden = torch.cat([p["hidden"].to(pooled.device) for p in parts], dim=-1)
-        return {"prompt_embeds": hidden.float().to(device), "pooled": pooled.float().to(device)}
+        hidden = torch.cat([p["hidden"] for p in parts], dim=-1)  # every part's on one device (the fill's too)
+        return {"prompt_embeds": hidden.float(), "pooled": pooled.float()}  # on the encoders' device: the run's
 
     def null_of(self, empty: dict[str, Tensor], n: int) -> dict[str, Tensor]:
         if not self.force_zeros:

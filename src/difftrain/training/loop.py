@@ -91,7 +91,7 @@ def train(
     data = with_latents(data, conditioning, cfg, dctx)
     data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
     with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
-    held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # caches filled in float32 first
+    held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # latents cached in float32 first
     for part in (conditioning.text, conditioning.codec):  # a LoRA run's text encoders and VAE in bf16/fp16
         hold_frozen(part, held)
 
