@@ -48,7 +48,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 
 import torch
@@ -298,7 +298,7 @@ def fill_device(encoder: nn.Module, device: torch.device | str, dtype: torch.dty
 
 @torch.no_grad()
 def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torch.device,
-                      dtype: torch.dtype) -> Iterable[Condition]:
+                      dtype: torch.dtype) -> Generator[Condition, None, None]:
     """The family's condition (float32 on the host, each (B, ...)) of each batch of captions, computed one
     encoder model at a time (``encoder.parts``: all batches through the first, which is then sent back to the
     host, then the second, ...), each part moved to ``device`` in ``dtype`` only for its turn; the last
