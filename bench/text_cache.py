@@ -12,6 +12,17 @@ batch / images_per_s; peak memory: the process's max RSS as the loop logs it (th
 allocator statistics). A second table times the text condition of one batch alone (the family's
 encoders against the cache, in this process), which the busy machine's noise hides less. Prints
 Markdown tables.
+
+    PYTHONPATH=src:. python bench/text_cache.py --scale [--entries 400] [--families sd3 flux] [--steps 40]
+
+``--scale`` (issue 41 item 4): a store of ``--entries`` synthetic entries of a real base's size (Flux:
+T5 512 x 4096 + pooled 768; SD3: 333 x 4096 + 2048), written once, then, in this process, with whichever
+difftrain is on ``PYTHONPATH`` (run it with START's sources to compare): the start-up check of the complete
+store (``CachedPromptEncoder.ensure``, nothing in memory, warm page cache: median of 3) and the training
+thread's time per step to get one batch's text condition (batch 4, captions drawn at random, a loader with
+2 workers; each step's compute stood in for by a 100 ms sleep that frees the CPU, not counted): with
+START it reads the entries past the 256 MiB memory budget itself, after item 4 the workers bring them.
+Entries are float32 (``--dtype fp32``, START's only kind) or bf16 (``--dtype bf16``, a bf16 run's).
 """
 
 from __future__ import annotations
@@ -130,6 +141,134 @@ def interleaved_ms(family: str, root: Path, steps: int) -> dict[str, float]:
             **{f"{m}_min": min(t) for m, t in times.items()}, "saved_median": statistics.median(paired)}
 
 
+# --scale: entries of real bases' sizes (T5 tokens x width, pooled width).
+SCALE_SHAPES = {"flux": {"prompt_embeds": (512, 4096), "pooled": (768,)},
+                "sd3": {"prompt_embeds": (333, 4096), "pooled": (2048,)}}
+
+
+class _Captions:
+    """A captioned dataset of ``captions``: items (x (1,), caption), as the loader reads them."""
+
+    def __init__(self, captions: list[str]):
+        self.captions = captions
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def __getitem__(self, index):
+        import torch
+
+        index = index[0] if isinstance(index, tuple) else index
+        return torch.zeros(1), self.captions[index]
+
+
+def _scale_store(family: str, root: Path, dtype: str):
+    """The store of a stand-in base folder (its text encoders' files: one config) in ``dtype``, as this
+    difftrain keys it (START: float32 only)."""
+    import inspect
+
+    import torch
+
+    from difftrain.data.text_cache import TextCache
+
+    folder = root / f"{family}-base"
+    if not (folder / "text_encoder" / "config.json").is_file():  # once: the key follows the files' times
+        (folder / "text_encoder").mkdir(parents=True, exist_ok=True)
+        (folder / "model_index.json").write_text('{"_class_name": "bench"}')
+        (folder / "text_encoder" / "config.json").write_text('{"bench": 1}')
+    options = {"max_sequence_length": SCALE_SHAPES[family]["prompt_embeds"][0]}
+    if "dtype" in inspect.signature(TextCache.for_encoder).parameters:
+        return TextCache.for_encoder(folder, family, options, root / "cache", dtype=getattr(torch, dtype))
+    if dtype != "float32":
+        sys.exit("bench/text_cache.py: this difftrain stores float32 entries only: --dtype fp32")
+    return TextCache.for_encoder(folder, family, options, root / "cache")
+
+
+def scale_write(family: str, root: Path, entries: int, dtype: str) -> list[str]:
+    """Write ``entries`` random entries (and the null, the manifest) of ``family``'s size; their captions."""
+    import torch
+
+    from difftrain.data.text_cache import MANIFEST, NULL_ENTRY, entry_name
+
+    store = _scale_store(family, root, dtype)
+    captions = [f"a photo of thing {i}, in a bench of text-cache entries" for i in range(entries)]
+    if (store.folder / MANIFEST).is_file() and len(list(store.folder.glob("*.safetensors"))) == entries + 1:
+        return captions  # written by an earlier run on this --root (START's and this difftrain's float32 keys agree)
+    store.folder.mkdir(parents=True, exist_ok=True)
+    shapes = SCALE_SHAPES[family]
+    manifest = {"key": store.key, "version": 2, "family": family, "source": store.source, "options": store.options,
+                "digest": "bench", "dim": 4096, "shapes": {k: list(v) for k, v in shapes.items()}}
+    if dtype != "float32":
+        manifest["dtype"] = dtype
+    (store.folder / MANIFEST).write_text(json.dumps(manifest))
+    store.manifest = store.read_manifest()
+    gen = torch.Generator().manual_seed(0)
+    for name, caption in [(NULL_ENTRY, "")] + [(entry_name(c), c) for c in captions]:
+        store.write(name, caption, {k: torch.randn(1, *s, generator=gen) for k, s in shapes.items()})
+    return captions
+
+
+def scale_measure(family: str, root: Path, captions: list[str], dtype: str, steps: int) -> dict:
+    """Start-up check (s) of the complete store and the training thread's text condition per step (ms)."""
+    import random
+    import time
+
+    import torch
+
+    from difftrain.data import build_loader, text_cache
+
+    def fresh():
+        def load():
+            raise RuntimeError("bench: the text encoders were loaded: the store is incomplete")
+        return text_cache.CachedPromptEncoder(_scale_store(family, root, dtype), load)
+
+    starts = []
+    for _ in range(3):
+        text = fresh()
+        t = time.perf_counter()
+        assert text.ensure(captions) == 0
+        starts.append(time.perf_counter() - t)
+    text = fresh()
+    dataset = _Captions(captions)
+    wrap = getattr(text_cache, "CachedConditions", None)  # item 4; START has none
+    dataset = wrap(dataset, text.store) if wrap is not None else dataset
+    loader = iter(build_loader(dataset, batch_size=BATCH, seed=random.randrange(1 << 30), start=0, num_workers=2,
+                               device=torch.device("cpu")))
+    times = []
+    for k in range(steps + 5):
+        t = time.perf_counter()
+        _, batch = next(loader)
+        cond = text.encode(batch, "cpu")
+        assert cond["prompt_embeds"].shape == (BATCH, *SCALE_SHAPES[family]["prompt_embeds"])
+        if k >= 5:  # the workers' start left out
+            times.append(1000 * (time.perf_counter() - t))
+        time.sleep(0.1)  # the step's compute (frees the CPU for the workers, as a device step does)
+    del loader
+    return {"start_s": statistics.median(starts), "step_ms": statistics.median(times),
+            "entry_mb": sum(torch.Size(s).numel() for s in SCALE_SHAPES[family].values())
+            * (4 if dtype == "float32" else 2) / 1e6}
+
+
+def scale(args) -> None:
+    """``--scale``: the table of start-up and per-step times at ``--entries`` entries per family."""
+    import subprocess as sp
+
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="difftrain-text-scale-"))
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
+    print(f"| base | entries ({args.dtype}) | entry (MB) | start-up check (s) | per 10,000 (s, scaled) "
+          "| text condition on the training thread per step (ms, median) |")
+    print("|---|---|---|---|---|---|")
+    for family in args.families:
+        captions = scale_write(family, root, args.entries, dtype)
+        r = scale_measure(family, root, captions, dtype, args.steps)
+        print(f"| {family} | {args.entries} | {r['entry_mb']:.1f} | {r['start_s']:.2f} | "
+              f"{r['start_s'] * 10_000 / args.entries:.0f} | {r['step_ms']:.2f} |", flush=True)
+        if not args.root:
+            sp.run(["rm", "-rf", str(root / "cache")], check=True)
+    if not args.root:
+        sp.run(["rm", "-rf", str(root)], check=True)
+
+
 def measure(family: str, mode: str, root: Path, steps: int, run: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", family, mode, str(root), str(steps), run],
                          capture_output=True, text=True, check=False)
@@ -144,7 +283,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--families", nargs="+", default=["sd", "sdxl", "sd3", "flux"])
     parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--scale", action="store_true", help="start-up and per-step times at real entry sizes")
+    parser.add_argument("--entries", type=int, default=400, help="--scale: entries per family")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="--scale: the entries' dtype")
+    parser.add_argument("--root", default="", help="--scale: keep the stores in this folder (default: removed)")
     args = parser.parse_args()
+    if args.scale:
+        scale(args)
+        return
     if args.one:
         family, mode, root, steps, run = args.one
         print(json.dumps(one(family, mode, Path(root), int(steps), run)))

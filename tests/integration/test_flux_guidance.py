@@ -47,8 +47,9 @@ def seen(monkeypatch):
 class _OldFluxEncoder(FluxPromptEncoder):
     """The prompt encoder as difftrain wrote version-1 text caches: the guidance 3.5 in every entry."""
 
-    def encode(self, captions, device="cpu"):
-        return super().encode(captions, device) | {"guidance": torch.full((len(captions),), 3.5, device=device)}
+    def assemble(self, outputs, device="cpu"):  # what encode() and the text cache's staged fill return
+        cond = super().assemble(outputs, device)
+        return cond | {"guidance": torch.full((cond["pooled"].shape[0],), 3.5, device=device)}
 
 
 def test_the_configured_guidance_reaches_the_transformer_and_not_the_text_cache(tmp_path, flux, seen):

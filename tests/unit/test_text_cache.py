@@ -163,6 +163,8 @@ DAMAGES = {"crafted (a pickle)": _crafted, "truncated": _truncated, "header lyin
            "non-finite values": _non_finite, "another encoder's store key": _another_store,
            "another caption": _another_caption, "another shape": _wrong_shape, "missing": lambda p: p.unlink()}
 
+FOUND_WHEN_USED = {"non-finite values"}  # a whole header: found when the entry is first read, not at the start
+
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_entry_is_rebuilt_with_one_line_and_never_runs_code(base, encoder, tmp_path, capsys, damage):
@@ -172,7 +174,11 @@ def test_a_damaged_entry_is_rebuilt_with_one_line_and_never_runs_code(base, enco
     DAMAGES[damage](_entry(text, CAPTIONS[1]))
     capsys.readouterr()
     fresh = _cached(base, tmp_path, encoder)  # a new run: nothing in memory
-    assert fresh.ensure(CAPTIONS) == 1
+    if damage in FOUND_WHEN_USED:  # the start checks headers only: the values are checked when first read
+        assert fresh.ensure(CAPTIONS) == 0 and capsys.readouterr().err == ""
+        fresh.encode([CAPTIONS[1]], "cpu")
+    else:
+        assert fresh.ensure(CAPTIONS) == 1
     err = capsys.readouterr().err
     if damage != "missing":
         assert err.count("\n") == 1 and str(_entry(text, CAPTIONS[1])) in err and "rebuilt" in err
@@ -341,3 +347,189 @@ def test_a_manifest_that_lies_about_the_shapes_is_rewritten_when_the_encoders_lo
     assert "does not describe" in capsys.readouterr().err
     assert json.loads(path.read_text())["shapes"] == manifest["shapes"]
     assert _cached(base, tmp_path).ensure(CAPTIONS) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A fill that fits (one encoder part at a time, in the compute dtype), entries in that dtype, headers
+# checked at the start, conditions read in the loader's workers (issue 41 item 4).
+
+
+UNIQUE = list(dict.fromkeys(CAPTIONS))
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    from tests.family_bases import write_tiny_sd3_folder
+
+    return write_tiny_sd3_folder(tmp_path_factory.mktemp("text_cache_sd3") / "sd3")
+
+
+def _sd3_text(folder, cache_dir, dtype=torch.float32, calls=None):
+    """A CachedPromptEncoder over the tiny SD3 base's three encoders, each load a fresh copy; ``calls``
+    records (part, its parameters' dtype, batch size) of every encoder model the fill runs."""
+    options = {"max_sequence_length": 8}
+
+    def load():
+        encoder = detect(folder).load_prompt_encoder(folder, "cpu", **options)
+        if calls is not None:
+            run = encoder.encode_part
+
+            def encode_part(name, captions):
+                calls.append((name, next(encoder.get_submodule(name).parameters()).dtype, len(captions)))
+                return run(name, captions)
+            encoder.encode_part = encode_part
+        return encoder
+
+    return CachedPromptEncoder(TextCache.for_encoder(folder, "sd3", options, cache_dir, dtype), load)
+
+
+def _stored(text, caption):
+    return text.store.read(entry_name(caption), caption)
+
+
+def test_the_fill_runs_each_encoder_over_every_caption_before_the_next_and_equals_the_whole_encoder(sd3, tmp_path):
+    calls = []
+    text = _sd3_text(sd3, tmp_path, calls=calls)
+    assert text.ensure(UNIQUE, batch_size=2) == len(UNIQUE)
+    batches = [1, 2, 1]  # the null's own batch (""), then the captions two at a time
+    assert calls == [(part, torch.float32, n) for part in ("clip_l", "clip_g", "t5") for n in batches]
+    whole = detect(sd3).load_prompt_encoder(sd3, "cpu", max_sequence_length=8)
+    for i in range(0, len(UNIQUE), 2):  # float32: the same batches give the same values, bit for bit
+        direct = whole.encode(UNIQUE[i:i + 2], "cpu")
+        for row, caption in enumerate(UNIQUE[i:i + 2]):
+            assert all(torch.equal(_stored(text, caption)[k], v[row:row + 1]) for k, v in direct.items())
+    assert all(torch.equal(text.null(1, "cpu")[k], v) for k, v in whole.null(1, "cpu").items())
+
+
+def test_a_bf16_run_fills_in_bf16_and_stores_bf16_entries_close_to_float32(sd3, tmp_path):
+    calls = []
+    text = _sd3_text(sd3, tmp_path, torch.bfloat16, calls)
+    text.ensure(UNIQUE, batch_size=4)
+    assert {dtype for _, dtype, _ in calls} == {torch.bfloat16}  # every encoder ran in the compute dtype
+    full = _sd3_text(sd3, tmp_path)
+    full.ensure(UNIQUE, batch_size=4)
+    assert text.store.folder != full.store.folder  # a float32 run and a bf16 run never share entries
+    assert json.loads((text.store.folder / "manifest.json").read_text())["dtype"] == "bfloat16"
+    for caption in UNIQUE:
+        low, high = _stored(text, caption), _stored(full, caption)
+        for k, v in high.items():
+            assert low[k].dtype == torch.bfloat16 and v.dtype == torch.float32
+            assert (low[k].float() - v).abs().max() <= 0.05 * v.abs().max() + 1e-3  # bf16's 8 bits, through 3 models
+    served = text.encode(UNIQUE, "cpu")
+    assert all(v.dtype == torch.float32 for v in served.values())  # what the step takes, as before
+
+
+def test_an_entry_of_another_dtype_is_refused_by_its_header(sd3, tmp_path, capsys):
+    text = _sd3_text(sd3, tmp_path, torch.bfloat16)
+    text.ensure(UNIQUE)
+    path = _entry(text, UNIQUE[0])
+    full = _sd3_text(sd3, tmp_path)
+    full.ensure(UNIQUE)
+    path.write_bytes(_entry(full, UNIQUE[0]).read_bytes().replace(full.store.key.encode(), text.store.key.encode()))
+    capsys.readouterr()
+    assert _sd3_text(sd3, tmp_path, torch.bfloat16).ensure(UNIQUE) == 1
+    assert "F32" in capsys.readouterr().err
+
+
+def test_a_float32_store_written_before_entries_had_a_dtype_keeps_working(base, encoder, tmp_path):
+    text = _cached(base, tmp_path, encoder)
+    text.ensure(CAPTIONS)
+    path = text.store.folder / "manifest.json"
+    old = json.loads(path.read_text())
+    del old["dtype"]  # START's manifest
+    path.write_text(json.dumps(old))
+    assert text.store.key == store_key(base, "sdxl", {})  # and the same key
+    assert _cached(base, tmp_path).ensure(CAPTIONS) == 0  # loading raises: never loaded
+
+
+def test_the_start_checks_headers_only_and_reads_no_value(base, encoder, tmp_path, monkeypatch):
+    _cached(base, tmp_path, encoder).ensure(CAPTIONS)
+
+    def no_values(self, name, caption):
+        raise AssertionError(f"{name}'s values read at the start")
+
+    monkeypatch.setattr(TextCache, "read", no_values)
+    assert _cached(base, tmp_path).ensure(CAPTIONS) == 0
+
+
+def test_the_fill_runs_on_the_cpu_when_the_device_cannot_hold_the_largest_encoder(sd3, monkeypatch, capsys):
+    from difftrain.data.text_cache import fill_device, part_bytes
+
+    encoder = detect(sd3).load_prompt_encoder(sd3, "cpu", max_sequence_length=8)
+    largest = max(part_bytes(encoder.get_submodule(n), torch.bfloat16) for n in encoder.parts)
+    assert largest == max(sum(p.numel() * 2 for p in encoder.get_submodule(n).parameters())
+                          + sum(b.numel() * (2 if b.is_floating_point() else b.element_size())
+                                for b in encoder.get_submodule(n).buffers()) for n in encoder.parts)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (largest, 10 * largest))
+    assert fill_device(encoder, "cuda:0", torch.bfloat16) == torch.device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (largest - 1, 10 * largest))
+    assert fill_device(encoder, "cuda:0", torch.bfloat16) == torch.device("cpu")
+    assert "runs the text encoders on the CPU" in capsys.readouterr().err
+    assert fill_device(encoder, "cpu", torch.float32) == torch.device("cpu")
+
+
+class _Captioned(torch.utils.data.Dataset):
+    """Items (x (1,), caption) of CAPTIONS, as a captioned dataset gives them."""
+
+    bucket_shapes = None
+
+    def __len__(self):
+        return len(CAPTIONS)
+
+    def __getitem__(self, index):
+        index = index[0] if isinstance(index, tuple) else index
+        return torch.tensor([float(index)]), CAPTIONS[index]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_loader_brings_each_batchs_cached_conditions_read_in_its_workers(base, encoder, tmp_path, workers,
+                                                                            monkeypatch):
+    from difftrain.data.loader import build_loader
+    from difftrain.data.text_cache import CaptionBatch, cached_conditions
+
+    text = _cached(base, tmp_path, encoder)
+    text.ensure(CAPTIONS)
+    conditioning = type("C", (), {"text": text})()
+    loader = build_loader(cached_conditions(_Captioned(), conditioning), batch_size=2, seed=0, start=0,
+                          num_workers=workers, device=torch.device("cpu"))
+    batches = iter(loader)
+    x, captions = next(batches)
+    assert isinstance(captions, CaptionBatch) and captions == [CAPTIONS[int(i)] for i in x[:, 0]]
+    expected = text.encode(list(captions), "cpu")  # read here, as the training thread read them before
+    served = _cached(base, tmp_path)  # a fresh run: nothing in memory
+    monkeypatch.setattr(TextCache, "read", lambda *a: (_ for _ in ()).throw(AssertionError("read on this thread")))
+    cond = served.encode(captions, "cpu")  # the step's call: nothing read on the training thread
+    assert all(torch.equal(cond[k], v) for k, v in expected.items())
+    del batches
+
+
+def test_an_entry_the_worker_cannot_read_is_rebuilt_on_the_training_thread(base, encoder, tmp_path, capsys):
+    from difftrain.data.loader import collate
+    from difftrain.data.text_cache import CachedConditions
+
+    text = _cached(base, tmp_path, encoder)
+    text.ensure(CAPTIONS)
+    _non_finite(_entry(text, CAPTIONS[1]))
+    items = CachedConditions(_Captioned(), text.store)
+    _, captions = collate([items[0], items[1]])
+    assert type(captions) is list  # one row without its condition: the batch is read on the training thread
+    capsys.readouterr()
+    cond = _cached(base, tmp_path, encoder).encode(captions, "cpu")
+    assert capsys.readouterr().err.count("rebuilt") == 1 and torch.isfinite(cond["prompt_embeds"]).all()
+
+
+def test_estimate_counts_the_fills_peak_the_largest_encoder_in_the_compute_dtype():
+    from transformers import T5Config, T5EncoderModel
+
+    from difftrain.tools.base_memory import base_folder, text_cache_fill_bytes
+
+    folder = base_folder("flux-dev")
+    with torch.device("meta"):
+        raw = {k: v for k, v in json.loads((folder / "text_encoder_2" / "config.json").read_text()).items()
+               if not k.startswith("_")}
+        t5 = sum(p.numel() for p in T5EncoderModel(T5Config.from_dict(raw)).parameters())
+    bf16, name = text_cache_fill_bytes(folder, load_config(None, ["train.precision=bf16"]))
+    fp32, _ = text_cache_fill_bytes(folder, load_config(None, ["train.precision=fp32"]))
+    assert "T5EncoderModel" in name and fp32 == 2 * bf16
+    batch = 100 * max(2 * 512 * raw["d_ff"], raw["num_heads"] * 512**2)  # validation.heldout_batch_size captions
+    assert bf16 == 2 * (t5 + batch)  # T5-XXL alone: 9.5 GB in bf16, and one batch's attention scores

@@ -12,22 +12,30 @@ Layout (beside the latent cache, in ``cache_dir("text", data.cache_dir)``): one 
 ``text-FAMILY-KEY/``, holding ``manifest.json`` (family, source, prompt options, the encoders' weights
 digest that checkpoints name, the condition's keys and shapes) and one safetensors file per caption,
 ``SHA256(caption)[:32].safetensors``, whose tensors are the family's :class:`Condition` for that one
-caption (each (1, ...) float32, exactly what ``PromptEncoder.encode([caption])`` returns) and whose
+caption (each (1, ...), what ``PromptEncoder.encode([caption])`` returns, in the run's compute dtype:
+bf16 / fp16 for a bf16 / fp16 run, else float32; the manifest's ``dtype``) and whose
 metadata names the store key and the caption; ``null.safetensors`` is the null condition
 (``PromptEncoder.null(1)``: caption dropout's, guidance's). Only the text encoders' outputs are cached: a
 run's own settings that enter the condition (``Family.run_conditions``: Flux's distilled guidance) are
 added by ``Conditioning`` at each use, so changing them needs no new store.
 
 KEY is a SHA-256 of the cache version, the family, its prompt options (``Family.prompt_options``: today SD3's
-and Flux's T5 ``max_sequence_length``; any option a family adds there enters the key) and the (relative path, size, mtime) of every file of the
+and Flux's T5 ``max_sequence_length``; any option a family adds there enters the key), the entries' dtype
+when not float32 (a float32 store keeps the key it had before entries had a dtype) and the (relative path, size, mtime) of every file of the
 folder's text encoders and tokenizers (``text_encoder*/``, ``tokenizer*/`` and ``model_index.json`` of a
 pipeline folder; every file of a bare text-model folder), the rule of the latent and decode caches:
 change any of them and another store is used (built on first use); the old one stays until removed.
 The key is computed without loading anything, which is what lets a complete cache leave the encoders
 unloaded.
 
-Every entry is checked when read (safetensors only, never pickle; its metadata's key and caption, its
-tensors' names, shapes, dtype, all finite): a missing entry is encoded; a damaged or foreign one (crafted,
+The fill (:func:`staged_conditions`) runs the family's encoder models one at a time (``PromptEncoder.parts``),
+each on the run's device in the compute dtype only for its turn (on the CPU when a GPU cannot hold the
+largest: :func:`fill_device`). Entries are read in the training loader's workers (:class:`CachedConditions`:
+a batch's captions come as a :class:`CaptionBatch` with their conditions), not on the training thread.
+
+Every entry is checked (safetensors only, never pickle): at the start by its header (its metadata's key and
+caption, its tensors' names, shapes, dtype), when first read by its values too (all finite): a missing entry
+is encoded; a damaged or foreign one (crafted,
 truncated, a header lying about sizes, NaN, another store's) gives one warning line naming the file and is
 rebuilt in place. Each file is written to a temporary name (``NAME.safetensors.PID.tmp``) and renamed,
 so a killed build leaves whole entries or none (and its temporary file, removed by the next build);
@@ -40,7 +48,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 
 import torch
@@ -48,6 +56,7 @@ from torch import Tensor, nn
 
 from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
 from difftrain.runtime.files import cache_dir as default_cache_dir
+from difftrain.runtime.precision import DTYPES
 
 # Bump when what the cache holds for the same inputs changes. 2: Flux's entries no longer hold the
 # distilled "guidance" (a setting of the run, Family.run_conditions, that version 1 stored in every entry
@@ -61,6 +70,10 @@ MARK = "difftrain-text-cache"  # the metadata value that tells a cache entry fro
 MEMORY_BYTES = 256 << 20
 
 Condition = dict[str, Tensor]
+# The dtypes entries are stored in (the run's compute dtype: train.precision), by manifest name and by
+# safetensors' header name.
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+HEADER_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class BadEntry(ValueError):
@@ -82,10 +95,12 @@ def encoder_files(folder: Path) -> list[Path]:
     return sorted(files)
 
 
-def store_key(folder: Path, family: str, options: dict) -> str:
-    """The SHA-256 naming the store of ``family``'s encoders in ``folder`` under ``options``."""
+def store_key(folder: Path, family: str, options: dict, dtype: torch.dtype = torch.float32) -> str:
+    """The SHA-256 naming the store of ``family``'s encoders in ``folder`` under ``options``, its entries in
+    ``dtype`` (float32 adds nothing to the key: a store written before entries had a dtype keeps its key)."""
     folder = Path(folder).expanduser()
     salt = f"v{TEXT_CACHE_VERSION}:{family}:{json.dumps(options, sort_keys=True, default=str)}:"
+    salt += "" if dtype == torch.float32 else f"dtype={DTYPE_NAMES[dtype]}:"
     return files_fingerprint(folder, encoder_files(folder), salt)
 
 
@@ -101,19 +116,22 @@ def _warn(message: str) -> None:
 class TextCache:
     """One store folder (see the module docstring): read, check and write entries."""
 
-    def __init__(self, folder: Path, key: str, family: str, source: str, options: dict):
+    def __init__(self, folder: Path, key: str, family: str, source: str, options: dict,
+                 dtype: torch.dtype = torch.float32):
         self.folder, self.key, self.family, self.source, self.options = Path(folder), key, family, source, options
+        self.dtype = dtype
         self.manifest = self.read_manifest()
 
     @classmethod
     def for_encoder(cls, folder: str | Path, family: str, options: dict,
-                    cache_dir: str | Path | None = None) -> TextCache:
-        """The store of ``family``'s text encoders in the base ``folder`` under ``options``, in
-        ``cache_dir`` (default :func:`difftrain.runtime.files.cache_dir` ``("text")``)."""
+                    cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32) -> TextCache:
+        """The store of ``family``'s text encoders in the base ``folder`` under ``options``, its entries in
+        ``dtype`` (float32, bfloat16 or float16), in ``cache_dir`` (default
+        :func:`difftrain.runtime.files.cache_dir` ``("text")``)."""
         folder = Path(folder).expanduser()
-        key = store_key(folder, family, options)
+        key = store_key(folder, family, options, dtype)
         root = default_cache_dir("text", cache_dir)
-        return cls(root / f"text-{family}-{key[:24]}", key, family, str(folder), options)
+        return cls(root / f"text-{family}-{key[:24]}", key, family, str(folder), options, dtype)
 
     # -- the manifest -----------------------------------------------------------------------------
 
@@ -127,7 +145,8 @@ class TextCache:
             ok = (isinstance(value, dict) and value.get("key") == self.key and isinstance(value.get("digest"), str)
                   and isinstance(value.get("dim"), int) and isinstance(value.get("shapes"), dict)
                   and all(isinstance(s, list) and all(isinstance(n, int) and n >= 0 for n in s)
-                          for s in value["shapes"].values()) and value["shapes"])
+                          for s in value["shapes"].values()) and value["shapes"]
+                  and value.get("dtype", "float32") == DTYPE_NAMES[self.dtype])  # none: a float32 store's
         except (OSError, ValueError):
             ok = False
         if not ok:
@@ -135,14 +154,13 @@ class TextCache:
             return None
         return value
 
-    def write_manifest(self, encoder, null: Condition, dry: bool = False) -> None:
-        """Record ``encoder``'s weights digest, source and width and the condition's shapes (from ``null``);
-        ``dry``: in ``self.manifest`` only, not on disk."""
+    def write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]]) -> None:
+        """Record the encoders' weights ``digest``, source, width ``dim``, the entries' dtype and the
+        condition's ``shapes`` (each key's shape of one row, without the batch axis)."""
         self.manifest = {"key": self.key, "version": TEXT_CACHE_VERSION, "family": self.family, "source": self.source,
-                         "options": json.loads(json.dumps(self.options, default=str)), "digest": str(encoder.digest),
-                         "dim": int(encoder.dim), "shapes": {k: list(v.shape[1:]) for k, v in null.items()}}
-        if dry:
-            return
+                         "options": json.loads(json.dumps(self.options, default=str)), "digest": str(digest),
+                         "dim": int(dim), "dtype": DTYPE_NAMES[self.dtype],
+                         "shapes": {k: list(v) for k, v in shapes.items()}}
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.folder / MANIFEST, json.dumps(self.manifest, indent=1).encode())
 
@@ -151,9 +169,22 @@ class TextCache:
     def path(self, name: str) -> Path:
         return self.folder / f"{name}.safetensors"
 
+    def check(self, name: str, caption: str) -> None:
+        """Check entry ``name`` (of ``caption``) by its header only (metadata, tensor names, shapes, dtype; no
+        value is read): :class:`BadEntry` saying why it cannot be used (FileNotFoundError when it does not exist)."""
+        self._open(name, caption, values=False)
+
     def read(self, name: str, caption: str) -> Condition:
-        """The entry ``name`` (of ``caption``) as (1, ...) float32 tensors; :class:`BadEntry` saying why
-        it cannot be used (FileNotFoundError when it does not exist)."""
+        """The entry ``name`` (of ``caption``) as (1, ...) tensors in the store's dtype, its header and values
+        checked (all finite); :class:`BadEntry` saying why it cannot be used (FileNotFoundError when it does
+        not exist)."""
+        cond = self._open(name, caption, values=True)
+        for k, v in cond.items():
+            if not torch.isfinite(v).all():
+                raise BadEntry(f"{k} holds non-finite values")
+        return cond
+
+    def _open(self, name: str, caption: str, values: bool) -> Condition:
         from safetensors import SafetensorError, safe_open
 
         path = self.path(name)
@@ -162,7 +193,7 @@ class TextCache:
         try:
             with safe_open(str(path), framework="pt") as f:
                 self._check_header(f.metadata() or {}, caption, {k: f.get_slice(k) for k in f.keys()})  # noqa: SIM118 - a safe_open, not a dict
-                cond = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+                return {k: f.get_tensor(k) for k in f.keys()} if values else {}  # noqa: SIM118
         except FileNotFoundError:
             raise
         except BadEntry:
@@ -170,10 +201,6 @@ class TextCache:
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise BadEntry(f"not a readable safetensors file ({reason})") from None
-        for k, v in cond.items():
-            if not torch.isfinite(v).all():
-                raise BadEntry(f"{k} holds non-finite values")
-        return cond
 
     def _check_header(self, meta: dict, caption: str, slices: dict) -> None:
         if meta.get("format") != MARK:
@@ -185,15 +212,16 @@ class TextCache:
         shapes = self.manifest["shapes"]
         if set(slices) != set(shapes):
             raise BadEntry(f"holds {', '.join(sorted(slices)) or 'nothing'}, not {', '.join(sorted(shapes))}")
+        want = HEADER_DTYPES[self.dtype]
         for k, s in slices.items():
-            if s.get_dtype() != "F32" or list(s.get_shape()) != [1, *shapes[k]]:
-                raise BadEntry(f"{k} is {s.get_dtype()} {s.get_shape()}, not F32 {[1, *shapes[k]]}")
+            if s.get_dtype() != want or list(s.get_shape()) != [1, *shapes[k]]:
+                raise BadEntry(f"{k} is {s.get_dtype()} {s.get_shape()}, not {want} {[1, *shapes[k]]}")
 
     def write(self, name: str, caption: str, cond: Condition) -> None:
-        """Write ``cond`` (each (1, ...)) as the entry ``name`` of ``caption``, atomically."""
+        """Write ``cond`` (each (1, ...)) as the entry ``name`` of ``caption``, in the store's dtype, atomically."""
         from safetensors.torch import save
 
-        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in cond.items()}
+        tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in cond.items()}
         data = save(tensors, metadata={"format": MARK, "key": self.key, "caption": caption})
         path = self.path(name)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: ranks may rebuild at once
@@ -217,11 +245,98 @@ class TextCache:
                 pass
 
 
+class EntryReader:
+    """Entries of a :class:`TextCache` read (header and values checked) and kept in memory up to
+    :data:`MEMORY_BYTES`; beyond it they are read from their files at each use. Plain data: a copy goes
+    to each DataLoader worker (:class:`CachedConditions`), with its own memory."""
+
+    def __init__(self, store: TextCache):
+        self.store = store
+        self.memory: dict[str, Condition] = {}
+        self.memory_bytes = 0
+
+    def read(self, name: str, caption: str) -> Condition:
+        """Entry ``name`` of ``caption`` (each (1, ...) in the store's dtype); BadEntry / FileNotFoundError."""
+        if name in self.memory:
+            return self.memory[name]
+        cond = self.store.read(name, caption)
+        size = sum(v.numel() * v.element_size() for v in cond.values())
+        if self.memory_bytes + size <= MEMORY_BYTES:
+            self.memory[name] = cond
+            self.memory_bytes += size
+        return cond
+
+    def forget(self, name: str) -> None:
+        """Drop entry ``name`` from memory (it was rewritten)."""
+        cond = self.memory.pop(name, None)
+        if cond is not None:
+            self.memory_bytes -= sum(v.numel() * v.element_size() for v in cond.values())
+
+
+def part_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes ``module``'s floating-point parameters and buffers take in ``dtype`` (others as they are)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * (torch.empty(0, dtype=dtype).element_size() if t.is_floating_point() else t.element_size())
+               for t in tensors)
+
+
+def fill_device(encoder: nn.Module, device: torch.device | str, dtype: torch.dtype) -> torch.device:
+    """Where the fill runs ``encoder``'s parts: ``device``, or the CPU when ``device`` is a CUDA device whose
+    free memory (``torch.cuda.mem_get_info``) cannot hold the largest part in ``dtype`` (one line says so)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    names = getattr(encoder, "parts", ()) or ("",)
+    largest = max(part_bytes(encoder.get_submodule(n), dtype) for n in names)
+    free, _ = torch.cuda.mem_get_info(device)
+    if largest <= free:
+        return device
+    print(f"difftrain: the text cache's fill runs the text encoders on the CPU: their largest part takes "
+          f"{largest / 2**30:.1f} GiB in {DTYPE_NAMES[dtype]}, {device} has {free / 2**30:.1f} GiB free", file=sys.stderr)
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torch.device,
+                      dtype: torch.dtype) -> Generator[Condition, None, None]:
+    """The family's condition (float32 on the host, each (B, ...)) of each batch of captions, computed one
+    encoder model at a time (``encoder.parts``: all batches through the first, which is then sent back to the
+    host, then the second, ...), each part moved to ``device`` in ``dtype`` only for its turn; the last
+    part's outputs are assembled batch by batch (the earlier parts' outputs wait on the host, in ``dtype``).
+    An encoder without ``parts`` runs whole, in one stage."""
+    names = tuple(getattr(encoder, "parts", ()))
+    if not names:
+        encoder.to(device, dtype)
+        try:
+            for batch in batches:
+                yield {k: v.to("cpu", torch.float32) for k, v in encoder.encode(batch, device).items()}
+        finally:
+            encoder.to("cpu")
+        return
+    earlier: dict[str, list[Condition]] = {}
+    for name in names:
+        part = encoder.get_submodule(name).to(device, dtype)
+        try:
+            if name != names[-1]:
+                earlier[name] = [{k: v.to("cpu") for k, v in encoder.encode_part(name, b).items()} for b in batches]
+                continue
+            for i, batch in enumerate(batches):
+                outputs = {n: {k: v.to(device) for k, v in earlier[n][i].items()} for n in earlier}
+                outputs[name] = encoder.encode_part(name, batch)
+                earlier_rows = [earlier[n][i] for n in earlier]
+                for rows in earlier_rows:
+                    rows.clear()  # this batch's earlier outputs are no longer needed
+                yield encoder.assemble(outputs, "cpu")
+        finally:
+            part.to("cpu")  # the device holds one part at a time
+
+
 class CachedPromptEncoder(nn.Module):
     """A family's :class:`~difftrain.families.base.PromptEncoder` served from a :class:`TextCache`:
     ``encode(captions, device)`` and ``null(n, device)`` return what the encoder returns, read from
     the store; ``source``, ``digest`` and ``dim`` come from the store's manifest. The encoder itself
-    (``load()``) is loaded only to fill the store (a missing or damaged entry) and released after
+    (``load()``, on the host) is loaded only to fill the store (a missing or damaged entry), run one part at
+    a time on the run's device in the store's dtype (:func:`staged_conditions`), and released after
     :meth:`ensure`.
 
     An ``nn.Module`` with one empty buffer-like parameter on the run's device, so that code asking
@@ -234,8 +349,7 @@ class CachedPromptEncoder(nn.Module):
         self._encoder: nn.Module | None = None
         self.loads = 0  # how many times the encoders were loaded (0 for a complete cache)
         self.anchor = nn.Parameter(torch.empty(0, device=device), requires_grad=False)
-        self._memory: dict[str, Condition] = {}
-        self._memory_bytes = 0
+        self.reader = EntryReader(store)
         self._null: Condition | None = None
 
     # -- what checkpoints and the start line ask -----------------------------------------------------
@@ -261,19 +375,10 @@ class CachedPromptEncoder(nn.Module):
     # -- the encoders, only when needed --------------------------------------------------------------
 
     def encoder(self) -> nn.Module:
-        """The family's prompt encoder, loaded on first need (on the anchor's device); the manifest
-        is written then if the store has none."""
+        """The family's prompt encoder, loaded (on the host) on first need."""
         if self._encoder is None:
             self._encoder = self._load()
             self.loads += 1
-            old = self.store.manifest
-            self.store.write_manifest(self._encoder, self._encoder.null(1, self.anchor.device), dry=True)
-            same = ("key", "digest", "dim", "shapes")
-            if old is None or any(old.get(k) != self.store.manifest[k] for k in same):  # none, or not these encoders
-                if old is not None:
-                    _warn(f"text cache {self.store.folder / MANIFEST} does not describe {self.source}'s encoders; "
-                          "it is rewritten")
-                self.store.write_manifest(self._encoder, self._encoder.null(1, self.anchor.device))
         return self._encoder
 
     def release(self) -> None:
@@ -281,15 +386,17 @@ class CachedPromptEncoder(nn.Module):
         self._encoder = None
 
     def _manifest(self) -> dict:
-        if self.store.manifest is None:
-            self.encoder()
+        if self.store.manifest is None:  # the null condition encoded to learn the shapes, the manifest written
+            self._fill({}, 1, True)
+            self.release()
         return self.store.manifest
 
     def ensure(self, captions: Iterable[str], batch_size: int = 32) -> int:
         """Encode every caption of ``captions`` (and the null condition) the store lacks or holds
-        damaged, ``batch_size`` at a time, then release the encoders; returns how many were encoded."""
-        if self.store.manifest is None:
-            self.encoder()
+        damaged (its entry's header checked: values are checked when first read), ``batch_size`` at a
+        time, then release the encoders; returns how many were encoded."""
+        if self.store.manifest is None and self.store.folder.is_dir() and any(self.store.folder.glob("*.safetensors")):
+            self._manifest()  # entries but no manifest (damaged): rewritten, so that they can be checked
         todo: dict[str, str] = {}
         for caption in dict.fromkeys(captions):
             name = entry_name(caption)
@@ -305,10 +412,12 @@ class CachedPromptEncoder(nn.Module):
 
     def _usable(self, name: str, caption: str) -> bool:
         """Whether entry ``name`` exists and its header checks (one warning line if damaged)."""
-        if not self.store.path(name).is_file():
+        if name in self.reader.memory:
+            return True
+        if self.store.manifest is None or not self.store.path(name).is_file():
             return False
         try:
-            self._read(name, caption)
+            self.store.check(name, caption)
         except FileNotFoundError:
             return False
         except BadEntry as e:
@@ -317,35 +426,48 @@ class CachedPromptEncoder(nn.Module):
         return True
 
     def _fill(self, todo: dict[str, str], batch_size: int, null: bool) -> None:
+        """Encode ``todo`` (name: caption) ``batch_size`` at a time and, with ``null`` (or no manifest yet), the
+        null condition (its own batch, "", first), one encoder part at a time (:func:`staged_conditions`);
+        write the manifest (rewritten, one line, when the old one does not describe these encoders), then
+        the entries."""
         encoder = self.encoder()
-        device = self.anchor.device
+        digest, dim = str(encoder.digest), int(encoder.dim)  # before the parts move (Flux's dim reads T5's config)
+        device = fill_device(encoder, self.anchor.device, self.store.dtype)
+        items = list(todo.items())
+        chunks = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+        need_null = null or self.store.manifest is None
+        batches = ([[""]] if need_null else []) + [[c for _, c in chunk] for chunk in chunks]
+        conds = staged_conditions(encoder, batches, device, self.store.dtype)
+        null_cond = encoder.null_of(next(conds), 1) if need_null else None
+        shapes = self.store.manifest["shapes"] if null_cond is None else {k: list(v.shape[1:]) for k, v in null_cond.items()}
+        self._write_manifest(digest, dim, shapes)
         self.store.folder.mkdir(parents=True, exist_ok=True)
         if null:
-            self.store.write(NULL_ENTRY, "", encoder.null(1, device))
-        items = list(todo.items())
-        for start in range(0, len(items), batch_size):
-            chunk = items[start:start + batch_size]
-            cond = encoder.encode([c for _, c in chunk], device)
+            self.store.write(NULL_ENTRY, "", null_cond)
+            self._null = None
+        for chunk, cond in zip(chunks, conds):
             for row, (name, caption) in enumerate(chunk):
                 self.store.write(name, caption, {k: v[row:row + 1] for k, v in cond.items()})
-                self._memory.pop(name, None)
+                self.reader.forget(name)
+        conds.close()  # the last part back on the host now
+
+    def _write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]]) -> None:
+        """Write the manifest of these encoders unless the store's already says the same; one warning line
+        when an old one differs."""
+        old = self.store.manifest
+        if old is not None and (old.get("digest"), old.get("dim"), old["shapes"]) == (digest, dim, shapes):
+            return
+        if old is not None:
+            _warn(f"text cache {self.store.folder / MANIFEST} does not describe {self.source}'s encoders; "
+                  "it is rewritten")
+        self.store.write_manifest(digest, dim, shapes)
 
     # -- reading --------------------------------------------------------------------------------------
-
-    def _read(self, name: str, caption: str) -> Condition:
-        if name in self._memory:
-            return self._memory[name]
-        cond = self.store.read(name, caption)
-        size = sum(v.numel() * v.element_size() for v in cond.values())
-        if self._memory_bytes + size <= MEMORY_BYTES:
-            self._memory[name] = cond
-            self._memory_bytes += size
-        return cond
 
     def _entry(self, name: str, caption: str) -> Condition:
         """Entry ``name``, encoded (and written) if missing, rebuilt with one warning line if damaged."""
         try:
-            return self._read(name, caption)
+            return self.reader.read(name, caption)
         except FileNotFoundError:
             pass
         except BadEntry as e:
@@ -354,16 +476,105 @@ class CachedPromptEncoder(nn.Module):
         return self.store.read(name, caption)
 
     def encode(self, captions: list[str], device: torch.device | str) -> Condition:
-        """The family's condition of B captions on ``device``: each key (B, ...) float32."""
+        """The family's condition of B captions on ``device``: each key (B, ...) float32. A
+        :class:`CaptionBatch` brings its rows, read in a loader worker; other captions are read here."""
+        if isinstance(captions, CaptionBatch):
+            return {k: v.to(device, non_blocking=True).float() for k, v in captions.cond.items()}
         rows = [self._entry(entry_name(c), c) for c in captions]
-        return {k: torch.cat([r[k] for r in rows]).to(device, non_blocking=True) for k in rows[0]}
+        return {k: torch.cat([r[k] for r in rows]).to(device, non_blocking=True).float() for k in rows[0]}
 
     def null(self, n: int, device: torch.device | str) -> Condition:
         """The family's null condition for ``n`` rows (expanded views), read once per device."""
         device = torch.device(device)
         if self._null is None or next(iter(self._null.values())).device != device:
-            self._null = {k: v.to(device) for k, v in self._entry(NULL_ENTRY, "").items()}
+            self._null = {k: v.to(device).float() for k, v in self._entry(NULL_ENTRY, "").items()}
         return {k: v.expand(n, *v.shape[1:]) for k, v in self._null.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditions read in the loader's workers.
+
+
+class CaptionRow(str):
+    """A caption with its cached condition ``cond`` ({key: (1, ...)} in the store's dtype, read in a loader
+    worker), or None where its entry is missing or damaged (the training thread then reads or rebuilds it)."""
+
+    cond: Condition | None
+
+    def __new__(cls, caption: str, cond: Condition | None):
+        row = super().__new__(cls, caption)
+        row.cond = cond
+        return row
+
+    def __reduce__(self):  # to the main process through the loader's queue
+        return CaptionRow, (str(self), self.cond)
+
+
+class CaptionBatch(list):
+    """B captions (strings) with their conditions ``cond`` {key: (B, ...)} stacked on the host, read in a loader
+    worker; :meth:`CachedPromptEncoder.encode` serves them as they are."""
+
+    def __init__(self, captions: Iterable[str], cond: Condition):
+        super().__init__(str(c) for c in captions)
+        self.cond = cond
+
+    def __reduce__(self):
+        return CaptionBatch, (list(self), self.cond)
+
+    def pin_memory(self) -> CaptionBatch:
+        """The loader's pinning (CUDA): the conditions in pinned memory, so that their copy does not wait."""
+        return CaptionBatch(self, {k: v.pin_memory() for k, v in self.cond.items()})
+
+
+def caption_batch(captions: list) -> list[str]:
+    """The loader's collate of B captions: a :class:`CaptionBatch` when every one is a :class:`CaptionRow` with
+    its condition, else the plain list (the training thread reads what the workers could not)."""
+    conds = [getattr(c, "cond", None) for c in captions]
+    if not captions or any(c is None for c in conds):
+        return [str(c) for c in captions]
+    return CaptionBatch(captions, {k: _stack([c[k] for c in conds]) for k in conds[0]})
+
+
+def _stack(rows: list[Tensor]) -> Tensor:
+    """``torch.cat(rows)``; in a loader worker straight into shared memory (as torch's default collate), so that
+    sending it to the training process copies nothing more."""
+    out = None
+    if torch.utils.data.get_worker_info() is not None:
+        out = torch.empty((sum(r.shape[0] for r in rows), *rows[0].shape[1:]), dtype=rows[0].dtype).share_memory_()
+    return torch.cat(rows, out=out)
+
+
+class CachedConditions(torch.utils.data.Dataset):
+    """``dataset`` (items ``(x, caption, ...)``) whose captions come with their cached conditions, read
+    (:class:`EntryReader`: header and values checked, the memory budget kept per worker) in the
+    DataLoader's workers instead of the training thread: items ``(x, CaptionRow, ...)``. Other attributes
+    are the dataset's."""
+
+    def __init__(self, dataset, store: TextCache):
+        self.dataset, self.reader = dataset, EntryReader(store)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str):
+        if name in ("dataset", "reader"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index):
+        x, caption, *rest = self.dataset[index]
+        try:
+            cond = self.reader.read(entry_name(caption), caption)
+        except (FileNotFoundError, BadEntry):  # the training thread reads it, or rebuilds it with one line
+            cond = None
+        return (x, CaptionRow(caption, cond), *rest)
+
+
+def cached_conditions(dataset, conditioning):
+    """``dataset`` as the training loader reads it: :class:`CachedConditions` when the run's text encoders are
+    behind the cache (``conditioning.text`` a :class:`CachedPromptEncoder`), else ``dataset`` itself."""
+    text = getattr(conditioning, "text", None)
+    return CachedConditions(dataset, text.store) if isinstance(text, CachedPromptEncoder) else dataset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +588,11 @@ def text_cache_wanted(cfg) -> bool:
     return mode == "on" or (mode == "auto" and not (cfg.text.shuffle_tags or cfg.text.tag_dropout > 0))
 
 
+def compute_dtype(cfg) -> torch.dtype:
+    """The dtype a run's text cache is filled and stored in: ``train.precision``'s bf16 / fp16, else float32."""
+    return DTYPES[cfg.train.precision]
+
+
 def cached_prompt_encoder(cfg, family: str, folder: Path, options: dict, load: Callable[[], nn.Module],
                           device: torch.device | str) -> CachedPromptEncoder | None:
     """The base ``family``'s text encoders behind the cache (``text.cache``), or None when it is off
@@ -384,7 +600,7 @@ def cached_prompt_encoder(cfg, family: str, folder: Path, options: dict, load: C
     if not text_cache_wanted(cfg):
         return None
     try:
-        store = TextCache.for_encoder(folder, family, options, cfg.data.cache_dir or None)
+        store = TextCache.for_encoder(folder, family, options, cfg.data.cache_dir or None, compute_dtype(cfg))
     except FileNotFoundError as e:
         raise ValueError(f"model.text_encoder: {e}") from None
     return CachedPromptEncoder(store, load, device)

@@ -171,22 +171,41 @@ class PromptEncoder(nn.Module):
     source: str = ""
     digest: str = ""
     dim: int = 0
+    # The encoder models (submodule names) that :meth:`encode_part` runs one at a time, in order, and
+    # :meth:`assemble` combines: the text cache's fill holds one of them on the device at a time. () = one
+    # stage, :meth:`encode` itself.
+    parts: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         super().__init__()
         self._null: Condition | None = None
         self._null_key = ""  # the device the null condition was encoded for
 
-    @abstractmethod
-    def encode(self, captions: list[str], device: torch.device | str) -> Condition:  # pragma: no cover
-        """The condition of B captions on ``device``: a dict of float32 tensors, each (B, ...)."""
+    @torch.no_grad()
+    def encode(self, captions: list[str], device: torch.device | str = "cpu") -> Condition:
+        """The condition of B captions on ``device``: a dict of float32 tensors, each (B, ...); by default
+        :meth:`assemble` of every part's :meth:`encode_part` (a family with ``parts`` () overrides it)."""
+        return self.assemble({name: self.encode_part(name, captions) for name in self.parts}, device)
+
+    def encode_part(self, name: str, captions: list[str]) -> Condition:  # pragma: no cover - interface
+        """The outputs of the encoder model ``name`` (one of ``parts``) for B captions, on its device, each (B, ...)."""
+        raise NotImplementedError(f"{type(self).__name__} encodes in one stage")
+
+    def assemble(self, outputs: dict[str, Condition], device: torch.device | str) -> Condition:  # pragma: no cover
+        """The condition (float32 on ``device``) of B captions from each part's :meth:`encode_part` outputs."""
+        raise NotImplementedError(f"{type(self).__name__} encodes in one stage")
 
     def null(self, n: int, device: torch.device | str) -> Condition:
-        """The null condition for ``n`` rows (expanded views of ``encode([""])``, encoded once per device)."""
+        """The null condition for ``n`` rows (:meth:`null_of` ``encode([""])``, encoded once per device)."""
         key = str(device)  # as given: "cuda" and the tensors' "cuda:0" would never compare equal
         if self._null is None or self._null_key != key:
             self._null, self._null_key = self.encode([""], device), key
-        return {k: v.expand(n, *v.shape[1:]) for k, v in self._null.items()}
+        return self.null_of(self._null, n)
+
+    def null_of(self, empty: Condition, n: int) -> Condition:
+        """The null condition of ``n`` rows given ``empty`` = ``encode([""])`` (1, ...): its rows, expanded
+        (SDXL with ``force_zeros_for_empty_prompt``: zeros)."""
+        return {k: v.expand(n, *v.shape[1:]) for k, v in empty.items()}
 
     def reference(self) -> dict:
         """``{"source", "digest"}``: how checkpoints name these frozen parts."""
@@ -364,8 +383,9 @@ class Family(ABC):
         ``device``; ``cache`` (training: ``data.text_cache.cached_prompt_encoder``): behind the text cache where
         ``text.cache`` asks for it, loaded only to fill it."""
         folder, options = Path(cfg.model.text_encoder).expanduser(), self.prompt_options(cfg.model)
-        load = lambda: self.load_prompt_encoder(folder, device, **options)
-        text = cache(cfg, self.name, folder, options, load, device) if cache is not None else None
+        load = lambda where=device: self.load_prompt_encoder(folder, where, **options)
+        # the cache's fill loads them on the host and moves one part at a time to the device
+        text = cache(cfg, self.name, folder, options, lambda: load("cpu"), device) if cache is not None else None
         return load() if text is None else text  # without the cache: loaded now
 
     # -- a text run's condition (networks/conditioning.py's ``c``: its text, resolution, run values, memo) ---
@@ -375,7 +395,7 @@ class Family(ABC):
         """The condition of B captions: the prompt encoder's dict, the null's rows where ``drop`` (B,) bool is
         True (:func:`drop_rows`: no host read), | :meth:`image_conditions` of ``geometry`` (B, 4) at ``size``
         (H, W) | the run's scalars (:meth:`run_conditions`)."""
-        cond = c.text.encode(list(captions), device)
+        cond = c.text.encode(captions if isinstance(captions, list) else list(captions), device)  # a CaptionBatch kept
         if drop is not None:
             cond = drop_rows(cond, c.text.null(1, device), drop)
         n = len(captions)

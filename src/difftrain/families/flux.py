@@ -101,6 +101,8 @@ class FluxPromptEncoder(PromptEncoder):
     W_t5), "pooled": (B, W_clip)}`` as FluxPipeline.encode_prompt. The distilled guidance is not a text
     output: it is the run's (:meth:`FluxFamily.run_conditions`)."""
 
+    parts = ("clip", "t5")
+
     def __init__(self, folder: Path, max_sequence_length: int = 0):
         super().__init__()
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # optional ([text])
@@ -120,12 +122,16 @@ class FluxPromptEncoder(PromptEncoder):
         """The width of ``prompt_embeds`` (T5's d_model)."""
         return int(self.t5.config.d_model)
 
-    @torch.no_grad()
-    def encode(self, captions: list[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
-        pooled = self.clip(token_ids(self.tok_clip, captions, self.clip_length, self.clip.device),
-                           output_hidden_states=False).pooler_output
-        t5 = self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
-        return {"prompt_embeds": t5.float().to(device), "pooled": pooled.float().to(device)}
+    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
+        """CLIP's ``{"pooled": (B, W_clip)}`` pooled output or T5's ``{"prompt_embeds": (B, t5_length, W_t5)}``."""
+        if name == "clip":
+            return {"pooled": self.clip(token_ids(self.tok_clip, captions, self.clip_length, self.clip.device),
+                                        output_hidden_states=False).pooler_output}
+        return {"prompt_embeds": self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]}
+
+    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
+        return {"prompt_embeds": outputs["t5"]["prompt_embeds"].float().to(device),
+                "pooled": outputs["clip"]["pooled"].float().to(device)}
 
 
 class FluxFamily(TransformerFamily):

@@ -107,10 +107,12 @@ class SD3PromptEncoder(PromptEncoder):
         self.tok_l = load_part(folder, "tokenizer", CLIPTokenizer, "CLIP-L tokenizer")
         self.tok_g = load_part(folder, "tokenizer_2", CLIPTokenizer, "CLIP-G tokenizer")
         self.t5 = self.tok_t5 = None
+        self.parts = ("clip_l", "clip_g")
         if (folder / "text_encoder_3").is_dir() or (folder / "tokenizer_3").is_dir():  # one without the other: one line
             self.t5 = frozen(load_part(folder, "text_encoder_3", T5EncoderModel, "T5 text encoder"))
             self.tok_t5 = load_part(folder, "tokenizer_3", T5TokenizerFast, "T5 tokenizer")
             self.width = int(self.t5.config.d_model)
+            self.parts = ("clip_l", "clip_g", "t5")
         else:
             width = read_json(folder / "transformer" / "config.json", f"base {folder}").get("joint_attention_dim")
             if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
@@ -129,24 +131,25 @@ class SD3PromptEncoder(PromptEncoder):
         """The width of ``prompt_embeds`` (T5's d_model; without T5 the transformer's joint_attention_dim)."""
         return self.width
 
-    def _t5(self, captions: list[str]) -> Tensor:
-        """(B, t5_length, width): T5's last hidden state, or zeros without T5 (the pipeline's)."""
-        if self.t5 is None:
-            return torch.zeros(len(captions), self.t5_length, self.width, device=self.clip_l.device)
-        return self.t5(token_ids(self.tok_t5, captions, self.t5_length, self.t5.device))[0]
+    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
+        """CLIP-L's or CLIP-G's ``{"hidden": (B, 77, W) penultimate states, "pooled": (B, P) text_embeds}``,
+        or T5's ``{"t5": (B, t5_length, width)}`` last hidden state."""
+        model = getattr(self, name)
+        if name == "t5":
+            return {"t5": model(token_ids(self.tok_t5, captions, self.t5_length, model.device))[0]}
+        tok = self.tok_l if name == "clip_l" else self.tok_g
+        out = model(token_ids(tok, captions, self.clip_length, model.device), output_hidden_states=True)
+        return {"hidden": out.hidden_states[-2], "pooled": out.text_embeds}
 
-    @torch.no_grad()
-    def encode(self, captions: list[str], device: torch.device | str = "cpu") -> dict[str, Tensor]:
-        embeds, pooled = [], []
-        for model, tok in ((self.clip_l, self.tok_l), (self.clip_g, self.tok_g)):
-            out = model(token_ids(tok, captions, self.clip_length, model.device), output_hidden_states=True)
-            embeds.append(out.hidden_states[-2])
-            pooled.append(out.text_embeds)
-        t5 = self._t5(captions)
-        clip = torch.cat(embeds, dim=-1)
+    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
+        """The pipeline's condition; without T5, zeros (t5_length, width) in its place (the pipeline's)."""
+        clip = torch.cat([outputs["clip_l"]["hidden"], outputs["clip_g"]["hidden"]], dim=-1)
+        t5 = outputs["t5"]["t5"].to(clip.device) if "t5" in outputs else \
+            torch.zeros(clip.shape[0], self.t5_length, self.width, device=clip.device)
         clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
-        return {"prompt_embeds": torch.cat([clip, t5], dim=-2).float().to(device),
-                "pooled": torch.cat(pooled, dim=-1).float().to(device)}
+        pooled = torch.cat([outputs["clip_l"]["pooled"], outputs["clip_g"]["pooled"]], dim=-1)
+        return {"prompt_embeds": torch.cat([clip.to(t5.dtype), t5], dim=-2).float().to(device),
+                "pooled": pooled.float().to(device)}
 
 
 class SD3Family(TransformerFamily):

@@ -68,22 +68,28 @@ class SDXLPromptEncoder(PromptEncoder):
         self.digest = weights_digest(self.encoders, vocab_bytes(tokenizers, ascii_only=True))
         self.dim = sum(int(e.config.hidden_size) for e in encoders)  # D of prompt_embeds
 
-    @torch.no_grad()
-    def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
-        hidden, pooled = [], None
-        for tokenizer, encoder in zip(self.tokenizers, self.encoders):
-            ids = token_ids(tokenizer, captions, tokenizer.model_max_length, device)  # (B, 77) made on the host
-            out = encoder(ids, output_hidden_states=True)
-            if out[0].ndim == 2:  # CLIPTextModelWithProjection: text_embeds
-                pooled = out[0]
-            hidden.append(out.hidden_states[-2])
-        return {"prompt_embeds": torch.cat(hidden, dim=-1).float(), "pooled": pooled.float()}
+    parts = ("encoders.0", "encoders.1")
 
-    def null(self, n: int, device: torch.device | str) -> dict[str, Tensor]:
+    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
+        """Encoder ``encoders.I``'s ``{"hidden": (B, 77, D_I) penultimate states}``, with ``"pooled"`` (B, P)
+        for the one with a projection (CLIP-G's text_embeds)."""
+        i = int(name.rsplit(".", 1)[1])
+        tokenizer, encoder = self.tokenizers[i], self.encoders[i]
+        ids = token_ids(tokenizer, captions, tokenizer.model_max_length, encoder.device)  # (B, 77) made on the host
+        out = encoder(ids, output_hidden_states=True)
+        pooled = {"pooled": out[0]} if out[0].ndim == 2 else {}  # CLIPTextModelWithProjection: text_embeds
+        return {"hidden": out.hidden_states[-2], **pooled}
+
+    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
+        parts = [outputs[name] for name in self.parts]
+        pooled = [p["pooled"] for p in parts if "pooled" in p][-1]
+        hidden = torch.cat([p["hidden"] for p in parts], dim=-1)  # every part's on one device (the fill's too)
+        return {"prompt_embeds": hidden.float(), "pooled": pooled.float()}  # on the encoders' device: the run's
+
+    def null_of(self, empty: dict[str, Tensor], n: int) -> dict[str, Tensor]:
         if not self.force_zeros:
-            return super().null(n, device)
-        one = super().null(1, device)
-        return {k: torch.zeros_like(v).expand(n, *v.shape[1:]) for k, v in one.items()}
+            return super().null_of(empty, n)
+        return {k: torch.zeros_like(v).expand(n, *v.shape[1:]) for k, v in empty.items()}
 
 
 def time_ids(geometry: Tensor | None, size: tuple[int, int], batch: int, device) -> Tensor:

@@ -127,6 +127,32 @@ def text_encoder_params(folder: Path) -> int:
     return total
 
 
+def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
+    """Peak device bytes of filling the text cache (``data/text_cache.py``: one encoder on the device at a
+    time, in the compute dtype, before training starts; then released), and the largest encoder's name: its
+    weights in ``train.precision``'s dtype (float32 for fp32) plus one fill batch's (``validation.heldout_batch_size``
+    captions) largest activation: per caption, the larger of a layer's input and output (2 x tokens x
+    max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: CLIP's
+    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512."""
+    import transformers
+
+    index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
+    for part, value in sorted(index.items()):
+        if not part.startswith("text_encoder") or not isinstance(value, list) or not (folder / part).is_dir():
+            continue
+        raw = {k: v for k, v in _json(folder / part / "config.json").items() if not k.startswith("_")}
+        cls = getattr(transformers, value[1])
+        with torch.device("meta"):
+            params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
+        tokens = raw.get("max_position_embeddings") or cfg.model.max_sequence_length or 512
+        width = max(raw.get("hidden_size") or raw.get("d_model", 0), raw.get("intermediate_size") or raw.get("d_ff", 0))
+        heads = raw.get("num_attention_heads") or raw.get("num_heads", 0)
+        total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize
+        if total > peak:
+            peak, name = total, f"{part} ({value[1]})"
+    return peak, name
+
+
 def stored_parameters(model: nn.Module) -> int:
     """The numbers the base's weight files hold: its parameters and persistent buffers (its state dict).
     SD3's position table (226M numbers in SD3.5 Medium) is a buffer in diffusers but a tensor of the file,
@@ -356,6 +382,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "lora_parameters": lora_parameters,
         "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else
                          f"loaded, {'float32' if held_dtype(own, precision, 'text') is None else precision}",
+        "text_cache_fill": text_cache_fill_bytes(folder, cfg) if text_cache_on(cfg) else None,
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
         "activations_note": failed or "counted on meta tensors (tools/meta_step.py)",
         "rows": [rows[s] for s in settings],
@@ -394,6 +421,9 @@ def format_base(r: dict) -> str:
             "weights, off the device figures")] if own["swap_blocks"] else []),
         ("  total per rank", _gib(own["total"]) + " GiB"),
     ]
+    if r.get("text_cache_fill"):  # before training, one encoder at a time: a peak of its own, not in the total
+        head.append(("  text cache fill", f"{_gib(r['text_cache_fill'][0])} GiB at most while the cache fills, before "
+                                          f"training (largest: {r['text_cache_fill'][1]}, {r['precision']})"))
     if not r["activations_note"].startswith("counted"):
         head.append(("  activations", r["activations_note"]))
     lines = [f"{k:22s} {v}" for k, v in head]

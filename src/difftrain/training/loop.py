@@ -15,7 +15,7 @@ from difftrain.config import Config, ModelConfig, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.latents import with_latent_cache
 from difftrain.data.prepare import prepare_training_data
-from difftrain.data.text_cache import with_caption_options, with_text_cache
+from difftrain.data.text_cache import cached_conditions, with_caption_options, with_text_cache
 from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
@@ -91,7 +91,7 @@ def train(
     data = with_latents(data, conditioning, cfg, dctx)
     data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
     with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
-    held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # caches filled in float32 first
+    held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # latents cached in float32 first
     for part in (conditioning.text, conditioning.codec):  # a LoRA run's text encoders and VAE in bf16/fp16
         hold_frozen(part, held)
 
@@ -111,7 +111,8 @@ def train(
 
     # Run folder, loader, trackers and the evaluations.
     _open_run_dir(run_dir, cfg, state, data, dctx, fresh=resumed_from is None)
-    loader = build_loader(data.train, batch_size=tc.batch_size, seed=tc.seed, start=state.position, device=device,
+    loader = build_loader(cached_conditions(data.train, conditioning),  # text.cache: conditions read in the workers
+                          batch_size=tc.batch_size, seed=tc.seed, start=state.position, device=device,
                           num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor, rank=dctx.rank,
                           world_size=dctx.world_size, worker_init_fn=leave_process_group)  # SIGTERM: the main process's
     # Rank 0's trackers, watched for the signs of a run going wrong (training/warnings.py).
