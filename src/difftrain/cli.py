@@ -546,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="ranks for --parallel (default 1; with --base: the ranks of the config's setting (default 1) and the N of its table (default 8))")
     p.add_argument("--base", metavar="NAME_OR_FOLDER",
                    help="count a base on the meta device from its config.json files, no weights, no step: a pipeline "
-                        "folder or a known base (sdxl, sd3.5-large, sd3.5-medium, flux-dev); per-rank weights, gradients, "
+                        "folder or a known base (sd1.5, sdxl, sd3.5-large, sd3.5-medium, flux-dev); per-rank weights, gradients, "
                         "optimizer state, EMA, activations (with and without checkpointing), quantized base, for full "
                         "fine-tuning and LoRA at 1 and N ranks, against 16/24/48/80 GB cards")
     p.add_argument("--resolution", type=int, help="with --base: image side in pixels (default data.resolution)")

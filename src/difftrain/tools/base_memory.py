@@ -2,11 +2,12 @@
 
     r = count_base(cfg, "flux-dev", ranks=8)      # a known base (configs shipped in tools/bases/) or a folder
     print(format_base(r))                         # the parts of cfg's setting, then which settings fit which card
+    check_fits(cfg, "flux-dev", 24 * GiB)         # cfg's setting alone against a card; where it misses, what fits
 
 A base is a pipeline folder of which only the ``config.json`` files are read (``model_index.json``, the
 denoiser's, the text encoders', the VAE's): the known bases in ``tools/bases/`` are such folders, written
 from the public configs of stabilityai/stable-diffusion-xl-base-1.0, stabilityai/stable-diffusion-3.5-large
-and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on the meta device
+and -medium, black-forest-labs/FLUX.1-dev and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``). The family's denoiser is built on the meta device
 (``Family.denoiser_from_record``) and, for LoRA, peft's layers are injected as training injects them
 (``networks/lora.py``'s targets and ``LoraConfig``). Per rank (``parallel_memory.rank_memory``, DDP or FSDP):
 
@@ -27,7 +28,9 @@ and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on 
 
 The sum is a planning figure (an upper bound of the step's peak, which frees activations as gradients
 appear); a card "fits" when it is at most :data:`HEADROOM` of the card's memory (the CUDA context and the
-allocator's slack take the rest).
+allocator's slack take the rest). Where cfg's setting misses a card, :func:`advise` names the smallest change
+that fits it, trying the single levers of :data:`LEVERS` and then their pairs (``estimate --base ... --card``;
+at a CUDA run's start, ``api.check_device_memory``).
 """
 
 from __future__ import annotations
