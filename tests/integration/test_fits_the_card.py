@@ -150,7 +150,7 @@ def _fake_cuda(monkeypatch, total: int, started: list):
     import safetensors
     import safetensors.torch
 
-    import difftrain.training.loop as loop
+    from difftrain.training import loop
 
     _Props.total_memory = total
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -205,7 +205,7 @@ def test_a_setting_that_cannot_fit_the_device_is_refused_at_start(flux, monkeypa
 
 def test_the_check_counts_nothing_off_cuda(flux, monkeypatch):
     """On the CPU the check is skipped (the count takes seconds on a real base: docs/fine_tuning.md)."""
-    import difftrain.api as api
+    from difftrain import api
 
     folder, _ = flux
     monkeypatch.setattr(api, "check_fits", lambda *a, **k: pytest.fail("counted off CUDA"))

@@ -7,9 +7,10 @@
 A base is a pipeline folder of which only the ``config.json`` files are read (``model_index.json``, the
 denoiser's, the text encoders', the VAE's): the known bases in ``tools/bases/`` are such folders, written
 from the public configs of stabilityai/stable-diffusion-xl-base-1.0, stabilityai/stable-diffusion-3.5-large
-and -medium, black-forest-labs/FLUX.1-dev and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``). The family's denoiser is built on the meta device
-(``Family.denoiser_from_record``) and, for LoRA, peft's layers are injected as training injects them
-(``networks/lora.py``'s targets and ``LoraConfig``). Per rank (``parallel_memory.rank_memory``, DDP or FSDP):
+and -medium, black-forest-labs/FLUX.1-dev and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``). The
+family's denoiser is built on the meta device (``Family.denoiser_from_record``) and, for LoRA, peft's layers
+are injected as training injects them (``networks/lora.py``'s targets and ``LoraConfig``). Per rank
+(``parallel_memory.rank_memory``, DDP or FSDP):
 
 - weights: the trained ones in float32; the frozen base as difftrain holds it (``networks/frozen_dtype.py``):
   in a LoRA setting in bf16/fp16 in that dtype (2 bytes a weight; float32 under FSDP, where its shards are
@@ -437,7 +438,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
     b = read_base(cfg, base, resolution, batch_size)
     own = _config_setting(cfg, own_ranks or ranks, parallel)
     settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
-    tried = [(lines, s) for lines, s in changes(own)]
+    tried = changes(own)
     rows, info = count_settings(cfg, b, list(dict.fromkeys(settings + [s for _, s in tried])))
     card = card_gib if card_gib is not None else min(CARDS_GIB)
     return {
