@@ -11,6 +11,7 @@ Each call does what the command of the same name does, with the same checks and 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from difftrain.interop.diffusers import export_diffusers
 from difftrain.networks.lora import is_lora_record
 from difftrain.networks.quantize import device_refusal
 from difftrain.runtime.device import resolve_device
+from difftrain.tools.base_memory import HEADROOM, check_fits, read_base, size_text
 from difftrain.training.loop import train as train_loop
 
 
@@ -67,6 +69,38 @@ def check_machine(cfg: Config) -> None:
         refusal = device_refusal(cfg.model.quantize_base, resolve_device(cfg.train.device))
         if refusal:
             raise ConfigError(refusal)
+    check_device_memory(cfg)
+
+
+def check_device_memory(cfg: Config) -> None:
+    """On CUDA, a run on a base family folder (``model.init_from`` with a ``model_index.json`` a family reads)
+    against the device's memory, before any weight is loaded: ``difftrain estimate --base``'s figure for the run's
+    setting (``tools/base_memory.check_fits``, counted on the meta device: seconds for Flux) against
+    ``base_memory.HEADROOM`` of the device's memory (``torch.cuda.mem_get_info``'s total). Where it cannot fit,
+    a :class:`ConfigError` of one line (exit 2) naming the figure, the card's and the smallest change that fits.
+    Elsewhere (the CPU, MPS, difftrain's own networks) nothing is counted. Not counted (so not refused): FSDP's CPU
+    offload, which the count does not model (a block swap, ``model.swap_blocks``, is counted)."""
+    device = resolve_device(cfg.train.device)
+    folder = Path(cfg.model.init_from).expanduser() if cfg.model.init_from else None
+    if (device.type != "cuda" or folder is None or not (folder / "model_index.json").is_file()
+            or cfg.train.fsdp_offload):
+        return
+    try:
+        base = read_base(cfg, str(folder))
+    except ValueError:  # not a family base folder the count reads: training's own checks say what is wrong
+        return
+    _, total = torch.cuda.mem_get_info(device)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    r = check_fits(cfg, base, total, ranks)
+    if r["fits"]:
+        return
+    need = (f"this run's setting needs {size_text(r['total'])} per GPU by `difftrain estimate --base {folder}`, "
+            f"over {HEADROOM:.0%} of {torch.cuda.get_device_properties(device).name}'s {size_text(total)} ({device})")
+    if r["change"]:
+        raise ConfigError(f"{need}; the smallest change that fits: {' '.join(r['change'])} "
+                          f"({size_text(r['total'])} -> {size_text(r['changed_total'])})")
+    raise ConfigError(f"{need}; no single change or pair of checkpointing, 8-bit AdamW or a quantized base fits: "
+                      "lower data.resolution or train.batch_size, or shard the run over several GPUs (train.parallel=fsdp)")
 
 
 def train(

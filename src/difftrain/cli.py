@@ -225,8 +225,11 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.base:  # a base counted on the meta device from its config.json files: every setting against the cards
         folder = base_folder(args.base)
         cfg = load_config(args.config, [f"model.init_from={folder}", *args.set])
+        # the config's setting on one GPU (the config names no rank count) unless --world-size says; the table's
+        # other settings at 1 and N ranks (N: --world-size, or 8)
         r = count_base(cfg, args.base, ranks=8 if args.world_size is None else args.world_size, parallel=args.parallel,
-                       resolution=args.resolution, batch_size=args.batch_size)
+                       resolution=args.resolution, batch_size=args.batch_size, own_ranks=args.world_size or 1,
+                       card_gib=args.card)
         print(json.dumps(r, indent=1) if args.json else format_base(r))
         return 0
     cfg = load_config(args.config, args.set)
@@ -540,13 +543,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-lr", action="store_true", help="scale optim.lr linearly from optim.base_batch")
     p.add_argument("--parallel", choices=list(typing.get_args(Parallel)),
                    help="memory per rank under DDP (all of it on each rank) or FSDP (sharded) (default ddp)")
-    p.add_argument("--world-size", type=int, help="ranks for --parallel (default 1; with --base: the N of its table, 8)")
+    p.add_argument("--world-size", type=int, help="ranks for --parallel (default 1; with --base: the ranks of the config's setting (default 1) and the N of its table (default 8))")
     p.add_argument("--base", metavar="NAME_OR_FOLDER",
                    help="count a base on the meta device from its config.json files, no weights, no step: a pipeline "
-                        "folder or a known base (sdxl, sd3.5-large, sd3.5-medium, flux-dev); per-rank weights, gradients, "
+                        "folder or a known base (sd1.5, sdxl, sd3.5-large, sd3.5-medium, flux-dev); per-rank weights, gradients, "
                         "optimizer state, EMA, activations (with and without checkpointing), quantized base, for full "
                         "fine-tuning and LoRA at 1 and N ranks, against 16/24/48/80 GB cards")
     p.add_argument("--resolution", type=int, help="with --base: image side in pixels (default data.resolution)")
+    p.add_argument("--card", type=float, metavar="GIB",
+                   help="with --base: the card's memory in GiB (e.g. 24): whether the config's setting fits it and, "
+                        "where not, the smallest change that does (default: the smallest card of the table, 16)")
     p.add_argument("--unet-config", metavar="PATH",
                    help="a diffusers UNet2DConditionModel config.json (or its folder) to count on the meta device "
                         "instead: weights, gradients, optimizer state and EMA per rank, no step, no activations")

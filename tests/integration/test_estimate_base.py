@@ -202,14 +202,17 @@ def test_quantized_base_weights_equal_bitsandbytes_to_the_byte(wide_flux, kind):
 
 def test_known_bases_are_the_public_architectures():
     """The shipped configs build the public models on meta: SDXL's UNet 2,567,463,684 parameters, Flux.1-dev's
-    transformer 11,901,408,320."""
+    transformer 11,901,408,320, Stable Diffusion 1.5's UNet 859,520,964 (its CLIP ViT-L/14 text tower 123,060,480)."""
     import torch
 
     from difftrain.families import detect
     from difftrain.tools.base_memory import base_folder, denoiser_config
 
-    assert known_bases() == ["flux-dev", "sd3.5-large", "sd3.5-medium", "sdxl"]
-    for name, params in {"sdxl": 2_567_463_684, "flux-dev": 11_901_408_320}.items():
+    from difftrain.tools.base_memory import text_encoder_params
+
+    assert known_bases() == ["flux-dev", "sd1.5", "sd3.5-large", "sd3.5-medium", "sdxl"]
+    assert text_encoder_params(base_folder("sd1.5")) == 123_060_480
+    for name, params in {"sdxl": 2_567_463_684, "flux-dev": 11_901_408_320, "sd1.5": 859_520_964}.items():
         folder = base_folder(name)
         with torch.device("meta"):
             net = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})

@@ -2,13 +2,15 @@
 
     r = count_base(cfg, "flux-dev", ranks=8)      # a known base (configs shipped in tools/bases/) or a folder
     print(format_base(r))                         # the parts of cfg's setting, then which settings fit which card
+    check_fits(cfg, "flux-dev", 24 * GiB)         # cfg's setting alone against a card; where it misses, what fits
 
 A base is a pipeline folder of which only the ``config.json`` files are read (``model_index.json``, the
 denoiser's, the text encoders', the VAE's): the known bases in ``tools/bases/`` are such folders, written
 from the public configs of stabilityai/stable-diffusion-xl-base-1.0, stabilityai/stable-diffusion-3.5-large
-and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on the meta device
-(``Family.denoiser_from_record``) and, for LoRA, peft's layers are injected as training injects them
-(``networks/lora.py``'s targets and ``LoraConfig``). Per rank (``parallel_memory.rank_memory``, DDP or FSDP):
+and -medium, black-forest-labs/FLUX.1-dev and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``). The
+family's denoiser is built on the meta device (``Family.denoiser_from_record``) and, for LoRA, peft's layers
+are injected as training injects them (``networks/lora.py``'s targets and ``LoraConfig``). Per rank
+(``parallel_memory.rank_memory``, DDP or FSDP):
 
 - weights: the trained ones in float32; the frozen base as difftrain holds it (``networks/frozen_dtype.py``):
   in a LoRA setting in bf16/fp16 in that dtype (2 bytes a weight; float32 under FSDP, where its shards are
@@ -30,23 +32,25 @@ and -medium and black-forest-labs/FLUX.1-dev. The family's denoiser is built on 
 
 The sum is a planning figure (an upper bound of the step's peak, which frees activations as gradients
 appear); a card "fits" when it is at most :data:`HEADROOM` of the card's memory (the CUDA context and the
-allocator's slack take the rest).
+allocator's slack take the rest). Where cfg's setting misses a card, :func:`advise` names the smallest change
+that fits it, trying the single levers of :data:`LEVERS` and then their pairs (``estimate --base ... --card``;
+at a CUDA run's start, ``api.check_device_memory``).
 """
 
 from __future__ import annotations
 
 import itertools
-import types
 import json
 import math
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from difftrain.networks.block_swap import OPTION as SWAP_OPTION, planned_bytes
-from difftrain.networks.quantize import unfit_shape
+from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
 from difftrain.runtime.fsdp import blocks
 from difftrain.models.text import first_line
 from difftrain.runtime.precision import DTYPES
@@ -323,16 +327,26 @@ def text_cache_on(cfg) -> bool:
     return mode == "on" or (mode == "auto" and not cfg.text.shuffle_tags and not cfg.text.tag_dropout)
 
 
-def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, resolution: int | None = None,
-               batch_size: int | None = None) -> dict:
-    """Per-rank memory of training ``base`` with ``cfg`` (its precision, optimizer, EMAs, LoRA, checkpointing,
-    quantize_base, text cache), and of the other settings at 1 and ``ranks`` ranks. Returns a JSON-ready
-    dict, sizes in bytes; ``resolution`` (pixels; default ``data.resolution``) and ``batch_size`` (per rank;
-    default ``train.batch_size``) give the activations."""
+@dataclass(frozen=True)
+class Base:
+    """A base folder read for counting: its family, the denoiser's config, the step's shapes and the text encoders'
+    numbers when they are loaded (0 with the text cache on)."""
+
+    name: str
+    folder: Path
+    family: object
+    config: dict
+    resolution: int
+    batch: int
+    latent: tuple[int, int]
+    text: int
+
+
+def read_base(cfg, base: str, resolution: int | None = None, batch_size: int | None = None) -> Base:
+    """``base`` (a known name or a folder) read for counting with ``cfg``; one ValueError naming the option where
+    it is not a base or ``resolution`` (default ``data.resolution``) does not suit it."""
     from difftrain.families import detect
 
-    if ranks < 1:
-        raise ValueError(f"--world-size must be >= 1, got {ranks}")
     folder = base_folder(base)
     try:
         family = detect(folder)
@@ -340,53 +354,173 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         raise ValueError(f"--base: {e}") from None
     config = denoiser_config(folder)
     resolution = resolution or cfg.data.resolution
-    batch = batch_size or cfg.train.batch_size
     factor = family.image_side_multiple(types.SimpleNamespace(factor=vae_factor(folder)))
     if resolution % factor:
         raise ValueError(f"resolution {resolution} must be a multiple of {factor} for this {family.name} base")
     latent = (resolution // vae_factor(folder), resolution // vae_factor(folder))
-    precision = cfg.train.precision
     text = 0 if text_cache_on(cfg) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
-    own = _config_setting(cfg, ranks, parallel)
-    settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
-    net = _Network(family, config)
-    swapped_bytes(net, own.swap)  # a model.swap_blocks above the base's blocks: refused before anything is counted
-    parameters = sum(p.numel() for p in net.model.parameters())
-    stored = stored_parameters(net.model)  # before LoRA: the base's own tensors
-    failed = ""
+    return Base(str(base), folder, family, config, resolution, batch_size or cfg.train.batch_size, latent, text)
+
+
+def count_settings(cfg, b: Base, settings: list[Setting]) -> tuple[dict[Setting, dict], dict]:
+    """Each of ``settings`` counted on ``b`` (one meta build of the denoiser; one meta forward per distinct
+    checkpointing / quantized base / held dtype): (its row per setting, the network's counts: ``parameters``,
+    ``stored_parameters``, ``lora_parameters``, ``activations_note``)."""
+    precision = cfg.train.precision
+    net = _Network(b.family, b.config)
+    info = {"parameters": sum(p.numel() for p in net.model.parameters()),
+            "stored_parameters": stored_parameters(net.model),  # before LoRA: the base's own tensors
+            "lora_parameters": 0, "activations_note": "counted on meta tensors (tools/meta_step.py)"}
+    swapped_bytes(net, max(s.swap for s in settings))  # a model.swap_blocks above the base's blocks: refused first
     rows: dict[Setting, dict] = {}
-    for lora in (False, True):
+    for lora in (False, True):  # full fine-tuning first: LoRA's injection changes the network for good
+        todo = [s for s in settings if s.lora == lora]
+        if not todo:
+            continue
         if lora:
             net.add_lora(cfg)
         acts: dict[tuple, SavedBytes] = {}
-        for s in (s for s in settings if s.lora == lora):
+        for s in todo:
             held = held_dtype(s, precision)
             net.hold(held)  # the frozen base as this setting holds it: its bytes and autocast's copies follow
             key = (s.checkpointing, s.quantize, held)
             if key not in acts:
                 try:
-                    acts[key] = net.activations(family, config, cfg, batch, latent, s.checkpointing, s.quantize)
+                    acts[key] = net.activations(b.family, b.config, cfg, b.batch, b.latent, s.checkpointing,
+                                                s.quantize)
                 except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:  # a forward meta cannot run
                     acts[key] = SavedBytes(0, 0, 0)
-                    failed = (f"not counted: the {family.name} denoiser's forward fails on the meta device "
-                              f"({first_line(e)}); `difftrain estimate --config ...` measures them on a model that fits")
-            rows[s] = _row(net, s, acts[key], cfg, text)
-    lora_parameters = sum(p.numel() for p in net.model.parameters() if p.requires_grad)
+                    info["activations_note"] = (
+                        f"not counted: the {b.family.name} denoiser's forward fails on the meta device "
+                        f"({first_line(e)}); `difftrain estimate --config ...` measures them on a model that fits")
+            rows[s] = _row(net, s, acts[key], cfg, b.text)
+    info["lora_parameters"] = sum(p.numel() for p in net.model.parameters() if p.requires_grad)
+    return rows, info
+
+
+# The single changes the advice tries, each a field of Setting, its value and the override that makes it, in the
+# order of their cost to the run (ties of the resulting figure go to the earlier): checkpointing costs time only
+# (a recomputed forward), 8-bit AdamW rounds the adapter's optimizer state, fp8 rounds the frozen base's weights to
+# 8 bits, nf4 to 4 bits (the largest quality cost of these).
+LEVERS = (
+    ("checkpointing", True, "--set model.gradient_checkpointing=true"),
+    ("optimizer", "adamw8bit", "--set optim.name=adamw8bit"),
+    ("quantize", "fp8", "--set model.quantize_base=fp8"),
+    ("quantize", "nf4", "--set model.quantize_base=nf4"),
+)
+
+
+def _allowed(s: Setting) -> bool:
+    """Whether training runs setting ``s``: a quantized base under LoRA and not under FSDP, fp8 in one process
+    (``networks/quantize.QUANTIZE_KINDS``' ddp), a block swap over a float base of a LoRA run without FSDP, the
+    optimizer verified under FSDP there."""
+    if s.quantize != "off" and (not s.lora or s.parallel == "fsdp" or s.quantize not in QUANTIZE_KINDS
+                                or (s.ranks > 1 and not QUANTIZE_KINDS[s.quantize].ddp)):
+        return False
+    if s.swap and (not s.lora or s.quantize != "off" or s.parallel == "fsdp"):  # config._check_swap_blocks
+        return False
+    return s.parallel != "fsdp" or OPTIMIZERS[s.optimizer].fsdp
+
+
+def changes(own: Setting) -> list[tuple[tuple[str, ...], Setting]]:
+    """The settings one lever away from ``own``, then two (levers on two different fields), that training runs:
+    (the overrides, the setting), in :data:`LEVERS`' order. The block swap (``model.swap_blocks``) is not
+    among them: its count is the swap's own (networks/block_swap.py)."""
+    singles = [(field, value, line) for field, value, line in LEVERS if getattr(own, field) != value]
+    out = []
+    for n in (1, 2):
+        for combo in itertools.combinations(singles, n):
+            if len({field for field, _, _ in combo}) < n:
+                continue
+            s = replace(own, **{field: value for field, value, _ in combo})
+            if _allowed(s):
+                out.append((tuple(line for _, _, line in combo), s))
+    return out
+
+
+def size_text(n: float) -> str:
+    """Bytes in words: GiB to 2 decimals, MiB below a tenth of a GiB (tiny test bases)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def fits(total: int, card_bytes: int) -> bool:
+    """Whether a setting of ``total`` bytes fits a card of ``card_bytes`` (:data:`HEADROOM` of it)."""
+    return total <= HEADROOM * card_bytes
+
+
+def advise(own_row: dict, tried: list[tuple[tuple[str, ...], dict]], card_bytes: int) -> dict:
+    """The smallest change that fits a card of ``card_bytes``: among the changes ``tried`` ((overrides, its
+    row), in :func:`changes`' order), the fitting ones of the fewest lines, the one whose figure is the largest
+    (the least departure from the setting; a tie to the cheaper lever); every fitting change ranked in ``fitting``.
+    ``line``: one line naming it and the figures, or saying that none fits."""
+    fitting = [(lines, row) for lines, row in tried if fits(row["total"], card_bytes)]
+    fitting.sort(key=lambda t: (len(t[0]), -t[1]["total"]))
+    card = card_bytes / GiB
+    own, card_text = size_text(own_row["total"]), size_text(card_bytes)
+    if fits(own_row["total"], card_bytes):
+        line = f"fits {card_text} ({own} <= {HEADROOM:.0%} of it)"
+    elif fitting:
+        lines, row = fitting[0]
+        line = (f"does not fit {card_text} ({own} > {HEADROOM:.0%} of it); the smallest change that fits: "
+                f"{' '.join(lines)} ({own} -> {size_text(row['total'])})")
+    else:
+        line = (f"does not fit {card_text} ({own} > {HEADROOM:.0%} of it), nor does any single change or pair of "
+                f"{', '.join(line for _, _, line in LEVERS)}; lower data.resolution or train.batch_size, or shard "
+                "the run over several GPUs (train.parallel=fsdp)")
+    return {"card_gib": card, "fits": fits(own_row["total"], card_bytes), "line": line,
+            "change": list(fitting[0][0]) if fitting else [], "changed_total": fitting[0][1]["total"] if fitting else None,
+            "fitting": [{"set": list(lines), "total": row["total"]} for lines, row in fitting]}
+
+
+def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, resolution: int | None = None,
+               batch_size: int | None = None, own_ranks: int | None = None, card_gib: float | None = None) -> dict:
+    """Per-rank memory of training ``base`` with ``cfg`` (its precision, optimizer, EMAs, LoRA, checkpointing,
+    quantize_base, text cache) on ``own_ranks`` ranks (default ``ranks``), and of the other settings at 1 and
+    ``ranks`` ranks; ``advice``: whether cfg's setting fits a card of ``card_gib`` GiB (default the smallest of
+    :data:`CARDS_GIB`) and, where not, the smallest change that does (:func:`advise`). Returns a JSON-ready
+    dict, sizes in bytes; ``resolution`` (pixels; default ``data.resolution``) and ``batch_size`` (per rank;
+    default ``train.batch_size``) give the activations."""
+    if ranks < 1 or (own_ranks is not None and own_ranks < 1):
+        raise ValueError(f"--world-size must be >= 1, got {min(ranks, own_ranks or 1)}")
+    if card_gib is not None and card_gib <= 0:
+        raise ValueError(f"--card must be > 0 (GiB of the card), got {card_gib}")
+    b = read_base(cfg, base, resolution, batch_size)
+    own = _config_setting(cfg, own_ranks or ranks, parallel)
+    settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
+    tried = changes(own)
+    rows, info = count_settings(cfg, b, list(dict.fromkeys(settings + [s for _, s in tried])))
+    card = card_gib if card_gib is not None else min(CARDS_GIB)
     return {
         "device": "meta (counted from the configs' shapes, not measured)",
-        "base": str(base), "family": family.name, "resolution": resolution, "batch_size": batch,
-        "latent": [family.latent_channels(config), *latent], "precision": precision,
-        "parameters": parameters,
-        "stored_parameters": stored,
+        "base": str(base), "family": b.family.name, "resolution": b.resolution, "batch_size": b.batch,
+        "latent": [b.family.latent_channels(b.config), *b.latent], "precision": cfg.train.precision,
+        "parameters": info["parameters"],
+        "stored_parameters": info["stored_parameters"],
         "lora_rank": cfg.lora.rank or 16,
-        "lora_parameters": lora_parameters,
+        "lora_parameters": info["lora_parameters"],
         "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else
-                         f"loaded, {'float32' if held_dtype(own, precision, 'text') is None else precision}",
-        "text_cache_fill": text_cache_fill_bytes(folder, cfg) if text_cache_on(cfg) else None,
+                         f"loaded, {'float32' if held_dtype(own, cfg.train.precision, 'text') is None else cfg.train.precision}",
+        "text_cache_fill": text_cache_fill_bytes(b.folder, cfg) if text_cache_on(cfg) else None,
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
-        "activations_note": failed or "counted on meta tensors (tools/meta_step.py)",
+        "activations_note": info["activations_note"],
         "rows": [rows[s] for s in settings],
+        "advice": advise(rows[own], [(lines, rows[s]) for lines, s in tried], int(card * GiB)),
     }
+
+
+def check_fits(cfg, base: Base | str | Path, card_bytes: int, ranks: int = 1) -> dict:
+    """Whether training ``base`` (:func:`read_base`'s, or a name or folder) with ``cfg`` on ``ranks`` ranks fits a
+    device of ``card_bytes``, counted as ``difftrain estimate --base`` counts it: cfg's setting alone first (one meta
+    build and forward), and only where it does not fit, the changes of :func:`changes` (:func:`advise`'s dict, with
+    ``total`` cfg's figure)."""
+    b = base if isinstance(base, Base) else read_base(cfg, str(base))
+    own = _config_setting(cfg, ranks, None)
+    rows, _ = count_settings(cfg, b, [own])
+    tried = []
+    if not fits(rows[own]["total"], card_bytes):
+        tried = changes(own)
+        rows, _ = count_settings(cfg, b, [own] + [s for _, s in tried])
+    return {**advise(rows[own], [(lines, rows[s]) for lines, s in tried], card_bytes), "total": rows[own]["total"]}
 
 
 def _gib(n: int) -> str:
@@ -433,4 +567,5 @@ def format_base(r: dict) -> str:
         marks = "  ".join(f"{'yes' if c in row['fits_gib'] else ' - ':>4s}" for c in CARDS_GIB)
         lines.append(f"{row['setting']:72s} {_gib(row['total']):>8s}  {marks}")
     lines.append(f"(fits: total per rank <= {HEADROOM:.0%} of the card; counted on the meta device, not measured)")
+    lines.append(f"your setting {r['advice']['line']}")
     return "\n".join(lines)
