@@ -83,6 +83,7 @@ class TensorSource:
     def __init__(self, keys: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]],
                  get: Callable[[Path, str], Tensor] = _safetensors_tensor) -> None:
         self.keys, self.shapes, self._get = keys, shapes, get
+        self.safetensors = get is _safetensors_tensor  # its tensors lie in safetensors files (runtime/stored_digest.py)
         self.from_index = False  # of_folder: the files an index (``*.index.json``) names, not one weights file
 
     @classmethod
@@ -172,6 +173,11 @@ class TensorSource:
     def names(self) -> set[str]:
         return set(self.keys)
 
+    def read_stored(self, name: str) -> Tensor:
+        """The whole tensor ``name`` on the CPU in the dtype its file stores it in (no check, no upcast)."""
+        file, key = self.keys[name]
+        return self._get(file, key)
+
     def read(self, name: str) -> Tensor:
         """The whole tensor ``name`` on the CPU (a floating one as float32), a copy of its own (a safetensors
         file closed again); one ValueError naming the file when it is not finite."""
@@ -243,6 +249,10 @@ class DeferredWeights:
 
     def covers(self, module: nn.Module) -> bool:
         return any(m is module for m, _ in self.parts)
+
+    def source_of(self, module: nn.Module) -> TensorSource | None:
+        """The source ``module`` was added with (:meth:`add`), or None."""
+        return next((s for m, s in self.parts if m is module), None)
 
     def tensors(self, module: nn.Module) -> Iterator[tuple[str, Tensor]]:
         """(state-dict name, whole tensor) of ``module`` (added here), one read at a time, by sorted name
