@@ -242,13 +242,17 @@ def _stored_digest(base: nn.Module, init_from: str, deferred: DeferredWeights | 
     if source is None:
         if not init_from:
             return None
+        folder = Path(init_from).expanduser()
         try:
-            empty = detect(Path(init_from).expanduser()).empty_denoiser(Path(init_from).expanduser())
+            family = detect(folder)
+            if meta_init.available():  # the names the loader gives them (diffusers' renaming of old names)
+                source = (family.empty_denoiser(folder) or (None, None))[1]
+            else:  # no accelerate: no empty build, the files' own names
+                source = TensorSource.of_folder(family.denoiser_folder(folder))
         except ValueError:
             return None
-        if empty is None:
+        if source is None:
             return None
-        source = empty[1]
     if set(source.names()) != set(base.state_dict()):
         return None
     return BaseDigest(stored_digest(source), STORED,
