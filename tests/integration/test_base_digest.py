@@ -102,12 +102,13 @@ def test_digest_changes_with_a_weight_not_with_the_dtype_held(bases, monkeypatch
     assert bf16.base_digest == digest  # the run's precision (bf16 frozen) leaves the files' digest alone
     changed = tmp_path / "changed"
     shutil.copytree(base, changed)
+    assert _net(bases, changed).base_digest == digest  # the same tensors elsewhere: the same digest (now cached)
     tensors = load_file(changed / UNET_FILE)
     name = sorted(tensors)[0]
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] += 1.0
     save_file(tensors, changed / UNET_FILE)
-    assert _net(bases, changed).base_digest != digest  # the same size: a new mtime_ns, taken again
+    assert _net(bases, changed).base_digest != digest  # rewritten in place, the same size: a new mtime_ns, taken again
     # A bf16 file is hashed as stored, 2 bytes a weight (not its float32 upcast).
     source = TensorSource.of_files([_bf16_copy(base, tmp_path / "bf16") / UNET_FILE])
     read = []

@@ -4,12 +4,14 @@ device is still to be filled from them.
 
     source = TensorSource.of_folder(Path("sd/unet"))      # diffusion_pytorch_model(.safetensors | .bin | index)
     t = source.read("conv_in.weight")                      # float32, on the CPU: that tensor alone
+    rows = source.read("conv_in.weight", (0, 160))         # its rows 0:160 alone (an FSDP rank's shard)
     deferred = DeferredWeights()
     deferred.add(denoiser, source)                         # the denoiser's weights lie in source
     readers = deferred.bind(model)                         # model's parameter / buffer name -> reader
     deferred.add_loaded(unet, load)                        # or: filled in place once sharded, each rank its part
 
-FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, and a quantized base
+FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, each rank reading its rows alone
+(a safetensors ``get_slice``; a mapped torch tensor's rows), and a quantized base
 (``networks/quantize.py``) its layers, so no process holds a base's whole weights. A safetensors read
 opens the file, copies one tensor out and closes it (safetensors maps the file; a file kept open would
 leave every page read resident in this process). A torch file (``torch.save``'s zip format) is opened
