@@ -141,7 +141,7 @@ def main() -> int:
         new_env = dict(env, PYTHONPATH=f"{ROOT / 'src'}:{ROOT}")
         old_env = dict(env, PYTHONPATH=f"{Path(args.old_src).resolve()}:{ROOT}")
 
-        def ours(label: str, run_env: dict) -> dict:
+        def ours(label: str, run_env: dict, name=name, family=family, base=base, data=data) -> dict:
             run_dir = work / name / f"run-{label}"
             shutil.rmtree(run_dir, ignore_errors=True)
             return to_first_step(our_command(family, base, data, run_dir, args), run_env,

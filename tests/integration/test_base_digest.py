@@ -104,7 +104,7 @@ def test_digest_changes_with_a_weight_not_with_the_dtype_held(bases, monkeypatch
     shutil.copytree(base, changed)
     assert _net(bases, changed).base_digest == digest  # the same tensors elsewhere: the same digest (now cached)
     tensors = load_file(changed / UNET_FILE)
-    name = sorted(tensors)[0]
+    name = min(tensors)
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] += 1.0
     save_file(tensors, changed / UNET_FILE)

@@ -18,8 +18,8 @@ from tests.integration.test_fsdp_meta_bases import BUILD, _bin_folder, _built, _
 
 def _counted(ctx, runs: list[list[str]]) -> dict:
     """``_built`` of ``runs`` on this rank, with the elements its sharded builds read from the base's files."""
-    from difftrain.runtime.tensor_source import TensorSource
     import difftrain.training.state as state_module
+    from difftrain.runtime.tensor_source import TensorSource
 
     read, counts = TensorSource.read, []
     sharded = state_module.builds_sharded

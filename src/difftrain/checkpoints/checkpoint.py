@@ -126,8 +126,8 @@ SCHEMA = {
                      or (v["kind"] == "lora" and isinstance(v.get("base"), dict) and isinstance(v.get("lora"), dict)
                          and isinstance(v.get("base_digest"), str)
                          and v.get("base_digest_kind", FLOAT32) in DIGEST_KINDS)),
-                "a dict with 'kind' ('unet', a diffusers UNet with its 'config', or 'lora' with its 'base'"
-                f" and a 'base_digest_kind' of {', '.join(DIGEST_KINDS)} if any)"),
+                ("a dict with 'kind' ('unet', a diffusers UNet with its 'config', or 'lora' with its 'base'"
+                 f" and a 'base_digest_kind' of {', '.join(DIGEST_KINDS)} if any)")),
     "frozen": (lambda v: isinstance(v, dict) and all(
                    isinstance(r, dict) and isinstance(r.get("source"), str) and isinstance(r.get("digest"), str)
                    for r in v.values()),
