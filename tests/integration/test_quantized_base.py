@@ -469,7 +469,8 @@ def test_a_base_quantized_as_it_loads_never_holds_the_float_base(tmp_path, monke
     """A 46.7M-parameter UNet (178 MiB of float32 weights, 75% of them in Linear layers), LoRA over it in
     int8, each build in a fresh process with glibc's mmap threshold fixed (freed blocks given back, so RSS
     counts live memory): quantized as it loads, the peak stays under the float32 base's size; loaded whole
-    and quantized after, it exceeds it (measured 110 and 219 MiB against 178: docs/benchmarks.md). About 40 s on
+    and quantized after, it holds about that size (measured 110 and 219 MiB against 178: docs/benchmarks.md,
+    before the base's digest was taken from its files as stored; 112 and 174 after). About 40 s on
     a busy 2-core machine."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -484,4 +485,6 @@ def test_a_base_quantized_as_it_loads_never_holds_the_float_base(tmp_path, monke
     now, before = peaks[True], peaks[False]
     float_base = 4 * now["params"]
     assert now["params"] == before["params"] > 40e6 and now["bytes"] == before["bytes"] < float_base / 2
-    assert now["peak"] < float_base < before["peak"], (now, before, float_base)
+    # Loaded whole, it held about the float base (219 MiB against 178 with the base's digest of float32
+    # copies; 174 since the digest is of the files as stored, issue 41 item 5): as it loads stays well under.
+    assert now["peak"] < float_base and now["peak"] < 0.8 * before["peak"], (now, before, float_base)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from difftrain.runtime.files import atomic_write
+from difftrain.runtime.stored_digest import DIGEST_KINDS, FLOAT32
 from difftrain.checkpoints import store as store
 from difftrain.checkpoints.store import (  # noqa: F401 - re-exported: checkpoint.X is the public name
     BEST, FORMAT, LATEST, OLDER_FORMATS, PAUSE_ENV, CheckpointError, CheckpointWriteError, NonFiniteWeights,
@@ -123,8 +124,10 @@ SCHEMA = {
     "network": (lambda v: isinstance(v, dict) and isinstance(v.get("kind"), str)
                 and (v["kind"] == "unet" or isinstance(v.get("config"), dict)
                      or (v["kind"] == "lora" and isinstance(v.get("base"), dict) and isinstance(v.get("lora"), dict)
-                         and isinstance(v.get("base_digest"), str))),
-                "a dict with 'kind' ('unet', a diffusers UNet with its 'config', or 'lora' with its 'base')"),
+                         and isinstance(v.get("base_digest"), str)
+                         and v.get("base_digest_kind", FLOAT32) in DIGEST_KINDS)),
+                ("a dict with 'kind' ('unet', a diffusers UNet with its 'config', or 'lora' with its 'base'"
+                 f" and a 'base_digest_kind' of {', '.join(DIGEST_KINDS)} if any)")),
     "frozen": (lambda v: isinstance(v, dict) and all(
                    isinstance(r, dict) and isinstance(r.get("source"), str) and isinstance(r.get("digest"), str)
                    for r in v.values()),

@@ -21,16 +21,17 @@ import torch
 from torch import nn
 
 from difftrain.config import Config
-from difftrain.families import Denoiser, family_of_config, family_of_record
+from difftrain.families import Denoiser, detect, family_of_config, family_of_record
 from difftrain.families.unet import NETWORK_KIND as UNET_KIND
 from difftrain.models import build_model
 from difftrain.models.text import tensors_digest
 from difftrain.networks.conditioning import Conditioning
 from difftrain.networks.init_from import defer_init_weights, load_init_weights
-from difftrain.networks.lora import LoraNetwork, apply_lora, is_lora_record
+from difftrain.networks.lora import BaseDigest, LoraNetwork, apply_lora, is_lora_record
 from difftrain.networks.lora_import import adapter_start, init_adapter_from
 from difftrain.networks.quantize import compute_dtype, device_refusal, quantize_while_loading
 from difftrain.runtime import meta_init
+from difftrain.runtime.stored_digest import STORED, stored_digest
 from difftrain.runtime.tensor_source import DeferredWeights, TensorSource
 
 
@@ -80,7 +81,7 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
                                  saved_lora["base"] if saved_lora else None, init_weights=True, deferred=deferred)
             if saved_lora is not None and family_of_record(saved_lora["base"]).base:  # its config, weights from init_from
                 _init_weights(base, init_from, deferred)
-            digest = _deferred_digest(base, deferred)
+            digest = _stored_digest(base, init_from, deferred) or _deferred_digest(base, deferred)
         net = apply_lora(base, cfg.lora, base_record=network_record(base), base_source=str(init_from),
                          saved=saved_lora, where=f"the adapter's base (model.init_from {init_from})",
                          quantize=cfg.model.quantize_base, quantize_dtype=compute_dtype(cfg.train.precision),
@@ -229,12 +230,46 @@ def _set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(parent, leaf, nn.Parameter(value, requires_grad=getattr(parent, leaf).requires_grad))
 
 
-def _deferred_digest(base: nn.Module, deferred: DeferredWeights | None) -> str | None:
-    """The LoRA base's digest read from its files one tensor at a time (``deferred``), or None (no deferred
-    build: ``apply_lora`` takes it from the weights); ``meta_init.NotReplayable`` for a base on the meta
-    device whose weights are not all in files."""
+def _stored_digest(base: nn.Module, init_from: str, deferred: DeferredWeights | None) -> BaseDigest | None:
+    """The digest of a family's LoRA base (a ``Denoiser``) from its files as stored (``runtime/stored_digest.py``:
+    never upcast, cached by the files' fingerprint), with the FLOAT32 digest of the same files as its legacy (to
+    check a record written before, read one tensor at a time); the files are the deferred build's source, else
+    those ``model.init_from``'s folder holds (``Family.empty_denoiser``: headers only). None for any other base
+    (difftrain's UNet, a checkpoint: its FLOAT32 digest as before) and a folder whose weights cannot be read
+    one tensor at a time (a legacy ``.bin``)."""
+    if not isinstance(base, Denoiser):
+        return None
+    source = deferred.source_of(base) if deferred is not None else None
+    if source is None:
+        if not init_from:
+            return None
+        folder = Path(init_from).expanduser()
+        try:
+            family = detect(folder)
+            if meta_init.available():  # the names the loader gives them (diffusers' renaming of old names)
+                source = (family.empty_denoiser(folder) or (None, None))[1]
+            else:  # no accelerate: no empty build, the files' own names
+                source = TensorSource.of_folder(family.denoiser_folder(folder))
+        except ValueError:
+            return None
+        if source is None:
+            return None
+    if set(source.names()) != set(base.state_dict()):
+        return None
+    return BaseDigest(stored_digest(source), STORED,
+                      lambda: tensors_digest((name, source.read(name)) for name in sorted(source.names())))
+
+
+def _deferred_digest(base: nn.Module, deferred: DeferredWeights | None) -> str | BaseDigest | None:
+    """The LoRA base's digest read from its files one tensor at a time (``deferred``): a family's base as
+    stored (:func:`_stored_digest`), another's upcast to float32; or None (no deferred build: ``apply_lora``
+    takes it from the weights); ``meta_init.NotReplayable`` for a base on the meta device whose weights are
+    not all in files."""
     if deferred is None:
         return None
+    stored = _stored_digest(base, "", deferred)
+    if stored is not None:
+        return stored
     if deferred.covers(base):
         try:
             return tensors_digest(deferred.tensors(base))

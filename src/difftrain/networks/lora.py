@@ -22,6 +22,8 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 from difftrain.models.text import weights_digest
 from difftrain.networks.quantize import quantize_base
 from difftrain.runtime.optional import require
+from difftrain.runtime.stored_digest import FLOAT32
 
 NETWORK_KIND = "lora"  # the "kind" of a LoRA network's record in checkpoints
 
@@ -101,8 +104,43 @@ def _example_names(base: nn.Module) -> str:
 
 def base_digest(base: nn.Module) -> str:
     """SHA-256 of the base network's weights (names, shapes, float32 bytes): what an adapter
-    records of the base it was trained on, and checks when it is loaded onto one."""
+    records of the base it was trained on, and checks when it is loaded onto one, for a base that is
+    not a family's folder (difftrain's UNet, a checkpoint): kind :data:`FLOAT32`. A family's base
+    read from its files is digested as stored instead (:class:`BaseDigest`, ``runtime/stored_digest.py``)."""
     return weights_digest(base)
+
+
+@dataclass(frozen=True)
+class BaseDigest:
+    """A LoRA base's digest and its kind (``runtime.stored_digest``: STORED, the files' tensors as stored;
+    FLOAT32, the float tensors upcast, as written before), with ``legacy``: how to take the FLOAT32 digest of
+    the same base, called only to check a record written the old way (slow: reads the whole base)."""
+
+    value: str
+    kind: str = FLOAT32
+    legacy: Callable[[], str] | None = None
+
+
+def check_base_digest(digest: BaseDigest, saved: dict, where: str, base_source: str) -> None:
+    """One ValueError unless the base of ``digest`` is the one the LoRA record ``saved`` was trained on. A
+    record without ``base_digest_kind`` was written with the FLOAT32 digest: a STORED base is then checked
+    by its legacy digest (once: the run goes on recording the STORED one). A record without a digest (a LoRA
+    file of another program: ``adapters.read_foreign``) is put on the base it fits, unchecked."""
+    if not saved["base_digest"]:
+        return
+    kind = saved.get("base_digest_kind", FLOAT32)
+    value = digest.value
+    if kind != digest.kind:
+        if kind == FLOAT32 and digest.legacy is not None:
+            value = digest.legacy()  # a record written before the stored digest: its own digest, once
+        else:
+            raise ValueError(f"{where}: this LoRA adapter records the base {saved['base_source']} by the digest of its "
+                             f"safetensors files, and {base_source} holds no safetensors weights of its denoiser; "
+                             "point model.init_from (or --base) at that base")
+    if value != saved["base_digest"]:
+        raise ValueError(f"{where} is not the base this LoRA adapter was trained on: it was trained on "
+                         f"{saved['base_source']} (digest {saved['base_digest'][:12]}), and {base_source} holds "
+                         f"different weights (digest {value[:12]}); point model.init_from (or --base) at that base")
 
 
 def cast_adapter_input(base: nn.Module, enabled: bool) -> None:
@@ -128,10 +166,11 @@ class LoraNetwork(nn.Module):
     """
 
     def __init__(self, base: nn.Module, *, base_record: dict, base_source: str, digest: str, rank: int,
-                 alpha: float, dropout: float, targets: list[str], kind: str = "lora"):
+                 alpha: float, dropout: float, targets: list[str], kind: str = "lora", digest_kind: str = FLOAT32):
         super().__init__()
         self.base = base
         self.base_record, self.base_source, self.base_digest = base_record, base_source, digest
+        self.base_digest_kind = digest_kind
         self.rank, self.alpha, self.dropout, self.targets = rank, alpha, dropout, list(targets)
         self.kind = kind
         for attr in ("num_classes", "context_dim", "in_channels", "out_channels"):
@@ -214,8 +253,11 @@ class LoraNetwork(nn.Module):
     def network_record(self) -> dict:
         """The checkpoint's ``network``: kind "lora", the base's own record, where the base was
         loaded from and its digest, and the LoRA settings."""
-        return {"kind": NETWORK_KIND, "base": self.base_record, "base_source": self.base_source,
-                "base_digest": self.base_digest, "lora": self.settings()}
+        record = {"kind": NETWORK_KIND, "base": self.base_record, "base_source": self.base_source,
+                  "base_digest": self.base_digest, "lora": self.settings()}
+        if self.base_digest_kind != FLOAT32:  # a FLOAT32 digest's record as before (no field: read as FLOAT32)
+            record["base_digest_kind"] = self.base_digest_kind
+        return record
 
     def lora_layers(self) -> list[nn.Module]:
         """The adapted layers (peft's tuner layers of every kind)."""
@@ -271,7 +313,7 @@ def _state_names(base: nn.Module, modules: dict) -> dict[str, str]:
 def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str,
                saved: dict | None = None, where: str = "checkpoint", quantize: str = "off",
                quantize_dtype: torch.dtype = torch.float32,
-               digest: str | None = None) -> LoraNetwork:
+               digest: str | BaseDigest | None = None) -> LoraNetwork:
     """Freeze ``base`` and inject LoRA layers of ``lora_cfg`` (``cfg.lora``) into it, in place.
 
     base_record: the base's record (``build.network_record``), which picks the default
@@ -283,8 +325,10 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     quantize: ``model.quantize_base``; other than "off", every Linear layer of the base is held quantized
     (``networks/quantize.py``) after its digest is taken, and peft wraps the quantized layers;
     quantize_dtype: the dtype they compute in (``quantize.compute_dtype(train.precision)``).
-    digest: the base's :func:`base_digest`, taken by the caller (a base on the meta device, whose weights
-    are read from its files one tensor at a time); None: taken here.
+    digest: the base's digest taken by the caller: a :class:`BaseDigest` (a family's base, digested from its
+    files as stored: ``networks/build.py``), or the :func:`base_digest` of a base on the meta device (its
+    weights read from its files one tensor at a time); None: :func:`base_digest`, taken here. A saved record is
+    checked by :func:`check_base_digest`.
     """
     import_peft()
     targets = target_modules(lora_cfg, base_record)
@@ -294,19 +338,17 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
         s = saved["lora"]
         targets, rank, alpha, kind = list(s["targets"]), int(s["rank"]), float(s["alpha"]), record_kind(saved)
     _check_targets(base, targets, rank)
-    digest = digest or base_digest(base)
-    # A record without a digest: a LoRA file another program wrote (adapters.read_foreign), put on the base it fits.
-    if saved is not None and saved["base_digest"] and digest != saved["base_digest"]:
-        raise ValueError(f"{where} is not the base this LoRA adapter was trained on: it was trained on "
-                         f"{saved['base_source']} (digest {saved['base_digest'][:12]}), and {base_source} holds "
-                         f"different weights (digest {digest[:12]}); point model.init_from (or --base) at that base")
+    if not isinstance(digest, BaseDigest):
+        digest = BaseDigest(digest or base_digest(base))
+    if saved is not None:
+        check_base_digest(digest, saved, where, base_source)
     base.requires_grad_(False)
     quantize_base(base, quantize, quantize_dtype)  # the digest above is the unquantized base's: the adapter's
     with warnings.catch_warnings():  # fp8: peft's torchao layer cannot merge; an export merges on the float32 base
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
         import_peft().inject_adapter_in_model(peft_config(kind, rank, alpha, dropout, targets, lora_cfg.init), base)
-    return LoraNetwork(base, base_record=base_record, base_source=base_source, digest=digest, rank=rank,
-                       alpha=alpha, dropout=dropout, targets=targets, kind=kind)
+    return LoraNetwork(base, base_record=base_record, base_source=base_source, digest=digest.value, rank=rank,
+                       alpha=alpha, dropout=dropout, targets=targets, kind=kind, digest_kind=digest.kind)
 
 
 def peft_config(kind: str, rank: int, alpha: float, dropout: float, targets: list[str], init: str = "gaussian"):

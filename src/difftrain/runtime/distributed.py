@@ -148,9 +148,19 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     Keep a reference to the unwrapped model: it is the one saved (no ``module.`` prefix) and
     averaged by the EMA. ``train.parallel = "fsdp"`` shards the model instead, with its EMA and
     optimizer: ``RunState.parallelize`` (training/state.py) calls this or ``runtime/fsdp.py``.
+
+    DDP broadcasts rank 0's parameters to every rank as it wraps: only those that train here. The
+    frozen ones (a LoRA's base) are loaded from the same files by every rank, and nothing makes them
+    train later, so they are left to DDP's list of names to ignore
+    (``_set_params_and_buffers_to_ignore_for_model``): no base sent at start-up (a Flux base: 24 GB
+    in bf16, once per rank). Buffers are still synced as they were.
     """
     if not ctx.enabled:
         return model
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if frozen:
+        ignored = frozen | set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # The UNet has GroupNorm, no BatchNorm: no buffers to broadcast every step.
     # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (and warns on the old name).

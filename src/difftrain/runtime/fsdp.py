@@ -19,10 +19,11 @@ Start-up holds no whole copy of the model (``RunState.build`` with a ``DistConte
 is built on the meta device (``runtime/meta_init.py``), its template, EMA and post-hoc EMAs are
 copies of that (no storage), :func:`shard_model` shards it, :func:`materialize` gives each rank
 storage for its shards alone, and the weights are filled shard by shard: :func:`fill_shard` from
-one whole tensor at a time (a fresh run's replayed initialisation; a ``model.init_from`` -- a base
-family's denoiser, a LoRA's base, difftrain's UNet -- read from its safetensors files one tensor at
-a time: ``runtime/tensor_source.py``), or ``torch.distributed.checkpoint.load`` of a sharded
-checkpoint, each rank reading its part.
+one whole tensor at a time (a fresh run's replayed initialisation), :func:`fill_shard_from` from the
+rows of each tensor this rank keeps, read alone (a ``model.init_from`` -- a base family's denoiser, a
+LoRA's base, difftrain's UNet -- from its safetensors files, a safetensors slice, or a torch zip file
+mapped: ``runtime/tensor_source.py``: each rank reads 1/N of the base), or
+``torch.distributed.checkpoint.load`` of a sharded checkpoint, each rank reading its part.
 :func:`copy_shards` then makes the averages' shards copies of the model's.
 
 Evaluation during training (validation grids, held-out loss, FID) runs on the sharded model itself,
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from difftrain.runtime.distributed import DistContext
 
@@ -150,6 +151,37 @@ def fill_shard(model: nn.Module, name: str, whole: torch.Tensor) -> None:
     except AttributeError:
         target = model.get_buffer(name)
     _fill(target, name, whole)
+
+
+def shard_rows(p: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop): the rows (dim 0) of the whole tensor this rank's shard of ``p`` holds, as
+    ``fully_shard`` lays them out (``torch.chunk``: chunks of ceil(rows / ranks), the last ranks' empty when
+    there are fewer chunks than ranks); None for a tensor not sharded by rows here (a buffer, a scalar)."""
+    if not isinstance(p, DTensor) or p.dim() == 0 or tuple(p.placements) != (Shard(0),):
+        return None
+    rows, ranks = p.shape[0], p.device_mesh.size()
+    chunk = -(-rows // ranks)
+    start = min(p.device_mesh.get_local_rank() * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+@torch.no_grad()
+def fill_shard_from(model: nn.Module, name: str, read) -> None:
+    """:func:`fill_shard` from ``read``, a reader of the parameter ``name`` (``tensor_source.DeferredWeights.bind``):
+    ``read((start, stop))`` gives this rank's rows alone (:func:`shard_rows`), so each rank reads only its
+    part of the base's files; ``read()`` the whole tensor where it is not sharded by rows."""
+    try:
+        target = model.get_parameter(name)
+    except AttributeError:
+        target = model.get_buffer(name)
+    rows = shard_rows(target)
+    if rows is None:
+        _fill(target, name, read())
+        return
+    local, part = target.to_local(), read(rows)
+    if part.shape != local.shape:
+        raise RuntimeError(f"{name}: shard {tuple(local.shape)} is not rows {rows} of the whole {tuple(target.shape)}")
+    local.copy_(part)
 
 
 @torch.no_grad()

@@ -4,12 +4,14 @@ device is still to be filled from them.
 
     source = TensorSource.of_folder(Path("sd/unet"))      # diffusion_pytorch_model(.safetensors | .bin | index)
     t = source.read("conv_in.weight")                      # float32, on the CPU: that tensor alone
+    rows = source.read("conv_in.weight", (0, 160))         # its rows 0:160 alone (an FSDP rank's shard)
     deferred = DeferredWeights()
     deferred.add(denoiser, source)                         # the denoiser's weights lie in source
     readers = deferred.bind(model)                         # model's parameter / buffer name -> reader
     deferred.add_loaded(unet, load)                        # or: filled in place once sharded, each rank its part
 
-FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, and a quantized base
+FSDP (``runtime/fsdp.py``) fills each rank's shards from these readers, each rank reading its rows alone
+(a safetensors ``get_slice``; a mapped torch tensor's rows), and a quantized base
 (``networks/quantize.py``) its layers, so no process holds a base's whole weights. A safetensors read
 opens the file, copies one tensor out and closes it (safetensors maps the file; a file kept open would
 leave every page read resident in this process). A torch file (``torch.save``'s zip format) is opened
@@ -36,6 +38,12 @@ WEIGHTS_STEM = "diffusion_pytorch_model"  # a diffusers model folder's weights f
 def _safetensors_tensor(file: Path, key: str) -> Tensor:
     with safe_open(str(file), framework="pt", device="cpu") as f:
         return f.get_tensor(key)
+
+
+def _safetensors_rows(file: Path, key: str, start: int, stop: int) -> Tensor:
+    """Rows ``start:stop`` (dim 0) of one tensor of a safetensors file, the others' bytes never read."""
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return f.get_slice(key)[start:stop]
 
 
 def _first_line(e: Exception) -> str:
@@ -76,13 +84,21 @@ def check_weight_indexes(folder: Path) -> None:
 
 
 class TensorSource:
-    """Name -> (file, the tensor's key in it); :meth:`read` gives one whole tensor, float32.
+    """Name -> (file, the tensor's key in it); :meth:`read` gives one whole tensor (or some of its rows), float32.
 
-    get: how one tensor is read, ``get(file, key)`` (default: from a safetensors file)."""
+    get: how one tensor is read, ``get(file, key)`` (default: from a safetensors file); get_rows: how rows
+    ``start:stop`` of one are, ``get_rows(file, key, start, stop)`` (default: a safetensors slice with the
+    default ``get``, else rows of what ``get`` gives)."""
 
     def __init__(self, keys: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]],
-                 get: Callable[[Path, str], Tensor] = _safetensors_tensor) -> None:
+                 get: Callable[[Path, str], Tensor] = _safetensors_tensor,
+                 get_rows: Callable[[Path, str, int, int], Tensor] | None = None) -> None:
         self.keys, self.shapes, self._get = keys, shapes, get
+        if get_rows is None:
+            get_rows = _safetensors_rows if get is _safetensors_tensor else (
+                lambda file, key, start, stop: get(file, key)[start:stop])
+        self._get_rows = get_rows
+        self.safetensors = get is _safetensors_tensor  # its tensors lie in safetensors files (runtime/stored_digest.py)
         self.from_index = False  # of_folder: the files an index (``*.index.json``) names, not one weights file
 
     @classmethod
@@ -127,7 +143,8 @@ class TensorSource:
             for k, t in tensors.items():
                 keys[rename(k)] = (file, k)
                 shapes[rename(k)] = tuple(t.shape)
-        return cls(keys, shapes, lambda file, key: mapped[file][key].clone())  # the copy leaves the mapping
+        return cls(keys, shapes, lambda file, key: mapped[file][key].clone(),  # the copy leaves the mapping
+                   lambda file, key, start, stop: mapped[file][key][start:stop].clone())
 
     @classmethod
     def of_tensors(cls, tensors: dict[str, Tensor], where: Path) -> TensorSource:
@@ -165,18 +182,26 @@ class TensorSource:
         """This source with each name ``old`` of ``names`` (old -> new) read as ``new`` (the other names kept):
         the same files and keys in them."""
         source = TensorSource({names.get(n, n): where for n, where in self.keys.items()},
-                              {names.get(n, n): shape for n, shape in self.shapes.items()}, self._get)
+                              {names.get(n, n): shape for n, shape in self.shapes.items()}, self._get,
+                              self._get_rows)
         source.from_index = self.from_index
         return source
 
     def names(self) -> set[str]:
         return set(self.keys)
 
-    def read(self, name: str) -> Tensor:
-        """The whole tensor ``name`` on the CPU (a floating one as float32), a copy of its own (a safetensors
-        file closed again); one ValueError naming the file when it is not finite."""
+    def read_stored(self, name: str) -> Tensor:
+        """The whole tensor ``name`` on the CPU in the dtype its file stores it in (no check, no upcast)."""
         file, key = self.keys[name]
-        t = self._get(file, key)
+        return self._get(file, key)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> Tensor:
+        """The whole tensor ``name`` on the CPU (a floating one as float32), a copy of its own (a safetensors
+        file closed again), or (``rows``: (start, stop)) only its rows ``start:stop`` along dim 0, the other
+        rows never read (an FSDP rank's shard: ``fsdp.fill_shard``); one ValueError naming the file when what
+        is read is not finite."""
+        file, key = self.keys[name]
+        t = self._get(file, key) if rows is None else self._get_rows(file, key, *rows)
         if not t.is_floating_point():
             return t
         if not torch.isfinite(t).all():  # a NaN base trains and samples nothing
@@ -215,8 +240,8 @@ class DeferredWeights:
                                  f"{own[name]} in this model)")
         self.parts.append((module, source))
         for name, t in module.state_dict(keep_vars=True).items():  # now: a wrapper (peft) may rename them later
-            if name in source.keys:
-                self._where[id(t)] = lambda source=source, name=name: source.read(name)
+            if name in source.keys:  # a reader of the whole tensor, or of rows (start, stop) of it
+                self._where[id(t)] = lambda rows=None, source=source, name=name: source.read(name, rows)
 
     def add_loaded(self, module: nn.Module, load: Callable) -> None:
         """``module`` (added with its source too) can be filled without making any tensor whole:
@@ -244,6 +269,10 @@ class DeferredWeights:
     def covers(self, module: nn.Module) -> bool:
         return any(m is module for m, _ in self.parts)
 
+    def source_of(self, module: nn.Module) -> TensorSource | None:
+        """The source ``module`` was added with (:meth:`add`), or None."""
+        return next((s for m, s in self.parts if m is module), None)
+
     def tensors(self, module: nn.Module) -> Iterator[tuple[str, Tensor]]:
         """(state-dict name, whole tensor) of ``module`` (added here), one read at a time, by sorted name
         (a tensor the build keeps: its own value)."""
@@ -254,7 +283,8 @@ class DeferredWeights:
 
     def bind(self, model: nn.Module) -> dict[str, Callable[[], Tensor]]:
         """``model``'s parameter and buffer names (``named_parameters`` / ``named_buffers``, before anything
-        replaces them) -> a reader of that tensor's whole value, for every tensor a part holds (found by
+        replaces them) -> a reader of that tensor's whole value (``read()``; ``read((start, stop))``: its
+        rows start:stop alone), for every tensor a part holds (found by
         identity, so a wrapper's renaming -- peft's ``base_layer``, a denoiser's hidden prefix -- is followed);
         the sources given to :meth:`add_later` are made first."""
         for module, source in self._later:

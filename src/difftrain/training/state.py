@@ -146,8 +146,8 @@ class RunState:
         fsdp.shard_model(model, dctx, tc.precision, tc.fsdp_offload)
         gathered_in_compute_dtype(model, tc.precision)
         fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
-        for name, read in from_files.items():  # the base's weights, one whole tensor at a time
-            fsdp.fill_shard(model, name, read())
+        for name, read in from_files.items():  # the base's weights, each rank reading its rows of one tensor at a time
+            fsdp.fill_shard_from(model, name, read)
         deferred.load_sharded(dctx)
         if init_weights:
             meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole), replayed)
