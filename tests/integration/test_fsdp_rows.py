@@ -62,3 +62,37 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _build_error(ctx, overrides: list[str]) -> str:
+    """The ValueError ``RunState.build`` ends with on this rank (sharded from the files), or "" if none."""
+    from difftrain.config import load_config
+    from difftrain.training.state import RunState
+
+    try:
+        RunState.build(load_config(None, overrides), 0, ctx.device, dctx=ctx)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_weight_not_finite_in_one_ranks_rows_ends_every_rank(tmp_path):
+    """A NaN in the last row of the base's largest weight lies in rank 1's rows alone: rank 1's error names the
+    file, and rank 0 ends with one too (naming rank 1) instead of waiting at its next collective."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.text_components import write_tiny_sd_folder
+
+    sd = write_tiny_sd_folder(tmp_path / "sd")
+    bad = tmp_path / "bad"
+    shutil.copytree(sd, bad)
+    weights = bad / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(weights))
+    name = max((k for k, t in tensors.items() if t.dim() >= 2 and t.is_floating_point()), key=lambda k: tensors[k].shape[0])
+    tensors[name][-1].fill_(float("nan"))
+    save_file(tensors, str(weights))
+    rank0, rank1 = run_ranks(_build_error, 2, [*BUILD, f"model.init_from={bad}"], timeout_s=600, collective_timeout_s=120)
+    assert "not finite" in rank1 and "diffusion_pytorch_model.safetensors" in rank1, rank1
+    assert "not finite" in rank0 and "rank 1" in rank0, rank0

@@ -146,8 +146,7 @@ class RunState:
         fsdp.shard_model(model, dctx, tc.precision, tc.fsdp_offload)
         gathered_in_compute_dtype(model, tc.precision)
         fsdp.materialize(model, fsdp.shard_device(tc.fsdp_offload, device))
-        for name, read in from_files.items():  # the base's weights, each rank reading its rows of one tensor at a time
-            fsdp.fill_shard_from(model, name, read)
+        _fill_from_files(model, from_files, dctx)
         deferred.load_sharded(dctx)
         if init_weights:
             meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole), replayed)
@@ -394,3 +393,22 @@ def resume_source(run_dir: Path, resume: str | Path | None) -> Path | None:
         return find_checkpoint(run_dir / "checkpoints")
     except FileNotFoundError:
         return None
+
+
+def _fill_from_files(model: nn.Module, readers: dict, dctx: DistContext) -> None:
+    """Each rank's rows of the base's weights (``readers``: name -> reader, one tensor at a time), the ranks agreeing
+    on a weight that is not finite: it lies in one rank's rows only, and that rank's ValueError names the file; the
+    others end with it too, naming the rank, instead of waiting at their next collective."""
+    bad = ""
+    try:
+        for name, read in readers.items():
+            fsdp.fill_shard_from(model, name, read)
+    except ValueError as e:
+        bad = str(e)
+    first = distributed.max_over_ranks(dctx.world_size - dctx.rank if bad else 0, dctx)
+    if bad:
+        raise ValueError(bad)
+    if first:
+        raise ValueError(f"model.init_from: a weight of the base is not finite (NaN or infinity) in the rows rank "
+                         f"{dctx.world_size - first} read (its message names the file)")
+
