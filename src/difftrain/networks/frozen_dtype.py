@@ -13,9 +13,9 @@ activations); a weight held in bf16 is used as it is. And the frozen weights the
 What is left alone: a full fine-tune (float32 master weights), fp32 runs, a quantized base's denoiser
 (``model.quantize_base``: its layers are the quantizer's), and under ``train.parallel = "fsdp"`` the denoiser
 (FSDP's ``MixedPrecisionPolicy`` already gathers it in the compute dtype; its frozen float32 shards are 1/N
-of the base). The base's digest is taken from the float32 weights as loaded, before this cast (checkpoints and
-adapter files record the same digest as before), and sampling, export and ``inference`` load the parts anew in
-float32: only the training run's own copies are cast.
+of the base). The cast leaves the digests alone: a base family's denoiser's digest is of its files' stored bytes
+(``runtime/stored_digest.py``), the text encoders' and VAE's of their float32 weights as loaded, before this cast;
+sampling, export and ``inference`` load the parts anew in float32: only the training run's own copies are cast.
 """
 
 from __future__ import annotations
