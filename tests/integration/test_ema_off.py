@@ -91,3 +91,24 @@ def test_a_decay_zero_run_resumes_exactly_from_its_own_checkpoint_and_from_a_cop
         train(cfg, tmp_path / "older", stop_at_step=3)
     assert train(cfg, tmp_path / "older").step == 6
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "older")
+
+
+def test_a_decay_zero_lora_run_under_fsdp_trains_resumes_on_two_ranks_as_ddp(tmp_path):
+    """Sharded (2 gloo CPU processes), no EMA copy laid out as shards: stopped at step 2 and resumed on 2
+    ranks, its adapter is DDP's to float rounding and its checkpoint's ema entry the adapter itself."""
+    from tests.conftest import TINY_OVERRIDES
+    from tests.multiproc import assert_close_dicts, run_ranks, train_on_rank
+
+    ddp = _sd_overrides(tmp_path, list(TINY_OVERRIDES), "ema.decay=0", "train.total_steps=4", "train.device=cpu",
+                        "train.batch_size=2", "train.channels_last=off", "tracking.tensorboard=false")
+    fsdp = [*ddp, "train.parallel=fsdp"]
+    run_ranks(train_on_rank, 2, str(tmp_path / "ddp"), ddp, None)
+    run_ranks(train_on_rank, 2, str(tmp_path / "fsdp"), fsdp, 2)
+    half = ckpt.load_checkpoint(tmp_path / "fsdp")
+    assert half["path"].endswith("step_00000002.dcp") and half["ema"]["model"].keys() == half["model"].keys()
+    run_ranks(train_on_rank, 2, str(tmp_path / "fsdp"), fsdp, None)
+    ours, theirs = ckpt.load_checkpoint(tmp_path / "fsdp"), ckpt.load_checkpoint(tmp_path / "ddp")
+    assert ours["step"] == 4 and ours["ema"]["num_updates"] == theirs["ema"]["num_updates"] == 4
+    assert all(torch.equal(ours["ema"]["model"][k], t) for k, t in ours["model"].items())
+    assert_close_dicts(theirs["model"], ours["model"])
+    assert any(t.abs().max() > 1e-4 for k, t in ours["model"].items() if "lora_B" in k)  # it trained
