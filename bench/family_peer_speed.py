@@ -27,13 +27,12 @@ and VAE, a transformer of about 130M parameters: bench/family_bases_sized.py), e
 one core (``--cores``' first), its resident memory read from /proc every 0.1 s; "held while
 training" is the largest reading from step ``--skip`` to its last step (start-up and the final save
 left out), and the difference between the two bases divided by the difference in their denoiser's
-parameters is the bytes each holds per frozen-base parameter; beside it the same less each program's
-adapter state (:data:`ADAPTER_BYTES` per adapter parameter, by its own settings: the adapter grows with the
-base's width, and difftrain keeps it, its AdamW state and its EMA in float32 where the script keeps bf16 and no
-EMA), the like-for-like figure. Peak RSS (start-up included) beside it:
+parameters is the bytes each holds per frozen-base parameter. difftrain runs twice: as shipped (its EMA of the
+adapter, float32) and with ``ema.decay = 0`` (no EMA kept, as the script keeps none: the like-for-like
+setting; both keep the adapter and AdamW's state, difftrain in float32, the script in bf16). Peak RSS (start-up included) beside it:
 
     python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --memory --steps 20 --skip 8
-    python bench/family_peer_speed.py ... --memory --steps 20 --skip 8 --batch 1 --resolution 32
+    python bench/family_peer_speed.py ... --memory --steps 20 --skip 8 --resolution 32   # batch 4 (the default)
 """
 
 from __future__ import annotations
@@ -61,12 +60,6 @@ from peer_lora_speed import difftrain_times, peer_times, rate, run_pair  # noqa:
 SCRIPTS = {"sdxl": "train_text_to_image_lora_sdxl.py", "sd3": "train_dreambooth_lora_sd3.py",
            "flux": "train_dreambooth_lora_flux.py"}
 T5_TOKENS = 24  # the bases' T5 tokenizer length (tests/family_bases.T5_LENGTH), passed to the peers as well
-# Bytes each program holds per adapter parameter in a bf16 run, by its own settings (not measured): difftrain's
-# float32 weight, gradient, AdamW's two moments and its EMA of the adapter (issue 41 item 1 keeps them float32);
-# the script's bf16 weight, gradient and AdamW moments (it keeps no EMA, and casts the adapter to float32 in an
-# fp16 run only). The adapter grows with the base's width, so the per-frozen-parameter difference carries
-# adapter x these bytes / extra parameters; the like-for-like column takes it out on both sides.
-ADAPTER_BYTES = {"ours": 5 * 4, "peer": 4 * 2}
 
 
 def write_data(folder: Path, images: int, resolution: int) -> Path:
@@ -188,6 +181,9 @@ def memory_main(args) -> int:
         rows[size]["adapter"] = _adapter_params(peer_out)  # the same targets as difftrain's preset
         rows[size]["ours"] = held_while_training(ours, ours_log, lambda run=run_dir: our_step(run), args.skip,
                                                  args.steps)
+        shutil.rmtree(run_dir, ignore_errors=True)  # the same run without an EMA (ema.decay = 0: no copy kept)
+        rows[size]["ours-no-ema"] = held_while_training(ours + ["--set", "ema.decay=0"], work / "difftrain-no-ema.log",
+                                                        lambda run=run_dir: our_step(run), args.skip, args.steps)
     small, large = rows["proportioned"], rows["large"]
     extra = large["params"] - small["params"]
     print(f"\nFlux bases: transformer {small['params']:,} and {large['params']:,} parameters (+{extra:,}); "
@@ -195,18 +191,18 @@ def memory_main(args) -> int:
           f"{args.steps} steps, memory held from step {args.skip} on, core {core}")
     adapter = large["adapter"] - small["adapter"]
     print("\n| program | held while training MiB, proportioned / large | peak RSS MiB, proportioned / large "
-          "| bytes per frozen-base parameter (held) | (held, less the adapter's own state) | (peak) |"
-          "\n|---|---|---|---:|---:|---:|")
-    for key, name in (("peer", f"diffusers {SCRIPTS['flux']}"), ("ours", "difftrain train --config configs/flux-lora.toml")):
+          "| bytes per frozen-base parameter (held) | (peak) |\n|---|---|---|---:|---:|")
+    for key, name in (("peer", f"diffusers {SCRIPTS['flux']}"), ("ours", "difftrain train --config configs/flux-lora.toml"),
+                      ("ours-no-ema", "difftrain ... --set ema.decay=0 (no EMA, as the script)")):
         a, b = small[key], large[key]
         per = (b["held"] - a["held"]) * 2**20 / extra
         per_peak = (b["peak"] - a["peak"]) * 2**20 / extra
-        base_only = per - adapter * ADAPTER_BYTES[key] / extra
         print(f"| {name} | {a['held']:.0f} / {b['held']:.0f} | {a['peak']:.0f} / {b['peak']:.0f} | {per:.2f} "
-              f"| {base_only:.2f} | {per_peak:.2f} |")
+              f"| {per_peak:.2f} |")
     print(f"\nThe adapter (the same targets in both): +{adapter:,} parameters; each byte held per adapter parameter "
-          f"(difftrain: float32 weight, gradient, AdamW's two moments and the EMA, 20; the script in bf16: weight, "
-          f"gradient and AdamW's moments in bf16, 8) adds {adapter / extra:.4f} bytes per frozen-base parameter")
+          f"(difftrain: float32 weight, gradient, AdamW's two moments, 16, and its EMA, 4 more as shipped, none at "
+          f"ema.decay = 0; the script in bf16: weight, gradient and AdamW's moments in bf16, 8) adds "
+          f"{adapter / extra:.4f} bytes per frozen-base parameter")
     return 0
 
 

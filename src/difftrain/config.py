@@ -295,7 +295,8 @@ class TrainConfig(_Section):
 
 @dataclass
 class EMAConfig(_Section):
-    decay: float = 0.9999  # final EMA decay
+    decay: float = 0.9999  # final EMA decay; 0 = no EMA (a LoRA run as diffusers' scripts): the EMA is the trained
+    # weights, no copy kept (with update_every_steps = 1 and any optimizer but schedulefree); checkpoints keep an ema entry
     warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t))
     warmup_power: float = 0.0  # > 0: decay_t = min(decay, 1 - (1 + t) ** -power) instead (diffusers: 0.75)
     update_every_steps: int = 1  # optimizer steps between EMA updates

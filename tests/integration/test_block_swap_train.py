@@ -128,6 +128,20 @@ def test_swapped_lora_run_trains_validates_and_resumes_as_without(tmp_path, base
         torch.testing.assert_close(got[k], reference[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+
+def test_a_swapped_run_without_an_ema_copy_trains_as_without_swap(tmp_path, base, plans, built):
+    """``ema.decay = 0`` keeps no EMA copy (the EMA is the trained network itself): the plan follows the post-hoc
+    EMA alone, never the network a second time, and the run trains to the adapter of the same run without swap."""
+    train(_cfg(base, "ema.decay=0"), tmp_path / "plain")
+    reference = _saved(tmp_path / "plain")
+    train(_cfg(base, "ema.decay=0", f"model.swap_blocks={SWAP}"), tmp_path / "swapped")
+    plan, state = plans[-1], built[-1]
+    assert state.ema.model is state.model
+    assert plan.twins == [blocks(state.posthoc.models[0])]
+    got = _saved(tmp_path / "swapped")
+    for k in reference:
+        torch.testing.assert_close(got[k], reference[k], rtol=1e-5, atol=1e-6, msg=k)
+
 def test_more_blocks_than_the_base_has_is_refused_in_one_line(tmp_path, base, capsys):
     """A count above the base's blocks: found where the base is built, one line naming the option, the count and
     the base's blocks, exit 2 as a config error; no step taken."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -122,3 +123,51 @@ def test_config_reaches_the_power_warmup():
     assert load_config(overrides=["ema.warmup_power=0.75"]).ema.warmup_power == 0.75
     with pytest.raises(ConfigError, match="ema.warmup_power"):
         load_config(overrides=["ema.warmup_power=-1"])
+
+
+def _own_tensors(ema: EMA, model: nn.Module) -> list[torch.Tensor]:
+    """The tensors the EMA object holds whose storage is not one of ``model``'s."""
+    shared = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    held = [*ema.model.state_dict().values(), *ema._ema_params, *ema._ema_buffers]
+    return [t for t in held if t.untyped_storage().data_ptr() not in shared]
+
+
+def test_a_view_holds_no_copy_and_reads_the_trained_weights():
+    model = _model()
+    assert _own_tensors(EMA(model, decay=0.0), model)  # a copy, as before: what the view does without
+    ema = EMA(model, decay=0.0, view=True)
+    assert _own_tensors(ema, model) == [] and ema.copies() == []
+    _perturb(model)
+    ema.update(model, apply=torch.tensor(0.0))  # a skipped step: the weights did not move either
+    ema.update(model)
+    assert ema.num_updates == 2 and ema.current_decay() == 0.0
+    for a, b in zip(ema.model.state_dict().values(), model.state_dict().values()):
+        assert a is b or torch.equal(a, b)
+    with ema.swapped_into(model) as m:
+        assert m is model
+
+
+def test_a_view_saves_the_layout_of_a_copy_and_loads_the_count_alone():
+    model = _model()
+    copy, view = EMA(model, decay=0.0), EMA(model, decay=0.0, view=True)
+    copy.update(model)
+    view.update(model)
+    saved, mine = copy.state_dict(), view.state_dict()
+    assert mine.keys() == saved.keys() and mine["model"].keys() == saved["model"].keys()
+    assert all(torch.equal(mine["model"][k], v) for k, v in saved["model"].items())
+    other = {k: torch.full_like(v, 7.0) for k, v in saved["model"].items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    view.load_state_dict({**saved, "model": other, "num_updates": 5})  # never overwrites the trained weights
+    assert view.num_updates == 5
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_only_decay_zero_updated_every_step_is_a_view():
+    from difftrain.training.ema import is_view
+
+    assert is_view(0.0, 1, "adamw")
+    assert not is_view(0.5, 1, "adamw")
+    assert not is_view(0.0, 2, "adamw")  # the average lags the weights between updates
+    assert not is_view(0.0, 1, "schedulefree")  # its average reads x, not the parameters
+    with pytest.raises(ValueError, match="ema.decay = 0"):
+        EMA(_model(), decay=0.5, view=True)

@@ -39,28 +39,43 @@ class EMA:
     ``t ** p`` recent updates rather than the last ninth of the run. Buffers are copied, not
     averaged.
 
+    With ``view`` (:func:`is_view`: decay 0, updated every step, weights read as they are) the
+    average equals the trained weights after every update, so none is kept: ``self.model`` is
+    ``model`` itself (no tensor of its own), updates only count, and everything that reads the
+    EMA (validation, held-out loss, checkpoints' ``ema`` entry, export, sample) reads the weights.
+
     Args:
         model: the (unwrapped) model whose parameters are averaged.
         decay: the final decay in [0, 1]; 0 copies the weights, 1 freezes the average.
         warmup: ramp the decay up over the first updates.
         warmup_power: 0 for the DDPM ramp, p > 0 for ``1 - (1 + t) ** -p``.
+        view: keep no copy: the average is ``model`` (only with decay 0, where they are equal).
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = True, warmup_power: float = 0.0):
+    def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = True, warmup_power: float = 0.0,
+                 view: bool = False):
         if warmup_power < 0:
             raise ValueError(f"ema.warmup_power must be >= 0, got {warmup_power}")
+        if view and decay != 0:
+            raise ValueError(f"an EMA that is a view of the weights needs ema.decay = 0, got {decay}")
         self.decay = decay
         self.warmup = warmup
         self.warmup_power = warmup_power
         self.num_updates = 0
-        self.model, self._trained = averaged_copy(model)
+        self.is_view = view
+        self.model, self._trained = (model, []) if view else averaged_copy(model)
         self.rebind()
 
     def rebind(self) -> None:
         """Take the average's parameters and buffers anew, after something replaced them in
-        ``self.model`` (FSDP's ``fully_shard`` turns them into shards)."""
-        self._ema_params = trainable(list(self.model.parameters()), self._trained)
-        self._ema_buffers = list(self.model.buffers())
+        ``self.model`` (FSDP's ``fully_shard`` turns them into shards); a view has none of its own."""
+        own = not self.is_view
+        self._ema_params = trainable(list(self.model.parameters()), self._trained) if own else []
+        self._ema_buffers = list(self.model.buffers()) if own else []
+
+    def copies(self) -> list[nn.Module]:
+        """The average's own copy of the model, in a list (what FSDP lays out as shards); none for a view."""
+        return [] if self.is_view else [self.model]
 
     def current_decay(self) -> float:
         """The decay that the next :meth:`update` uses."""
@@ -91,7 +106,10 @@ class EMA:
     @torch.no_grad()
     def lerp_(self, model: nn.Module, weight: float | torch.Tensor, read: Reader | None = None) -> None:
         """``ema += weight * (params - ema)`` and copy the buffers; ``weight`` may be a 0-dim
-        device tensor (a captured step fills it before each replay). Counts no update."""
+        device tensor (a captured step fills it before each replay). Counts no update; a view
+        has nothing to move (it is ``model``)."""
+        if self.is_view:
+            return
         params = trainable(list(model.parameters()), self._trained)  # under no_grad: no detach needed
         if params:
             foreach_lerp_(self._ema_params, params, weight, read)
@@ -108,12 +126,19 @@ class EMA:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        """The saved average and its count; a view takes the count only (its weights are the
+        model's, which the checkpoint's ``model`` entry gives)."""
+        if not self.is_view:
+            self.model.load_state_dict(state["model"])
         self.num_updates = int(state["num_updates"])
 
     @contextlib.contextmanager
     def swapped_into(self, model: nn.Module) -> Iterator[nn.Module]:
-        """Temporarily load the EMA weights (and buffers) into ``model``; restore on exit."""
+        """Temporarily load the EMA weights (and buffers) into ``model``; restore on exit (a view
+        into its own model: nothing to swap)."""
+        if self.is_view and model is self.model:
+            yield model
+            return
         backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.load_state_dict(self.model.state_dict())
         try:
@@ -123,6 +148,15 @@ class EMA:
 
 
 Reader = Callable[[torch.Tensor], torch.Tensor]
+
+
+def is_view(decay: float, update_every_steps: int, optimizer: str) -> bool:
+    """Whether the EMA of these settings (``ema.decay``, ``ema.update_every_steps``, ``optim.name``)
+    equals the trained weights at every step, so that it is kept as a view of them, not a copy:
+    decay 0 (each update copies the weights), updated every step (else it lags between updates)
+    and an optimizer whose parameters are what the average reads (schedule-free's EMA reads its
+    average x, not the parameters: ``optimizers.averaged_weights``)."""
+    return decay == 0 and update_every_steps == 1 and optimizer != "schedulefree"
 
 
 def foreach_lerp_(averages: list[torch.Tensor], params: list[torch.Tensor], weight: float | torch.Tensor,

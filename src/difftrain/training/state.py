@@ -34,6 +34,7 @@ from difftrain.runtime.tensor_source import DeferredWeights
 from difftrain.checkpoints import sharded as sharded
 from difftrain.checkpoints.checkpoint import find_checkpoint, load_checkpoint, load_weights
 from difftrain.training.ema import EMA
+from difftrain.training.ema import is_view as ema_is_view
 from difftrain.networks.frozen_dtype import frozen_dtype, gathered_in_compute_dtype, hold_frozen
 from difftrain.training.optimizers import build_optimizer, reading_weights, to_training
 from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
@@ -107,7 +108,8 @@ class RunState:
         if held is not None and hold_frozen(model, held):
             model.held_dtype = held  # LoraNetwork: its forward outside the step's autocast runs under one
         model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
-        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
+        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power,
+                  view=ema_is_view(cfg.ema.decay, cfg.ema.update_every_steps, cfg.optim.name))  # decay 0: no copy
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
         optimizer = build_optimizer(cfg, model, device)
         state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes, conditioning)
@@ -141,7 +143,8 @@ class RunState:
             meta_init.check(recording, replayed)  # before anything is sharded, so that build() can still build it whole
         prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
         template = fsdp.meta_template(model)
-        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power)
+        ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power,
+                  view=ema_is_view(cfg.ema.decay, cfg.ema.update_every_steps, cfg.optim.name))  # decay 0: no copy
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
         fsdp.shard_model(model, dctx, tc.precision, tc.fsdp_offload)
         gathered_in_compute_dtype(model, tc.precision)
@@ -150,7 +153,7 @@ class RunState:
         deferred.load_sharded(dctx)
         if init_weights:
             meta_init.replay(recording, lambda name, whole: fsdp.fill_shard(model, name, whole), replayed)
-        for average in (ema.model, *posthoc.models):  # each rank averages its own shard
+        for average in (*ema.copies(), *posthoc.models):  # each rank averages its own shard
             fsdp.copy_shards(average, model)
         ema.rebind()
         optimizer = build_optimizer(cfg, model, fsdp.shard_device(tc.fsdp_offload, device))  # train.fsdp_offload: on the CPU
@@ -175,7 +178,7 @@ class RunState:
             return self.model
         if self.cfg.train.parallel != "fsdp" or not dctx.enabled:
             net = distributed.wrap(self.model, dctx)  # DDP broadcasts the weights from the device: before the swap
-            self.swap = swap_base(self.model, self.cfg.model.swap_blocks, dctx.device, [self.ema.model, *self.posthoc.models])
+            self.swap = swap_base(self.model, self.cfg.model.swap_blocks, dctx.device, [*self.ema.copies(), *self.posthoc.models])
             return net
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
@@ -187,7 +190,7 @@ class RunState:
         self.model.to(memory_format=torch.contiguous_format)  # FSDP shards contiguous weights only: no channels_last
         fsdp.shard_model(self.model, dctx, self.cfg.train.precision, self.cfg.train.fsdp_offload)
         gathered_in_compute_dtype(self.model, self.cfg.train.precision)
-        for average in (self.ema.model, *self.posthoc.models):  # each rank averages its own shard
+        for average in (*self.ema.copies(), *self.posthoc.models):  # each rank averages its own shard
             fsdp.shard_like(average.to(memory_format=torch.contiguous_format), self.model)
         self.ema.rebind()
         self.optimizer = build_optimizer(self.cfg, self.model, fsdp.shard_device(self.cfg.train.fsdp_offload, dctx.device))
@@ -271,6 +274,8 @@ class RunState:
         saved_stds = [float(s) for s in state["posthoc_ema"]["stds"]]
         self.posthoc.check_resumable(saved_stds, path)
         tensors = sharded.shard_tensors(self.model, self.ema.model, [], self.optimizer)
+        if self.ema.is_view:  # its tensors are the model's: read once, from "model"
+            del tensors["ema"]
         tensors["posthoc_ema"] = {str(saved_stds.index(s)): m.state_dict() for s, m in zip(self.posthoc.stds, self.posthoc.models)}
         sharded.load_shards(Path(path), tensors, self.dctx)
         self.ema.num_updates = int(state["ema"]["num_updates"])
@@ -289,7 +294,8 @@ class RunState:
             self._load_whole_into_shards(state)
             return
         load_weights(self.model, state["model"], path, "model")
-        load_weights(self.ema.model, state["ema"]["model"], path, "ema.model")
+        if not self.ema.is_view:  # a view's weights are the model's
+            load_weights(self.ema.model, state["ema"]["model"], path, "ema.model")
         self.ema.load_state_dict(state["ema"])
         self.posthoc.load_state_dict(state["posthoc_ema"], path)
         try:
@@ -311,7 +317,8 @@ class RunState:
 
         path = state.get("path", "checkpoint")
         load_weights(self.model, state["model"], path, "model", fill=fsdp.fill_shards)
-        load_weights(self.ema.model, state["ema"]["model"], path, "ema.model", fill=fsdp.fill_shards)
+        if not self.ema.is_view:  # a view's weights are the model's
+            load_weights(self.ema.model, state["ema"]["model"], path, "ema.model", fill=fsdp.fill_shards)
         self.ema.num_updates = int(state["ema"]["num_updates"])
         saved = dict(zip((float(s) for s in state["posthoc_ema"]["stds"]), state["posthoc_ema"]["models"]))
         self.posthoc.check_resumable(list(saved), path)
