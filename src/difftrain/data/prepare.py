@@ -92,7 +92,8 @@ def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8, wor
             dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
         except OSError as e:
             raise cache_dir_error(e, d.cache_dir, "decode") from e
-    train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False, captions=captions))
+    build = lambda p: dataset_from_config(d, p, augment=False, captions=captions)  # noqa: E731
+    train, heldout = split_heldout(dataset, d, cfg.train.seed, build)
     if dreambooth:
         train = instance_dataset(train, cfg.dreambooth.instance_prompt, d.path)
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0

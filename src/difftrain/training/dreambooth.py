@@ -5,7 +5,7 @@ trained beside them with their loss weighted by ``dreambooth.prior_loss_weight``
 
     dataset = instance_dataset(folder_dataset, prompt, path)  # every image captioned "a photo of sks dog"
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)   # + the class images (made once)
-    weights = loss_weights(cfg, captions, device)          # (B,) 1 or prior_loss_weight; None without a prior
+    weights = loss_weights(cfg.dreambooth, captions, device)  # (B,) 1 or prior_loss_weight; None without a prior
 
 It is data and a per-sample loss weight, not a second loop: the network is the run's own (full
 fine-tuning or LoRA), and the step weights each sample's loss by what it was drawn from.
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from difftrain.config import DreamBoothConfig
 from difftrain.data.prepare import dataset_from_config, with_buckets
 from difftrain.data.prompted import PairedDataset, PromptedDataset, instance_dataset  # noqa: F401 - re-exported
 from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
@@ -33,11 +34,10 @@ from difftrain.runtime.device import to_device_async
 CLASS_RECORD = "class_images.json"  # beside the class images: the prompt and base they were made from
 
 
-def loss_weights(cfg, captions, device: torch.device) -> torch.Tensor | None:
-    """(B,) per-sample loss weights of a micro-batch's captions (before caption dropout):
-    ``dreambooth.prior_loss_weight`` for a class image, 1 for the rest; None without prior
+def loss_weights(db: DreamBoothConfig, captions, device: torch.device) -> torch.Tensor | None:
+    """(B,) per-sample loss weights of a micro-batch's captions (before caption dropout), from the dreambooth
+    section ``db``: ``dreambooth.prior_loss_weight`` for a class image, 1 for the rest; None without prior
     preservation (every weight 1)."""
-    db = cfg.dreambooth
     if not db.class_prompt:
         return None
     weights = torch.tensor([db.prior_loss_weight if c == db.class_prompt else 1.0 for c in captions])
@@ -104,7 +104,7 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
     images = dataset_from_config(cfg.data, str(folder), captions=False)  # the class prompt is their caption
     images = _first(images, cfg.dreambooth.num_class_images)
     if getattr(data.train, "bucket_shapes", None) is not None:  # the instance images are bucketed: these too
-        images = with_buckets(images, cfg.data, image_side_multiple(cfg))
+        images = with_buckets(images, cfg.data, image_side_multiple(cfg.model))
     prior = PromptedDataset(images, cfg.dreambooth.class_prompt)
     return dataclasses.replace(data, train=PairedDataset(data.train, prior))
 

@@ -80,7 +80,7 @@ def train(
 
     # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
     # and VAE (text and latent runs), whose latents of the images are cached once.
-    data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg), dctx.world_size)  # buckets: the VAE's multiple
+    data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg.model), dctx.world_size)  # buckets: the VAE's multiple
     check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
     conditioning = Conditioning.from_config(cfg, data.num_classes, device, text_cache=True)  # text.cache: encoders load only to fill it
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
@@ -116,10 +116,10 @@ def train(
                           world_size=dctx.world_size, worker_init_fn=leave_process_group)  # SIGTERM: the main process's
     # Rank 0's trackers, watched for the signs of a run going wrong (training/warnings.py).
     trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)),
-                               RunWarnings.resumed(cfg, run_dir / "metrics.jsonl", state.step)) if is_main else Trackers([])
-    heldout = build_heldout(data.heldout, cfg, objective, device, dctx, conditioning)  # each rank holds its shard
+                               RunWarnings.resumed(cfg.validation, run_dir / "metrics.jsonl", state.step)) if is_main else Trackers([])
+    heldout = build_heldout(data.heldout, cfg.validation, cfg.data, objective, device, dctx, conditioning)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
-    plan = validation_plan(cfg, conditioning, data.train) if cfg.validation.every_steps else None
+    plan = validation_plan(cfg.validation, cfg.diffusion, tc.batch_size, conditioning, data.train) if cfg.validation.every_steps else None
     scores = ValidationScores(cfg.evaluation, device)  # CLIP score, Inception Score: no-ops unless configured
     # A no-op unless evaluation.fid_every_steps > 0; a text run's samples take captions of data.train.
     fid = TrainingFID(cfg, objective, device, dctx, conditioning, data.train, check)
@@ -160,7 +160,7 @@ def train(
                 # schedule-free: its average; NaN or inf samples stop the run with one line
                 with clock.paused("validation_s"), state.reading_weights(), _naming(cfg.model, step, run_dir):
                     model, ema_model = state.evaluation_models()  # themselves; under FSDP the sharded model, in lockstep
-                    grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
+                    grids, images = validation_grids(model, ema_model, cfg.validation, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(model, ema_model)
                     del model, ema_model
                     if is_main:
