@@ -11,7 +11,7 @@ from pathlib import Path
 
 from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.checkpoints import sharded as sharded
-from difftrain.config import Config, ModelConfig, config_to_dict
+from difftrain.config import Config, DataConfig, ModelConfig, config_to_dict
 from difftrain.data import build_loader
 from difftrain.data.latents import with_latent_cache
 from difftrain.data.prepare import prepare_training_data
@@ -88,7 +88,7 @@ def train(
     saved = load_resume(source, cfg, dctx)  # an FSDP run's sharded checkpoint: its run state; the shards later
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
         conditioning.check_references(saved["frozen"], f"checkpoint {saved['path']}")
-    data = with_latents(data, conditioning, cfg, dctx)
+    data = with_latents(data, conditioning, cfg.data, cfg.validation.heldout_batch_size, dctx)
     data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
     with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
     held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # caches filled in float32 first
@@ -124,7 +124,7 @@ def train(
     # A no-op unless evaluation.fid_every_steps > 0; a text run's samples take captions of data.train.
     fid = TrainingFID(cfg, objective, device, dctx, conditioning, data.train, check)
     metrics = StepMetrics(device)  # running sums on the device, read at log steps only
-    lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
+    lr_peak = peak_lr(cfg.optim, images_per_step := effective_batch(tc, dctx.world_size))  # images per optimizer step
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
     start_step = last_saved = state.step
     stopped_by, posthoc_every = None, cfg.ema.posthoc_every_steps or cfg.checkpoint.every_steps
@@ -212,18 +212,18 @@ def train(
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
 
 
-def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distributed.DistContext):
-    """``data`` with its images replaced by their cached VAE latents (a latent run; else unchanged).
+def with_latents(data, conditioning: Conditioning, d: DataConfig, batch_size: int, dctx: distributed.DistContext):
+    """``data`` with its images replaced by their cached VAE latents (a latent run; else unchanged), with the
+    options of the data section ``d``, encoded ``batch_size`` (``validation.heldout_batch_size``) at a time.
     Rank 0 encodes the images once while the other ranks wait, then they read its cache."""
     if conditioning.codec is None:
         return data
-    d = cfg.data
 
     def build() -> dict:
         def cached(dataset, flip):
             try:
                 return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip,
-                                         cache_dir=d.cache_dir or None, batch_size=cfg.validation.heldout_batch_size,
+                                         cache_dir=d.cache_dir or None, batch_size=batch_size,
                                          device=dctx.device)
             except OSError as e:
                 raise cache_dir_error(e, d.cache_dir, "latents") from e
@@ -397,7 +397,7 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
         quantized = f", base Linear layers in {cfg.model.quantize_base}" if cfg.model.quantize_base != "off" else ""
         network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank}{quantized})"
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
-    per_step = effective_batch(cfg, w)
+    per_step = effective_batch(tc, w)
     where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)
     if w > 1 and tc.parallel == "fsdp":
         where += " (FSDP: weights, gradients, optimizer state and EMA sharded)"
