@@ -112,7 +112,7 @@ def interleaved_ms(family: str, root: Path, steps: int) -> dict[str, float]:
     encoders = conditioning.text
     folder = root / family
     cached = CachedPromptEncoder(TextCache.for_encoder(folder, detect(folder).name, {}, root / "micro"), lambda: encoders)
-    cached.ensure(run_captions(data, cfg))
+    cached.ensure(run_captions(data, cfg.validation))
     state = RunState.build(cfg, 0, device, conditioning=conditioning)
     objective = build_objective(cfg.diffusion).to(device)
     loader = iter(build_loader(data.train, batch_size=BATCH, seed=0, start=0, num_workers=0, device=device))

@@ -155,11 +155,11 @@ class _Network:
         self.model: nn.Module = self.denoiser
         self.linear_weights: list[nn.Parameter] = []  # the frozen base's Linear weights (what a quantized base holds)
 
-    def add_lora(self, cfg) -> None:
-        """Freeze the base and inject ``cfg.lora``'s layers as training does (rank 16 when ``lora.rank`` is 0)."""
+    def add_lora(self, lc) -> None:
+        """Freeze the base and inject the layers of the lora section ``lc`` as training does (rank 16 when
+        ``lora.rank`` is 0)."""
         from difftrain.networks.lora import import_peft, peft_config, target_modules
 
-        lc = cfg.lora
         rank = lc.rank or 16
         targets = target_modules(lc, self.denoiser.record())
         self.denoiser.requires_grad_(False)
@@ -215,11 +215,11 @@ class _Network:
                                   self.denoiser.model if checkpointing else None, quantized)
 
 
-def _settings(cfg, ranks: int) -> list[Setting]:
-    """The settings the table compares: cfg's optimizer, AdamW and 8-bit AdamW, checkpointing off and on, a
+def _settings(optimizer_name: str, ranks: int) -> list[Setting]:
+    """The settings the table compares: the run's optimizer (``optim.name``), AdamW and 8-bit AdamW, checkpointing off and on, a
     4-bit base under LoRA (one process or DDP: not with FSDP), DDP and FSDP on ``ranks`` ranks (FSDP with
     the optimizers verified under it)."""
-    optimizers = list(dict.fromkeys([cfg.optim.name, "adamw", "adamw8bit"]))
+    optimizers = list(dict.fromkeys([optimizer_name, "adamw", "adamw8bit"]))
     out = []
     for lora, n in itertools.product((False, True), sorted({1, ranks})):
         for parallel in (("ddp",) if n == 1 else ("ddp", "fsdp")):
@@ -272,10 +272,11 @@ def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text_params: int) -> dic
             "text_encoders": text, "total": total, "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]}
 
 
-def text_cache_on(cfg) -> bool:
-    """Whether the text encoders stay unloaded (``text.cache``: auto is on unless captions change per sample)."""
-    mode = cfg.text.cache
-    return mode == "on" or (mode == "auto" and not cfg.text.shuffle_tags and not cfg.text.tag_dropout)
+def text_cache_on(t) -> bool:
+    """Whether the text encoders stay unloaded (``text.cache`` of the text section ``t``: auto is on unless
+    captions change per sample)."""
+    mode = t.cache
+    return mode == "on" or (mode == "auto" and not t.shuffle_tags and not t.tag_dropout)
 
 
 def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, resolution: int | None = None,
@@ -301,9 +302,9 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         raise ValueError(f"resolution {resolution} must be a multiple of {factor} for this {family.name} base")
     latent = (resolution // vae_factor(folder), resolution // vae_factor(folder))
     precision = cfg.train.precision
-    text = 0 if text_cache_on(cfg) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
+    text = 0 if text_cache_on(cfg.text) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
     own = _config_setting(cfg, ranks, parallel)
-    settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
+    settings = [own] + [s for s in _settings(cfg.optim.name, ranks) if s != own]
     net = _Network(family, config)
     parameters = sum(p.numel() for p in net.model.parameters())
     stored = stored_parameters(net.model)  # before LoRA: the base's own tensors
@@ -311,7 +312,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
     rows: dict[Setting, dict] = {}
     for lora in (False, True):
         if lora:
-            net.add_lora(cfg)
+            net.add_lora(cfg.lora)
         acts: dict[tuple, SavedBytes] = {}
         for s in (s for s in settings if s.lora == lora):
             held = held_dtype(s, precision)
@@ -334,7 +335,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "stored_parameters": stored,
         "lora_rank": cfg.lora.rank or 16,
         "lora_parameters": lora_parameters,
-        "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else
+        "text_encoders": "cached (not loaded)" if text_cache_on(cfg.text) else
                          f"loaded, {'float32' if held_dtype(own, precision, 'text') is None else precision}",
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
         "activations_note": failed or "counted on meta tensors (tools/meta_step.py)",

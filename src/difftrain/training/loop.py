@@ -422,7 +422,7 @@ def _warnings(cfg: Config, fresh: bool) -> list[str]:
     """Settings that are valid but probably not what was meant; in a new run, a model.init_from
     trained with another prediction (or schedule, ...) than this run's, which it switches."""
     o, tc = cfg.optim, cfg.train
-    out = (init_source_changes(cfg) if fresh else []) + distributed.launch_warnings()
+    out = (init_source_changes(cfg.model, cfg.diffusion) if fresh else []) + distributed.launch_warnings()
     if cfg.diffusion.zero_terminal_snr and cfg.diffusion.loss_weighting == "min_snr":
         out.append("diffusion.loss_weighting='min_snr' weighs the last timestep (SNR 0) by min(SNR, gamma) = 0: "
                    "diffusion.zero_terminal_snr then never trains the step that sampling starts from")
