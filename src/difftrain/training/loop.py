@@ -11,9 +11,9 @@ from pathlib import Path
 
 from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.checkpoints import sharded as sharded
-from difftrain.config import Config, DataConfig, ModelConfig, config_to_dict
+from difftrain.config import Config, ModelConfig, config_to_dict
 from difftrain.data import build_loader
-from difftrain.data.latents import with_latent_cache
+from difftrain.data.latents import with_latents
 from difftrain.data.prepare import prepare_training_data
 from difftrain.data.text_cache import with_caption_options, with_text_cache
 from difftrain.diffusion.objective import build_objective
@@ -27,7 +27,6 @@ from difftrain.networks.lora_import import check_adapted_output
 from difftrain.networks.quantize import logical_numel
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
-from difftrain.runtime.files import cache_dir_error
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.dreambooth import with_class_images
 from difftrain.training.heldout import build_heldout
@@ -88,7 +87,7 @@ def train(
     saved = load_resume(source, cfg, dctx)  # an FSDP run's sharded checkpoint: its run state; the shards later
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
         conditioning.check_references(saved["frozen"], f"checkpoint {saved['path']}")
-    data = with_latents(data, conditioning, cfg.data, cfg.validation.heldout_batch_size, dctx)
+    data = with_latents(data, conditioning.codec, cfg.data, cfg.validation.heldout_batch_size, dctx)
     data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
     with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
     held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # caches filled in float32 first
@@ -210,30 +209,6 @@ def train(
         raise NothingTrained(_nothing_trained_message(cfg.model, state.step, final))
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
-
-
-def with_latents(data, conditioning: Conditioning, d: DataConfig, batch_size: int, dctx: distributed.DistContext):
-    """``data`` with its images replaced by their cached VAE latents (a latent run; else unchanged), with the
-    options of the data section ``d``, encoded ``batch_size`` (``validation.heldout_batch_size``) at a time.
-    Rank 0 encodes the images once while the other ranks wait, then they read its cache."""
-    if conditioning.codec is None:
-        return data
-
-    def build() -> dict:
-        def cached(dataset, flip):
-            try:
-                return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip,
-                                         cache_dir=d.cache_dir or None, batch_size=batch_size,
-                                         device=dctx.device)
-            except OSError as e:
-                raise cache_dir_error(e, d.cache_dir, "latents") from e
-
-        return {"train": cached(data.train, d.random_flip),
-                "heldout": None if data.heldout is None else cached(data.heldout, False)}
-
-    built: dict = {}
-    distributed.run_on_main(lambda: built.update(build()), dctx, long_wait=True)
-    return dataclasses.replace(data, **(built or build()))
 
 
 def _resume(state: RunState, saved: dict, dctx: distributed.DistContext) -> Path:
