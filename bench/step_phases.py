@@ -33,7 +33,7 @@ from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.seeding import derive_seed
 from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.training.lr_schedule import lr_at
-from difftrain.training.state import RunState, peak_lr
+from difftrain.training.state import RunState, effective_batch, peak_lr
 from difftrain.training.step import StepMetrics, draw_micro_batch, train_step
 
 PHASES = ("data", "draw noise", "forward + loss", "backward", "bucket sums", "clip grad norm", "optimizer step",
@@ -115,7 +115,7 @@ def main() -> None:
             return state, iter(loader), StepMetrics(device)
 
         objective = build_objective(cfg.diffusion).to(device)
-        lr_peak = peak_lr(cfg, 1)
+        lr_peak = peak_lr(cfg.optim, effective_batch(cfg.train, 1))
 
         def lr_of(step):
             o = cfg.optim

@@ -108,7 +108,7 @@ def interleaved_ms(family: str, root: Path, steps: int) -> dict[str, float]:
     from difftrain.diffusion.objective import build_objective
     from difftrain.families import detect
     from difftrain.runtime.distributed import DistContext
-    from difftrain.training.loop import with_latents
+    from difftrain.data.latents import with_latents
     from difftrain.training.state import RunState
     from difftrain.training.step import StepMetrics, train_step
 
@@ -119,11 +119,11 @@ def interleaved_ms(family: str, root: Path, steps: int) -> dict[str, float]:
     dctx = DistContext(device=device)
     data = prepare_training_data(cfg, root / f"{family}-steps")
     conditioning = Conditioning.from_config(cfg, 0, device)
-    data = with_latents(data, conditioning, cfg, dctx)
+    data = with_latents(data, conditioning.codec, cfg.data, cfg.validation.heldout_batch_size, dctx)
     encoders = conditioning.text
     folder = root / family
     cached = CachedPromptEncoder(TextCache.for_encoder(folder, detect(folder).name, {}, root / "micro"), lambda: encoders)
-    cached.ensure(run_captions(data, cfg))
+    cached.ensure(run_captions(data, cfg.validation))
     state = RunState.build(cfg, 0, device, conditioning=conditioning)
     objective = build_objective(cfg.diffusion).to(device)
     loader = iter(build_loader(data.train, batch_size=BATCH, seed=0, start=0, num_workers=0, device=device))

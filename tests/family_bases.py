@@ -213,4 +213,4 @@ def with_run_conditions(family, cond: dict) -> dict:
     from difftrain.config import Config
 
     n = next(iter(cond.values())).shape[0]
-    return cond | {k: torch.full((n,), v) for k, v in family.run_conditions(Config()).items()}
+    return cond | {k: torch.full((n,), v) for k, v in family.run_conditions(Config().model).items()}

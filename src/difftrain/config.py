@@ -582,7 +582,7 @@ def _follow_base(cfg: Config, chosen: set[str]) -> None:
     from difftrain.families import family_of_config  # local: the families load diffusers lazily
 
     try:
-        family = family_of_config(cfg)
+        family = family_of_config(cfg.model)
     except ValueError as e:
         raise ConfigError(f"model.init_from: {e}" if cfg.model.family == "auto" else str(e)) from None
     if not family.cuda_graphs and cfg.train.cuda_graphs == "on":

@@ -56,9 +56,9 @@ def test_paired_dataset_alternates_instance_and_class_items_and_weights_the_clas
     assert [paired[i][1] for i in range(4)] == [INSTANCE, CLASS, INSTANCE, CLASS]
     assert paired.targets() == [INSTANCE, CLASS] * 5
     cfg = load_config(None, _overrides(tmp_path, tiny_overrides, *PRIOR))
-    w = loss_weights(cfg, [INSTANCE, CLASS, CLASS, INSTANCE], torch.device("cpu"))
+    w = loss_weights(cfg.dreambooth, [INSTANCE, CLASS, CLASS, INSTANCE], torch.device("cpu"))
     assert w.tolist() == [1.0, 0.5, 0.5, 1.0]
-    assert loss_weights(load_config(None, _overrides(tmp_path, tiny_overrides)), [INSTANCE], "cpu") is None
+    assert loss_weights(load_config(None, _overrides(tmp_path, tiny_overrides)).dreambooth, [INSTANCE], "cpu") is None
 
 
 def test_dreambooth_with_prior_makes_class_images_once_and_resumes_exactly(tmp_path, tiny_overrides, capsys):

@@ -50,14 +50,14 @@ def _evaluations(ctx) -> dict:
             local.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
                        .chunk(ctx.world_size)[ctx.rank].reshape(local.shape))
     objective, conditioning = build_objective(cfg.diffusion), state.conditioning
-    plan = validation_plan(cfg, conditioning)
+    plan = validation_plan(cfg.validation, cfg.diffusion, cfg.train.batch_size, conditioning)
     g = torch.Generator().manual_seed(3)
-    heldout = HeldOutLoss([(torch.rand(3, 16, 16, generator=g) * 2 - 1, 0) for _ in range(5)], cfg, objective,
+    heldout = HeldOutLoss([(torch.rand(3, 16, 16, generator=g) * 2 - 1, 0) for _ in range(5)], cfg.validation, cfg.data, objective,
                           ctx.device, ctx=ctx, conditioning=conditioning)
 
     def evaluate(models) -> dict:
         model, ema = models
-        grids, images = validation_grids(model, ema, cfg, plan, conditioning, objective, ctx)
+        grids, images = validation_grids(model, ema, cfg.validation, plan, conditioning, objective, ctx)
         features = sharded_sample_features(ema, _Features(), objective=objective, shape=(3, 16, 16), num=5,
                                            batch_size=2, sampler="ddim", steps=2, seed=0, ctx=ctx,
                                            lockstep=in_lockstep(ema))

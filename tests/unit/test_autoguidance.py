@@ -119,10 +119,10 @@ def test_validation_guide_wraps_the_grid_and_fid_model(run):
     cfg = load_config(None, ["diffusion.objective=edm", f"validation.guide={run / 'checkpoints' / 'step_00000002.pt'}",
                              "validation.guide_weight=3", "data.resolution=16"])
     model = Affine(1.0, 0.0)
-    none = ValidationGuide(load_config(None, []), Conditioning(channels=3, resolution=16))
+    none = ValidationGuide(load_config(None, []).validation, load_config(None, []).diffusion, Conditioning(channels=3, resolution=16))
     assert none.wrap(model) is model
-    wrapped = ValidationGuide(cfg, Conditioning(channels=3, resolution=16)).wrap(model)
+    wrapped = ValidationGuide(cfg.validation, cfg.diffusion, Conditioning(channels=3, resolution=16)).wrap(model)
     assert isinstance(wrapped, AutoGuided) and wrapped.weight == 3.0 and wrapped.main is model
     bad = load_config(None, [f"validation.guide={run / 'missing'}"])
     with pytest.raises(ValueError, match="validation.guide .*missing"):
-        ValidationGuide(bad, Conditioning(channels=3, resolution=16)).wrap(model)
+        ValidationGuide(bad.validation, bad.diffusion, Conditioning(channels=3, resolution=16)).wrap(model)

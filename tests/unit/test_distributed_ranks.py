@@ -116,11 +116,11 @@ def _spread_work(ctx: distributed.DistContext) -> dict:
     model, ema_model = _perturbed_model(cfg, 0), _perturbed_model(cfg, 1)
     d = cfg.data
     shape = (d.channels, d.resolution, d.resolution)
-    _, held = split_heldout(build_dataset(d.path, resolution=d.resolution, channels=d.channels, random_flip=False, color_jitter=0.0, class_conditional=False), cfg, None)
-    heldout = HeldOutLoss(held, cfg, objective, torch.device("cpu"), ctx=ctx).evaluate(model, ema_model)
+    _, held = split_heldout(build_dataset(d.path, resolution=d.resolution, channels=d.channels, random_flip=False, color_jitter=0.0, class_conditional=False), cfg.data, cfg.train.seed, None)
+    heldout = HeldOutLoss(held, cfg.validation, cfg.data, objective, torch.device("cpu"), ctx=ctx).evaluate(model, ema_model)
     conditioning = Conditioning(channels=d.channels, resolution=d.resolution)
-    plan = validation_plan(cfg, conditioning)
-    images = sample_images(ema_model, cfg, plan, conditioning, objective, ctx)
+    plan = validation_plan(cfg.validation, cfg.diffusion, cfg.train.batch_size, conditioning)
+    images = sample_images(ema_model, cfg.validation, plan, conditioning, objective, ctx)
     inception = _Features(d.resolution**2 * d.channels)
     features = sharded_sample_features(ema_model, inception, objective=objective, shape=shape, ctx=ctx, **FID)
     # A class-conditional model: batch k's labels are drawn from (seed, k) on whichever rank draws it.

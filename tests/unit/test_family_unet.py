@@ -14,9 +14,9 @@ from difftrain.networks.lora import ATTENTION_TARGETS
 
 def test_every_config_and_record_without_a_base_answers_the_unet_family(tmp_path):
     weights = tmp_path / "model.safetensors"
-    assert family_of_config(load_config(None, [])) is UNET  # from scratch
-    assert family_of_config(load_config(None, [f"model.init_from={weights}"])) is UNET  # a weights file
-    assert family_of_config(load_config(None, ["model.family=", f"model.init_from={tmp_path}"])) is UNET
+    assert family_of_config(load_config(None, []).model) is UNET  # from scratch
+    assert family_of_config(load_config(None, [f"model.init_from={weights}"]).model) is UNET  # a weights file
+    assert family_of_config(load_config(None, ["model.family=", f"model.init_from={tmp_path}"]).model) is UNET
     assert family_of_record({"kind": "unet"}) is UNET and family_of_record(None) is UNET  # old checkpoints: no record
     assert family_of_record({"kind": "family", "family": "sd", "config": {}}).name == "sd"
 

@@ -16,8 +16,8 @@ def test_split_is_deterministic_disjoint_and_complete(tiny_overrides):
     cfg = load_config(None, tiny_overrides + ["data.heldout_fraction=0.1"])
     build = lambda p: None  # noqa: E731
     full = build_dataset("builtin:shapes", resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)
-    train_a, held_a = split_heldout(full, cfg, build)
-    train_b, held_b = split_heldout(full, cfg, build)
+    train_a, held_a = split_heldout(full, cfg.data, cfg.train.seed, build)
+    train_b, held_b = split_heldout(full, cfg.data, cfg.train.seed, build)
     assert held_a.indices == held_b.indices
     assert len(held_a) == round(0.1 * len(full))
     assert set(train_a.indices).isdisjoint(held_a.indices)
@@ -42,11 +42,11 @@ def test_stratified_timesteps_cover_every_bucket_equally():
 def test_heldout_loss_is_frozen_and_tracks_the_weights(tiny_overrides):
     cfg = load_config(None, tiny_overrides + ["data.heldout_fraction=0.05", "validation.heldout_max_images=40"])
     full = build_dataset("builtin:shapes", resolution=16, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)
-    _, held = split_heldout(full, cfg, lambda p: None)
+    _, held = split_heldout(full, cfg.data, cfg.train.seed, lambda p: None)
     objective = build_objective(cfg.diffusion)
     model = build_model(cfg)
     ema = build_model(cfg)
-    ev = HeldOutLoss(held, cfg, objective, torch.device("cpu"))
+    ev = HeldOutLoss(held, cfg.validation, cfg.data, objective, torch.device("cpu"))
     a, b = ev.evaluate(model, ema), ev.evaluate(model, ema)
     assert a == b  # frozen noise and timesteps: same weights, same numbers
     assert set(a) >= {"heldout/loss", "heldout_raw/loss", "heldout/loss_bucket/0", "heldout/loss_bucket/9"}

@@ -209,9 +209,11 @@ def test_init_source_training_reads_what_a_source_was_trained_with(tmp_path):
         assert init_source_training(source) == {"objective": "ddpm", "prediction": "v", "schedule": "cosine",
                                                 "num_timesteps": 100, "zero_terminal_snr": True}, source
     # a new run from it that trains epsilon without the rescaling says so, one line per key
-    lines = init_source_changes(load_config(None, SMALL + [f"model.init_from={weights}"]))
+    new = load_config(None, SMALL + [f"model.init_from={weights}"])
+    lines = init_source_changes(new.model, new.diffusion)
     assert [line.split(" was trained with ")[1].split(";")[0] for line in lines] == [
         "diffusion.prediction='v'", "diffusion.zero_terminal_snr=True"]
     assert "this run fine-tunes it with 'epsilon'" in lines[0] and "a resume refuses" in lines[0]
-    assert init_source_changes(load_config(None, SMALL + [f"model.init_from={weights}", "diffusion.prediction=v",
-                                                          "diffusion.zero_terminal_snr=true"])) == []
+    same = load_config(None, SMALL + [f"model.init_from={weights}", "diffusion.prediction=v",
+                                      "diffusion.zero_terminal_snr=true"])
+    assert init_source_changes(same.model, same.diffusion) == []

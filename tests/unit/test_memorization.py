@@ -222,12 +222,12 @@ def test_by_default_small_training_sets_are_checked_in_pixels_and_large_ones_are
 
     cfg = load_config(None, [])
     assert cfg.validation.memorization == "auto"
-    assert resolve_space(cfg, _Dataset(data[0][:20])) == "pixels"
-    assert resolve_space(cfg, ShapesDataset(16)) == "off"
-    assert resolve_space(cfg, _Dataset(data[0][:1])) == "off"
+    assert resolve_space(cfg.validation, _Dataset(data[0][:20])) == "pixels"
+    assert resolve_space(cfg.validation, ShapesDataset(16)) == "off"
+    assert resolve_space(cfg.validation, _Dataset(data[0][:1])) == "off"
     lowered = load_config(None, ["validation.memorization_auto_max_images=10"])
-    assert resolve_space(lowered, _Dataset(data[0][:20])) == "off"
-    assert resolve_space(load_config(None, ["validation.memorization=pixels"]), ShapesDataset(16)) == "pixels"
+    assert resolve_space(lowered.validation, _Dataset(data[0][:20])) == "off"
+    assert resolve_space(load_config(None, ["validation.memorization=pixels"]).validation, ShapesDataset(16)) == "pixels"
 
 
 def test_a_default_check_on_twenty_images_warns_about_near_copies(data, tmp_path):
@@ -240,10 +240,10 @@ def test_a_default_check_on_twenty_images_warns_about_near_copies(data, tmp_path
     check = SampleCheck(cfg, _Dataset(train[:20]))
     copies = check(5, _copies(train[:8]).permute(0, 2, 3, 1).numpy())
     assert copies["memorization/near_copy_share"] >= 0.9
-    (line,) = RunWarnings(cfg).observe(5, copies)
+    (line,) = RunWarnings(cfg.validation).observe(5, copies)
     assert "near-copies of training images" in line
     new = check(6, heldout[:8].permute(0, 2, 3, 1).numpy())
-    assert new["memorization/near_copy_share"] <= 0.15 and not RunWarnings(cfg).observe(6, new)
+    assert new["memorization/near_copy_share"] <= 0.15 and not RunWarnings(cfg.validation).observe(6, new)
 
 
 def test_eval_reports_the_samples_memorization_and_diversity(tmp_path, tiny_overrides, monkeypatch, capsys):

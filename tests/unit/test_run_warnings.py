@@ -11,7 +11,7 @@ from difftrain.training.warnings import RunWarnings, WatchedTrackers
 
 
 def _feed(rows: list[tuple[int, dict]]) -> list[str]:
-    w = RunWarnings(load_config(None, []))
+    w = RunWarnings(load_config(None, []).validation)
     return [line for step, metrics in rows for line in w.observe(step, metrics)]
 
 
@@ -47,7 +47,7 @@ def test_a_healthy_run_gets_no_warning():
 
 
 def test_the_levels_are_the_configs():
-    strict = RunWarnings(load_config(None, ["validation.warn_near_copy_share=0.01", "validation.warn_fid_rises=1"]))
+    strict = RunWarnings(load_config(None, ["validation.warn_near_copy_share=0.01", "validation.warn_fid_rises=1"]).validation)
     fired = [line for step, metrics in HEALTHY for line in strict.observe(step, metrics)]
     assert any("near-copies" in line for line in fired) and any("FID has risen" in line for line in fired)
 
@@ -67,7 +67,7 @@ def test_an_overfitting_run_warns_once_per_condition_with_the_step_it_started_an
 
 
 def test_a_condition_that_clears_and_returns_warns_again():
-    w = RunWarnings(load_config(None, ["validation.warn_near_copy_share=0.2"]))
+    w = RunWarnings(load_config(None, ["validation.warn_near_copy_share=0.2"]).validation)
     fired = [w.observe(s, {"memorization/near_copy_share": v}) for s, v in ((1, 0.5), (2, 0.6), (3, 0.1), (4, 0.3))]
     assert [bool(f) for f in fired] == [True, False, False, True]
 
@@ -79,7 +79,7 @@ def test_held_out_loss_rising_with_the_training_loss_rising_too_is_not_overfitti
 
 
 def test_watched_trackers_print_one_line_and_log_the_warning(tmp_path, capsys):
-    trackers = WatchedTrackers(Trackers([JSONLTracker(tmp_path / "metrics.jsonl")]), RunWarnings(load_config(None, [])))
+    trackers = WatchedTrackers(Trackers([JSONLTracker(tmp_path / "metrics.jsonl")]), RunWarnings(load_config(None, []).validation))
     for step, metrics in OVERFIT[4:]:
         trackers.log(step, metrics)
     trackers.close()
@@ -96,8 +96,8 @@ def test_a_resumed_run_replays_its_metrics_up_to_the_checkpoint_and_does_not_war
             f.write(json.dumps({"step": step, **metrics}) + "\n")
     cfg = load_config(None, [])
     # Resumed at step 500: the rises of FID and held-out loss since 300 count, the near-copy warning was given.
-    w = RunWarnings.resumed(cfg, path, 500)
+    w = RunWarnings.resumed(cfg.validation, path, 500)
     assert w.active == {"near_copy": 500}
     lines = w.observe(600, {"fid": 170.0, "heldout/loss": 0.22, "memorization/near_copy_share": 0.4})
     assert [line.split(":")[1].strip().split()[0] for line in lines] == ["FID"]  # held-out needs the training loss
-    assert RunWarnings.resumed(cfg, tmp_path / "missing.jsonl", 500).active == {}
+    assert RunWarnings.resumed(cfg.validation, tmp_path / "missing.jsonl", 500).active == {}

@@ -30,6 +30,7 @@ item's bucket shape as well.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -40,7 +41,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
+from difftrain.runtime import distributed
+from difftrain.runtime.files import atomic_write_bytes, cache_dir_error, files_fingerprint, unlink_quietly
 from difftrain.runtime.files import cache_dir as default_cache_dir
 
 from .buckets import group_indices, item_shapes
@@ -526,3 +528,27 @@ def with_latent_cache(dataset: Dataset, *, codec, random_flip: bool, cache_dir: 
         build_latent_cache(dataset, path, codec=codec, random_flip=random_flip, batch_size=batch_size,
                            device=device, num_workers=num_workers)
     return LatentDataset(dataset, path, random_flip)
+
+
+def with_latents(data, codec, d, batch_size: int, dctx):
+    """``data`` (``TrainingData``) with its images replaced by their cached VAE latents of ``codec`` (the
+    run's frozen VAE; None: not a latent run, ``data`` unchanged), with the options of the data section ``d``,
+    encoded ``batch_size`` (``validation.heldout_batch_size``) at a time. Rank 0 encodes the images once while
+    the other ranks (``dctx``) wait, then they read its cache."""
+    if codec is None:
+        return data
+
+    def build() -> dict:
+        def cached(dataset, flip):
+            try:
+                return with_latent_cache(dataset, codec=codec, random_flip=flip, cache_dir=d.cache_dir or None,
+                                         batch_size=batch_size, device=dctx.device)
+            except OSError as e:
+                raise cache_dir_error(e, d.cache_dir, "latents") from e
+
+        return {"train": cached(data.train, d.random_flip),
+                "heldout": None if data.heldout is None else cached(data.heldout, False)}
+
+    built: dict = {}
+    distributed.run_on_main(lambda: built.update(build()), dctx, long_wait=True)
+    return dataclasses.replace(data, **(built or build()))

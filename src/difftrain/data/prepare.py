@@ -16,7 +16,7 @@ from .cache import with_decode_cache
 from .check import prepare_dataset
 from .folder import ImageFolderDataset
 from .loader import build_dataset
-from .prompted import instance_dataset
+from .prompted import PairedDataset, PromptedDataset, instance_dataset
 from .split import split_heldout
 
 
@@ -25,6 +25,7 @@ class TrainingData:
     train: Dataset  # items ((C, H, W) in [-1, 1], label or caption), keyed by (index, sample_seed)
     heldout: Dataset | None  # the held-out images, unaugmented; None without a held-out split
     num_classes: int  # 0 when unconditional
+    side_multiple: int = 8  # every bucket's side a multiple of it (the network's: networks/conditioning.py)
 
 
 def dataset_from_config(d, path: str | None = None, augment: bool = True, captions: bool | None = None) -> Dataset:
@@ -69,6 +70,20 @@ def with_buckets(dataset: Dataset, d, side_multiple: int) -> Dataset:
     return dataset
 
 
+def with_prior_images(data: TrainingData, d, folder: Path, prompt: str, names: list[str]) -> TrainingData:
+    """``data`` with DreamBooth's class images (prior preservation; ``training/dreambooth.py`` makes them)
+    paired in: the files ``names`` of ``folder`` (it may hold more, from a larger earlier run), read with the
+    options of ``DataConfig`` ``d`` under ``prompt``, put in the instance images' buckets when they have them."""
+    images = dataset_from_config(d, str(folder), captions=False)  # the class prompt is their caption
+    files = images.files
+    if len(files) > len(names):
+        keep = set(names)
+        images.drop({f for f in files if f not in keep})
+    if getattr(data.train, "bucket_shapes", None) is not None:  # the instance images are bucketed: these too
+        images = with_buckets(images, d, data.side_multiple)
+    return dataclasses.replace(data, train=PairedDataset(data.train, PromptedDataset(images, prompt)))
+
+
 def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8, world_size: int = 1) -> TrainingData:
     """The training and held-out sets of ``cfg``: bad images scanned for (the scan cached in
     ``run_dir``; skipped or fatal per ``data.on_bad_image``), put in aspect-ratio buckets with sides
@@ -92,7 +107,8 @@ def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8, wor
             dataset = with_decode_cache(dataset, d.cache, d.cache_dir, d.num_workers)
         except OSError as e:
             raise cache_dir_error(e, d.cache_dir, "decode") from e
-    train, heldout = split_heldout(dataset, cfg, lambda p: dataset_from_config(d, p, augment=False, captions=captions))
+    build = lambda p: dataset_from_config(d, p, augment=False, captions=captions)  # noqa: E731
+    train, heldout = split_heldout(dataset, d, cfg.train.seed, build)
     if dreambooth:
         train = instance_dataset(train, cfg.dreambooth.instance_prompt, d.path)
     num_classes = getattr(train, "num_classes", 0) if d.class_conditional else 0
@@ -114,4 +130,4 @@ def prepare_training_data(cfg, run_dir: Path | None, side_multiple: int = 8, wor
         if usable < len(train):
             print(f"difftrain: warning: {len(train) - usable} of {len(train)} images are in aspect-ratio buckets "
                   f"smaller than {what} and never train (difftrain data check --buckets lists them)", file=sys.stderr)
-    return TrainingData(train, heldout, num_classes)
+    return TrainingData(train, heldout, num_classes, side_multiple)

@@ -57,16 +57,16 @@ def heldout_indices(num_items: int, fraction: float, seed: int) -> list[int]:
     return sorted(torch.randperm(num_items, generator=g)[:count].tolist())
 
 
-def split_heldout(dataset: Dataset, cfg, build) -> tuple[Dataset, Dataset | None]:
-    """(training set, held-out set or None) from ``data.heldout_fraction`` or ``data.heldout_path``.
+def split_heldout(dataset: Dataset, d, seed: int, build) -> tuple[Dataset, Dataset | None]:
+    """(training set, held-out set or None) from the data section ``d``: ``data.heldout_fraction`` (drawn
+    with the run's ``train.seed``, ``seed``) or ``data.heldout_path``.
 
     ``build(path)`` builds a dataset for ``data.heldout_path`` with the run's data options. A
     fraction removes its images from the training set; a separate folder leaves it whole.
     """
-    d = cfg.data
     if d.heldout_path:
         return dataset, build(d.heldout_path)
-    held = heldout_indices(len(dataset), d.heldout_fraction, cfg.train.seed)
+    held = heldout_indices(len(dataset), d.heldout_fraction, seed)
     if not held:
         return dataset, None
     if len(held) >= len(dataset):

@@ -581,11 +581,11 @@ def cached_conditions(dataset, conditioning):
 # A run's use of it.
 
 
-def text_cache_wanted(cfg) -> bool:
-    """Whether ``text.cache`` asks for the cache: "on", or "auto" when no caption changes per sample
-    (``text.shuffle_tags`` / ``text.tag_dropout``; "on" with them is refused by the config)."""
-    mode = cfg.text.cache
-    return mode == "on" or (mode == "auto" and not (cfg.text.shuffle_tags or cfg.text.tag_dropout > 0))
+def text_cache_wanted(t) -> bool:
+    """Whether ``text.cache`` of the text section ``t`` asks for the cache: "on", or "auto" when no caption
+    changes per sample (``text.shuffle_tags`` / ``text.tag_dropout``; "on" with them is refused by the config)."""
+    mode = t.cache
+    return mode == "on" or (mode == "auto" and not (t.shuffle_tags or t.tag_dropout > 0))
 
 
 def compute_dtype(cfg) -> torch.dtype:
@@ -597,7 +597,7 @@ def cached_prompt_encoder(cfg, family: str, folder: Path, options: dict, load: C
                           device: torch.device | str) -> CachedPromptEncoder | None:
     """The base ``family``'s text encoders behind the cache (``text.cache``), or None when it is off
     (difftrain's own text encoder is never cached: ``families/unet.py`` refuses ``text.cache='on'``)."""
-    if not text_cache_wanted(cfg):
+    if not text_cache_wanted(cfg.text):
         return None
     try:
         store = TextCache.for_encoder(folder, family, options, cfg.data.cache_dir or None, compute_dtype(cfg))
@@ -620,11 +620,12 @@ def with_caption_options(data, cfg):
     return dataclasses.replace(data, train=TaggedCaptions(data.train, options), heldout=heldout)
 
 
-def run_captions(data, cfg) -> list[str]:
-    """Every caption a run encodes: its training and held-out captions and ``validation.prompts``."""
+def run_captions(data, v) -> list[str]:
+    """Every caption a run encodes: its training and held-out captions and ``validation.prompts`` (of the
+    validation section ``v``)."""
     from .captions import dataset_captions
 
-    captions = dataset_captions(data.train) + list(cfg.validation.prompts)
+    captions = dataset_captions(data.train) + list(v.prompts)
     return captions + (dataset_captions(data.heldout) if data.heldout is not None else [])
 
 
@@ -640,7 +641,7 @@ def with_text_cache(data, conditioning, cfg, dctx) -> None:
 
     def build() -> None:
         try:
-            text.ensure(run_captions(data, cfg), batch_size=cfg.validation.heldout_batch_size)
+            text.ensure(run_captions(data, cfg.validation), batch_size=cfg.validation.heldout_batch_size)
         except OSError as e:
             raise cache_dir_error(e, cfg.data.cache_dir, "text") from e
 

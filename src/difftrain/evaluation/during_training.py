@@ -80,7 +80,7 @@ class TrainingFID:
         self.dataset = dataset
         self.check = check  # a SampleCheck: memorization and diversity of the samples' features (Inception space)
         self._conditions: FIDConditions | None = None
-        self.guide = ValidationGuide(cfg, self.conditioning)  # autoguidance of the samples (validation.guide)
+        self.guide = ValidationGuide(cfg.validation, cfg.diffusion, self.conditioning)  # autoguidance of the samples (validation.guide)
         self._inception = None
         self._reference = None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftrain.config import Config
+from difftrain.config import Config, EvaluationConfig, ValidationConfig
 from difftrain.generation.sampling import save_png
 from difftrain.runtime import distributed
 from difftrain.runtime.optional import require
@@ -37,10 +37,10 @@ class SampleCheck:
 
     def __init__(self, cfg: Config, dataset, device: torch.device | str = "cpu"):
         self.cfg, self.dataset, self.device = cfg, dataset, device
-        self.space = resolve_space(cfg, dataset)
+        self.space = resolve_space(cfg.validation, dataset)
         self._net: FeatureNetwork | None = None
         self._index: TrainingIndex | None = None
-        check_available(cfg)  # before training: a missing network is one line now, not at the first validation
+        check_available(cfg.validation, cfg.evaluation)  # before training: a missing network is one line now, not at the first validation
 
     @property
     def enabled(self) -> bool:
@@ -150,11 +150,10 @@ class CheckedInception:
         return out
 
 
-def resolve_space(cfg: Config, dataset) -> str:
-    """The feature space ``validation.memorization`` names for the training set ``dataset``:
-    "auto" is "pixels" for 2 to ``validation.memorization_auto_max_images`` images, else "off" (and off
-    for images in aspect-ratio buckets, whose shapes differ from the square samples')."""
-    v = cfg.validation
+def resolve_space(v: ValidationConfig, dataset) -> str:
+    """The feature space ``validation.memorization`` (of the validation section ``v``) names for the training
+    set ``dataset``: "auto" is "pixels" for 2 to ``validation.memorization_auto_max_images`` images, else "off"
+    (and off for images in aspect-ratio buckets, whose shapes differ from the square samples')."""
     if v.memorization != "auto":
         return v.memorization
     if getattr(dataset, "bucket_shapes", None) is not None or getattr(dataset, "masks", False):
@@ -163,14 +162,15 @@ def resolve_space(cfg: Config, dataset) -> str:
     return "pixels" if 2 <= n <= v.memorization_auto_max_images else "off"
 
 
-def check_available(cfg: Config) -> None:
-    """Raise the one line naming what to install when ``validation.memorization``'s network is
-    missing: the FID Inception file (FileNotFoundError), transformers for CLIP (MissingDependency)."""
-    space = cfg.validation.memorization
+def check_available(v: ValidationConfig, e: EvaluationConfig) -> None:
+    """Raise the one line naming what to install when ``validation.memorization``'s network (of the
+    validation section ``v``; its files named by the evaluation section ``e``) is missing: the FID
+    Inception file (FileNotFoundError), transformers for CLIP (MissingDependency)."""
+    space = v.memorization
     if space == "inception":
-        find_inception_weights(cfg.evaluation.inception_path or None)
+        find_inception_weights(e.inception_path or None)
     elif space == "clip":
-        require("transformers", "text", f"validation.memorization='clip' (evaluation.clip_model={cfg.evaluation.clip_model})")
+        require("transformers", "text", f"validation.memorization='clip' (evaluation.clip_model={e.clip_model})")
 
 
 def _cache_folder(cache_dir: str) -> str | None:

@@ -4,7 +4,7 @@
     family = detect("sdxl-folder")        # by model_index.json's _class_name -> FAMILIES["sdxl"]
     family = family_named("sd")           # model.family = "sd"
     family = family_of_record(record)     # a checkpoint's network record -> its family
-    family = family_of_config(cfg)        # a run's: a base's, else difftrain's own UNet (families/unet.py)
+    family = family_of_config(cfg.model)  # a run's: a base's, else difftrain's own UNet (families/unet.py)
 
 Each family is one module of this package (``sd.py``, ``sdxl.py``, ...) that builds a
 :class:`~difftrain.families.base.Family` and registers it here; the interface lives in ``base.py``.
@@ -89,11 +89,11 @@ def family_of_record(record: dict | None) -> Family:
     return UNET
 
 
-def family_of_config(cfg) -> Family:
-    """The family of a run: ``model.family`` by name, or with "auto" the base family :func:`detect`
-    finds in ``model.init_from``; :data:`UNET` (difftrain's own networks) when it names no base folder
-    (a weights file, a checkpoint, a UNet2DModel folder, nothing) and with ``model.family=""``."""
-    name, init_from = getattr(cfg.model, "family", "auto"), cfg.model.init_from
+def family_of_config(model) -> Family:
+    """The family of a run's ``model`` section: ``model.family`` by name, or with "auto" the base family
+    :func:`detect` finds in ``model.init_from``; :data:`UNET` (difftrain's own networks) when it names no base
+    folder (a weights file, a checkpoint, a UNet2DModel folder, nothing) and with ``model.family=""``."""
+    name, init_from = getattr(model, "family", "auto"), model.init_from
     if name == "":
         return UNET
     if name != "auto":

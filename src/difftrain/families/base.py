@@ -442,11 +442,11 @@ class Family(ABC):
         (none by default; SD3 and Flux: ``max_sequence_length`` from ``model.max_sequence_length``)."""
         return {}
 
-    def run_conditions(self, cfg, sampling: bool = False) -> dict[str, float]:
+    def run_conditions(self, section) -> dict[str, float]:
         """The scalars every sample of a run is conditioned on alike, by condition key: a setting of the
-        run, not an output of the text encoders (so never in the text cache). ``sampling``: the samples'
-        value (validation grids, FID, ``sample``) instead of the training one. None by default; Flux:
-        ``{"guidance": model.distilled_guidance}`` (sampling: ``validation.distilled_guidance``)."""
+        run, not an output of the text encoders (so never in the text cache). ``section``: the config section
+        that sets them, the run's ``model`` in training, its ``validation`` for the samples (validation grids,
+        FID, ``sample``). None by default; Flux: ``{"guidance": section.distilled_guidance}``."""
         return {}
 
     def load_codec(self, folder: Path, device: torch.device | str = "cpu"):

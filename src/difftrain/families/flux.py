@@ -164,12 +164,11 @@ class FluxFamily(TransformerFamily):
                             max_sequence_length: int = 0) -> FluxPromptEncoder:
         return FluxPromptEncoder(Path(folder), max_sequence_length).to(device)
 
-    def run_conditions(self, cfg, sampling: bool = False) -> dict[str, float]:
+    def run_conditions(self, section) -> dict[str, float]:
         """``{"guidance": ...}``: the distilled guidance input, ``model.distilled_guidance`` in training (3.5,
         diffusers' Flux script's --guidance_scale default), ``validation.distilled_guidance`` in sampling
-        (3.5, FluxPipeline's guidance_scale default)."""
-        value = cfg.validation.distilled_guidance if sampling else cfg.model.distilled_guidance
-        return {"guidance": float(value)}
+        (3.5, FluxPipeline's guidance_scale default): ``section`` is the one of the two that applies."""
+        return {"guidance": float(section.distilled_guidance)}
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """T5's tokens, ``joint_attention_dim`` wide, the pooled CLIP embedding and the guidance value

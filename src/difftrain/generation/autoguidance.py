@@ -102,11 +102,12 @@ def with_guide(loaded, guide: str | Path | None = None, weight: float = 2.0, *, 
 class ValidationGuide:
     """The guide of a run's validation grids and FID samples (``validation.guide``, weight
     ``validation.guide_weight``), loaded on first use; ``wrap(model)`` is ``model`` itself when
-    there is none. A guide that is missing or does not fit raises a ValueError naming the key."""
+    there is none. A guide that is missing or does not fit raises a ValueError naming the key.
+    ``v``: the run's validation section; ``diffusion``: its diffusion section (the guide's must match)."""
 
-    def __init__(self, cfg, conditioning):
-        self.path, self.weight = cfg.validation.guide, cfg.validation.guide_weight
-        self._diffusion, self._conditioning = cfg.diffusion, conditioning
+    def __init__(self, v, diffusion, conditioning):
+        self.path, self.weight = v.guide, v.guide_weight
+        self._diffusion, self._conditioning = diffusion, conditioning
         self._net: nn.Module | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:

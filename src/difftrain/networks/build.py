@@ -89,7 +89,7 @@ def build_network(cfg: Config, conditioning: Conditioning, network: dict | None 
         if saved_lora is None and cfg.model.init_lora_from:  # a new run's adapter from a LoRA file
             _start_adapter(net, cfg.model.init_lora_from, deferred)
         return net
-    family = family_of_record(network) if network is not None else family_of_config(cfg)
+    family = family_of_record(network) if network is not None else family_of_config(cfg.model)
     if family.base and not init_from and network is None:
         raise ValueError(f"model.family={family.name} needs model.init_from: the base folder to fine-tune")
     if family.base:
@@ -181,7 +181,7 @@ def _quantized_base(cfg: Config, conditioning: Conditioning, saved_lora: dict | 
         return None
     record = saved_lora["base"] if saved_lora is not None else None
     files = DeferredWeights()
-    if not (family_of_record(record) if record is not None else family_of_config(cfg)).base:
+    if not (family_of_record(record) if record is not None else family_of_config(cfg.model)).base:
         base = _replayed_unet(cfg, conditioning, record, files)
         if base is None:
             return None

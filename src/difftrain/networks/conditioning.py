@@ -53,14 +53,14 @@ def expand_rows(c: Condition, n: int) -> Condition:
     return map_condition(lambda t: t.expand(n, *t.shape[1:]) if t.ndim else t.expand(n), c)
 
 
-def image_side_multiple(cfg) -> int:
-    """The multiple every image side must be for ``cfg``'s network, from config files alone (nothing
-    loaded): a latent run's family's (``Family.image_side_multiple``: the VAE's factor, Flux's times 2), or
-    a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio buckets (``data/buckets.py``)
-    round their sides to it."""
-    if cfg.model.vae:
-        return family_of_config(cfg).image_side_multiple(SimpleNamespace(factor=vae_factor(cfg.model.vae)))
-    mult = cfg.model.channel_mult or MODEL_PRESETS.get(cfg.model.preset, {}).get("channel_mult", (1,))
+def image_side_multiple(model) -> int:
+    """The multiple every image side must be for the network of a run's ``model`` section, from config
+    files alone (nothing loaded): a latent run's family's (``Family.image_side_multiple``: the VAE's factor,
+    Flux's times 2), or a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio buckets
+    (``data/buckets.py``) round their sides to it."""
+    if model.vae:
+        return family_of_config(model).image_side_multiple(SimpleNamespace(factor=vae_factor(model.vae)))
+    mult = model.channel_mult or MODEL_PRESETS.get(model.preset, {}).get("channel_mult", (1,))
     return 2 ** (len(mult) - 1)
 
 
@@ -100,14 +100,15 @@ class Conditioning:
         frozen) onto ``device``. ``text_cache`` (training): a base family's encoders behind the text cache
         where ``text.cache`` asks for it (``data/text_cache.py``), loaded only to fill it."""
         text = codec = None
-        family = family_of_config(cfg)  # a base family encodes its own prompts; difftrain's UNet with TextEncoder
+        family = family_of_config(cfg.model)  # a base family encodes its own prompts; difftrain's UNet with TextEncoder
         if cfg.model.text_encoder:
             text = family.run_prompt_encoder(cfg, device, cached_prompt_encoder if text_cache else None)
         if cfg.model.vae:
             codec = LatentCodec.from_path(cfg.model.vae).to(device)
         made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution, family=family)
         if text is not None:  # the family's scalars and multiple apply to its text runs (UNet: none, the VAE's)
-            made.train_values, made.sample_values = family.run_conditions(cfg), family.run_conditions(cfg, True)
+            made.train_values = family.run_conditions(cfg.model)  # training's; the samples' from validation
+            made.sample_values = family.run_conditions(cfg.validation)
         if text is not None and codec is not None and cfg.data.resolution % family.image_side_multiple(codec):
             raise ValueError(f"data.resolution={cfg.data.resolution} must be a multiple of "
                              f"{family.image_side_multiple(codec)} for the {family.name} base {cfg.model.init_from} "

@@ -175,18 +175,19 @@ def init_source_training(source: str | Path) -> dict:
     return {k: diffusion.get(k, defaults.get(k)) for k in INIT_SOURCE_KEYS if k in diffusion or k in defaults}
 
 
-def init_source_changes(cfg) -> list[str]:
-    """One line per diffusion.* key that this new run (``cfg``) sets otherwise than the weights of
-    ``cfg.model.init_from`` were trained with. A fine-tune may switch them (Stable Diffusion 2.x
-    went from epsilon to v prediction this way), while a resume refuses to; the line says so."""
-    if not cfg.model.init_from:
+def init_source_changes(m, diffusion) -> list[str]:
+    """One line per diffusion.* key that this new run (its diffusion section ``diffusion``) sets otherwise
+    than the weights of ``model.init_from`` (of its model section ``m``) were trained with. A fine-tune may
+    switch them (Stable Diffusion 2.x went from epsilon to v prediction this way), while a resume refuses
+    to; the line says so."""
+    if not m.init_from:
         return []
-    source = init_source_training(cfg.model.init_from)
+    source = init_source_training(m.init_from)
     lines = []
     for key in INIT_SOURCE_KEYS:
-        ours = getattr(cfg.diffusion, key)
+        ours = getattr(diffusion, key)
         if key in source and source[key] != ours:
-            lines.append(f"model.init_from {cfg.model.init_from} was trained with diffusion.{key}={source[key]!r}; "
+            lines.append(f"model.init_from {m.init_from} was trained with diffusion.{key}={source[key]!r}; "
                          f"this run fine-tunes it with {ours!r}: allowed for a new run (a resume refuses such a "
                          "change), and its first steps retrain the network to it")
     return lines

@@ -192,11 +192,11 @@ class _Network:
         self.model: nn.Module = self.denoiser
         self.linear_weights: list[nn.Parameter] = []  # the frozen base's Linear weights (what a quantized base holds)
 
-    def add_lora(self, cfg) -> None:
-        """Freeze the base and inject ``cfg.lora``'s layers as training does (rank 16 when ``lora.rank`` is 0)."""
+    def add_lora(self, lc) -> None:
+        """Freeze the base and inject the layers of the lora section ``lc`` as training does (rank 16 when
+        ``lora.rank`` is 0)."""
         from difftrain.networks.lora import import_peft, peft_config, target_modules
 
-        lc = cfg.lora
         rank = lc.rank or 16
         targets = target_modules(lc, self.denoiser.record())
         self.denoiser.requires_grad_(False)
@@ -252,11 +252,11 @@ class _Network:
                                   self.denoiser.model if checkpointing else None, quantized)
 
 
-def _settings(cfg, ranks: int) -> list[Setting]:
-    """The settings the table compares: cfg's optimizer, AdamW and 8-bit AdamW, checkpointing off and on, a
+def _settings(optimizer_name: str, ranks: int) -> list[Setting]:
+    """The settings the table compares: the run's optimizer (``optim.name``), AdamW and 8-bit AdamW, checkpointing off and on, a
     4-bit base under LoRA (one process or DDP: not with FSDP), DDP and FSDP on ``ranks`` ranks (FSDP with
     the optimizers verified under it)."""
-    optimizers = list(dict.fromkeys([cfg.optim.name, "adamw", "adamw8bit"]))
+    optimizers = list(dict.fromkeys([optimizer_name, "adamw", "adamw8bit"]))
     out = []
     for lora, n in itertools.product((False, True), sorted({1, ranks})):
         for parallel in (("ddp",) if n == 1 else ("ddp", "fsdp")):
@@ -321,10 +321,11 @@ def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text_params: int) -> dic
             "text_encoders": text, "total": total, "swap_blocks": s.swap, "host_swapped": host, "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]}
 
 
-def text_cache_on(cfg) -> bool:
-    """Whether the text encoders stay unloaded (``text.cache``: auto is on unless captions change per sample)."""
-    mode = cfg.text.cache
-    return mode == "on" or (mode == "auto" and not cfg.text.shuffle_tags and not cfg.text.tag_dropout)
+def text_cache_on(t) -> bool:
+    """Whether the text encoders stay unloaded (``text.cache`` of the text section ``t``: auto is on unless
+    captions change per sample)."""
+    mode = t.cache
+    return mode == "on" or (mode == "auto" and not t.shuffle_tags and not t.tag_dropout)
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,7 @@ def read_base(cfg, base: str, resolution: int | None = None, batch_size: int | N
     if resolution % factor:
         raise ValueError(f"resolution {resolution} must be a multiple of {factor} for this {family.name} base")
     latent = (resolution // vae_factor(folder), resolution // vae_factor(folder))
-    text = 0 if text_cache_on(cfg) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
+    text = 0 if text_cache_on(cfg.text) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
     return Base(str(base), folder, family, config, resolution, batch_size or cfg.train.batch_size, latent, text)
 
 
@@ -378,7 +379,7 @@ def count_settings(cfg, b: Base, settings: list[Setting]) -> tuple[dict[Setting,
         if not todo:
             continue
         if lora:
-            net.add_lora(cfg)
+            net.add_lora(cfg.lora)
         acts: dict[tuple, SavedBytes] = {}
         for s in todo:
             held = held_dtype(s, precision)
@@ -486,7 +487,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         raise ValueError(f"--card must be > 0 (GiB of the card), got {card_gib}")
     b = read_base(cfg, base, resolution, batch_size)
     own = _config_setting(cfg, own_ranks or ranks, parallel)
-    settings = [own] + [s for s in _settings(cfg, ranks) if s != own]
+    settings = [own] + [s for s in _settings(cfg.optim.name, ranks) if s != own]
     tried = changes(own)
     rows, info = count_settings(cfg, b, list(dict.fromkeys(settings + [s for _, s in tried])))
     card = card_gib if card_gib is not None else min(CARDS_GIB)
@@ -498,9 +499,9 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "stored_parameters": info["stored_parameters"],
         "lora_rank": cfg.lora.rank or 16,
         "lora_parameters": info["lora_parameters"],
-        "text_encoders": "cached (not loaded)" if text_cache_on(cfg) else
+        "text_encoders": "cached (not loaded)" if text_cache_on(cfg.text) else
                          f"loaded, {'float32' if held_dtype(own, cfg.train.precision, 'text') is None else cfg.train.precision}",
-        "text_cache_fill": text_cache_fill_bytes(b.folder, cfg) if text_cache_on(cfg) else None,
+        "text_cache_fill": text_cache_fill_bytes(b.folder, cfg) if text_cache_on(cfg.text) else None,
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
         "activations_note": info["activations_note"],
         "rows": [rows[s] for s in settings],

@@ -69,7 +69,7 @@ def build_setup(cfg: Config, need_data: bool = True, network: dict | None = None
         if need_data:
             raise
         dataset = RandomImages(cfg.data)
-    dataset, _ = split_heldout(dataset, cfg, lambda p: None)
+    dataset, _ = split_heldout(dataset, cfg.data, cfg.train.seed, lambda p: None)
     num_classes = getattr(dataset, "num_classes", 0) if cfg.data.class_conditional else 0
     conditioning = Conditioning.from_config(cfg, num_classes, device)
     if conditioning.codec is not None:  # the tools see latents, as training does

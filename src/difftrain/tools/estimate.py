@@ -125,7 +125,7 @@ def estimate(
         raise ValueError(f"--batch-size must be >= 1, got {b}")
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    parallel = resolve_parallel(cfg, parallel)
+    parallel = resolve_parallel(cfg.train, parallel)
     if parallel == "fsdp" and not OPTIMIZERS[cfg.optim.name].fsdp:
         raise ValueError(f"--parallel fsdp: optim.name={cfg.optim.name!r} is not verified under FSDP (adamw is)")
     setup = build_setup(cfg, need_data=False)  # only shapes matter; random images stand in if data.path is absent

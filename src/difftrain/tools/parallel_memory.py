@@ -37,9 +37,9 @@ PREFETCH_FACTOR = 2
 MiB, GiB = 2**20, 2**30
 
 
-def resolve_parallel(cfg, parallel: str | None) -> str:
-    """``parallel`` if given, else the config's ``train.parallel``."""
-    parallel = parallel if parallel is not None else cfg.train.parallel
+def resolve_parallel(tc, parallel: str | None) -> str:
+    """``parallel`` if given, else the train section ``tc``'s ``train.parallel``."""
+    parallel = parallel if parallel is not None else tc.parallel
     if parallel not in PARALLELISMS:
         raise ValueError(f"--parallel must be one of {', '.join(PARALLELISMS)}, got {parallel!r}")
     return parallel
@@ -188,7 +188,7 @@ def count_unet_config(cfg, unet_config: str | Path, parallel: str | None = None,
     """Per-rank memory of training the UNet2DConditionModel of ``unet_config`` with ``cfg``'s
     precision and EMAs, counted from shapes on the meta device (no step, no activations).
     Returns a JSON-ready dict, sizes in MiB."""
-    parallel = resolve_parallel(cfg, parallel)
+    parallel = resolve_parallel(cfg.train, parallel)
     model = meta_condition_unet(unet_config)
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]

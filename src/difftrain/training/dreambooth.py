@@ -5,7 +5,7 @@ trained beside them with their loss weighted by ``dreambooth.prior_loss_weight``
 
     dataset = instance_dataset(folder_dataset, prompt, path)  # every image captioned "a photo of sks dog"
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)   # + the class images (made once)
-    weights = loss_weights(cfg, captions, device)          # (B,) 1 or prior_loss_weight; None without a prior
+    weights = loss_weights(cfg.dreambooth, captions, device)  # (B,) 1 or prior_loss_weight; None without a prior
 
 It is data and a per-sample loss weight, not a second loop: the network is the run's own (full
 fine-tuning or LoRA), and the step weights each sample's loss by what it was drawn from.
@@ -13,31 +13,29 @@ fine-tuning or LoRA), and the step weights each sample's loss by what it was dra
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
 
-from difftrain.data.prepare import dataset_from_config, with_buckets
+from difftrain.config import DreamBoothConfig
+from difftrain.data.prepare import with_prior_images
 from difftrain.data.prompted import PairedDataset, PromptedDataset, instance_dataset  # noqa: F401 - re-exported
 from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
 from difftrain.generation.sampling import generate, initial_noise, save_png, to_uint8
 from difftrain.networks.build import build_network, without_lora
-from difftrain.networks.conditioning import expand_rows, image_side_multiple, map_condition
+from difftrain.networks.conditioning import expand_rows, map_condition
 from difftrain.runtime import distributed
 from difftrain.runtime.device import to_device_async
 
 CLASS_RECORD = "class_images.json"  # beside the class images: the prompt and base they were made from
 
 
-def loss_weights(cfg, captions, device: torch.device) -> torch.Tensor | None:
-    """(B,) per-sample loss weights of a micro-batch's captions (before caption dropout):
-    ``dreambooth.prior_loss_weight`` for a class image, 1 for the rest; None without prior
+def loss_weights(db: DreamBoothConfig, captions, device: torch.device) -> torch.Tensor | None:
+    """(B,) per-sample loss weights of a micro-batch's captions (before caption dropout), from the dreambooth
+    section ``db``: ``dreambooth.prior_loss_weight`` for a class image, 1 for the rest; None without prior
     preservation (every weight 1)."""
-    db = cfg.dreambooth
     if not db.class_prompt:
         return None
     weights = torch.tensor([db.prior_loss_weight if c == db.class_prompt else 1.0 for c in captions])
@@ -99,20 +97,7 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
     without ``dreambooth.class_prompt``."""
     if not cfg.dreambooth.class_prompt:
         return data
-    folder = class_dir(cfg.dreambooth, run_dir)
+    db = cfg.dreambooth
+    folder = class_dir(db, run_dir)
     distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device), dctx, long_wait=True)
-    images = dataset_from_config(cfg.data, str(folder), captions=False)  # the class prompt is their caption
-    images = _first(images, cfg.dreambooth.num_class_images)
-    if getattr(data.train, "bucket_shapes", None) is not None:  # the instance images are bucketed: these too
-        images = with_buckets(images, cfg.data, image_side_multiple(cfg))
-    prior = PromptedDataset(images, cfg.dreambooth.class_prompt)
-    return dataclasses.replace(data, train=PairedDataset(data.train, prior))
-
-
-def _first(images: Dataset, n: int) -> Dataset:
-    """The folder's first ``n`` class images (a folder may hold more, from a larger earlier run)."""
-    files = images.files
-    if len(files) > n:
-        keep = set(_class_names(n))
-        images.drop({f for f in files if f not in keep})
-    return images
+    return with_prior_images(data, cfg.data, folder, db.class_prompt, _class_names(db.num_class_images))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from difftrain.config import Config
+from difftrain.config import DataConfig, ValidationConfig
 from difftrain.data.latents import sample_latents
 from difftrain.diffusion.objective import Objective, per_sample_loss
 from difftrain.networks.conditioning import Conditioning, condition_rows
@@ -35,7 +35,8 @@ class HeldOutLoss:
         dataset: the held-out images (items ``(image (C, H, W) in [-1, 1], label or caption, geometry
             (4,) long)``, the geometry (original size and crop: SDXL's size conditioning) where the dataset
             carries it); the first ``max_images`` are used, unaugmented.
-        cfg: the run's config (diffusion settings, seeds, validation options).
+        v: the run's validation section (the held-out options, the seed).
+        d: its data section (without ``conditioning``: the images' channels, resolution and classes).
         objective: the run's objective (on ``device``): its stratified noise levels and loss.
         device: where the frozen tensors live and the model runs.
         num_buckets: timestep buckets for the per-bucket losses.
@@ -45,9 +46,8 @@ class HeldOutLoss:
             classes); a latent run's held-out items are cached latent moments, evaluated at their mean.
     """
 
-    def __init__(self, dataset: Dataset, cfg: Config, objective: Objective, device: torch.device,
+    def __init__(self, dataset: Dataset, v: ValidationConfig, d: DataConfig, objective: Objective, device: torch.device,
                  num_buckets: int = 10, ctx: DistContext | None = None, conditioning: Conditioning | None = None):
-        v, d = cfg.validation, cfg.data
         self.ctx = ctx or DistContext()
         if conditioning is None:
             num_classes = getattr(dataset, "num_classes", 0) if d.class_conditional else 0
@@ -129,12 +129,12 @@ class NoHeldOut:
         return {}
 
 
-def build_heldout(dataset: Dataset | None, cfg: Config, objective: Objective, device: torch.device,
-                  ctx: DistContext | None = None, conditioning: Conditioning | None = None):
+def build_heldout(dataset: Dataset | None, v: ValidationConfig, d: DataConfig, objective: Objective,
+                  device: torch.device, ctx: DistContext | None = None, conditioning: Conditioning | None = None):
     """A :class:`HeldOutLoss` on ``dataset`` (this rank's shard of it), or a no-op when there is none."""
     if dataset is None:
         return NoHeldOut()
-    return HeldOutLoss(dataset, cfg, objective, device, ctx=ctx, conditioning=conditioning)
+    return HeldOutLoss(dataset, v, d, objective, device, ctx=ctx, conditioning=conditioning)
 
 
 def bucket_bounds(num_timesteps: int, num_buckets: int = 10) -> Iterator[tuple[int, int]]:

@@ -13,7 +13,7 @@ from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.checkpoints import sharded as sharded
 from difftrain.config import Config, ModelConfig, config_to_dict
 from difftrain.data import build_loader
-from difftrain.data.latents import with_latent_cache
+from difftrain.data.latents import with_latents
 from difftrain.data.prepare import prepare_training_data
 from difftrain.data.text_cache import cached_conditions, with_caption_options, with_text_cache
 from difftrain.diffusion.objective import build_objective
@@ -27,7 +27,6 @@ from difftrain.networks.lora_import import check_adapted_output
 from difftrain.networks.quantize import logical_numel
 from difftrain.runtime import distributed
 from difftrain.runtime.device import compile_model, resolve_device, resolve_toggle
-from difftrain.runtime.files import cache_dir_error
 from difftrain.training.diagnostics import divergence_report
 from difftrain.training.dreambooth import with_class_images
 from difftrain.training.heldout import build_heldout
@@ -80,7 +79,7 @@ def train(
 
     # Data: scanned for bad images, cached, the held-out share split off; the frozen text encoder
     # and VAE (text and latent runs), whose latents of the images are cached once.
-    data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg), dctx.world_size)  # buckets: the VAE's multiple
+    data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg.model), dctx.world_size)  # buckets: the VAE's multiple
     check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
     conditioning = Conditioning.from_config(cfg, data.num_classes, device, text_cache=True)  # text.cache: encoders load only to fill it
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
@@ -88,7 +87,7 @@ def train(
     saved = load_resume(source, cfg, dctx)  # an FSDP run's sharded checkpoint: its run state; the shards later
     if saved is not None:  # before encoding the images with a VAE the checkpoint was not trained with
         conditioning.check_references(saved["frozen"], f"checkpoint {saved['path']}")
-    data = with_latents(data, conditioning, cfg, dctx)
+    data = with_latents(data, conditioning.codec, cfg.data, cfg.validation.heldout_batch_size, dctx)
     data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
     with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
     held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # latents cached in float32 first
@@ -115,17 +114,16 @@ def train(
                           batch_size=tc.batch_size, seed=tc.seed, start=state.position, device=device,
                           num_workers=cfg.data.num_workers, prefetch_factor=cfg.data.prefetch_factor, rank=dctx.rank,
                           world_size=dctx.world_size, worker_init_fn=leave_process_group)  # SIGTERM: the main process's
-    # Rank 0's trackers, watched for the signs of a run going wrong (training/warnings.py).
-    trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)),
-                               RunWarnings.resumed(cfg, run_dir / "metrics.jsonl", state.step)) if is_main else Trackers([])
-    heldout = build_heldout(data.heldout, cfg, objective, device, dctx, conditioning)  # each rank holds its shard
+    trackers = WatchedTrackers(build_trackers(run_dir, cfg.tracking, config_to_dict(cfg)),  # rank 0's, watched (warnings.py)
+                               RunWarnings.resumed(cfg.validation, run_dir / "metrics.jsonl", state.step)) if is_main else Trackers([])
+    heldout = build_heldout(data.heldout, cfg.validation, cfg.data, objective, device, dctx, conditioning)  # each rank holds its shard
     progress = Progress(tc.total_steps, start_step=state.step, enabled=tc.progress_bar and is_main)
-    plan = validation_plan(cfg, conditioning, data.train) if cfg.validation.every_steps else None
+    plan = validation_plan(cfg.validation, cfg.diffusion, tc.batch_size, conditioning, data.train) if cfg.validation.every_steps else None
     scores = ValidationScores(cfg.evaluation, device)  # CLIP score, Inception Score: no-ops unless configured
     # A no-op unless evaluation.fid_every_steps > 0; a text run's samples take captions of data.train.
     fid = TrainingFID(cfg, objective, device, dctx, conditioning, data.train, check)
     metrics = StepMetrics(device)  # running sums on the device, read at log steps only
-    lr_peak, images_per_step = peak_lr(cfg, dctx.world_size), effective_batch(cfg, dctx.world_size)
+    lr_peak = peak_lr(cfg.optim, images_per_step := effective_batch(tc, dctx.world_size))  # images per optimizer step
     end = tc.total_steps if stop_at_step is None else min(stop_at_step, tc.total_steps)
     start_step = last_saved = state.step
     stopped_by, posthoc_every = None, cfg.ema.posthoc_every_steps or cfg.checkpoint.every_steps
@@ -161,7 +159,7 @@ def train(
                 # schedule-free: its average; NaN or inf samples stop the run with one line
                 with clock.paused("validation_s"), state.reading_weights(), _naming(cfg.model, step, run_dir):
                     model, ema_model = state.evaluation_models()  # themselves; under FSDP the sharded model, in lockstep
-                    grids, images = validation_grids(model, ema_model, cfg, plan, conditioning, objective, dctx)
+                    grids, images = validation_grids(model, ema_model, cfg.validation, plan, conditioning, objective, dctx)
                     heldout_metrics = heldout.evaluate(model, ema_model)
                     del model, ema_model
                     if is_main:
@@ -212,30 +210,6 @@ def train(
         raise NothingTrained(_nothing_trained_message(cfg.model, state.step, final))
     return TrainResult(step=state.step, images_seen=state.position, checkpoint=final,
                        skipped_steps=state.skipped_steps, stopped_by=stopped_by)
-
-
-def with_latents(data, conditioning: Conditioning, cfg: Config, dctx: distributed.DistContext):
-    """``data`` with its images replaced by their cached VAE latents (a latent run; else unchanged).
-    Rank 0 encodes the images once while the other ranks wait, then they read its cache."""
-    if conditioning.codec is None:
-        return data
-    d = cfg.data
-
-    def build() -> dict:
-        def cached(dataset, flip):
-            try:
-                return with_latent_cache(dataset, codec=conditioning.codec, random_flip=flip,
-                                         cache_dir=d.cache_dir or None, batch_size=cfg.validation.heldout_batch_size,
-                                         device=dctx.device)
-            except OSError as e:
-                raise cache_dir_error(e, d.cache_dir, "latents") from e
-
-        return {"train": cached(data.train, d.random_flip),
-                "heldout": None if data.heldout is None else cached(data.heldout, False)}
-
-    built: dict = {}
-    distributed.run_on_main(lambda: built.update(build()), dctx, long_wait=True)
-    return dataclasses.replace(data, **(built or build()))
 
 
 def _resume(state: RunState, saved: dict, dctx: distributed.DistContext) -> Path:
@@ -399,7 +373,7 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
         quantized = f", base Linear layers in {cfg.model.quantize_base}" if cfg.model.quantize_base != "off" else ""
         network += f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.lora.rank}{quantized})"
     held = f" (+{len(data.heldout):,} held out)" if data.heldout is not None else ""
-    per_step = effective_batch(cfg, w)
+    per_step = effective_batch(tc, w)
     where = f"{w} x {dctx.device.type}" if w > 1 else str(dctx.device)
     if w > 1 and tc.parallel == "fsdp":
         where += " (FSDP: weights, gradients, optimizer state and EMA sharded)"
@@ -424,7 +398,7 @@ def _warnings(cfg: Config, fresh: bool) -> list[str]:
     """Settings that are valid but probably not what was meant; in a new run, a model.init_from
     trained with another prediction (or schedule, ...) than this run's, which it switches."""
     o, tc = cfg.optim, cfg.train
-    out = (init_source_changes(cfg) if fresh else []) + distributed.launch_warnings()
+    out = (init_source_changes(cfg.model, cfg.diffusion) if fresh else []) + distributed.launch_warnings()
     if cfg.diffusion.zero_terminal_snr and cfg.diffusion.loss_weighting == "min_snr":
         out.append("diffusion.loss_weighting='min_snr' weighs the last timestep (SNR 0) by min(SNR, gamma) = 0: "
                    "diffusion.zero_terminal_snr then never trains the step that sampling starts from")

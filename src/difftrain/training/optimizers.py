@@ -209,10 +209,10 @@ def to_training(optimizer: torch.optim.Optimizer) -> None:
         group["train_mode"] = True
 
 
-def resume_mismatch(saved_config: dict, cfg: Config) -> str | None:
-    """Why a checkpoint written with another optimizer cannot continue this run, or None."""
+def resume_mismatch(saved_config: dict, o: OptimConfig) -> str | None:
+    """Why a checkpoint written with another optimizer cannot continue this run (its optim section ``o``), or None."""
     saved = saved_config.get("optim", {}).get("name", "adamw")  # before optim.name: AdamW
-    if saved == cfg.optim.name:
+    if saved == o.name:
         return None
-    return (f"it was trained with optim.name={saved!r} and this run sets {cfg.optim.name!r}; "
+    return (f"it was trained with optim.name={saved!r} and this run sets {o.name!r}; "
             f"an optimizer's state does not carry over to another: resume with optim.name={saved!r}")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.config import Config, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
+from difftrain.config import Config, ModelConfig, OptimConfig, TrainConfig, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
 from difftrain.networks.block_swap import BlockSwap, swap_base
 from difftrain.networks.build import build_network, network_record
 from difftrain.networks.conditioning import Conditioning
@@ -41,16 +41,17 @@ from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
 from difftrain.training.power_ema import PowerEMA
 
 
-def effective_batch(cfg: Config, world_size: int = 1) -> int:
-    """Images per optimizer step: per-device batch x accumulation x world size."""
-    return cfg.train.batch_size * cfg.train.grad_accum_steps * world_size
+def effective_batch(tc: TrainConfig, world_size: int = 1) -> int:
+    """Images per optimizer step of the train section ``tc``: per-device batch x accumulation x world size."""
+    return tc.batch_size * tc.grad_accum_steps * world_size
 
 
-def peak_lr(cfg: Config, world_size: int = 1) -> float:
-    """``optim.lr``, scaled by the linear rule (Goyal et al. 2017) when ``optim.scale_lr``."""
-    if not cfg.optim.scale_lr:
-        return cfg.optim.lr
-    return cfg.optim.lr * effective_batch(cfg, world_size) / cfg.optim.base_batch
+def peak_lr(o: OptimConfig, images_per_step: int) -> float:
+    """``optim.lr`` of the optim section ``o``, scaled by the linear rule (Goyal et al. 2017) to
+    ``images_per_step`` (:func:`effective_batch`) when ``optim.scale_lr``."""
+    if not o.scale_lr:
+        return o.lr
+    return o.lr * images_per_step / o.base_batch
 
 
 @dataclasses.dataclass
@@ -94,7 +95,7 @@ class RunState:
         """
         tc = cfg.train
         conditioning = conditioning or Conditioning(num_classes, channels=cfg.data.channels, resolution=cfg.data.resolution)
-        if dctx is not None and builds_sharded(cfg, dctx, network):
+        if dctx is not None and builds_sharded(tc, cfg.model, dctx):
             try:
                 return cls._build_sharded(cfg, num_classes, conditioning, network, init_weights, dctx)
             except meta_init.NotReplayable as e:  # raised before sharding: the network is built whole instead
@@ -354,7 +355,7 @@ class RunState:
         self.conditioning.check_references(state["frozen"], f"checkpoint {path}")
         from difftrain.networks.lora import resume_mismatch
 
-        mismatch = resume_mismatch(self.cfg.lora, state["network"]) or optimizer_mismatch(state["config"], self.cfg)
+        mismatch = resume_mismatch(self.cfg.lora, state["network"]) or optimizer_mismatch(state["config"], self.cfg.optim)
         if mismatch:
             raise ValueError(f"cannot resume from {path}: {mismatch}")
         if state["data_position"] % world_size:
@@ -366,17 +367,17 @@ class RunState:
                 for k, (old, now) in allowed_changes(state["config"], new).items()]
 
 
-def builds_sharded(cfg: Config, dctx: DistContext, network: dict | None = None) -> bool:
-    """Whether ``RunState.build`` builds this run's state sharded, with no whole copy: FSDP on several
-    ranks; difftrain's UNet, a base family's denoiser or a LoRA network (its adapter started from
-    ``model.init_lora_from`` or not), from scratch, from ``model.init_from`` (safetensors, a ``.bin`` folder,
-    a checkpoint file) or resumed (``network``: a checkpoint's record). Still built whole on each rank, then
+def builds_sharded(tc: TrainConfig, m: ModelConfig, dctx: DistContext) -> bool:
+    """Whether ``RunState.build`` builds the state of a run (its train section ``tc``, model section ``m``)
+    sharded, with no whole copy: FSDP on several ranks; difftrain's UNet, a base family's denoiser or a LoRA
+    network (its adapter started from ``model.init_lora_from`` or not), from scratch, from ``model.init_from``
+    (safetensors, a ``.bin`` folder, a checkpoint file) or resumed. Still built whole on each rank, then
     sharded (``RunState.parallelize``): a LoRA over a quantized base (``model.quantize_base``: its base is
     quantized as it loads, ``networks/build.py``), and every network where accelerate (whose
     ``init_empty_weights`` builds on the meta device) is not installed."""
-    if cfg.train.parallel != "fsdp" or not dctx.enabled or not meta_init.available():
+    if tc.parallel != "fsdp" or not dctx.enabled or not meta_init.available():
         return False
-    return cfg.model.quantize_base == "off"
+    return m.quantize_base == "off"
 
 
 def load_resume(source: Path | None, cfg: Config, dctx: DistContext) -> dict | None:
@@ -387,7 +388,7 @@ def load_resume(source: Path | None, cfg: Config, dctx: DistContext) -> dict | N
     if source is None:
         return None
     state = load_checkpoint(source, tensors=False)
-    if "shards" in state and not builds_sharded(cfg, dctx, state["network"]):
+    if "shards" in state and not builds_sharded(cfg.train, cfg.model, dctx):
         state = load_checkpoint(source)
     return state
 

@@ -75,7 +75,7 @@ def draw_micro_batch(
     if c.kind != "none":  # label or caption dropout for classifier-free guidance
         drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
     condition = c.condition(second, drop, device, geometry, c.pixel_size(x0))  # the batch's (bucket's) pixels
-    weight = loss_weights(cfg, second, device)  # before dropout emptied captions; None unless a prior
+    weight = loss_weights(cfg.dreambooth, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
         eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)
         x0 = sample_latents(x0, eps, c.codec)

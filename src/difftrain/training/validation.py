@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from difftrain.config import Config, ConfigError, EvaluationConfig
+from difftrain.config import ConfigError, DiffusionConfig, EvaluationConfig, ValidationConfig
 from difftrain.evaluation.clip_score import CLIPScorer
 from difftrain.evaluation.inception_score import InceptionClassifier, images_inception_score
 from difftrain.generation.autoguidance import ValidationGuide
@@ -38,17 +38,19 @@ class ValidationPlan:
     guide: ValidationGuide | None = None  # autoguidance (validation.guide); None = none
 
 
-def validation_plan(cfg: Config, conditioning: Conditioning, dataset=None) -> ValidationPlan:
-    """The plan of ``cfg.validation``: ``num_images`` from fixed noise; class runs one class per
+def validation_plan(v: ValidationConfig, diffusion: DiffusionConfig, batch_size: int, conditioning: Conditioning,
+                    dataset=None) -> ValidationPlan:
+    """The plan of the validation section ``v``: ``num_images`` from fixed noise; class runs one class per
     row; text runs one prompt per row (``validation.prompts``, else the first distinct captions of
-    ``dataset``), each row from the same ``num_images // rows`` noises, so rows differ by prompt only."""
-    v = cfg.validation
+    ``dataset``), each row from the same ``num_images // rows`` noises, so rows differ by prompt only.
+    ``diffusion``: the run's (what ``validation.guide`` must match); ``batch_size``: ``train.batch_size``
+    (when the noise does not fit in memory, whether a training batch of these images would)."""
     shape = conditioning.network_shape()
     shape = (shape[0], shape[1], shape[1])
     try:
-        return dataclasses.replace(_plan(v, shape, conditioning, dataset), guide=ValidationGuide(cfg, conditioning))
+        return dataclasses.replace(_plan(v, shape, conditioning, dataset), guide=ValidationGuide(v, diffusion, conditioning))
     except (MemoryError, RuntimeError) as e:  # the fixed noise of the grid lives through the run
-        if not is_out_of_memory(e) or not _fits(cfg.train.batch_size, shape):
+        if not is_out_of_memory(e) or not _fits(batch_size, shape):
             raise  # a training batch of these images does not fit either: the batch or resolution's error
         gib = v.num_images * np.prod(shape) * 4 / 2**30
         raise ConfigError(f"validation.num_images={v.num_images}: its fixed noise ({gib:,.1f} GiB) does not fit in "
@@ -97,7 +99,7 @@ def data_prompts(dataset, count: int) -> list[str]:
 
 
 def sample_images(
-    model: nn.Module, cfg: Config, plan: ValidationPlan, conditioning: Conditioning, objective,
+    model: nn.Module, v: ValidationConfig, plan: ValidationPlan, conditioning: Conditioning, objective,
     ctx: distributed.DistContext,
 ) -> np.ndarray | None:
     """(N, H, W, C) uint8 samples of ``model`` from the plan on rank 0, None on the others.
@@ -105,9 +107,8 @@ def sample_images(
     Rank r samples the rows ``shard(N, ctx)``, and the sampler noise of row i is seeded by
     (validation.seed, i), so the images are the same on any number of processes. A sharded model
     (FSDP) samples in lockstep: every rank as many rows, the last share padded with a repeated row
-    whose image is dropped (``distributed.padded_shard``).
+    whose image is dropped (``distributed.padded_shard``). ``v``: the validation section (sampler, steps, seed).
     """
-    v = cfg.validation
     rows, keep = distributed.padded_shard(plan.noise.shape[0], ctx, in_lockstep(model))
     mine = torch.tensor(rows, dtype=torch.long)
     images = generate(
@@ -136,20 +137,20 @@ def grid(images: np.ndarray, plan: ValidationPlan) -> np.ndarray:
 
 
 def validation_grids(
-    model: nn.Module, ema_model: nn.Module, cfg: Config, plan: ValidationPlan, conditioning: Conditioning,
+    model: nn.Module, ema_model: nn.Module, v: ValidationConfig, plan: ValidationPlan, conditioning: Conditioning,
     objective, ctx: distributed.DistContext,
 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """(``{"samples/ema": grid}`` plus ``"samples/raw"`` with ``validation.raw_grid``, the EMA
     images (N, H, W, C) uint8) on rank 0; ``({}, None)`` on the others. Every rank must call it. Samples
     that come out NaN or infinite raise ``NonFiniteSamples`` naming the weights."""
     with naming_samples("the validation grid of the EMA weights"):
-        ema_images = sample_images(ema_model, cfg, plan, conditioning, objective, ctx)
+        ema_images = sample_images(ema_model, v, plan, conditioning, objective, ctx)
     grids = {}
     if ema_images is not None:
         grids["samples/ema"] = grid(ema_images, plan)
-    if cfg.validation.raw_grid:
+    if v.raw_grid:
         with naming_samples("the validation grid of the raw weights"):
-            raw = sample_images(model, cfg, plan, conditioning, objective, ctx)
+            raw = sample_images(model, v, plan, conditioning, objective, ctx)
         if raw is not None:
             grids["samples/raw"] = grid(raw, plan)
     return grids, ema_images

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from difftrain.config import Config
+from difftrain.config import ValidationConfig
 
 NEAR_COPY_HINT = ("fewer steps (the best or an earlier checkpoint), a lower optim.lr, more data or augmentation "
                   "(data.random_flip), prior preservation for a fine-tune")
@@ -27,8 +27,8 @@ HELDOUT_HINT = "fewer steps (the best or an earlier checkpoint), a lower optim.l
 class RunWarnings:
     """Watches logged metrics; ``observe(step, metrics)`` returns the warnings that start there."""
 
-    def __init__(self, cfg: Config):
-        v = cfg.validation
+    def __init__(self, v: ValidationConfig):
+        """``v``: the run's validation section (its ``warn_*`` thresholds)."""
         self.near_copy_share = v.warn_near_copy_share
         self.diversity_ratio = v.warn_diversity_ratio
         self.fid_rises = v.warn_fid_rises
@@ -39,10 +39,10 @@ class RunWarnings:
         self.active: dict[str, int] = {}  # condition -> the step it started
 
     @classmethod
-    def resumed(cls, cfg: Config, metrics_file: Path, step: int) -> RunWarnings:
+    def resumed(cls, v: ValidationConfig, metrics_file: Path, step: int) -> RunWarnings:
         """Watching a resumed run: the metrics it logged up to ``step`` (metrics.jsonl) are replayed
         silently, so a rise that began before the stop still counts and a warning given is not repeated."""
-        warnings = cls(cfg)
+        warnings = cls(v)
         try:
             lines = Path(metrics_file).read_text().splitlines() if step else []
         except OSError:
