@@ -230,7 +230,10 @@ def scale_measure(family: str, root: Path, captions: list[str], dtype: str, step
         starts.append(time.perf_counter() - t)
     text = fresh()
     dataset = _Captions(captions)
-    wrap = getattr(text_cache, "CachedConditions", None)  # item 4; START has none
+    try:  # item 4 moved it to its own module; START kept it in text_cache (and before that had none)
+        from difftrain.data.cached_conditions import CachedConditions as wrap
+    except ImportError:
+        wrap = getattr(text_cache, "CachedConditions", None)
     dataset = wrap(dataset, text.store) if wrap is not None else dataset
     loader = iter(build_loader(dataset, batch_size=BATCH, seed=random.randrange(1 << 30), start=0, num_workers=2,
                                device=torch.device("cpu")))

@@ -31,7 +31,8 @@ unloaded.
 The fill (:func:`staged_conditions`) runs the family's encoder models one at a time (``PromptEncoder.parts``),
 each on the run's device in the compute dtype only for its turn (on the CPU when a GPU cannot hold the
 largest: :func:`fill_device`). Entries are read in the training loader's workers (:class:`CachedConditions`:
-a batch's captions come as a :class:`CaptionBatch` with their conditions), not on the training thread.
+a batch's captions come as a ``CaptionBatch`` with their conditions: ``data/cached_conditions.py``), not on
+the training thread.
 
 Every entry is checked (safetensors only, never pickle): at the start by its header (its metadata's key and
 caption, its tensors' names, shapes, dtype), when first read by its values too (all finite): a missing entry
@@ -477,8 +478,8 @@ class CachedPromptEncoder(nn.Module):
 
     def encode(self, captions: list[str], device: torch.device | str) -> Condition:
         """The family's condition of B captions on ``device``: each key (B, ...) float32. A
-        :class:`CaptionBatch` brings its rows, read in a loader worker; other captions are read here."""
-        if isinstance(captions, CaptionBatch):
+        ``CaptionBatch`` (``data/cached_conditions.py``) brings its rows, read in a loader worker; other captions are read here."""
+        if isinstance(getattr(captions, "cond", None), dict):  # a cached_conditions.CaptionBatch
             return {k: v.to(device, non_blocking=True).float() for k, v in captions.cond.items()}
         rows = [self._entry(entry_name(c), c) for c in captions]
         return {k: torch.cat([r[k] for r in rows]).to(device, non_blocking=True).float() for k in rows[0]}
@@ -489,92 +490,6 @@ class CachedPromptEncoder(nn.Module):
         if self._null is None or next(iter(self._null.values())).device != device:
             self._null = {k: v.to(device).float() for k, v in self._entry(NULL_ENTRY, "").items()}
         return {k: v.expand(n, *v.shape[1:]) for k, v in self._null.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Conditions read in the loader's workers.
-
-
-class CaptionRow(str):
-    """A caption with its cached condition ``cond`` ({key: (1, ...)} in the store's dtype, read in a loader
-    worker), or None where its entry is missing or damaged (the training thread then reads or rebuilds it)."""
-
-    cond: Condition | None
-
-    def __new__(cls, caption: str, cond: Condition | None):
-        row = super().__new__(cls, caption)
-        row.cond = cond
-        return row
-
-    def __reduce__(self):  # to the main process through the loader's queue
-        return CaptionRow, (str(self), self.cond)
-
-
-class CaptionBatch(list):
-    """B captions (strings) with their conditions ``cond`` {key: (B, ...)} stacked on the host, read in a loader
-    worker; :meth:`CachedPromptEncoder.encode` serves them as they are."""
-
-    def __init__(self, captions: Iterable[str], cond: Condition):
-        super().__init__(str(c) for c in captions)
-        self.cond = cond
-
-    def __reduce__(self):
-        return CaptionBatch, (list(self), self.cond)
-
-    def pin_memory(self) -> CaptionBatch:
-        """The loader's pinning (CUDA): the conditions in pinned memory, so that their copy does not wait."""
-        return CaptionBatch(self, {k: v.pin_memory() for k, v in self.cond.items()})
-
-
-def caption_batch(captions: list) -> list[str]:
-    """The loader's collate of B captions: a :class:`CaptionBatch` when every one is a :class:`CaptionRow` with
-    its condition, else the plain list (the training thread reads what the workers could not)."""
-    conds = [getattr(c, "cond", None) for c in captions]
-    if not captions or any(c is None for c in conds):
-        return [str(c) for c in captions]
-    return CaptionBatch(captions, {k: _stack([c[k] for c in conds]) for k in conds[0]})
-
-
-def _stack(rows: list[Tensor]) -> Tensor:
-    """``torch.cat(rows)``; in a loader worker straight into shared memory (as torch's default collate), so that
-    sending it to the training process copies nothing more."""
-    out = None
-    if torch.utils.data.get_worker_info() is not None:
-        out = torch.empty((sum(r.shape[0] for r in rows), *rows[0].shape[1:]), dtype=rows[0].dtype).share_memory_()
-    return torch.cat(rows, out=out)
-
-
-class CachedConditions(torch.utils.data.Dataset):
-    """``dataset`` (items ``(x, caption, ...)``) whose captions come with their cached conditions, read
-    (:class:`EntryReader`: header and values checked, the memory budget kept per worker) in the
-    DataLoader's workers instead of the training thread: items ``(x, CaptionRow, ...)``. Other attributes
-    are the dataset's."""
-
-    def __init__(self, dataset, store: TextCache):
-        self.dataset, self.reader = dataset, EntryReader(store)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str):
-        if name in ("dataset", "reader"):  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __getitem__(self, index):
-        x, caption, *rest = self.dataset[index]
-        try:
-            cond = self.reader.read(entry_name(caption), caption)
-        except (FileNotFoundError, BadEntry):  # the training thread reads it, or rebuilds it with one line
-            cond = None
-        return (x, CaptionRow(caption, cond), *rest)
-
-
-def cached_conditions(dataset, conditioning):
-    """``dataset`` as the training loader reads it: :class:`CachedConditions` when the run's text encoders are
-    behind the cache (``conditioning.text`` a :class:`CachedPromptEncoder`), else ``dataset`` itself."""
-    text = getattr(conditioning, "text", None)
-    return CachedConditions(dataset, text.store) if isinstance(text, CachedPromptEncoder) else dataset
 
 
 # ---------------------------------------------------------------------------------------------
