@@ -58,6 +58,7 @@ from torch import Tensor, nn
 from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
 from difftrain.runtime.files import cache_dir as default_cache_dir
 from difftrain.runtime.precision import DTYPES
+from difftrain.runtime.stored_digest import FLOAT32, STORED
 
 # Bump when what the cache holds for the same inputs changes. 2: Flux's entries no longer hold the
 # distilled "guidance" (a setting of the run, Family.run_conditions, that version 1 stored in every entry
@@ -155,11 +156,13 @@ class TextCache:
             return None
         return value
 
-    def write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]]) -> None:
-        """Record the encoders' weights ``digest``, source, width ``dim``, the entries' dtype and the
+    def write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]], kind: str = STORED) -> None:
+        """Record the encoders' weights ``digest`` (of ``kind``: ``runtime.stored_digest``'s; a manifest without
+        it was written with the FLOAT32 one), source, width ``dim``, the entries' dtype and the
         condition's ``shapes`` (each key's shape of one row, without the batch axis)."""
         self.manifest = {"key": self.key, "version": TEXT_CACHE_VERSION, "family": self.family, "source": self.source,
                          "options": json.loads(json.dumps(self.options, default=str)), "digest": str(digest),
+                         "digest_kind": kind,
                          "dim": int(dim), "dtype": DTYPE_NAMES[self.dtype],
                          "shapes": {k: list(v) for k, v in shapes.items()}}
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -288,7 +291,9 @@ def fill_device(encoder: nn.Module, device: torch.device | str, dtype: torch.dty
     if device.type != "cuda":
         return device
     names = getattr(encoder, "parts", ()) or ("",)
-    largest = max(part_bytes(encoder.get_submodule(n), dtype) for n in names)
+    size = torch.empty(0, dtype=dtype).element_size()
+    largest = max(encoder.part_numel(n) * size if n in getattr(encoder, "loaders", {})  # deferred: its files' headers
+                  else part_bytes(encoder.get_submodule(n), dtype) for n in names)
     free, _ = torch.cuda.mem_get_info(device)
     if largest <= free:
         return device
@@ -302,7 +307,8 @@ def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torc
                       dtype: torch.dtype) -> Generator[Condition, None, None]:
     """The family's condition (float32 on the host, each (B, ...)) of each batch of captions, computed one
     encoder model at a time (``encoder.parts``: all batches through the first, which is then sent back to the
-    host, then the second, ...), each part moved to ``device`` in ``dtype`` only for its turn; the last
+    host, then the second, ...), each part moved to ``device`` in ``dtype`` only for its turn (a deferred
+    encoder's part, ``PromptEncoder.loaders``: read from its files in ``dtype`` for its turn, then freed); the last
     part's outputs are assembled batch by batch (the earlier parts' outputs wait on the host, in ``dtype``).
     An encoder without ``parts`` runs whole, in one stage."""
     names = tuple(getattr(encoder, "parts", ()))
@@ -315,8 +321,10 @@ def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torc
             encoder.to("cpu")
         return
     earlier: dict[str, list[Condition]] = {}
+    deferred = getattr(encoder, "loaders", {})
     for name in names:
-        part = encoder.get_submodule(name).to(device, dtype)
+        # a deferred part is read from its files in dtype now (the host never holds it in float32, nor two at once)
+        part = (encoder.load_model(name, dtype) if name in deferred else encoder.get_submodule(name)).to(device, dtype)
         try:
             if name != names[-1]:
                 earlier[name] = [{k: v.to("cpu") for k, v in encoder.encode_part(name, b).items()} for b in batches]
@@ -329,7 +337,11 @@ def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torc
                     rows.clear()  # this batch's earlier outputs are no longer needed
                 yield encoder.assemble(outputs, "cpu")
         finally:
-            part.to("cpu")  # the device holds one part at a time
+            if name in deferred:
+                del part
+                encoder.free_model(name)  # freed before the next is loaded
+            else:
+                part.to("cpu")  # the device holds one part at a time
 
 
 class CachedPromptEncoder(nn.Module):
@@ -364,11 +376,30 @@ class CachedPromptEncoder(nn.Module):
         return self._manifest()["digest"]
 
     @property
+    def digest_kind(self) -> str:
+        """The kind of :attr:`digest` (``runtime.stored_digest``): a store filled before the stored digest
+        recorded the FLOAT32 one (its manifest names no kind)."""
+        return self._manifest().get("digest_kind", FLOAT32)
+
+    def digest_of(self, kind: str) -> str:
+        """These encoders' digest of ``kind``: the manifest's, or (a checkpoint recording the other kind) taken
+        from the encoder: STORED from its files (the deferred encoder's tokenizers loaded, no model), FLOAT32
+        by ``PromptEncoder.legacy_digest`` (each model loaded in float32 for its turn: slow, once)."""
+        if kind == self.digest_kind:
+            return self.digest
+        try:
+            encoder = self.encoder()
+            return encoder.legacy_digest() if kind == FLOAT32 else str(encoder.digest)
+        finally:
+            self.release()
+
+    @property
     def dim(self) -> int:
         return int(self._manifest()["dim"])
 
     def reference(self) -> dict:
-        return {"source": self.source, "digest": self.digest}
+        kind = self.digest_kind
+        return {"source": self.source, "digest": self.digest, **({"digest_kind": kind} if kind != FLOAT32 else {})}
 
     def train(self, mode: bool = True) -> CachedPromptEncoder:
         return super().train(False)
@@ -432,7 +463,8 @@ class CachedPromptEncoder(nn.Module):
         write the manifest (rewritten, one line, when the old one does not describe these encoders), then
         the entries."""
         encoder = self.encoder()
-        digest, dim = str(encoder.digest), int(encoder.dim)  # before the parts move (Flux's dim reads T5's config)
+        digest, dim = str(encoder.digest), int(encoder.dim)  # of the files and configs: no part loaded for them
+        kind = getattr(encoder, "digest_kind", FLOAT32)
         device = fill_device(encoder, self.anchor.device, self.store.dtype)
         items = list(todo.items())
         chunks = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
@@ -441,7 +473,7 @@ class CachedPromptEncoder(nn.Module):
         conds = staged_conditions(encoder, batches, device, self.store.dtype)
         null_cond = encoder.null_of(next(conds), 1) if need_null else None
         shapes = self.store.manifest["shapes"] if null_cond is None else {k: list(v.shape[1:]) for k, v in null_cond.items()}
-        self._write_manifest(digest, dim, shapes)
+        self._write_manifest(digest, dim, shapes, kind)
         self.store.folder.mkdir(parents=True, exist_ok=True)
         if null:
             self.store.write(NULL_ENTRY, "", null_cond)
@@ -452,16 +484,19 @@ class CachedPromptEncoder(nn.Module):
                 self.reader.forget(name)
         conds.close()  # the last part back on the host now
 
-    def _write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]]) -> None:
+    def _write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]], kind: str = STORED) -> None:
         """Write the manifest of these encoders unless the store's already says the same; one warning line
-        when an old one differs."""
+        when an old one differs (not for its digest's kind alone: a store filled before the stored digest
+        gets the new kind, quietly)."""
         old = self.store.manifest
-        if old is not None and (old.get("digest"), old.get("dim"), old["shapes"]) == (digest, dim, shapes):
+        if old is not None and (old.get("digest"), old.get("digest_kind", FLOAT32), old.get("dim"), old["shapes"]) \
+                == (digest, kind, dim, shapes):
             return
-        if old is not None:
+        if old is not None and ((old.get("dim"), old["shapes"]) != (dim, shapes)
+                                or old.get("digest_kind", FLOAT32) == kind):
             _warn(f"text cache {self.store.folder / MANIFEST} does not describe {self.source}'s encoders; "
                   "it is rewritten")
-        self.store.write_manifest(digest, dim, shapes)
+        self.store.write_manifest(digest, dim, shapes, kind)
 
     # -- reading --------------------------------------------------------------------------------------
 
