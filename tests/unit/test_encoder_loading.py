@@ -210,3 +210,40 @@ def test_a_float32_run_without_the_cache_keeps_its_encoders_loaded(sd3, tmp_path
     assert not isinstance(text, CachedPromptEncoder) and text.loaders == {}
     assert all(next(getattr(text, n).parameters()).dtype == torch.float32 for n in text.parts)
     assert TextCache  # the module's store class is the one the cache uses
+
+
+def _write(family, path):
+    from tests import family_bases
+    from tests.text_components import write_tiny_sd_folder
+
+    return {"sd": write_tiny_sd_folder, "sdxl": family_bases.write_tiny_sdxl_folder,
+            "flux": family_bases.write_tiny_flux_folder}[family](path)
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl", "flux"])
+def test_every_familys_fill_reads_one_encoder_at_a_time_in_the_compute_dtype(family, tmp_path, monkeypatch):
+    folder = _write(family, tmp_path / family)
+    seen, live = [], []
+    real = family_base.PromptEncoder.load_model
+
+    def load_model(self, name, dtype):
+        gc.collect()
+        alive = sum(ref() is not None for ref in live)
+        module = real(self, name, dtype)
+        seen.append((name, {p.dtype for p in module.parameters()}, alive))
+        live.append(weakref.ref(module))
+        return module
+
+    monkeypatch.setattr(family_base.PromptEncoder, "load_model", load_model)
+    text = _cached(folder, tmp_path / "cache")
+    assert text.ensure(CAPTIONS, batch_size=2) == len(CAPTIONS)
+    parts = detect(folder).load_prompt_encoder(folder, "cpu", deferred=True,
+                                               **detect(folder).prompt_options(_cfg(folder, tmp_path).model)).parts
+    assert seen == [(name, {torch.bfloat16}, 0) for name in parts]
+    gc.collect()
+    assert all(ref() is None for ref in live)
+    whole = detect(folder).run_prompt_encoder(_cfg(folder, tmp_path, "fp32"), "cpu")  # loaded, float32
+    assert text.digest == whole.digest and text.reference()["digest_kind"] == "stored"
+    served = text.encode(CAPTIONS, "cpu")
+    for key, value in whole.encode(CAPTIONS, "cpu").items():
+        assert (served[key] - value).abs().max() <= 0.05 * value.abs().max() + 1e-3

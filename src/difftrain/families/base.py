@@ -445,7 +445,9 @@ class Family(ABC):
     @abstractmethod
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> PromptEncoder:
         """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming
-        the folder and the missing part."""
+        the folder and the missing part. A base family's also takes ``deferred=True`` (the text cache's fill):
+        the tokenizers and configs only, each encoder model read from its files by
+        ``PromptEncoder.load_model`` in the compute dtype for its turn."""
 
     def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> nn.Module:
         """The run's ``model.text_encoder`` (:meth:`load_prompt_encoder` with :meth:`prompt_options`) on
