@@ -29,10 +29,13 @@ The key is computed without loading anything, which is what lets a complete cach
 unloaded.
 
 The fill (:func:`staged_conditions`) runs the family's encoder models one at a time (``PromptEncoder.parts``),
-each on the run's device in the compute dtype only for its turn (on the CPU when a GPU cannot hold the
-largest: :func:`fill_device`). Entries are read in the training loader's workers (:class:`CachedConditions`:
-a batch's captions come as a ``CaptionBatch`` with their conditions: ``data/cached_conditions.py``), not on
-the training thread.
+each read from its files in the compute dtype only for its turn (a deferred encoder: ``load_prompt_encoder(...,
+deferred=True)``, tokenizers only until then) and freed before the next, so the host never holds one in float32
+nor two at once; each runs on the run's device (on the CPU when a GPU cannot hold the largest:
+:func:`fill_device`). The manifest's digest is the encoders' files' (``models.text.files_digest``, kind
+"stored"; a store filled before holds the float32 one, no kind: :meth:`CachedPromptEncoder.digest_of`).
+Entries are read in the training loader's workers (``CachedConditions``: a batch's captions come as a
+``CaptionBatch`` with their conditions: ``data/cached_conditions.py``), not on the training thread.
 
 Every entry is checked (safetensors only, never pickle): at the start by its header (its metadata's key and
 caption, its tensors' names, shapes, dtype), when first read by its values too (all finite): a missing entry
@@ -348,9 +351,9 @@ class CachedPromptEncoder(nn.Module):
     """A family's :class:`~difftrain.families.base.PromptEncoder` served from a :class:`TextCache`:
     ``encode(captions, device)`` and ``null(n, device)`` return what the encoder returns, read from
     the store; ``source``, ``digest`` and ``dim`` come from the store's manifest. The encoder itself
-    (``load()``, on the host) is loaded only to fill the store (a missing or damaged entry), run one part at
-    a time on the run's device in the store's dtype (:func:`staged_conditions`), and released after
-    :meth:`ensure`.
+    (``load()``: a training run's is deferred, its tokenizers only) is loaded only to fill the store (a missing
+    or damaged entry), each part read or moved onto the run's device in the store's dtype for its turn
+    (:func:`staged_conditions`), and released after :meth:`ensure`.
 
     An ``nn.Module`` with one empty buffer-like parameter on the run's device, so that code asking
     ``next(text.parameters()).device`` finds where conditions go.
