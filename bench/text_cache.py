@@ -23,6 +23,21 @@ thread's time per step to get one batch's text condition (batch 4, captions draw
 2 workers; each step's compute stood in for by a 100 ms sleep that frees the CPU, not counted): with
 START it reads the entries past the 256 MiB memory budget itself, after item 4 the workers bring them.
 Entries are float32 (``--dtype fp32``, START's only kind) or bf16 (``--dtype bf16``, a bf16 run's).
+
+    PYTHONPATH=src:. python bench/text_cache.py --fill-peak [--families sd3 flux] [--captions 64] [--t5-width 1024]
+                                                [--root DIR]
+
+``--fill-peak`` (issue 41 item 4): the host memory of the text cache's first fill in a bf16 run, on the
+proportioned SD3 / Flux bases of ``bench/family_bases_sized.py`` (written once into ``--root``), each fill in
+its own process with whichever difftrain is on ``PYTHONPATH`` (START's sources to compare): the text encoders
+behind the cache as training makes them (``Family.run_prompt_encoder`` with ``cached_prompt_encoder``), then
+``ensure`` of ``--captions`` captions. Columns: the encoder models' weights held on the host at once at the
+worst moment (every ``load_part`` spied: the bytes of the models alive when one is loaded; START loads them
+all in float32, then casts each part in turn), and the process's max RSS growth over the fill (ru_maxrss
+after minus before, MiB: weights, activations and the allocator's slack). The proportioned bases' encoders are
+a few MB, under the process's own noise: ``--t5-width W`` writes a copy whose T5 is W wide and 8 layers deep
+(1024: about 150M parameters, 0.6 GB in float32), the share of the encoders that T5-XXL is in the real bases
+(only the fill reads it: the copy is for this measurement).
 """
 
 from __future__ import annotations
@@ -230,7 +245,10 @@ def scale_measure(family: str, root: Path, captions: list[str], dtype: str, step
         starts.append(time.perf_counter() - t)
     text = fresh()
     dataset = _Captions(captions)
-    wrap = getattr(text_cache, "CachedConditions", None)  # item 4; START has none
+    try:  # item 4 moved it to its own module; START kept it in text_cache (and before that had none)
+        from difftrain.data.cached_conditions import CachedConditions as wrap
+    except ImportError:
+        wrap = getattr(text_cache, "CachedConditions", None)
     dataset = wrap(dataset, text.store) if wrap is not None else dataset
     loader = iter(build_loader(dataset, batch_size=BATCH, seed=random.randrange(1 << 30), start=0, num_workers=2,
                                device=torch.device("cpu")))
@@ -269,6 +287,86 @@ def scale(args) -> None:
         sp.run(["rm", "-rf", str(root)], check=True)
 
 
+def fill_peak_one(family: str, root: Path, captions: int) -> dict:
+    """One fill of ``family``'s proportioned base's text cache in this process (see ``--fill-peak``)."""
+    import gc
+    import resource
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from difftrain.data.text_cache import CachedPromptEncoder, cached_prompt_encoder
+    from difftrain.families import base as family_base
+    from difftrain.families import detect
+
+    live: list = []
+    held = {"peak": 0, "loads": []}
+    real = family_base.load_part
+
+    def nbytes(module) -> int:
+        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+    def spy(folder, sub, cls, what, dtype=torch.float32, **kwargs):
+        part = real(folder, sub, cls, what, dtype=dtype, **kwargs)
+        if isinstance(part, torch.nn.Module):
+            gc.collect()
+            live.append(weakref.ref(part))
+            now = sum(nbytes(m) for m in (r() for r in live) if m is not None)
+            held["peak"] = max(held["peak"], now)
+            held["loads"].append(f"{sub}:{str(dtype).removeprefix('torch.')}")
+        return part
+
+    family_base.load_part = spy
+    folder = root / family
+    cfg = SimpleNamespace(model=SimpleNamespace(text_encoder=str(folder), max_sequence_length=0),
+                          text=SimpleNamespace(cache="on", shuffle_tags=False, tag_dropout=0.0),
+                          data=SimpleNamespace(cache_dir=str(root / "cache")), train=SimpleNamespace(precision="bf16"))
+    text = detect(folder).run_prompt_encoder(cfg, "cpu", cached_prompt_encoder)
+    assert isinstance(text, CachedPromptEncoder)
+    lines = [f"a photo of a red square number {i} on a dark background" for i in range(captions)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    text.ensure(lines, batch_size=32)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"held_mib": held["peak"] / 2**20, "rss_mib": (after - before) / 1024, "loads": held["loads"]}
+
+
+def fill_peak(args) -> None:
+    """``--fill-peak``: the table (one row per family, each fill in a fresh process and a fresh store)."""
+    from bench.family_bases_sized import parameter_counts, write_base
+
+    import shutil
+
+    from bench.family_bases_sized import _t5
+
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="difftrain-fill-peak-"))
+    print("| base (proportioned) | text encoders (M parameters, float32 MiB) | encoder weights held at once (MiB) "
+          "| max RSS growth over the fill (MiB) | loads (part:dtype) |")
+    print("|---|---|---|---|---|")
+    for family in args.families:
+        folder = write_base(family, "proportioned", root / family)
+        if args.t5_width:  # the T5 made wider and deeper, so that the weights stand out of the process's own memory
+            wide = root / f"{family}-t5-{args.t5_width}"
+            if not wide.is_dir():
+                shutil.copytree(folder, wide)
+                sub = "text_encoder_3" if family == "sd3" else "text_encoder_2"
+                vocab = json.loads((wide / sub / "config.json").read_text())["vocab_size"]
+                shutil.rmtree(wide / sub)
+                _t5(vocab, args.t5_width, 8, 3).save_pretrained(str(wide / sub))
+            folder = wide
+        n = parameter_counts(folder)["text encoders"]
+        subprocess.run(["rm", "-rf", str(root / "cache")], check=True)
+        out = subprocess.run([sys.executable, __file__, "--fill-peak-one", folder.name, str(root), str(args.captions)],
+                             capture_output=True, text=True, check=False)
+        if out.returncode:
+            sys.exit(f"bench/text_cache.py: the {family} fill failed:\n{out.stderr[-3000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"| {folder.name} | {n / 1e6:.1f} ({n * 4 / 2**20:.0f}) | {r['held_mib']:.1f} | {r['rss_mib']:.0f} | "
+              f"{', '.join(r['loads'])} |", flush=True)
+    if not args.root:
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+
+
 def measure(family: str, mode: str, root: Path, steps: int, run: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", family, mode, str(root), str(steps), run],
                          capture_output=True, text=True, check=False)
@@ -287,7 +385,19 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=400, help="--scale: entries per family")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="--scale: the entries' dtype")
     parser.add_argument("--root", default="", help="--scale: keep the stores in this folder (default: removed)")
+    parser.add_argument("--fill-peak", action="store_true", help="host memory of the text cache's first fill")
+    parser.add_argument("--captions", type=int, default=64, help="--fill-peak: captions filled")
+    parser.add_argument("--t5-width", type=int, default=0,
+                        help="--fill-peak: the base's T5 replaced by one this wide, 8 layers (0: the proportioned one)")
+    parser.add_argument("--fill-peak-one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fill_peak_one:
+        family, root, captions = args.fill_peak_one
+        print(json.dumps(fill_peak_one(family, Path(root), int(captions))))
+        return
+    if args.fill_peak:
+        fill_peak(args)
+        return
     if args.scale:
         scale(args)
         return

@@ -485,7 +485,7 @@ class _Captioned(torch.utils.data.Dataset):
 def test_the_loader_brings_each_batchs_cached_conditions_read_in_its_workers(base, encoder, tmp_path, workers,
                                                                             monkeypatch):
     from difftrain.data.loader import build_loader
-    from difftrain.data.text_cache import CaptionBatch, cached_conditions
+    from difftrain.data.cached_conditions import CaptionBatch, cached_conditions
 
     text = _cached(base, tmp_path, encoder)
     text.ensure(CAPTIONS)
@@ -505,7 +505,7 @@ def test_the_loader_brings_each_batchs_cached_conditions_read_in_its_workers(bas
 
 def test_an_entry_the_worker_cannot_read_is_rebuilt_on_the_training_thread(base, encoder, tmp_path, capsys):
     from difftrain.data.loader import collate
-    from difftrain.data.text_cache import CachedConditions
+    from difftrain.data.cached_conditions import CachedConditions
 
     text = _cached(base, tmp_path, encoder)
     text.ensure(CAPTIONS)

@@ -12,7 +12,7 @@ from .folder import ImageFolderDataset
 from .hf import HFImageDataset, is_hf_path
 from .sampler import InfiniteSampler
 from .shards import TarShardDataset, is_shard_path
-from .text_cache import caption_batch
+from .cached_conditions import caption_batch
 
 
 def build_dataset(
@@ -78,8 +78,8 @@ def build_dataset(
 
 def collate(batch: list[tuple]) -> tuple:
     """Stack items into (images (B, C, H, W) float32, labels (B,) long), or, when the items hold
-    captions, (images, captions list[str] of B: a ``text_cache.CaptionBatch`` with their cached conditions
-    when the items bring them, ``text_cache.CachedConditions``); items that carry their geometry (every dataset but the
+    captions, (images, captions list[str] of B: a ``cached_conditions.CaptionBatch`` with their cached conditions
+    when the items bring them, ``cached_conditions.CachedConditions``); items that carry their geometry (every dataset but the
     built-in ones: original size and crop) add it, stacked (B, 4) long, as a third entry."""
     images, labels, *rest = zip(*batch)
     second = caption_batch(list(labels)) if isinstance(labels[0], str) else torch.tensor(labels, dtype=torch.long)

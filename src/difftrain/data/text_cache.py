@@ -29,9 +29,13 @@ The key is computed without loading anything, which is what lets a complete cach
 unloaded.
 
 The fill (:func:`staged_conditions`) runs the family's encoder models one at a time (``PromptEncoder.parts``),
-each on the run's device in the compute dtype only for its turn (on the CPU when a GPU cannot hold the
-largest: :func:`fill_device`). Entries are read in the training loader's workers (:class:`CachedConditions`:
-a batch's captions come as a :class:`CaptionBatch` with their conditions), not on the training thread.
+each read from its files in the compute dtype only for its turn (a deferred encoder: ``load_prompt_encoder(...,
+deferred=True)``, tokenizers only until then) and freed before the next, so the host never holds one in float32
+nor two at once; each runs on the run's device (on the CPU when a GPU cannot hold the largest:
+:func:`fill_device`). The manifest's digest is the encoders' files' (``models.text.files_digest``, kind
+"stored"; a store filled before holds the float32 one, no kind: :meth:`CachedPromptEncoder.digest_of`).
+Entries are read in the training loader's workers (``CachedConditions``: a batch's captions come as a
+``CaptionBatch`` with their conditions: ``data/cached_conditions.py``), not on the training thread.
 
 Every entry is checked (safetensors only, never pickle): at the start by its header (its metadata's key and
 caption, its tensors' names, shapes, dtype), when first read by its values too (all finite): a missing entry
@@ -57,6 +61,7 @@ from torch import Tensor, nn
 from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
 from difftrain.runtime.files import cache_dir as default_cache_dir
 from difftrain.runtime.precision import DTYPES
+from difftrain.runtime.stored_digest import FLOAT32, STORED
 
 # Bump when what the cache holds for the same inputs changes. 2: Flux's entries no longer hold the
 # distilled "guidance" (a setting of the run, Family.run_conditions, that version 1 stored in every entry
@@ -154,11 +159,13 @@ class TextCache:
             return None
         return value
 
-    def write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]]) -> None:
-        """Record the encoders' weights ``digest``, source, width ``dim``, the entries' dtype and the
+    def write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]], kind: str = STORED) -> None:
+        """Record the encoders' weights ``digest`` (of ``kind``: ``runtime.stored_digest``'s; a manifest without
+        it was written with the FLOAT32 one), source, width ``dim``, the entries' dtype and the
         condition's ``shapes`` (each key's shape of one row, without the batch axis)."""
         self.manifest = {"key": self.key, "version": TEXT_CACHE_VERSION, "family": self.family, "source": self.source,
                          "options": json.loads(json.dumps(self.options, default=str)), "digest": str(digest),
+                         "digest_kind": kind,
                          "dim": int(dim), "dtype": DTYPE_NAMES[self.dtype],
                          "shapes": {k: list(v) for k, v in shapes.items()}}
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -287,7 +294,9 @@ def fill_device(encoder: nn.Module, device: torch.device | str, dtype: torch.dty
     if device.type != "cuda":
         return device
     names = getattr(encoder, "parts", ()) or ("",)
-    largest = max(part_bytes(encoder.get_submodule(n), dtype) for n in names)
+    size = torch.empty(0, dtype=dtype).element_size()
+    largest = max(encoder.part_numel(n) * size if n in getattr(encoder, "loaders", {})  # deferred: its files' headers
+                  else part_bytes(encoder.get_submodule(n), dtype) for n in names)
     free, _ = torch.cuda.mem_get_info(device)
     if largest <= free:
         return device
@@ -301,7 +310,8 @@ def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torc
                       dtype: torch.dtype) -> Generator[Condition, None, None]:
     """The family's condition (float32 on the host, each (B, ...)) of each batch of captions, computed one
     encoder model at a time (``encoder.parts``: all batches through the first, which is then sent back to the
-    host, then the second, ...), each part moved to ``device`` in ``dtype`` only for its turn; the last
+    host, then the second, ...), each part moved to ``device`` in ``dtype`` only for its turn (a deferred
+    encoder's part, ``PromptEncoder.loaders``: read from its files in ``dtype`` for its turn, then freed); the last
     part's outputs are assembled batch by batch (the earlier parts' outputs wait on the host, in ``dtype``).
     An encoder without ``parts`` runs whole, in one stage."""
     names = tuple(getattr(encoder, "parts", ()))
@@ -314,8 +324,10 @@ def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torc
             encoder.to("cpu")
         return
     earlier: dict[str, list[Condition]] = {}
+    deferred = getattr(encoder, "loaders", {})
     for name in names:
-        part = encoder.get_submodule(name).to(device, dtype)
+        # a deferred part is read from its files in dtype now (the host never holds it in float32, nor two at once)
+        part = (encoder.load_model(name, dtype) if name in deferred else encoder.get_submodule(name)).to(device, dtype)
         try:
             if name != names[-1]:
                 earlier[name] = [{k: v.to("cpu") for k, v in encoder.encode_part(name, b).items()} for b in batches]
@@ -328,16 +340,20 @@ def staged_conditions(encoder: nn.Module, batches: list[list[str]], device: torc
                     rows.clear()  # this batch's earlier outputs are no longer needed
                 yield encoder.assemble(outputs, "cpu")
         finally:
-            part.to("cpu")  # the device holds one part at a time
+            if name in deferred:
+                del part
+                encoder.free_model(name)  # freed before the next is loaded
+            else:
+                part.to("cpu")  # the device holds one part at a time
 
 
 class CachedPromptEncoder(nn.Module):
     """A family's :class:`~difftrain.families.base.PromptEncoder` served from a :class:`TextCache`:
     ``encode(captions, device)`` and ``null(n, device)`` return what the encoder returns, read from
     the store; ``source``, ``digest`` and ``dim`` come from the store's manifest. The encoder itself
-    (``load()``, on the host) is loaded only to fill the store (a missing or damaged entry), run one part at
-    a time on the run's device in the store's dtype (:func:`staged_conditions`), and released after
-    :meth:`ensure`.
+    (``load()``: a training run's is deferred, its tokenizers only) is loaded only to fill the store (a missing
+    or damaged entry), each part read or moved onto the run's device in the store's dtype for its turn
+    (:func:`staged_conditions`), and released after :meth:`ensure`.
 
     An ``nn.Module`` with one empty buffer-like parameter on the run's device, so that code asking
     ``next(text.parameters()).device`` finds where conditions go.
@@ -363,11 +379,30 @@ class CachedPromptEncoder(nn.Module):
         return self._manifest()["digest"]
 
     @property
+    def digest_kind(self) -> str:
+        """The kind of :attr:`digest` (``runtime.stored_digest``): a store filled before the stored digest
+        recorded the FLOAT32 one (its manifest names no kind)."""
+        return self._manifest().get("digest_kind", FLOAT32)
+
+    def digest_of(self, kind: str) -> str:
+        """These encoders' digest of ``kind``: the manifest's, or (a checkpoint recording the other kind) taken
+        from the encoder: STORED from its files (the deferred encoder's tokenizers loaded, no model), FLOAT32
+        by ``PromptEncoder.legacy_digest`` (each model loaded in float32 for its turn: slow, once)."""
+        if kind == self.digest_kind:
+            return self.digest
+        try:
+            encoder = self.encoder()
+            return encoder.legacy_digest() if kind == FLOAT32 else str(encoder.digest)
+        finally:
+            self.release()
+
+    @property
     def dim(self) -> int:
         return int(self._manifest()["dim"])
 
     def reference(self) -> dict:
-        return {"source": self.source, "digest": self.digest}
+        kind = self.digest_kind
+        return {"source": self.source, "digest": self.digest, **({"digest_kind": kind} if kind != FLOAT32 else {})}
 
     def train(self, mode: bool = True) -> CachedPromptEncoder:
         return super().train(False)
@@ -431,7 +466,8 @@ class CachedPromptEncoder(nn.Module):
         write the manifest (rewritten, one line, when the old one does not describe these encoders), then
         the entries."""
         encoder = self.encoder()
-        digest, dim = str(encoder.digest), int(encoder.dim)  # before the parts move (Flux's dim reads T5's config)
+        digest, dim = str(encoder.digest), int(encoder.dim)  # of the files and configs: no part loaded for them
+        kind = getattr(encoder, "digest_kind", FLOAT32)
         device = fill_device(encoder, self.anchor.device, self.store.dtype)
         items = list(todo.items())
         chunks = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
@@ -440,7 +476,7 @@ class CachedPromptEncoder(nn.Module):
         conds = staged_conditions(encoder, batches, device, self.store.dtype)
         null_cond = encoder.null_of(next(conds), 1) if need_null else None
         shapes = self.store.manifest["shapes"] if null_cond is None else {k: list(v.shape[1:]) for k, v in null_cond.items()}
-        self._write_manifest(digest, dim, shapes)
+        self._write_manifest(digest, dim, shapes, kind)
         self.store.folder.mkdir(parents=True, exist_ok=True)
         if null:
             self.store.write(NULL_ENTRY, "", null_cond)
@@ -451,16 +487,19 @@ class CachedPromptEncoder(nn.Module):
                 self.reader.forget(name)
         conds.close()  # the last part back on the host now
 
-    def _write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]]) -> None:
+    def _write_manifest(self, digest: str, dim: int, shapes: dict[str, list[int]], kind: str = STORED) -> None:
         """Write the manifest of these encoders unless the store's already says the same; one warning line
-        when an old one differs."""
+        when an old one differs (not for its digest's kind alone: a store filled before the stored digest
+        gets the new kind, quietly)."""
         old = self.store.manifest
-        if old is not None and (old.get("digest"), old.get("dim"), old["shapes"]) == (digest, dim, shapes):
+        if old is not None and (old.get("digest"), old.get("digest_kind", FLOAT32), old.get("dim"), old["shapes"]) \
+                == (digest, kind, dim, shapes):
             return
-        if old is not None:
+        if old is not None and ((old.get("dim"), old["shapes"]) != (dim, shapes)
+                                or old.get("digest_kind", FLOAT32) == kind):
             _warn(f"text cache {self.store.folder / MANIFEST} does not describe {self.source}'s encoders; "
                   "it is rewritten")
-        self.store.write_manifest(digest, dim, shapes)
+        self.store.write_manifest(digest, dim, shapes, kind)
 
     # -- reading --------------------------------------------------------------------------------------
 
@@ -477,8 +516,8 @@ class CachedPromptEncoder(nn.Module):
 
     def encode(self, captions: list[str], device: torch.device | str) -> Condition:
         """The family's condition of B captions on ``device``: each key (B, ...) float32. A
-        :class:`CaptionBatch` brings its rows, read in a loader worker; other captions are read here."""
-        if isinstance(captions, CaptionBatch):
+        ``CaptionBatch`` (``data/cached_conditions.py``) brings its rows, read in a loader worker; other captions are read here."""
+        if isinstance(getattr(captions, "cond", None), dict):  # a cached_conditions.CaptionBatch
             return {k: v.to(device, non_blocking=True).float() for k, v in captions.cond.items()}
         rows = [self._entry(entry_name(c), c) for c in captions]
         return {k: torch.cat([r[k] for r in rows]).to(device, non_blocking=True).float() for k in rows[0]}
@@ -489,92 +528,6 @@ class CachedPromptEncoder(nn.Module):
         if self._null is None or next(iter(self._null.values())).device != device:
             self._null = {k: v.to(device).float() for k, v in self._entry(NULL_ENTRY, "").items()}
         return {k: v.expand(n, *v.shape[1:]) for k, v in self._null.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Conditions read in the loader's workers.
-
-
-class CaptionRow(str):
-    """A caption with its cached condition ``cond`` ({key: (1, ...)} in the store's dtype, read in a loader
-    worker), or None where its entry is missing or damaged (the training thread then reads or rebuilds it)."""
-
-    cond: Condition | None
-
-    def __new__(cls, caption: str, cond: Condition | None):
-        row = super().__new__(cls, caption)
-        row.cond = cond
-        return row
-
-    def __reduce__(self):  # to the main process through the loader's queue
-        return CaptionRow, (str(self), self.cond)
-
-
-class CaptionBatch(list):
-    """B captions (strings) with their conditions ``cond`` {key: (B, ...)} stacked on the host, read in a loader
-    worker; :meth:`CachedPromptEncoder.encode` serves them as they are."""
-
-    def __init__(self, captions: Iterable[str], cond: Condition):
-        super().__init__(str(c) for c in captions)
-        self.cond = cond
-
-    def __reduce__(self):
-        return CaptionBatch, (list(self), self.cond)
-
-    def pin_memory(self) -> CaptionBatch:
-        """The loader's pinning (CUDA): the conditions in pinned memory, so that their copy does not wait."""
-        return CaptionBatch(self, {k: v.pin_memory() for k, v in self.cond.items()})
-
-
-def caption_batch(captions: list) -> list[str]:
-    """The loader's collate of B captions: a :class:`CaptionBatch` when every one is a :class:`CaptionRow` with
-    its condition, else the plain list (the training thread reads what the workers could not)."""
-    conds = [getattr(c, "cond", None) for c in captions]
-    if not captions or any(c is None for c in conds):
-        return [str(c) for c in captions]
-    return CaptionBatch(captions, {k: _stack([c[k] for c in conds]) for k in conds[0]})
-
-
-def _stack(rows: list[Tensor]) -> Tensor:
-    """``torch.cat(rows)``; in a loader worker straight into shared memory (as torch's default collate), so that
-    sending it to the training process copies nothing more."""
-    out = None
-    if torch.utils.data.get_worker_info() is not None:
-        out = torch.empty((sum(r.shape[0] for r in rows), *rows[0].shape[1:]), dtype=rows[0].dtype).share_memory_()
-    return torch.cat(rows, out=out)
-
-
-class CachedConditions(torch.utils.data.Dataset):
-    """``dataset`` (items ``(x, caption, ...)``) whose captions come with their cached conditions, read
-    (:class:`EntryReader`: header and values checked, the memory budget kept per worker) in the
-    DataLoader's workers instead of the training thread: items ``(x, CaptionRow, ...)``. Other attributes
-    are the dataset's."""
-
-    def __init__(self, dataset, store: TextCache):
-        self.dataset, self.reader = dataset, EntryReader(store)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str):
-        if name in ("dataset", "reader"):  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __getitem__(self, index):
-        x, caption, *rest = self.dataset[index]
-        try:
-            cond = self.reader.read(entry_name(caption), caption)
-        except (FileNotFoundError, BadEntry):  # the training thread reads it, or rebuilds it with one line
-            cond = None
-        return (x, CaptionRow(caption, cond), *rest)
-
-
-def cached_conditions(dataset, conditioning):
-    """``dataset`` as the training loader reads it: :class:`CachedConditions` when the run's text encoders are
-    behind the cache (``conditioning.text`` a :class:`CachedPromptEncoder`), else ``dataset`` itself."""
-    text = getattr(conditioning, "text", None)
-    return CachedConditions(dataset, text.store) if isinstance(text, CachedPromptEncoder) else dataset
 
 
 # ---------------------------------------------------------------------------------------------

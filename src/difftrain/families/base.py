@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 import shutil
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +42,14 @@ from torch import Tensor, nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from difftrain.models.text import check_loading_info, first_line, quiet_loading, tokenize
+from difftrain.models.text import (check_loading_info, first_line, model_weights_source, quiet_loading, streamed_digest,
+                                   tokenize)
 from difftrain.models.vae import LatentCodec, vae_folder
 from difftrain.runtime import meta_init
 from difftrain.runtime.device import to_device_async
 from difftrain.runtime.files import atomic_write_bytes
 from difftrain.runtime.optional import diffusers_pipeline
+from difftrain.runtime.stored_digest import STORED
 from difftrain.runtime.tensor_source import TensorSource, check_weight_indexes, index_files
 
 Condition = dict[str, Tensor]  # every tensor batch-first (B, ...)
@@ -175,11 +179,57 @@ class PromptEncoder(nn.Module):
     # :meth:`assemble` combines: the text cache's fill holds one of them on the device at a time. () = one
     # stage, :meth:`encode` itself.
     parts: tuple[str, ...] = ()
+    # The digest's kind (runtime.stored_digest: STORED, the encoders' files as stored; "float32" was before).
+    digest_kind: str = STORED
 
     def __init__(self) -> None:
         super().__init__()
         self._null: Condition | None = None
         self._null_key = ""  # the device the null condition was encoded for
+        # Deferred (``load_prompt_encoder(..., deferred=True)``: the text cache's fill): each part's
+        # ``loader(dtype)`` and folder; the part is None until :meth:`load_model` and again after :meth:`free_model`.
+        self.loaders: dict[str, Callable[[torch.dtype], nn.Module]] = {}
+        self.folders: dict[str, Path] = {}
+        self.float32_loads: dict[str, Callable[[], nn.Module]] = {}
+
+    def add_part(self, name: str, folder: Path, load: Callable[[torch.dtype], nn.Module], deferred: bool) -> None:
+        """Part ``name`` (a model in ``folder``, ``load(dtype)`` loads it on the host, frozen): loaded now in
+        float32, or with ``deferred`` left None until :meth:`load_model`."""
+        self.folders[name] = Path(folder)
+        self.float32_loads[name] = lambda: load(torch.float32)  # the legacy digest's: read again from the files
+        if deferred:
+            self.loaders[name] = load
+        _set_part(self, name, None if deferred else load(torch.float32))
+
+    def load_model(self, name: str, dtype: torch.dtype) -> nn.Module:
+        """A deferred part loaded from its files on the host in ``dtype`` (never float32 first), set in place."""
+        module = self.loaders[name](dtype)
+        _set_part(self, name, module)
+        return module
+
+    def free_model(self, name: str) -> None:
+        """Drop a deferred part (its memory), until :meth:`load_model` loads it again."""
+        _set_part(self, name, None)
+
+    def part_numel(self, name: str) -> int:
+        """Elements of part ``name``'s weights: its files' headers for a deferred part (nothing read), else its
+        parameters and buffers."""
+        module = self.get_submodule(name) if name not in self.loaders else None
+        if module is not None:
+            return sum(t.numel() for t in (*module.parameters(), *module.buffers()))
+        source = model_weights_source(self.folders[name])
+        return sum(math.prod(shape) for shape in source.shapes.values()) if source is not None else 0
+
+    def legacy_digest(self) -> str:
+        """The digest records written before the stored one hold (FLOAT32: every weight upcast, by
+        ``models.text.weights_digest``), each part loaded in float32 for its turn only: slow, to check such a
+        record once; read again from the files, whatever dtype the run holds them in. A family whose digest
+        was not ``weights_digest`` of its parts overrides it."""
+        return streamed_digest([self.float32_loads[n] for n in self.parts], self.legacy_extra())
+
+    def legacy_extra(self) -> bytes:  # pragma: no cover - interface
+        """The ``extra`` (tokenizers' vocabularies, settings) the FLOAT32 digest hashed after the weights."""
+        raise NotImplementedError(type(self).__name__)
 
     @torch.no_grad()
     def encode(self, captions: list[str], device: torch.device | str = "cpu") -> Condition:
@@ -208,12 +258,31 @@ class PromptEncoder(nn.Module):
         return {k: v.expand(n, *v.shape[1:]) for k, v in empty.items()}
 
     def reference(self) -> dict:
-        """``{"source", "digest"}``: how checkpoints name these frozen parts."""
-        return {"source": self.source, "digest": self.digest}
+        """``{"source", "digest", "digest_kind"}``: how checkpoints name these frozen parts."""
+        return {"source": self.source, "digest": self.digest, "digest_kind": self.digest_kind}
+
+    def digest_of(self, kind: str) -> str:
+        """The digest of ``kind``: :attr:`digest` (STORED), or FLOAT32 (:meth:`legacy_digest`: slow, to check a
+        record written before the stored digest)."""
+        return self.digest if kind == self.digest_kind else self.legacy_digest()
 
     def train(self, mode: bool = True) -> PromptEncoder:
         """Frozen: stays in eval mode whatever a parent module asks."""
         return super().train(False)
+
+
+def _set_part(encoder: nn.Module, name: str, module: nn.Module | None) -> None:
+    """Set submodule ``name`` (dotted: ``encoders.0``) of ``encoder`` to ``module`` (None: an empty slot)."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(encoder.get_submodule(parent) if parent else encoder, leaf, module)
+
+
+def frozen_part(folder: Path, sub: str, cls, what: str) -> Callable[[torch.dtype], nn.Module]:
+    """``load(dtype)``: the model ``folder/sub`` (:func:`load_part`) in ``dtype`` on the host, eval, no grad; a
+    missing ``sub/`` is refused now (load_part's line), not when it is loaded."""
+    if not (Path(folder) / sub).is_dir():
+        raise ValueError(f"{folder}: no {sub}/ (the {what}); this base folder needs it")
+    return lambda dtype: load_part(folder, sub, cls, what, dtype=dtype).eval().requires_grad_(False)
 
 
 def token_ids(tokenizer, captions: list[str], length: int, device: torch.device | str) -> Tensor:
@@ -376,7 +445,9 @@ class Family(ABC):
     @abstractmethod
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> PromptEncoder:
         """Every frozen text encoder and tokenizer of the folder, on ``device``; one ValueError naming
-        the folder and the missing part."""
+        the folder and the missing part. A base family's also takes ``deferred=True`` (the text cache's fill):
+        the tokenizers and configs only, each encoder model read from its files by
+        ``PromptEncoder.load_model`` in the compute dtype for its turn."""
 
     def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> nn.Module:
         """The run's ``model.text_encoder`` (:meth:`load_prompt_encoder` with :meth:`prompt_options`) on
@@ -384,8 +455,10 @@ class Family(ABC):
         ``text.cache`` asks for it, loaded only to fill it."""
         folder, options = Path(cfg.model.text_encoder).expanduser(), self.prompt_options(cfg.model)
         load = lambda where=device: self.load_prompt_encoder(folder, where, **options)
-        # the cache's fill loads them on the host and moves one part at a time to the device
-        text = cache(cfg, self.name, folder, options, lambda: load("cpu"), device) if cache is not None else None
+        # the cache's fill: tokenizers only, each encoder model read from its files in the compute dtype for its
+        # turn (data/text_cache.py staged_conditions) and freed before the next
+        deferred = lambda: self.load_prompt_encoder(folder, "cpu", deferred=True, **options)
+        text = cache(cfg, self.name, folder, options, deferred, device) if cache is not None else None
         return load() if text is None else text  # without the cache: loaded now
 
     # -- a text run's condition (networks/conditioning.py's ``c``: its text, resolution, run values, memo) ---

@@ -48,9 +48,9 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import Denoiser, PromptEncoder, load_part, require_keys, token_ids
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, t5_length
-from difftrain.models.text import vocab_bytes, weights_digest
+from difftrain.families.base import Denoiser, PromptEncoder, frozen_part, load_part, read_json, require_keys, token_ids
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, t5_length
+from difftrain.models.text import files_digest, vocab_bytes
 
 DEFAULT_T5_LENGTH = 512  # FluxPipeline's max_sequence_length default (and its most); diffusers' script: 512
 KEYS = ("prompt_embeds", "pooled", "guidance")
@@ -103,24 +103,30 @@ class FluxPromptEncoder(PromptEncoder):
 
     parts = ("clip", "t5")
 
-    def __init__(self, folder: Path, max_sequence_length: int = 0):
+    def __init__(self, folder: Path, max_sequence_length: int = 0, deferred: bool = False):
         super().__init__()
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # optional ([text])
 
         self.source = str(folder)
-        self.clip = frozen(load_part(folder, "text_encoder", CLIPTextModel, "CLIP text encoder"))
-        self.t5 = frozen(load_part(folder, "text_encoder_2", T5EncoderModel, "T5 text encoder"))
+        self.add_part("clip", folder / "text_encoder", frozen_part(folder, "text_encoder", CLIPTextModel,
+                                                                   "CLIP text encoder"), deferred)
+        self.add_part("t5", folder / "text_encoder_2", frozen_part(folder, "text_encoder_2", T5EncoderModel,
+                                                                   "T5 text encoder"), deferred)
         self.tok_clip = load_part(folder, "tokenizer", CLIPTokenizer, "CLIP tokenizer")
         self.tok_t5 = load_part(folder, "tokenizer_2", T5TokenizerFast, "T5 tokenizer")
         self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
         self.clip_length = int(self.tok_clip.model_max_length)
-        self.digest = weights_digest(nn.ModuleList([self.clip, self.t5]), vocab_bytes([self.tok_clip, self.tok_t5], pairs=True)
-                                     + f"t5_length={self.t5_length}".encode())
+        self.width = int(read_json(folder / "text_encoder_2" / "config.json", f"base {folder}")["d_model"])
+        self.digest = files_digest([folder / "text_encoder", folder / "text_encoder_2"],
+                                   [folder / "tokenizer", folder / "tokenizer_2"], f"t5_length={self.t5_length}".encode())
+
+    def legacy_extra(self) -> bytes:
+        return vocab_bytes([self.tok_clip, self.tok_t5], pairs=True) + f"t5_length={self.t5_length}".encode()
 
     @property
     def dim(self) -> int:
         """The width of ``prompt_embeds`` (T5's d_model)."""
-        return int(self.t5.config.d_model)
+        return self.width
 
     def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
         """CLIP's ``{"pooled": (B, W_clip)}`` pooled output or T5's ``{"prompt_embeds": (B, t5_length, W_t5)}``."""
@@ -161,8 +167,8 @@ class FluxFamily(TransformerFamily):
                 "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096))}
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
-                            max_sequence_length: int = 0) -> FluxPromptEncoder:
-        return FluxPromptEncoder(Path(folder), max_sequence_length).to(device)
+                            max_sequence_length: int = 0, deferred: bool = False) -> FluxPromptEncoder:
+        return FluxPromptEncoder(Path(folder), max_sequence_length, deferred).to(device)
 
     def run_conditions(self, section) -> dict[str, float]:
         """``{"guidance": ...}``: the distilled guidance input, ``model.distilled_guidance`` in training (3.5,

@@ -18,11 +18,6 @@ from difftrain.families.base import Denoiser, Family, load_part, quantized, read
 PATCH = 2  # the transformers' patch side (SD3's patch_size, Flux's 2x2 packing) in every released base
 
 
-def frozen(module: nn.Module) -> nn.Module:
-    """``module`` in eval mode, float32, without gradients."""
-    return module.float().eval().requires_grad_(False)
-
-
 def t5_length(requested: int, default: int, tokenizer, folder, limit: int = 512) -> int:
     """The T5 sequence length: ``requested`` (0 = ``default`` capped by the tokenizer's
     model_max_length) if the base's T5 tokenizer and pipeline (<= 512) take it; else one ValueError."""

@@ -25,7 +25,7 @@ from difftrain.diffusion.scheduler_configs import diffusers_training
 from difftrain.families import register
 from difftrain.families.base import (CLIP_TOKENS, Denoiser, ExportParts, Family, PromptEncoder, quantized, read_json,
                                      require_keys, token_ids)
-from difftrain.models.text import TextEncoder, first_line, text_model_folders
+from difftrain.models.text import TextEncoder, files_digest, first_line, text_model_folders
 from difftrain.models.vae import vae_folder as find_vae_folder
 from difftrain.runtime.optional import require
 from difftrain.runtime.tensor_source import check_weight_indexes
@@ -152,21 +152,39 @@ class SDPromptEncoder(PromptEncoder):
     """Stable Diffusion's frozen CLIP text encoder: captions -> ``{"prompt_embeds": (B, L, D)}``, the
     last hidden state (as ``StableDiffusionPipeline.encode_prompt`` with ``clip_skip`` None).
 
-    ``text``: a ``models.text.TextEncoder`` (its source and digest are this encoder's, so checkpoints
-    keep the reference they always kept)."""
+    ``text``: a ``models.text.TextEncoder`` of ``folder`` (a CLIP text model folder or a pipeline's), one part;
+    ``deferred``: loaded only by ``load_model`` (the text cache's fill), in its dtype. The digest is of its files
+    (``models.text.files_digest``); :meth:`legacy_digest` the one records before it hold (``TextEncoder.digest``)."""
 
-    def __init__(self, text) -> None:
+    parts = ("text",)
+
+    def __init__(self, folder: Path, deferred: bool = False) -> None:
         super().__init__()
-        self.text = text
-        self.source, self.digest = text.source, text.digest
+        self.source = str(folder)
+        model_dir, tokenizer_dir = text_model_folders(self.source)
+        self.add_part("text", model_dir, lambda dtype: TextEncoder.from_path(self.source, dtype), deferred)
+        self.tokenizer_dir = tokenizer_dir
+        self.digest = files_digest([model_dir], [tokenizer_dir])
+        self.width = int(read_json(model_dir / "config.json", f"text encoder {folder}")["hidden_size"])
 
     @property
     def dim(self) -> int:
-        return self.text.dim
+        return self.width
+
+    def legacy_digest(self) -> str:
+        return TextEncoder.from_path(self.source).digest  # float32, as records before the stored digest
 
     def encode(self, captions: list[str], device: torch.device | str) -> dict[str, Tensor]:
         ids = token_ids(self.text.tokenizer, captions, self.text.max_length, device)  # (B, L), no wait
         return {"prompt_embeds": self.text.encode_ids(ids)}
+
+    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
+        """The text encoder's ``{"prompt_embeds": (B, L, D)}`` last hidden state, on its device."""
+        ids = token_ids(self.text.tokenizer, captions, self.text.max_length, self.text.device)
+        return {"prompt_embeds": self.text.encode_ids(ids)}
+
+    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
+        return {"prompt_embeds": outputs["text"]["prompt_embeds"].float().to(device)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,8 +254,9 @@ class SDFamily(Family):
         dim = config["cross_attention_dim"]
         return {"prompt_embeds": (CLIP_TOKENS, int(dim if isinstance(dim, int) else dim[0]))}
 
-    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> SDPromptEncoder:
-        return SDPromptEncoder(TextEncoder.from_path(str(folder)).to(device))
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
+                            deferred: bool = False) -> SDPromptEncoder:
+        return SDPromptEncoder(Path(folder), deferred).to(device)
 
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return unet_blocks(denoiser.model)

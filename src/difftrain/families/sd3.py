@@ -54,9 +54,10 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import CLIP_TOKENS, PromptEncoder, load_part, read_json, require_keys, token_ids
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, frozen, t5_length
-from difftrain.models.text import vocab_bytes, weights_digest
+from difftrain.families.base import (CLIP_TOKENS, PromptEncoder, frozen_part, load_part, read_json, require_keys,
+                                     token_ids)
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, t5_length
+from difftrain.models.text import files_digest, vocab_bytes
 
 DEFAULT_T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length default (diffusers' SD3 script: 77)
 KEYS = ("prompt_embeds", "pooled")
@@ -96,22 +97,25 @@ class SD3PromptEncoder(PromptEncoder):
     (t5_length tokens, the transformer's ``joint_attention_dim`` wide), as the pipeline makes them when
     its text_encoder_3 is None; ``t5`` is then None."""
 
-    def __init__(self, folder: Path, max_sequence_length: int = 0):
+    def __init__(self, folder: Path, max_sequence_length: int = 0, deferred: bool = False):
         super().__init__()
         from transformers import (CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel,  # optional ([text])
                                   T5TokenizerFast)
 
         self.source = str(folder)
-        self.clip_l = frozen(load_part(folder, "text_encoder", CLIPTextModelWithProjection, "CLIP-L text encoder"))
-        self.clip_g = frozen(load_part(folder, "text_encoder_2", CLIPTextModelWithProjection, "CLIP-G text encoder"))
+        self.add_part("clip_l", folder / "text_encoder", frozen_part(
+            folder, "text_encoder", CLIPTextModelWithProjection, "CLIP-L text encoder"), deferred)
+        self.add_part("clip_g", folder / "text_encoder_2", frozen_part(
+            folder, "text_encoder_2", CLIPTextModelWithProjection, "CLIP-G text encoder"), deferred)
         self.tok_l = load_part(folder, "tokenizer", CLIPTokenizer, "CLIP-L tokenizer")
         self.tok_g = load_part(folder, "tokenizer_2", CLIPTokenizer, "CLIP-G tokenizer")
         self.t5 = self.tok_t5 = None
         self.parts = ("clip_l", "clip_g")
         if (folder / "text_encoder_3").is_dir() or (folder / "tokenizer_3").is_dir():  # one without the other: one line
-            self.t5 = frozen(load_part(folder, "text_encoder_3", T5EncoderModel, "T5 text encoder"))
+            self.add_part("t5", folder / "text_encoder_3", frozen_part(
+                folder, "text_encoder_3", T5EncoderModel, "T5 text encoder"), deferred)
             self.tok_t5 = load_part(folder, "tokenizer_3", T5TokenizerFast, "T5 tokenizer")
-            self.width = int(self.t5.config.d_model)
+            self.width = int(read_json(folder / "text_encoder_3" / "config.json", f"base {folder}")["d_model"])
             self.parts = ("clip_l", "clip_g", "t5")
         else:
             width = read_json(folder / "transformer" / "config.json", f"base {folder}").get("joint_attention_dim")
@@ -121,10 +125,16 @@ class SD3PromptEncoder(PromptEncoder):
             self.width = width
         self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
         self.clip_length = int(self.tok_l.model_max_length)
-        t5 = [] if self.t5 is None else [self.t5]
-        extra = f"t5_length={self.t5_length}" + ("" if t5 else f",t5=zeros({self.width})")
-        vocab = vocab_bytes([self.tok_l, self.tok_g, *[self.tok_t5] * len(t5)], pairs=True)
-        self.digest = weights_digest(nn.ModuleList([self.clip_l, self.clip_g, *t5]), vocab + extra.encode())
+        subs = [folder / "text_encoder", folder / "text_encoder_2"] + ([folder / "text_encoder_3"] if len(self.parts) == 3 else [])
+        toks = [folder / "tokenizer", folder / "tokenizer_2"] + ([folder / "tokenizer_3"] if len(self.parts) == 3 else [])
+        self.digest = files_digest(subs, toks, self._extra().encode())
+
+    def _extra(self) -> str:
+        return f"t5_length={self.t5_length}" + ("" if len(self.parts) == 3 else f",t5=zeros({self.width})")
+
+    def legacy_extra(self) -> bytes:
+        t5 = [self.tok_t5] if len(self.parts) == 3 else []
+        return vocab_bytes([self.tok_l, self.tok_g, *t5], pairs=True) + self._extra().encode()
 
     @property
     def dim(self) -> int:
@@ -182,8 +192,8 @@ class SD3Family(TransformerFamily):
                 "pooled": (int(config["pooled_projection_dim"]),)}
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
-                            max_sequence_length: int = 0) -> SD3PromptEncoder:
-        return SD3PromptEncoder(Path(folder), max_sequence_length).to(device)
+                            max_sequence_length: int = 0, deferred: bool = False) -> SD3PromptEncoder:
+        return SD3PromptEncoder(Path(folder), max_sequence_length, deferred).to(device)
 
 
 SD3 = register(SD3Family())

@@ -25,10 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import (CLIP_TOKENS, Denoiser, Family, PromptEncoder, load_part, quantized, read_json,
-                                     require_keys, token_ids)
+from difftrain.families.base import (CLIP_TOKENS, Denoiser, Family, PromptEncoder, frozen_part, load_part, quantized,
+                                     read_json, require_keys, token_ids)
 from difftrain.families.sd import scheduler_training, unet_blocks
-from difftrain.models.text import vocab_bytes, weights_digest
+from difftrain.models.text import files_digest, vocab_bytes
 from difftrain.runtime.device import to_device_async
 from difftrain.runtime.optional import require
 
@@ -61,12 +61,26 @@ class SDXLPromptEncoder(PromptEncoder):
     (B, P)}``, as ``StableDiffusionXLPipeline.encode_prompt`` (clip_skip None) makes them; the null
     condition is zeros when ``force_zeros_for_empty_prompt`` (the pipeline's negative prompt)."""
 
-    def __init__(self, encoders: list[nn.Module], tokenizers: list, source: str, force_zeros: bool) -> None:
+    def __init__(self, folder: Path, force_zeros: bool, deferred: bool = False) -> None:
         super().__init__()
-        self.encoders = nn.ModuleList(e.eval().requires_grad_(False) for e in encoders)
-        self.tokenizers, self.source, self.force_zeros = tokenizers, source, force_zeros
-        self.digest = weights_digest(self.encoders, vocab_bytes(tokenizers, ascii_only=True))
-        self.dim = sum(int(e.config.hidden_size) for e in encoders)  # D of prompt_embeds
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer  # optional ([text])
+
+        folder = Path(folder)
+        self.encoders = nn.ModuleList([nn.Module(), nn.Module()])  # the slots; each part set by add_part
+        self.add_part("encoders.0", folder / "text_encoder", frozen_part(
+            folder, "text_encoder", CLIPTextModel, "first text encoder (CLIP-L)"), deferred)
+        self.add_part("encoders.1", folder / "text_encoder_2", frozen_part(
+            folder, "text_encoder_2", CLIPTextModelWithProjection, "second text encoder (CLIP-G)"), deferred)
+        tokenizers = [load_part(folder, "tokenizer", CLIPTokenizer, "first tokenizer"),
+                      load_part(folder, "tokenizer_2", CLIPTokenizer, "second tokenizer")]
+        self.tokenizers, self.source, self.force_zeros = tokenizers, str(folder), force_zeros
+        self.digest = files_digest([folder / "text_encoder", folder / "text_encoder_2"],
+                                   [folder / "tokenizer", folder / "tokenizer_2"])
+        self.dim = sum(int(read_json(folder / sub / "config.json", f"base {folder}")["hidden_size"])
+                       for sub in ("text_encoder", "text_encoder_2"))  # D of prompt_embeds
+
+    def legacy_extra(self) -> bytes:
+        return vocab_bytes(self.tokenizers, ascii_only=True)
 
     parts = ("encoders.0", "encoders.1")
 
@@ -138,18 +152,13 @@ class SDXLFamily(Family):
     def denoiser_from_record(self, record: dict) -> SDXLUNet:
         return SDXLUNet.from_config(record["config"])
 
-    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu") -> SDXLPromptEncoder:
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
+                            deferred: bool = False) -> SDXLPromptEncoder:
         require("transformers", "text", f"the SDXL base {folder}")
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer  # optional ([text])
-
         folder = Path(folder)
-        encoders = [load_part(folder, "text_encoder", CLIPTextModel, "first text encoder (CLIP-L)"),
-                    load_part(folder, "text_encoder_2", CLIPTextModelWithProjection, "second text encoder (CLIP-G)")]
-        tokenizers = [load_part(folder, "tokenizer", CLIPTokenizer, "first tokenizer"),
-                      load_part(folder, "tokenizer_2", CLIPTokenizer, "second tokenizer")]
         index = read_json(folder / "model_index.json", f"base {folder}")
         force_zeros = bool(index.get("force_zeros_for_empty_prompt", True))
-        return SDXLPromptEncoder(encoders, tokenizers, str(folder), force_zeros).to(device)
+        return SDXLPromptEncoder(folder, force_zeros, deferred).to(device)
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """Both CLIPs' 77 tokens (``cross_attention_dim`` wide), the pooled embedding (the class

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from difftrain.runtime import stored_digest
 from difftrain.runtime.optional import require
-from difftrain.runtime.tensor_source import check_weight_indexes
+from difftrain.runtime.tensor_source import TensorSource, check_weight_indexes, index_files
 
 BUILTIN_PREFIX = "builtin:"
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"  # CLIP's special tokens; EOS also pads
@@ -114,6 +115,76 @@ def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]], extra: bytes = b
     return h.hexdigest()
 
 
+def model_weights_source(folder: Path) -> TensorSource | None:
+    """The weights of a transformers model folder (``model.safetensors``, its ``.index.json``'s files,
+    ``pytorch_model.bin`` or its index's: :data:`WEIGHT_FILES`) or a diffusers one, mapped without reading a
+    value; None when it holds none (or a ``.bin`` that cannot be mapped)."""
+    folder = Path(folder)
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        files = index_files(path) if name.endswith(".index.json") else [path]
+        if name.startswith("model.safetensors"):
+            return TensorSource.of_files(files)
+        try:
+            return TensorSource.of_torch_files(files)
+        except ValueError:
+            return None
+    return TensorSource.of_folder(folder)
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The files of a tokenizer folder that are no weights nor model config (vocabularies, merges, special
+    tokens, the tokenizer's config), sorted."""
+    skip = set(WEIGHT_FILES) | {"config.json"}
+    return sorted(f for f in Path(folder).rglob("*") if f.is_file() and f.name not in skip
+                  and not f.name.endswith((".safetensors", ".bin")))
+
+
+def files_digest(models: list[Path], tokenizers: list[Path], extra: bytes = b"") -> str:
+    """The digest of frozen text encoders from their files as stored (``runtime.stored_digest``'s STORED kind):
+    each model folder's tensors as their files hold them (never upcast: a bf16 file hashes 2 bytes a weight,
+    and the dtype a run holds them in does not count; cached by the files' fingerprint), in order, then every
+    tokenizer file's bytes (:func:`tokenizer_files`, by its folder and name), then ``extra`` (a family's
+    settings that enter the condition). ValueError naming a model folder without weights."""
+    h = hashlib.sha256(b"difftrain frozen encoders stored v1\n")
+    for i, folder in enumerate(models):
+        try:
+            source = model_weights_source(folder)
+            value = None if source is None else stored_digest.stored_digest(source)
+        except (ValueError, OSError, KeyError) as e:  # a damaged file: one line naming the part
+            raise ValueError(f"text encoder {folder}: cannot read its weights: {first_line(e)}") from None
+        if value is None:
+            raise ValueError(f"text encoder {folder}: no weights file to take its digest from "
+                             f"(looked for {', '.join(WEIGHT_FILES)})")
+        h.update(f"{i}:{value}\n".encode())
+    for folder in tokenizers:
+        for file in tokenizer_files(folder):
+            data = file.read_bytes()
+            h.update(f"{folder.name}/{file.relative_to(folder).as_posix()}:{len(data)}\n".encode())
+            h.update(data)
+    h.update(extra)
+    return h.hexdigest()
+
+
+def streamed_digest(loads: list, extra: bytes = b"") -> str:
+    """:func:`weights_digest` of ``nn.ModuleList(models)`` (the FLOAT32 kind, as records before the stored
+    digest hold it) with each model loaded by its ``loads[i]()`` (float32) only for its turn and dropped after:
+    the host holds one at a time. Slow (it reads and upcasts every weight): only to check an old record."""
+
+    def tensors():
+        for i, load in enumerate(loads):
+            state = load().state_dict()
+            for name in sorted(state):
+                yield f"{i}.{name}", state[name]
+            del state
+
+    if len(loads) > 10:  # "10." would sort before "2.": ModuleList's names are not in load order
+        raise ValueError("streamed_digest takes at most 10 models")
+    return tensors_digest(tensors(), extra)
+
+
 def vocab_bytes(tokenizers: list, pairs: bool = False, ascii_only: bool = False) -> bytes:
     """The vocabularies of ``tokenizers`` as the ``extra`` of :func:`weights_digest`: each one's
     ``get_vocab()`` as a JSON object with sorted keys (``ascii_only``: non-ASCII escaped), or
@@ -186,13 +257,16 @@ class TextEncoder(nn.Module):
         self.source = source
         self.dim = int(model.config.hidden_size)
         self.max_length = int(model.config.max_position_embeddings)
-        self.digest = weights_digest(model, vocab_bytes([tokenizer]), strip="text_model.")
+        # of float32 weights only: a model loaded in bf16 (a family's text cache fill) is digested from its files
+        is_float32 = all(p.dtype == torch.float32 for p in model.parameters())
+        self.digest = weights_digest(model, vocab_bytes([tokenizer]), strip="text_model.") if is_float32 else ""
 
     @classmethod
-    def from_path(cls, path: str) -> TextEncoder:
-        """Load on the CPU, float32: a CLIP text model folder (config.json, weights, vocab.json
-        and merges.txt or tokenizer.json), a Stable Diffusion folder (``text_encoder/`` and
-        ``tokenizer/``), or ``builtin:tiny-clip``. Raises ValueError naming the folder and what
+    def from_path(cls, path: str, dtype: torch.dtype = torch.float32) -> TextEncoder:
+        """Load on the CPU, in ``dtype`` (float32; a bf16 / fp16 one, read so from the files, has no
+        ``digest``: ``families/sd.py`` takes it from the files): a CLIP text model folder (config.json,
+        weights, vocab.json and merges.txt or tokenizer.json), a Stable Diffusion folder (``text_encoder/``
+        and ``tokenizer/``), or ``builtin:tiny-clip``. Raises ValueError naming the folder and what
         it lacks."""
         if path.startswith(BUILTIN_PREFIX):
             name = path[len(BUILTIN_PREFIX) :]
@@ -209,7 +283,7 @@ class TextEncoder(nn.Module):
         try:
             with quiet_loading(logging):
                 tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_dir))
-                model, info = CLIPTextModel.from_pretrained(str(model_dir), dtype=torch.float32,
+                model, info = CLIPTextModel.from_pretrained(str(model_dir), dtype=dtype,
                                                             output_loading_info=True)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ValueError(f"text encoder {path}: cannot load {model_dir}: {first_line(e)}") from e

@@ -10,7 +10,7 @@ validation, sampling and checkpoints ask it instead of branching on the config:
     c.condition(batch_second, drop)                 # labels (B,) / text embeddings (B, L, D) / None
     c.null(n)                                       # the null condition of guidance (n rows)
     c.decode(x)                                     # network space -> images in [-1, 1]
-    c.references()                                  # {"text_encoder": {source, digest}, ...}
+    c.references()                                  # {"text_encoder": {source, digest, digest_kind}, ...}
 
 The frozen parts are never saved in checkpoints: a checkpoint names them and their digests, and a
 run or a sampler that loads it checks that the parts it finds are the same.
@@ -28,6 +28,7 @@ from difftrain.data.text_cache import cached_prompt_encoder
 from difftrain.families import UNET, Family, family_of_config
 from difftrain.models import MODEL_PRESETS
 from difftrain.models.vae import LatentCodec, vae_factor
+from difftrain.runtime.stored_digest import FLOAT32
 
 # A network's condition: labels (B,), text embeddings (B, L, D), a base family's dict of batch-first
 # tensors (difftrain.families: {"prompt_embeds", "pooled", "time_ids", ...}), or None.
@@ -187,21 +188,34 @@ class Conditioning:
     # -- references ----------------------------------------------------------------------------
 
     def references(self) -> dict:
-        """{"text_encoder": {"source", "digest"}, "vae": {...}} of the frozen parts present."""
+        """{"text_encoder": {"source", "digest"[, "digest_kind"]}, "vae": {...}} of the frozen parts present. A
+        base family's text encoders are digested from their files (``digest_kind`` "stored":
+        ``models.text.files_digest``); a reference without a kind holds the FLOAT32 digest (every weight upcast,
+        ``models.text.weights_digest``): difftrain's own text encoder, the VAE, and records written before."""
         refs = {}
         for name, part in (("text_encoder", self.text), ("vae", self.codec)):
             if part is not None:
                 refs[name] = {"source": part.source, "digest": part.digest}
+                kind = getattr(part, "digest_kind", FLOAT32)
+                if kind != FLOAT32:
+                    refs[name]["digest_kind"] = kind
         return refs
 
     def check_references(self, saved: dict, where: str) -> None:
-        """Raise ValueError if the frozen parts differ from those a checkpoint was trained with."""
+        """Raise ValueError if the frozen parts differ from those a checkpoint was trained with. A record of
+        another digest kind than this run's (one written before the stored digest: FLOAT32) is checked by
+        the part's digest of that kind (``digest_of``: slow for FLOAT32, each encoder loaded in float32 for its
+        turn, once; the run goes on recording its own kind)."""
         mine = self.references()
+        parts = {"text_encoder": self.text, "vae": self.codec}
         for name in sorted(set(saved) | set(mine)):
             old, new = saved.get(name), mine.get(name)
             if old is None or new is None:
                 raise ValueError(f"{where} was trained {'with' if old else 'without'} a {name.replace('_', ' ')}, "
                                  f"this run is {'with' if new else 'without'} one")
+            kind = old.get("digest_kind", FLOAT32)
+            if kind != new.get("digest_kind", FLOAT32) and hasattr(parts.get(name), "digest_of"):
+                new = {**new, "digest": parts[name].digest_of(kind)}
             if old["digest"] != new["digest"]:
                 raise ValueError(
                     f"{where} was trained with the {name.replace('_', ' ')} {old['source']} (digest {old['digest'][:12]}), "

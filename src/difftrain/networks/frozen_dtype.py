@@ -14,7 +14,8 @@ What is left alone: a full fine-tune (float32 master weights), fp32 runs, a quan
 (``model.quantize_base``: its layers are the quantizer's), and under ``train.parallel = "fsdp"`` the denoiser
 (FSDP's ``MixedPrecisionPolicy`` already gathers it in the compute dtype; its frozen float32 shards are 1/N
 of the base). The cast leaves the digests alone: a base family's denoiser's digest is of its files' stored bytes
-(``runtime/stored_digest.py``), the text encoders' and VAE's of their float32 weights as loaded, before this cast;
+(``runtime/stored_digest.py``), a base family's text encoders' of theirs too (``models.text.files_digest``), the
+VAE's and difftrain's own text encoder's of their float32 weights as loaded, before this cast;
 sampling, export and ``inference`` load the parts anew in float32: only the training run's own copies are cast.
 """
 

@@ -3,7 +3,9 @@
     value = stored_digest(source)            # hex SHA-256 of source's tensors as stored (a TensorSource)
 
 What a LoRA checkpoint or adapter file records of the base it was trained on (``networks/lora.py``), for a
-base family's denoiser read from its folder (``networks/build.py``). Each tensor, by sorted name (the names
+base family's denoiser read from its folder (``networks/build.py``); and, one per encoder, what a base family's
+text encoders' digest is made of (``models.text.files_digest``: checkpoints' ``frozen`` references, the text
+cache's manifest). Each tensor, by sorted name (the names
 the network gives them): its name, its stored dtype (safetensors' names: ``F32``, ``BF16`` ...) and shape,
 then its bytes exactly as the file holds them: never upcast, so a bf16 base hashes 2 bytes a weight, and the
 dtype a run holds the base in (float32, or bf16 frozen: ``networks/frozen_dtype.py``) does not count. A

@@ -13,9 +13,10 @@ from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.checkpoints import sharded as sharded
 from difftrain.config import Config, ModelConfig, config_to_dict
 from difftrain.data import build_loader
+from difftrain.data.cached_conditions import cached_conditions
 from difftrain.data.latents import with_latents
 from difftrain.data.prepare import prepare_training_data
-from difftrain.data.text_cache import cached_conditions, with_caption_options, with_text_cache
+from difftrain.data.text_cache import with_caption_options, with_text_cache
 from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
