@@ -53,6 +53,7 @@ from difftrain.networks.block_swap import OPTION as SWAP_OPTION, planned_bytes
 from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
 from difftrain.runtime.fsdp import blocks
 from difftrain.models.text import first_line
+from difftrain.data.text_cache import text_cache_wanted
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
 from difftrain.tools.parallel_memory import optimizer_state, rank_bytes, rank_memory
@@ -321,13 +322,6 @@ def _row(net: _Network, s: Setting, a: SavedBytes, cfg, text_params: int) -> dic
             "text_encoders": text, "total": total, "swap_blocks": s.swap, "host_swapped": host, "fits_gib": [c for c in CARDS_GIB if total <= HEADROOM * c * GiB]}
 
 
-def text_cache_on(t) -> bool:
-    """Whether the text encoders stay unloaded (``text.cache`` of the text section ``t``: auto is on unless
-    captions change per sample)."""
-    mode = t.cache
-    return mode == "on" or (mode == "auto" and not t.shuffle_tags and not t.tag_dropout)
-
-
 @dataclass(frozen=True)
 class Base:
     """A base folder read for counting: its family, the denoiser's config, the step's shapes and the text encoders'
@@ -359,7 +353,7 @@ def read_base(cfg, base: str, resolution: int | None = None, batch_size: int | N
     if resolution % factor:
         raise ValueError(f"resolution {resolution} must be a multiple of {factor} for this {family.name} base")
     latent = (resolution // vae_factor(folder), resolution // vae_factor(folder))
-    text = 0 if text_cache_on(cfg.text) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
+    text = 0 if text_cache_wanted(cfg.text) else text_encoder_params(folder)  # numbers; bytes by setting (_row)
     return Base(str(base), folder, family, config, resolution, batch_size or cfg.train.batch_size, latent, text)
 
 
@@ -499,9 +493,9 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "stored_parameters": info["stored_parameters"],
         "lora_rank": cfg.lora.rank or 16,
         "lora_parameters": info["lora_parameters"],
-        "text_encoders": "cached (not loaded)" if text_cache_on(cfg.text) else
+        "text_encoders": "cached (not loaded)" if text_cache_wanted(cfg.text) else
                          f"loaded, {'float32' if held_dtype(own, cfg.train.precision, 'text') is None else cfg.train.precision}",
-        "text_cache_fill": text_cache_fill_bytes(b.folder, cfg) if text_cache_on(cfg.text) else None,
+        "text_cache_fill": text_cache_fill_bytes(b.folder, cfg) if text_cache_wanted(cfg.text) else None,
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
         "activations_note": info["activations_note"],
         "rows": [rows[s] for s in settings],
