@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, unlink_quietly
+from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, safetensors_header, unlink_quietly
 from difftrain.runtime.files import cache_dir as default_cache_dir
 from difftrain.runtime.precision import DTYPES
 from difftrain.runtime.stored_digest import FLOAT32, STORED
@@ -192,15 +192,25 @@ class TextCache:
         return cond
 
     def _open(self, name: str, caption: str, values: bool) -> Condition:
+        """The entry's header checked (:meth:`_check_header`), and with ``values`` its tensors read. Without, the
+        header alone is read, with two plain reads (``runtime/files.safetensors_header``: a start-up check of
+        every entry touches one page of each, where mapping each file reads ahead into its values)."""
         from safetensors import SafetensorError, safe_open
 
         path = self.path(name)
         if self.manifest is None:
             raise BadEntry("no manifest")
         try:
+            if not values:
+                _, header = safetensors_header(path)
+                meta = header.pop("__metadata__", None)
+                self._check_header(meta if isinstance(meta, dict) else {}, caption,
+                                   {k: (v["dtype"], v["shape"]) for k, v in header.items()})
+                return {}
             with safe_open(str(path), framework="pt") as f:
-                self._check_header(f.metadata() or {}, caption, {k: f.get_slice(k) for k in f.keys()})  # noqa: SIM118 - a safe_open, not a dict
-                return {k: f.get_tensor(k) for k in f.keys()} if values else {}  # noqa: SIM118
+                slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 - a safe_open, not a dict
+                self._check_header(f.metadata() or {}, caption, {k: (v.get_dtype(), v.get_shape()) for k, v in slices.items()})
+                return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except FileNotFoundError:
             raise
         except BadEntry:
@@ -209,7 +219,8 @@ class TextCache:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise BadEntry(f"not a readable safetensors file ({reason})") from None
 
-    def _check_header(self, meta: dict, caption: str, slices: dict) -> None:
+    def _check_header(self, meta: dict, caption: str, tensors: dict[str, tuple[str, list[int]]]) -> None:
+        """``meta`` (the entry's metadata) and ``tensors`` (name -> (safetensors dtype, shape)) against the store."""
         if meta.get("format") != MARK:
             raise BadEntry("not a text-cache entry (no difftrain metadata)")
         if meta.get("key") != self.key:
@@ -217,12 +228,12 @@ class TextCache:
         if meta.get("caption") != caption:
             raise BadEntry("holds another caption")
         shapes = self.manifest["shapes"]
-        if set(slices) != set(shapes):
-            raise BadEntry(f"holds {', '.join(sorted(slices)) or 'nothing'}, not {', '.join(sorted(shapes))}")
+        if set(tensors) != set(shapes):
+            raise BadEntry(f"holds {', '.join(sorted(tensors)) or 'nothing'}, not {', '.join(sorted(shapes))}")
         want = HEADER_DTYPES[self.dtype]
-        for k, s in slices.items():
-            if s.get_dtype() != want or list(s.get_shape()) != [1, *shapes[k]]:
-                raise BadEntry(f"{k} is {s.get_dtype()} {s.get_shape()}, not {want} {[1, *shapes[k]]}")
+        for k, (dtype, shape) in tensors.items():
+            if dtype != want or list(shape) != [1, *shapes[k]]:
+                raise BadEntry(f"{k} is {dtype} {list(shape)}, not {want} {[1, *shapes[k]]}")
 
     def write(self, name: str, caption: str, cond: Condition) -> None:
         """Write ``cond`` (each (1, ...)) as the entry ``name`` of ``caption``, in the store's dtype, atomically."""

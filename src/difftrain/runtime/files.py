@@ -1,4 +1,4 @@
-"""Files: one atomic write, one fingerprint of a set of files, one cache folder.
+"""Files: one atomic write, one fingerprint of a set of files, one cache folder, one safetensors header read.
 
 Every file difftrain writes for later (checkpoints, the latest pointer, config.toml, caches,
 statistics) goes through :func:`atomic_write`: a temporary file beside the target, flushed and
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -101,3 +103,38 @@ def cache_dir_error(e: OSError, override: str, kind: str) -> OSError:
         return e
     option = f"data.cache_dir={override}" if override else f"the default cache folder {folder} (data.cache_dir)"
     return OSError(e.errno, f"cannot write the {kind} cache in {option}: {e.strerror or e}", e.filename)
+
+
+def safetensors_header(path: str | os.PathLike) -> tuple[int, dict]:
+    """(where the data starts, the header) of the safetensors file ``path``, read with two plain reads (the
+    8-byte length, then the JSON header): no mapping of the file, so a check of many files' headers touches one
+    page of each. One ValueError saying why when the header is not a safetensors header or the file is shorter
+    than its tensors' offsets say; its values are not read."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"its header claims {n} bytes, more than the file holds")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] or not isinstance(info.get("shape"), list)
+                or not isinstance(info.get("dtype"), str)):
+            raise ValueError(f"tensor {name!r}: not a safetensors entry (dtype, shape, data_offsets)")
+        end = max(end, offsets[1])
+    if 8 + n + end > size:
+        raise ValueError(f"the file ends before its tensors' data ({size} bytes, {8 + n + end} needed)")
+    return 8 + n, header
+

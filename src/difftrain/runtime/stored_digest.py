@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from difftrain.runtime.files import atomic_write_bytes, cache_dir, files_fingerprint
+from difftrain.runtime.files import atomic_write_bytes, cache_dir, files_fingerprint, safetensors_header
 
 STORED = "stored"  # sha256 of the files' tensors as stored (this module)
 FLOAT32 = "float32"  # sha256 of the float tensors upcast to float32 (models.text.tensors_digest): records before
@@ -53,9 +52,8 @@ def _hash_safetensors(h, entries: list[tuple[str, Path, str]], on_read: Callable
     try:
         for name, file, key in entries:
             if file not in headers:
-                handles[file] = f = open(file, "rb")  # noqa: SIM115 - closed below, one per file
-                (size,) = struct.unpack("<Q", f.read(8))
-                headers[file] = (8 + size, json.loads(f.read(size)))
+                headers[file] = safetensors_header(file)  # bounded: a header that lies is one ValueError
+                handles[file] = open(file, "rb")  # noqa: SIM115 - closed below, one per file
             start, header = headers[file]
             info = header[key]
             begin, end = info["data_offsets"]
