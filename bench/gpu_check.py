@@ -9,7 +9,7 @@ For two bases with random weights, written here as local pipeline folders (nothi
 - the SDXL UNet at its real size (``bench/sdxl_unet_config.json``, 2.6B parameters), two one-layer CLIPs of the
   real widths (768 and 1280, the second projected), a tiny 4-channel VAE of factor 8;
 
-each setting (:data:`SETTINGS`: a bf16 base, an nf4 base, an fp8 base, gradient checkpointing, block swap of
+each setting (:data:`SETTINGS`: a bf16 base, an nf4 base, an fp8 base, checkpointing off (the presets have it on), block swap of
 half the base's blocks through ``model.swap_blocks``) trains a rank-16 LoRA for ``--steps`` steps through
 difftrain's own entry (``python -m difftrain train`` with the family's preset and ``--set`` overrides, one
 process per setting on CUDA), and the table gives for each: the peak device memory difftrain records in the
@@ -97,12 +97,13 @@ RANK = 16  # the presets' LoRA rank (--rank; tiny: 4, the tiny SDXL UNet's narro
 TOLERANCE = 0.10  # measured peak within 10% of the estimate: ok
 # name -> the --set lines that make the setting (every one a rank-16 LoRA in bf16 over the family's preset);
 # "{swap}": half the base's blocks
+# The presets have gradient checkpointing on and Flux's an fp8 base: each setting names its base's storage.
 SETTINGS = {
-    "bf16 base": [],
+    "bf16 base": ["model.quantize_base=off"],
     "nf4 base": ["model.quantize_base=nf4"],
     "fp8 base": ["model.quantize_base=fp8"],
-    "checkpointing": ["model.gradient_checkpointing=true"],
-    "block swap": ["model.swap_blocks={swap}"],
+    "no checkpointing": ["model.quantize_base=off", "model.gradient_checkpointing=false"],
+    "block swap": ["model.quantize_base=off", "model.swap_blocks={swap}"],
 }
 NEEDS = {"nf4 base": "bitsandbytes", "fp8 base": "torchao"}  # the library a setting quantizes with
 PEER_MODULES = ("diffusers", "accelerate", "peft", "transformers", "torchvision", "huggingface_hub")

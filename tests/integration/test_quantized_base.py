@@ -160,6 +160,8 @@ def test_an_nf4_base_computes_in_the_runs_precision(tmp_path, tiny_overrides, mo
     for net in (as_it_loads, build_network(cfg, conditioning)):
         layers = [m for m in net.modules() if layer_kind(m) == "nf4"]
         assert layers and {m.compute_dtype for m in layers} == {want}
+        # the adapter trains in float32 whatever the base holds (a bf16 adapter broke CUDA's unscale: GPU check)
+        assert {p.dtype for p in net.parameters() if p.requires_grad} == {torch.float32}
     if precision == "bf16":
         layer, x = layers[0], torch.randn(2, layers[0].in_features)
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):

@@ -347,6 +347,11 @@ def apply_lora(base: nn.Module, lora_cfg, *, base_record: dict, base_source: str
     with warnings.catch_warnings():  # fp8: peft's torchao layer cannot merge; an export merges on the float32 base
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
         import_peft().inject_adapter_in_model(peft_config(kind, rank, alpha, dropout, targets, lora_cfg.init), base)
+    # peft gives an adapter the dtype of the weight it wraps: bf16 over an nf4 layer not yet on the GPU (bitsandbytes
+    # quantizes as it moves there). The adapter trains in float32 (CUDA's GradScaler refuses bf16 gradients).
+    from peft.tuners.tuners_utils import cast_adapter_dtype  # optional (the lora extra), loaded by import_peft above
+
+    cast_adapter_dtype(base, ADAPTER)
     return LoraNetwork(base, base_record=base_record, base_source=base_source, digest=digest.value, rank=rank,
                        alpha=alpha, dropout=dropout, targets=targets, kind=kind, digest_kind=digest.kind)
 
