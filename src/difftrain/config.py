@@ -282,6 +282,9 @@ class TrainConfig(_Section):
     compile: Toggle = "auto"  # torch.compile the model (auto: on for CUDA)
     channels_last: Toggle = "auto"  # channels_last memory format (auto: on for the CPU; off for CUDA, where it measured slower)
     tf32: bool = True  # TF32 tensor cores for what stays float32 (CUDA, Ampere or newer)
+    # false: attention never takes cuDNN's kernel (CUDA), which PyTorch 2.11 (cu130) picked and which failed on an
+    # H200 for Flux-shaped attention (docs/benchmarks.md, GPU check); that false avoids the failure is unmeasured
+    cudnn_attention: bool = True
     cuda_graphs: Toggle = "auto"  # capture the whole optimizer step as one CUDA graph (auto: off; on: CUDA only, see docs/benchmarks.md)
     # torchrun: longer than any healthy wait (rank 0's checkpoint write, the slowest first compile)
     collective_timeout_s: float = 600.0  # seconds a rank waits for the others before a hung rank ends the run

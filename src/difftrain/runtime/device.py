@@ -57,21 +57,25 @@ def resolve_toggle(value: str, device: torch.device, switch: str) -> bool:
     return value == "on"
 
 
-def configure_backends(device: torch.device, tf32: bool) -> None:
-    """Let float32 matmuls and convolutions use TF32 tensor cores (Ampere and newer GPUs)."""
+def configure_backends(device: torch.device, tf32: bool, cudnn_attention: bool = True) -> None:
+    """Let float32 matmuls and convolutions use TF32 tensor cores (Ampere and newer GPUs); with
+    ``cudnn_attention`` False, ``scaled_dot_product_attention`` never picks cuDNN's kernel (``train.cudnn_attention``:
+    on an H200 with torch 2.11+cu130 that kernel failed on a Flux-shaped transformer's attention, docs/benchmarks.md)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
-def prepare_model(model: nn.Module, device: torch.device, channels_last: str, tf32: bool) -> nn.Module:
+def prepare_model(model: nn.Module, device: torch.device, channels_last: str, tf32: bool,
+                  cudnn_attention: bool = True) -> nn.Module:
     """Set the backend flags and the weights' memory format; returns ``model`` itself.
 
     With channels_last the convolution weights are stored (N, H, W, C)-major, and convolutions
     then run on the (B, C, H, W) inputs in channels_last layout too (the tensor cores' layout).
     """
-    configure_backends(device, tf32)
+    configure_backends(device, tf32, cudnn_attention)
     if resolve_toggle(channels_last, device, "channels_last"):
         model.to(memory_format=torch.channels_last)
     return model

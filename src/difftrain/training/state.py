@@ -108,7 +108,7 @@ class RunState:
         held = frozen_dtype(cfg, network)  # a LoRA run's frozen base in bf16/fp16 (networks/frozen_dtype.py)
         if held is not None and hold_frozen(model, held):
             model.held_dtype = held  # LoraNetwork: its forward outside the step's autocast runs under one
-        model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32)
+        model = prepare_model(model.to(device), device, tc.channels_last, tc.tf32, tc.cudnn_attention)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power,
                   view=ema_is_view(cfg.ema.decay, cfg.ema.update_every_steps, cfg.optim.name))  # decay 0: no copy
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
@@ -142,7 +142,7 @@ class RunState:
         replayed = {name for name, _ in model.named_parameters()} - set(from_files) - loaded
         if init_weights:
             meta_init.check(recording, replayed)  # before anything is sharded, so that build() can still build it whole
-        prepare_model(model, device, "off", tc.tf32)  # backend flags; FSDP shards contiguous weights only
+        prepare_model(model, device, "off", tc.tf32, tc.cudnn_attention)  # backend flags; FSDP shards contiguous weights only
         template = fsdp.meta_template(model)
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power,
                   view=ema_is_view(cfg.ema.decay, cfg.ema.update_every_steps, cfg.optim.name))  # decay 0: no copy
