@@ -214,3 +214,31 @@ def test_bad_input_gets_one_line(tmp_path, folder):
     with pytest.raises(ValueError, match="text_encoder_4") as info:
         family.load_prompt_encoder(partial)
     assert "\n" not in str(info.value) and "Llama" in str(info.value)
+
+
+def test_estimate_counts_the_moe_activations_on_the_meta_device(folder):
+    """``difftrain estimate --base`` runs the denoiser's training forward on meta tensors, where the MoE's routing
+    (data: boolean masks) cannot run: each MoE feed-forward then splits its tokens' copies evenly among the
+    experts, and the activations are counted, not left out."""
+    from difftrain.config import load_config
+    from difftrain.tools.base_memory import count_base
+
+    cfg = load_config(None, [f"model.init_from={folder}", "data.resolution=32", "lora.rank=4",
+                             f"model.max_sequence_length={LENGTH}", "train.precision=bf16"])
+    counted = count_base(cfg, str(folder), ranks=1)
+    assert counted["activations_note"].startswith("counted"), counted["activations_note"]
+    assert all(row["activations"] > 0 for row in counted["rows"])
+
+
+def test_the_known_base_is_hidream_i1_full():
+    """tools/bases/hidream builds HiDream-I1's transformer on meta: 17.1B parameters (published: 17B), 48 blocks."""
+    from difftrain.families import detect
+    from difftrain.tools.base_memory import base_folder, denoiser_config
+
+    folder = base_folder("hidream")
+    with torch.device("meta"):
+        net = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})
+    assert sum(p.numel() for p in net.parameters()) == 17_105_733_184
+    assert len(HiDreamFamily().fsdp_units(net)) == 16 + 32
+    assert HiDreamFamily().condition_shapes(denoiser_config(folder)) == {
+        "pooled": (2048,), "t5": (128, 4096), "llama": (32, 128, 4096)}

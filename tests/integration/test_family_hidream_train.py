@@ -132,7 +132,7 @@ def test_the_preset_command_trains_and_validates(tmp_path, bases):
             "data.num_workers=0", "train.total_steps=2", "train.grad_accum_steps=1", "train.precision=fp32",
             "train.progress_bar=false", "checkpoint.every_steps=2", "validation.every_steps=2",
             "validation.steps=2", "validation.num_images=2", "validation.prompts=['a red square']",
-            f"model.max_sequence_length={LENGTH}", "model.quantize_base=off"]
+            f"model.max_sequence_length={LENGTH}"]
     args = ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")]
     for s in sets:
         args += ["--set", s]

@@ -55,10 +55,27 @@ LoRA: the script's default targets ["to_k", "to_q", "to_v", "to_out"]: peft's su
   HiDreamImageLoraLoaderMixin's format (``transformer.`` + peft names), whose lora_state_dict also reads
   ComfyUI's ``diffusion_model.`` layout.
 FSDP units and block swap: the 16 double-stream and 32 single-stream HiDreamBlocks, in forward order.
+``difftrain estimate`` on the meta device: the MoE's routing is data (boolean masks, bincount), which meta
+  tensors lack; there each MoE feed-forward splits its tokens' copies evenly among the experts
+  (:func:`balanced_experts`), which keeps the same bytes for backward as any routing does.
+
+Known base ``tools/bases/hidream`` (HiDream-I1-Full, 17.1B transformer parameters counted on meta): the
+transformer's config as diffusers' HiDream conversion script writes it (hlky/diffusers,
+scripts/convert_hidream_to_diffusers.py: 16 double + 32 single blocks, 20 heads of 128, 4 routed experts of
+which 2 active, caption_channels [4096, 4096], text_emb_dim 2048, llama_layers 0..31 then 31 x 16,
+max_resolution 128 x 128); T5 v1.1 XXL's encoder as flux-dev's; Llama 3.1 8B (4096 wide, 32 layers, 32 heads,
+8 key/value heads, 14336 feed-forward, 128256 tokens, 131072 positions: meta-llama's published config, written
+from its known values, not read here); CLIP-L (768, 12 layers) and CLIP-G (1280, 32 layers) with projections
+and 248 positions: Long-CLIP's context, an assumption (the pipeline pads CLIP to up to 218 tokens, so the
+released CLIPs are longer than 77; the file itself was not read here); Flux's VAE; the scheduler:
+FlowMatchEulerDiscreteScheduler, shift 3.0, no dynamic shifting (the value the script trains with; the
+published scheduler_config.json was not read here).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from pathlib import Path
 
@@ -138,6 +155,39 @@ def fold_training_output(out: Tensor, h: int, w: int, p: int) -> Tensor:
     return grid.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
 
 
+def balanced_moe(moe, x: Tensor) -> Tensor:
+    """A MOEFeedForwardSwiGLU's training-mode forward with the routing left out: each token's ``k`` copies split
+    evenly among the experts (the routing is data: meta tensors have none). What it keeps for backward is what
+    the real routing keeps, whatever it routes: the gate's scores and top-k weights, the (N k, D) copies, each
+    expert's SwiGLU over its share (N k tokens in all) and the weighted sum."""
+    n, d, k = x.numel() // x.shape[-1], x.shape[-1], moe.num_activated_experts
+    scores = nn.functional.linear(x.reshape(n, d), moe.gate.weight).softmax(dim=-1)
+    weights = torch.topk(scores, k=k, dim=-1, sorted=False)[0]
+    copies = x.reshape(n, d).repeat_interleave(k, dim=0)
+    q, r = divmod(n * k, len(moe.experts))
+    shares = [q + (i < r) for i in range(len(moe.experts))]
+    routed = torch.cat([expert(part) for expert, part in zip(moe.experts, copies.split(shares))])
+    y = (routed.view(n, k, d) * weights.unsqueeze(-1)).sum(dim=1).view(x.shape)
+    return y + moe.shared_experts(x)
+
+
+@contextlib.contextmanager
+def balanced_experts(model: nn.Module, on: bool):
+    """With ``on`` (a forward on the meta device: ``difftrain estimate`` counting activations), every MoE
+    feed-forward of ``model`` runs :func:`balanced_moe` instead of its data-dependent routing, then is restored."""
+    moes = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate") and hasattr(m, "shared_experts")]
+    if not on or not moes:
+        yield
+        return
+    for moe in moes:
+        moe.forward = functools.partial(balanced_moe, moe)
+    try:
+        yield
+    finally:
+        for moe in moes:
+            del moe.forward
+
+
 class HiDreamDenoiser(TransformerDenoiser):
     """``net(x (B, 16, h, w), t (B,) = 1000 t, cond) -> (B, 16, h, w)`` velocity eps - x0: a
     HiDreamImageTransformer2DModel called as HiDreamImagePipeline calls it, its output negated (the pipeline's
@@ -161,9 +211,10 @@ class HiDreamDenoiser(TransformerDenoiser):
         b, _, h, w = x.shape
         require_keys(cond, KEYS, b, self.family)
         self.check_latent_size(h, w)
-        out = self.model(hidden_states=x, timesteps=t.expand(b), encoder_hidden_states_t5=cond["t5"],
-                         encoder_hidden_states_llama3=cond["llama"].transpose(0, 1), pooled_embeds=cond["pooled"],
-                         return_dict=False)[0]
+        with balanced_experts(self.model, x.is_meta):
+            out = self.model(hidden_states=x, timesteps=t.expand(b), encoder_hidden_states_t5=cond["t5"],
+                             encoder_hidden_states_llama3=cond["llama"].transpose(0, 1),
+                             pooled_embeds=cond["pooled"], return_dict=False)[0]
         if self.model.training and not self.model.config.force_inference_output:
             out = fold_training_output(out, h, w, self.patch)
         return -out
