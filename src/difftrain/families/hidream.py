@@ -85,14 +85,15 @@ from torch import Tensor, nn
 from difftrain.families import register
 from difftrain.families.base import Denoiser, PromptEncoder, frozen_part, load_part, read_json, require_keys
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily
-from difftrain.models.text import files_digest
+from difftrain.models.text import files_digest, tokenize_with_mask
 from difftrain.runtime.device import to_device_async
 
 DEFAULT_LENGTH = 128  # HiDreamImagePipeline's max_sequence_length default (and the script's)
 CLIP_MOST = 218  # the pipeline pads CLIP to min(max_sequence_length, 218)
 TRAIN_SHIFT = 3.0  # the script loads its scheduler with shift=3.0
 KEYS = ("pooled", "t5", "llama")
-LLAMA_WHAT = "Llama 3.1 text encoder (HiDream-I1 folders often ship without it: meta-llama/Llama-3.1-8B-Instruct's files)"
+LLAMA_WHAT = ("Llama 3.1 text encoder (HiDream-I1 folders often ship without it: "
+              "meta-llama/Llama-3.1-8B-Instruct's files)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,10 +102,9 @@ LLAMA_WHAT = "Llama 3.1 text encoder (HiDream-I1 folders often ship without it: 
 
 def tokens_and_mask(tokenizer, captions: list[str], length: int, device) -> tuple[Tensor, Tensor]:
     """((B, length) ids, (B, length) attention mask) on ``device``: padded to ``length``, truncated, the
-    tokenizer's own special tokens added, as the pipelines tokenize."""
-    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                    add_special_tokens=True, return_tensors="pt")
-    return to_device_async(out["input_ids"].long(), device), to_device_async(out["attention_mask"].long(), device)
+    tokenizer's own special tokens added (``models.text.tokenize_with_mask``), as the pipelines tokenize."""
+    ids, mask = tokenize_with_mask(tokenizer, captions, length)
+    return to_device_async(ids, device), to_device_async(mask, device)
 
 
 def clip_projected(model, tokenizer, captions: list[str], length: int) -> Tensor:
@@ -175,10 +175,10 @@ def balanced_moe(moe, x: Tensor) -> Tensor:
 def balanced_experts(model: nn.Module, on: bool):
     """With ``on`` (a forward on the meta device: ``difftrain estimate`` counting activations), every MoE
     feed-forward of ``model`` runs :func:`balanced_moe` instead of its data-dependent routing, then is restored."""
-    moes = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate") and hasattr(m, "shared_experts")]
-    if not on or not moes:
+    if not on:  # a real forward: nothing to look for
         yield
         return
+    moes = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate") and hasattr(m, "shared_experts")]
     for moe in moes:
         moe.forward = functools.partial(balanced_moe, moe)
     try:
@@ -279,7 +279,8 @@ class HiDreamPromptEncoder(PromptEncoder):
                                          self.clip_length)}
 
     def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
-        pooled = torch.cat([outputs["clip_l"]["pooled"], outputs["clip_g"]["pooled"].to(outputs["clip_l"]["pooled"].device)], -1)
+        clip_l = outputs["clip_l"]["pooled"]
+        pooled = torch.cat([clip_l, outputs["clip_g"]["pooled"].to(clip_l.device)], dim=-1)
         return {"pooled": pooled.float().to(device), "t5": outputs["t5"]["t5"].float().to(device),
                 "llama": outputs["llama"]["llama"].float().to(device)}
 
