@@ -242,3 +242,20 @@ def test_the_known_base_is_hidream_i1_full():
     assert len(HiDreamFamily().fsdp_units(net)) == 16 + 32
     assert HiDreamFamily().condition_shapes(denoiser_config(folder)) == {
         "pooled": (2048,), "t5": (128, 4096), "llama": (32, 128, 4096)}
+
+
+def test_a_comfyui_layout_lora_file_is_read(tmp_path, folder):
+    """A LoRA file in ComfyUI's layout for HiDream (``diffusion_model.`` + the diffusers module names, what
+    HiDreamImageLoraLoaderMixin.lora_state_dict converts) is read as the same adapter as difftrain's own file."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file, save_file
+
+    family = HiDreamFamily()
+    net = family.load_denoiser(folder)
+    state = _lora(net, family.lora_targets)
+    ours = family.save_lora(state, {"r": 2, "lora_alpha": 2}, tmp_path / "ours")
+    comfy = tmp_path / "comfy.safetensors"
+    save_file({"diffusion_model." + k.removeprefix("transformer."): v for k, v in load_file(str(ours)).items()},
+              str(comfy))
+    back = family.read_lora(comfy, denoiser=family.load_denoiser(folder))
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
