@@ -203,10 +203,19 @@ def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
     """(B, length) long on the host: ``captions`` tokenized, padded to ``length`` and truncated (the
     tokenizer's own BOS / EOS kept), as the diffusers pipelines tokenize. The one tokenization of every
     text encoder (``families.base.token_ids`` adds the copy to the device)."""
+    return tokenize_with_mask(tokenizer, captions, length)[0]
+
+
+def tokenize_with_mask(tokenizer, captions: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B, length) ids, (B, length) attention mask: 1 on the tokens, 0 on the padding), long, on the host:
+    :func:`tokenize`'s ids and the tokenizer's mask, for the encoders the pipelines call with it (T5 in some,
+    the language models)."""
     if isinstance(captions, str):
         raise TypeError("tokenize takes a list of captions, got one string")
-    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                     return_tensors="pt")["input_ids"].long()
+    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    ids = out["input_ids"].long()
+    mask = out.get("attention_mask")  # a tokenizer whose model_input_names leave it out: every position counts
+    return ids, torch.ones_like(ids) if mask is None else mask.long()
 
 
 @contextlib.contextmanager

@@ -150,6 +150,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
         with torch.device("meta"):
             params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
         tokens = raw.get("max_position_embeddings") or cfg.model.max_sequence_length or 512
+        if tokens > 512:  # a language model's context (Llama 3.1: 131072): the pipelines pad prompts to their length
+            tokens = cfg.model.max_sequence_length or 512
         width = max(raw.get("hidden_size") or raw.get("d_model", 0), raw.get("intermediate_size") or raw.get("d_ff", 0))
         heads = raw.get("num_attention_heads") or raw.get("num_heads", 0)
         total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize
