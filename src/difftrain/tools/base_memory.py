@@ -138,7 +138,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
     weights in ``train.precision``'s dtype (float32 for fp32) plus one fill batch's (``validation.heldout_batch_size``
     captions) largest activation: per caption, the larger of a layer's input and output (2 x tokens x
     max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: CLIP's
-    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512."""
+    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512 (also a language model's, Qwen3's,
+    whose ``max_position_embeddings`` is its context, tens of thousands, not the prompts' padded length)."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
@@ -150,6 +151,7 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
         with torch.device("meta"):
             params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
         tokens = raw.get("max_position_embeddings") or cfg.model.max_sequence_length or 512
+        tokens = tokens if tokens <= 512 else cfg.model.max_sequence_length or 512  # a language model's context
         width = max(raw.get("hidden_size") or raw.get("d_model", 0), raw.get("intermediate_size") or raw.get("d_ff", 0))
         heads = raw.get("num_attention_heads") or raw.get("num_heads", 0)
         total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize
