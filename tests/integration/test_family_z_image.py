@@ -187,3 +187,27 @@ def test_bad_input_gets_one_line(tmp_path, folder):
     with pytest.raises(ValueError, match="text_encoder/") as info:
         family.load_prompt_encoder(other)
     assert "\n" not in str(info.value)
+
+
+def test_the_known_base_has_z_image_turbos_sizes_and_its_text_cache_fill_counts_the_prompt_length():
+    """tools/bases/z-image: the 6.15B transformer and Qwen3-4B, counted on the meta device; the text cache's fill
+    counts the Qwen3 model on 512-token prompts (max_sequence_length), not on its 40,960-token context."""
+    import transformers
+
+    from difftrain.config import load_config
+    from difftrain.tools.base_memory import GiB, base_folder, text_cache_fill_bytes
+
+    folder = base_folder("z-image")
+    assert ZImageFamily().native_resolution(folder) == 1024  # ZImagePipeline's default height and width
+    with torch.device("meta"):
+        transformer = diffusers.ZImageTransformer2DModel.from_config(
+            diffusers.ZImageTransformer2DModel.load_config(str(folder / "transformer")))
+        raw = {k: v for k, v in json.loads((folder / "text_encoder" / "config.json").read_text()).items()
+               if not k.startswith("_")}
+        qwen = transformers.Qwen3Model(transformers.Qwen3Config.from_dict(raw))
+    assert 6.1e9 < sum(p.numel() for p in transformer.parameters()) < 6.2e9
+    params = sum(p.numel() for p in qwen.parameters())
+    assert 3.9e9 < params < 4.1e9  # Qwen3-4B without its (tied) head
+    fill, name = text_cache_fill_bytes(folder, load_config(None, ["train.precision=bf16"]))
+    batch = 100 * max(2 * 512 * raw["intermediate_size"], raw["num_attention_heads"] * 512**2)
+    assert "Qwen3Model" in name and fill == 2 * (params + batch) and fill < 12 * GiB

@@ -62,10 +62,9 @@ from torch import Tensor, nn
 
 from difftrain.families import register
 from difftrain.families.base import (Denoiser, PromptEncoder, frozen_part, load_part, part_class, read_json,
-                                     require_keys)
+                                     require_keys, token_ids_and_mask)
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily
 from difftrain.models.text import files_digest, vocab_bytes
-from difftrain.runtime.device import to_device_async
 
 DEFAULT_LENGTH = 512  # ZImagePipeline's max_sequence_length default (the script's too)
 HIDDEN_LAYER = -2  # ZImagePipeline takes hidden_states[-2]
@@ -88,9 +87,8 @@ def chat_prompts(tokenizer, captions: list[str], enable_thinking: bool = True) -
 
 def qwen_tokens(tokenizer, prompts: list[str], length: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
     """(ids (B, length) long, mask (B, length) bool) on ``device``: ``prompts`` padded to ``length`` and
-    truncated (on the tokenizer's own padding side), made on the host and copied without waiting."""
-    out = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
-    return to_device_async(out.input_ids, device), to_device_async(out.attention_mask.bool(), device)
+    truncated (on the tokenizer's own padding side), as ZImagePipeline tokenizes (``base.token_ids_and_mask``)."""
+    return token_ids_and_mask(tokenizer, prompts, length, device)
 
 
 def qwen_hidden_states(model: nn.Module, ids: Tensor, mask: Tensor, layer: int = HIDDEN_LAYER) -> Tensor:
