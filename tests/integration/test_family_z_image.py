@@ -157,6 +157,14 @@ def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, fo
     assert (a - b).abs().max() < 1e-4
     plain = _pipe(folder)(**prompt, generator=torch.Generator().manual_seed(1)).images
     assert (a - plain).abs().max() > 1e-3  # the LoRA changes the output
+    from safetensors.torch import save_file
+
+    flux = tmp_path / "flux_lora.safetensors"  # Flux's names (its attention is "attn", blocks "transformer_blocks")
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 32),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 2)}, str(flux))
+    with pytest.raises(ValueError, match="not a z-image LoRA file") as info:
+        family.read_lora(flux, denoiser=family.load_denoiser(folder))
+    assert "\n" not in str(info.value) and str(flux) in str(info.value)
 
 
 def test_bad_input_gets_one_line(tmp_path, folder):
