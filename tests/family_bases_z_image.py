@@ -18,7 +18,6 @@ Its chat template is Qwen3's for one user message: ``<|im_start|>user\\n{content
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tests.family_bases import LATENT_CHANNELS, seeded, tiny_vae16
@@ -71,7 +70,11 @@ def write_tiny_z_image_folder(path: str | Path, seed: int = 0) -> Path:
     """Write a ZImagePipeline folder into ``path`` (model_index.json, transformer/, vae/, text_encoder/
     (Qwen3Model), tokenizer/, scheduler/); ``ZImagePipeline.from_pretrained`` loads it and samples 32 px
     images (8 x 8 latents: 16 tokens of 2 x 2 patches)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        ZImagePipeline,
+        ZImageTransformer2DModel,
+    )
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
     path = Path(path)
