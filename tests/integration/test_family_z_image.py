@@ -53,6 +53,10 @@ def test_prompt_encoder_and_denoiser_equal_the_pipelines(folder):
     assert [e.shape[0] for e in ours] == [e.shape[0] for e in embeds] and embeds[0].shape[0] != embeds[1].shape[0]
     for a, b in zip(ours, embeds, strict=True):
         close(a, b)
+    calls = []  # the states are taken from the layer by a hook: not every layer's kept (output_hidden_states)
+    enc.qwen.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    torch.testing.assert_close(enc.encode(CAPTIONS), cond, rtol=0, atol=0)
+    assert len(calls) == 1 and not calls[0].get("output_hidden_states")
     null = enc.null(2, "cpu")  # the pipeline's negative prompt ""
     for a, b in zip(caption_list(null["prompt_embeds"], null["prompt_mask"]), negative, strict=True):
         close(a, b)
