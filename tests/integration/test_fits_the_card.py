@@ -34,6 +34,7 @@ FAMILY_PRESETS = {
     "sdxl-lora.toml": ["sdxl"],
     "sd-lora.toml": ["sd1.5"],
     "hidream-lora.toml": ["hidream"],
+    "z-image-lora.toml": ["z-image"],
 }
 PAIRS = [(preset, base) for preset, bases in FAMILY_PRESETS.items() for base in bases]
 

@@ -1,12 +1,15 @@
 """difftrain's own UNet as a family (families/unet.py): what family_of_config / family_of_record answer
 for every run and record that is no base family's, and its parts, condition, LoRA targets and export kind."""
 
+import re
+
 import pytest
 import torch
 
 from difftrain.config import load_config
 from difftrain.data.text_cache import cached_prompt_encoder
 from difftrain.families import FAMILIES, UNET, detect, family_named, family_of_config, family_of_record
+from difftrain.families.base import load_all
 from difftrain.interop.diffusers import EXPORTS
 from difftrain.networks.conditioning import Conditioning
 from difftrain.networks.lora import ATTENTION_TARGETS
@@ -23,7 +26,9 @@ def test_every_config_and_record_without_a_base_answers_the_unet_family(tmp_path
 
 def test_the_unet_family_is_registered_but_no_base():
     assert FAMILIES["unet"] is UNET and not UNET.base
-    with pytest.raises(ValueError, match=r"^model.family must be one of flux, sd, sd3, sdxl \(or auto\), got 'unet'$"):
+    bases = ", ".join(sorted(name for name, family in load_all().items() if family.base))  # every base family
+    assert "unet" not in bases.split(", ") and "flux, sd, sd3, sdxl" in bases
+    with pytest.raises(ValueError, match=rf"^model.family must be one of {re.escape(bases)} \(or auto\), got 'unet'$"):
         family_named("unet")
 
 

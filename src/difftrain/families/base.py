@@ -43,7 +43,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from difftrain.models.text import (check_loading_info, first_line, model_weights_source, quiet_loading, streamed_digest,
-                                   tokenize)
+                                   tokenize, tokenize_with_mask)
 from difftrain.models.vae import LatentCodec, vae_folder
 from difftrain.runtime import meta_init
 from difftrain.runtime.device import to_device_async
@@ -290,6 +290,13 @@ def token_ids(tokenizer, captions: list[str], length: int, device: torch.device 
     ``length``, truncated: ``models.text.tokenize``), made on the host and copied without waiting for the
     device (``runtime.device.to_device_async``). The one tokenise-and-copy of every family's text encoders."""
     return to_device_async(tokenize(tokenizer, captions, length), device)
+
+
+def token_ids_and_mask(tokenizer, captions: list[str], length: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """(ids (B, length) long, mask (B, length) long: 1 on the tokens) on ``device``: :func:`token_ids` with the tokenizer's
+    attention mask (``models.text.tokenize_with_mask``), for the text encoders run with one."""
+    ids, mask = tokenize_with_mask(tokenizer, captions, length)
+    return to_device_async(ids, device), to_device_async(mask, device)
 
 
 def drop_rows(cond: Condition, null: Condition, drop: Tensor) -> Condition:
@@ -941,7 +948,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
-MODULES = ("sd", "sdxl", "sd3", "flux", "hidream")
+MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image")
 
 
 def register(family: Family) -> Family:

@@ -83,10 +83,10 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import Denoiser, PromptEncoder, frozen_part, load_part, read_json, require_keys
+from difftrain.families.base import (Denoiser, PromptEncoder, frozen_part, load_part, read_json, require_keys,
+                                     token_ids_and_mask)
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily
-from difftrain.models.text import files_digest, tokenize_with_mask
-from difftrain.runtime.device import to_device_async
+from difftrain.models.text import files_digest
 
 DEFAULT_LENGTH = 128  # HiDreamImagePipeline's max_sequence_length default (and the script's)
 CLIP_MOST = 218  # the pipeline pads CLIP to min(max_sequence_length, 218)
@@ -100,29 +100,22 @@ LLAMA_WHAT = ("Llama 3.1 text encoder (HiDream-I1 folders often ship without it:
 # The text encoders' steps (small functions: other families share CLIP, T5 and Llama).
 
 
-def tokens_and_mask(tokenizer, captions: list[str], length: int, device) -> tuple[Tensor, Tensor]:
-    """((B, length) ids, (B, length) attention mask) on ``device``: padded to ``length``, truncated, the
-    tokenizer's own special tokens added (``models.text.tokenize_with_mask``), as the pipelines tokenize."""
-    ids, mask = tokenize_with_mask(tokenizer, captions, length)
-    return to_device_async(ids, device), to_device_async(mask, device)
-
-
 def clip_projected(model, tokenizer, captions: list[str], length: int) -> Tensor:
     """(B, projection_dim): a CLIPTextModelWithProjection's ``text_embeds`` (its output[0]) of ``length`` tokens."""
-    ids, _ = tokens_and_mask(tokenizer, captions, length, model.device)
+    ids, _ = token_ids_and_mask(tokenizer, captions, length, model.device)
     return model(ids).text_embeds
 
 
 def t5_states(model, tokenizer, captions: list[str], length: int) -> Tensor:
     """(B, length, d_model): T5's last hidden state, the attention mask passed."""
-    ids, mask = tokens_and_mask(tokenizer, captions, length, model.device)
+    ids, mask = token_ids_and_mask(tokenizer, captions, length, model.device)
     return model(ids, attention_mask=mask)[0]
 
 
 def llama_layers(model, tokenizer, captions: list[str], length: int) -> Tensor:
     """(B, layers, length, hidden): every decoder layer's output (``hidden_states[1:]``, the embeddings left out)
     of a Llama causal LM's base model, batch-first, the attention mask passed."""
-    ids, mask = tokens_and_mask(tokenizer, captions, length, model.device)
+    ids, mask = token_ids_and_mask(tokenizer, captions, length, model.device)
     states = model.model(ids, attention_mask=mask, output_hidden_states=True).hidden_states[1:]
     return torch.stack(states, dim=1)
 

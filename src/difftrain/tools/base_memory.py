@@ -138,7 +138,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
     weights in ``train.precision``'s dtype (float32 for fp32) plus one fill batch's (``validation.heldout_batch_size``
     captions) largest activation: per caption, the larger of a layer's input and output (2 x tokens x
     max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: CLIP's
-    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512."""
+    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512 (also a language model's, Qwen3's,
+    whose ``max_position_embeddings`` is its context, tens of thousands, not the prompts' padded length)."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
