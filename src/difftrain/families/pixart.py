@@ -16,7 +16,7 @@ Prompts -> conditioning (``encode_prompt``): each caption preprocessed by ``_tex
   are installed, else it warns and falls back to ``text.lower().strip()``; difftrain does the latter always
   (:func:`pixart_text`: compare with ``clean_caption=False``; captions are not cleaned of URLs, HTML...).
   T5Tokenizer, padding "max_length" to ``max_sequence_length`` (the pipeline's default 300), truncation,
-  special tokens (</s>); the attention mask is the tokenizer's. T5EncoderModel(ids, attention_mask=mask)[0]:
+  special tokens (</s>); the attention mask is the tokenizer's (``base.masked_token_ids``). T5EncoderModel(ids, attention_mask=mask)[0]:
       prompt_embeds (B, L, 4096)   (T5 v1.1 XXL's d_model; the tiny bases 32)
       prompt_mask   (B, L)         1 for the caption's tokens and </s>, 0 for padding (float here: a condition
                                    tensor; the transformer turns it into a -10000 bias of the padded keys)
@@ -47,39 +47,33 @@ LoRA: peft on the attention projections of both attentions (``attn1`` self, ``at
   feed-forwards of every ``BasicTransformerBlock`` (the brief's targets; there is no diffusers script to take
   defaults from). PixArtSigmaPipeline has no ``load_lora_weights`` / ``save_lora_weights`` in diffusers 0.42.1,
   and PixArtTransformer2DModel no ``load_lora_adapter`` (it is no PeftAdapterMixin). The file is diffusers'
-  LoRA layout all the same (``transformer.`` + peft's names, peft's LoraConfig as ``lora_adapter_metadata``),
-  written by diffusers' ``LoraBaseMixin._save_lora_weights``; it loads with peft on the pipeline's transformer:
+  transformer-only LoRA layout all the same (``transformer.`` + peft's names, peft's LoraConfig as
+  ``lora_adapter_metadata``), written and read by diffusers' SanaLoraLoaderMixin (:meth:`lora_io_class`: the
+  same layout, no converter); it loads with peft on the pipeline's transformer:
   ``inject_adapter_in_model(LoraConfig(**config), pipe.transformer)`` then ``set_peft_model_state_dict(
   pipe.transformer, {k.removeprefix("transformer."): v})``. ComfyUI's PixArt LoRA loader maps the same
   ``transformer.<diffusers module>`` names (not checked here: no ComfyUI). Another program's PixArt LoRA file
-  cannot be read (``adopt`` needs ``load_lora_adapter``): not done.
+  cannot be read (``networks.lora_import.adopt`` needs ``load_lora_adapter``): not done.
 FSDP and block swap: the ``transformer_blocks`` (28 BasicTransformerBlocks in the 0.6B base).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from safetensors import safe_open
-
 from difftrain.families import register
-from difftrain.families.base import (LORA_WEIGHT_NAME, Denoiser, ExportParts, PromptEncoder, frozen_part, load_part,
+from difftrain.families.base import (Denoiser, ExportParts, PromptEncoder, frozen_part, load_part, masked_token_ids,
                                      read_json, require_keys)
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, t5_length
 from difftrain.families.sd import scheduler_training
-from difftrain.models.text import files_digest, first_line, vocab_bytes
-from difftrain.runtime.device import to_device_async
-from difftrain.runtime.files import atomic_write_bytes
+from difftrain.models.text import files_digest, vocab_bytes
 
 DEFAULT_T5_LENGTH = 300  # PixArtSigmaPipeline's max_sequence_length default ("See Section 3.1 of the paper")
 KEYS = ("prompt_embeds", "prompt_mask")
 TRANSFORMER_CLASS = "PixArtTransformer2DModel"
-# diffusers' key of peft's LoraConfig in a LoRA file's safetensors metadata (loaders/lora_base.py).
-LORA_METADATA_KEY = "lora_adapter_metadata"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,14 +83,6 @@ LORA_METADATA_KEY = "lora_adapter_metadata"
 def pixart_text(captions: list[str]) -> list[str]:
     """PixArtSigmaPipeline._text_preprocessing without the caption cleaner: each caption lower-cased and stripped."""
     return [str(c).lower().strip() for c in captions]
-
-
-def t5_tokens(tokenizer, captions: list[str], length: int, device) -> tuple[Tensor, Tensor]:
-    """(ids (B, length) long, attention mask (B, length) long) on ``device``: padded to ``length``, truncated,
-    with T5's </s>, as the pipelines tokenize; made on the host, copied without waiting for the device."""
-    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                    add_special_tokens=True, return_tensors="pt")
-    return to_device_async(out["input_ids"].long(), device), to_device_async(out["attention_mask"].long(), device)
 
 
 def t5_states(model: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
@@ -170,7 +156,7 @@ class PixArtPromptEncoder(PromptEncoder):
         return self.width
 
     def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
-        ids, mask = t5_tokens(self.tokenizer, pixart_text(captions), self.t5_length, self.t5.device)
+        ids, mask = masked_token_ids(self.tokenizer, pixart_text(captions), self.t5_length, self.t5.device)
         return {"prompt_embeds": t5_states(self.t5, ids, mask), "prompt_mask": mask}
 
     def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
@@ -233,46 +219,13 @@ class PixArtSigmaFamily(TransformerFamily):
         parts.index[self.denoiser_subfolder] = ["diffusers", TRANSFORMER_CLASS]
         return parts
 
-    # -- LoRA files: PixArtSigmaPipeline has no save_lora_weights / lora_state_dict -------------------------
+    def lora_io_class(self) -> type:
+        """diffusers' SanaLoraLoaderMixin: PixArtSigmaPipeline has no save_lora_weights / lora_state_dict; Sana's
+        mixin writes and reads the same transformer-only layout (``transformer.`` + peft's names, peft's LoraConfig
+        as ``lora_adapter_metadata``; no layout converter, DoRA's kohya ``dora_scale`` dropped on reading)."""
+        from diffusers.loaders import SanaLoraLoaderMixin  # diffusers: an optional package ([text])
 
-    def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
-                  metadata: dict[str, str] | None = None) -> Path:
-        """``out/`` :data:`LORA_WEIGHT_NAME` in diffusers' LoRA layout (``transformer.`` + peft's names, peft's
-        LoraConfig ``lora_config`` as its ``lora_adapter_metadata``), written by diffusers'
-        ``LoraBaseMixin._save_lora_weights`` (the writer of every pipeline's ``save_lora_weights``), then
-        difftrain's ``metadata`` added."""
-        from diffusers.loaders.lora_base import LoraBaseMixin  # diffusers: an optional package ([text])
-
-        out = Path(out)
-        tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
-        LoraBaseMixin._save_lora_weights(str(out), {self.lora_prefix: tensors},
-                                         {self.lora_prefix: dict(lora_config) if lora_config else None})
-        file = out / LORA_WEIGHT_NAME
-        if metadata:
-            from safetensors.torch import save
-
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                merged = {**(f.metadata() or {}), **metadata}
-                written = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a safe_open, not a dict
-            atomic_write_bytes(file, save(written, metadata=merged))
-        return file
-
-    def lora_file(self, path: Path, config: dict | None = None) -> tuple[dict[str, Tensor], dict | None, dict | None]:
-        """(every tensor, None: no network alphas, diffusers' adapter metadata or None) of a safetensors LoRA file,
-        read as it is (no layout converted: diffusers has no PixArt converter). One ValueError naming the file."""
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise ValueError(f"LoRA file {path} does not exist" if not path.exists() else
-                             f"LoRA file {path} is a folder, not a .safetensors file")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a safe_open, not a dict
-                raw = (f.metadata() or {}).get(LORA_METADATA_KEY)
-            metadata = json.loads(raw) if raw else None
-        except Exception as e:  # noqa: BLE001 - safetensors and json raise many kinds; one line naming the file
-            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: cannot read it as safetensors "
-                             f"({type(e).__name__}: {first_line(e)})") from None
-        return state, None, metadata
+        return SanaLoraLoaderMixin
 
 
 PIXART_SIGMA = register(PixArtSigmaFamily())

@@ -199,14 +199,15 @@ def vocab_bytes(tokenizers: list, pairs: bool = False, ascii_only: bool = False)
     return b"".join(out)
 
 
-def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
+def tokenize(tokenizer, captions: list[str], length: int, mask: bool = False):
     """(B, length) long on the host: ``captions`` tokenized, padded to ``length`` and truncated (the
     tokenizer's own BOS / EOS kept), as the diffusers pipelines tokenize. The one tokenization of every
-    text encoder (``families.base.token_ids`` adds the copy to the device)."""
+    text encoder (``families.base.token_ids`` adds the copy to the device). ``mask``: (ids, the tokenizer's
+    attention mask (B, length) long: 1 for tokens, 0 for padding)."""
     if isinstance(captions, str):
         raise TypeError("tokenize takes a list of captions, got one string")
-    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                     return_tensors="pt")["input_ids"].long()
+    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    return (out["input_ids"].long(), out["attention_mask"].long()) if mask else out["input_ids"].long()
 
 
 @contextlib.contextmanager
