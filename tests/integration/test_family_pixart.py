@@ -6,6 +6,7 @@ load_lora_weights) equal to the merged export; bad inputs get one line."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,3 +246,31 @@ def test_bad_input_gets_one_line(tmp_path, folder):
     with pytest.raises(ValueError, match="text_encoder") as info:
         family.load_prompt_encoder(broken)
     assert "\n" not in str(info.value) and str(broken) in str(info.value)
+
+
+def test_the_known_base_is_pixart_sigma_and_estimate_counts_its_masked_attention():
+    """tools/bases/pixart-sigma builds PixArt-Sigma-XL-2-1024-MS on meta: 610,856,096 transformer parameters (the
+    published "0.6B"; the sizes of diffusers' scripts/convert_pixart_sigma_to_diffusers.py: 28 layers, 16 heads of
+    72, caption_channels 4096), T5 v1.1 XXL's encoder 4,762,310,656; `estimate` counts the preset's activations on
+    meta (the cross-attention's padding mask: tools/meta_step.py's stand-in keeps it; before, it refused a mask
+    and the activations were left out), and the preset fits 24 GB as its header says."""
+    from difftrain.config import load_config
+    from difftrain.families import detect
+    from difftrain.tools.base_memory import (GiB, HEADROOM, _config_setting, base_folder, count_settings,
+                                             denoiser_config, read_base, text_encoder_params)
+
+    folder = base_folder("pixart-sigma")
+    with torch.device("meta"):
+        net = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})
+    assert isinstance(detect(folder), PixArtSigmaFamily)
+    assert sum(p.numel() for p in net.parameters()) == 610_856_096
+    assert text_encoder_params(folder) == 4_762_310_656
+    preset = load_config(Path(__file__).resolve().parents[2] / "configs" / "pixart-sigma-lora.toml",
+                         [f"model.init_from={folder}"])
+    setting = _config_setting(preset, 1, None)  # the preset's own setting, as `estimate --config` counts it
+    rows, info = count_settings(preset, read_base(preset, "pixart-sigma"), [setting])
+    own = rows[setting]
+    assert info["activations_note"].startswith("counted") and own["activations"] > 0.1 * GiB
+    assert own["total"] <= HEADROOM * 16 * GiB
+    assert f"{own['total'] / GiB:.2f} GiB" in (Path(__file__).resolve().parents[2] / "configs" /
+                                                "pixart-sigma-lora.toml").read_text()
