@@ -18,7 +18,7 @@ from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases_pixart import T5_LENGTH, write_tiny_pixart_folder  # noqa: E402
-from tests.integration.test_family_pixart import load_lora_with_peft, relative_error  # noqa: E402
+from tests.integration.test_family_pixart import load_lora_with_peft  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
 
 
