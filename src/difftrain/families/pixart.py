@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from difftrain.diffusion.scheduler_configs import scheduler_config
 from difftrain.families import register
 from difftrain.families.base import (Denoiser, ExportParts, PromptEncoder, frozen_part, load_part, masked_token_ids,
                                      read_json, require_keys)
@@ -192,8 +193,6 @@ class PixArtSigmaFamily(TransformerFamily):
         """The base's scheduler class (DPMSolverMultistepScheduler) with difftrain's DDPM: its betas (named or
         trained), prediction and "trailing" timesteps, steps_offset 0; the DDPM-only keys (variance_type,
         clip_sample) left out: DPM-Solver's variance_type means a learned variance it would split off."""
-        from difftrain.diffusion.scheduler_configs import scheduler_config
-
         ours = scheduler_config(diffusion)
         return {k: v for k, v in ours.items() if k not in ("variance_type", "clip_sample", "clip_sample_range")}
 
