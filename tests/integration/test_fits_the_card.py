@@ -35,6 +35,7 @@ FAMILY_PRESETS = {
     "sd-lora.toml": ["sd1.5"],
     "hidream-lora.toml": ["hidream"],
     "z-image-lora.toml": ["z-image"],
+    "pixart-sigma-lora.toml": ["pixart-sigma"],
 }
 PAIRS = [(preset, base) for preset, bases in FAMILY_PRESETS.items() for base in bases]
 

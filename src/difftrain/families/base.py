@@ -615,14 +615,20 @@ class Family(ABC):
             copied.pop("scheduler", None)
         return ExportParts(index=index, copied=copied, scheduler=made)
 
+    def lora_io_class(self) -> type:
+        """The diffusers class whose ``save_lora_weights`` / ``lora_state_dict`` write and read this family's LoRA
+        files (:meth:`save_lora`, :meth:`lora_file`): its pipeline class. A family whose pipeline has neither names
+        a LoRA loader mixin of diffusers' that writes and reads the same layout."""
+        return diffusers_pipeline(self.pipeline_class)
+
     def save_lora(self, adapter: dict[str, Tensor], lora_config: dict, out: Path,
                   metadata: dict[str, str] | None = None) -> Path:
         """Write ``adapter`` (peft's names of the denoiser, ``...to_q.lora_A.weight``) through the
         pipeline class's ``save_lora_weights`` (``<lora_prefix>_lora_layers``: diffusers adds the
         ``lora_prefix.`` and peft's ``LoraConfig`` fields ``lora_config`` as metadata), then difftrain's
         ``metadata`` added to the file's; returns the file (``out/`` :data:`LORA_WEIGHT_NAME`), which
-        ``load_lora_weights`` and :meth:`read_lora` read."""
-        cls = diffusers_pipeline(self.pipeline_class)
+        ``load_lora_weights`` and :meth:`read_lora` read. (The class: :meth:`lora_io_class`.)"""
+        cls = self.lora_io_class()
         out = Path(out)
         tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.items()}
         cls.save_lora_weights(str(out), **{f"{self.lora_prefix}_lora_layers": tensors,
@@ -647,12 +653,12 @@ class Family(ABC):
         if not path.is_file():
             raise ValueError(f"LoRA file {path} does not exist" if not path.exists() else
                              f"LoRA file {path} is a folder, not a .safetensors file")
-        cls = diffusers_pipeline(self.pipeline_class)
+        cls = self.lora_io_class()
         try:
             out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
                                       **({} if config is None else self.lora_state_options(config)))
         except Exception as e:  # noqa: BLE001 - diffusers' converters raise many kinds; re-raised as one line
-            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: {self.pipeline_class}.lora_state_dict "
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: {cls.__name__}.lora_state_dict "
                              f"cannot read it ({type(e).__name__}: {first_line(e)})") from None
         return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], None, out[1])
 
@@ -948,7 +954,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
-MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image")
+MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart")
 
 
 def register(family: Family) -> Family:

@@ -64,23 +64,24 @@ def _ref(t: Tensor) -> StorageWeakRef:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """(B, H, L, D) q, k, v -> (B, H, L, Dv): keeps q, k, v, the output and a (B, H, L) float32
-    log-sum-exp, as the flash and memory-efficient kernels do; computes nothing (meta tensors)."""
+    """(B, H, L, D) q, k, v (and an attention mask or bias broadcastable to (B, H, L, S), or None) -> (B, H, L,
+    Dv): keeps q, k, v, the mask, the output and a (B, H, L) float32 log-sum-exp, as the flash and
+    memory-efficient kernels do (the latter takes the mask as a bias); computes nothing (meta tensors)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         # laid out (B, L, H, Dv) and seen as (B, H, L, Dv), as those kernels return it: the caller's
         # transpose(1, 2).reshape(B, L, H * Dv) is then a view, as on the device
         out = q.new_empty(*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1]).transpose(-3, -2) if q.dim() >= 3 \
             else q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v, _, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
 class _StandIns(TorchFunctionMode):
@@ -120,9 +121,7 @@ class _StandIns(TorchFunctionMode):
         if name == "scaled_dot_product_attention":
             named = dict(zip(("query", "key", "value", "attn_mask"), args)) | kwargs
             if named["query"].is_meta:
-                if named.get("attn_mask") is not None:
-                    raise NotImplementedError("attention with a mask (no fused stand-in for it)")
-                return _FusedAttention.apply(named["query"], named["key"], named["value"])
+                return _FusedAttention.apply(named["query"], named["key"], named["value"], named.get("attn_mask"))
         return func(*args, **kwargs)
 
 
