@@ -66,7 +66,7 @@ def tiny_qwen_vl(vocab_size: int, seed: int = 0):
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=vocab_size, hidden_size=QWEN_WIDTH, intermediate_size=2 * QWEN_WIDTH,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=2048, rms_norm_eps=1e-6,
+                         max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
                          rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3])),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=QWEN_WIDTH,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
