@@ -121,3 +121,19 @@ def test_detected_defaults_and_bad_input(qwen_folder, tmp_path):
     with pytest.raises(ValueError, match="not the AutoencoderKLQwenImage") as info:
         family.load_codec(broken)
     assert "\n" not in str(info.value)
+
+
+def test_the_known_base_is_the_public_architecture():
+    """tools/bases/qwen-image builds Qwen-Image's 20B transformer (20,430,401,088 parameters, QwenImageTransformer2DModel's
+    defaults, the published "20B MMDiT") and Qwen2.5-VL-7B (8,292,166,656: its 7.6B language model and 0.67B vision
+    tower) on the meta device; its VAE's factor is 8 (three levels, two temporal downsamplings)."""
+    from difftrain.families import detect
+    from difftrain.tools.base_memory import base_folder, denoiser_config, text_encoder_params, vae_factor
+
+    folder = base_folder("qwen-image")
+    assert detect(folder).name == "qwen-image"
+    with torch.device("meta"):
+        net = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})
+    assert sum(p.numel() for p in net.parameters()) == 20_430_401_088
+    assert text_encoder_params(folder) == 8_292_166_656
+    assert vae_factor(folder) == 8

@@ -128,7 +128,7 @@ def test_the_preset_command_trains_and_validates(tmp_path, bases):
     preset = Path(__file__).resolve().parents[2] / "configs" / "qwen-image-lora.toml"
     sets = [f"model.init_from={bases['qwen-image']}", f"data.path={bases['data']}", "data.resolution=32",
             "data.num_workers=0", "train.total_steps=2", "train.grad_accum_steps=1", "train.precision=fp32",
-            "model.quantize_base=none", "train.progress_bar=false", "checkpoint.every_steps=2",
+            "model.quantize_base=off", "train.progress_bar=false", "checkpoint.every_steps=2",
             "validation.every_steps=2", "validation.steps=2", "validation.num_images=2",
             "validation.prompts=['a red square']", f"model.max_sequence_length={QWEN_LENGTH}"]
     args = ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")]
