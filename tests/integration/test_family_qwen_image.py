@@ -137,3 +137,18 @@ def test_the_known_base_is_the_public_architecture():
     assert sum(p.numel() for p in net.parameters()) == 20_430_401_088
     assert text_encoder_params(folder) == 8_292_166_656
     assert vae_factor(folder) == 8
+
+
+def test_estimate_counts_the_masked_attention(qwen_folder):
+    """The transformer attends with the prompt's mask: `estimate --base` counts its activations on the meta device
+    (the mask kept as the memory-efficient kernel keeps it), where it said "not counted" before."""
+    from difftrain.config import load_config
+    from difftrain.tools.base_memory import _config_setting, count_settings, read_base
+
+    cfg = load_config(None, [f"model.init_from={qwen_folder}", "data.resolution=32", "data.path=/nonexistent",
+                             f"model.max_sequence_length={QWEN_LENGTH}", "train.precision=bf16", "lora.rank=4",
+                             "validation.every_steps=0", "train.progress_bar=false"])
+    own = _config_setting(cfg, 1, None)
+    rows, info = count_settings(cfg, read_base(cfg, str(qwen_folder)), [own])
+    assert "not counted" not in info["activations_note"], info["activations_note"]
+    assert rows[own]["activations"] > 0
