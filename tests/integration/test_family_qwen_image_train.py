@@ -151,3 +151,30 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, bases, capsys):
         assert main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert needle in err[-1] and str(bases["qwen-image"]) in err[-1], err
+
+
+def test_block_swap_trains_the_adapter_of_the_run_without(tmp_path, bases, monkeypatch):
+    """``model.swap_blocks=1``: the transformer's block (its fsdp_units, transformer_blocks) held on the host and
+    brought in for each use trains the LoRA the plain run trains."""
+    import torch
+
+    from difftrain.networks.block_swap import BlockSwap
+
+    loads = []
+    real = BlockSwap._load
+
+    def spy(self, i, ahead):
+        loads.append(i)
+        real(self, i, ahead)
+
+    cfg = load_config(None, _overrides(bases, "lora.rank=4", "train.total_steps=2", "text.cache=off"))
+    train(cfg, tmp_path / "plain")
+    swapped = load_config(None, _overrides(bases, "lora.rank=4", "train.total_steps=2", "text.cache=off",
+                                           "model.swap_blocks=1"))
+    monkeypatch.setattr(BlockSwap, "_load", spy)
+    train(swapped, tmp_path / "swapped")
+    assert loads  # the plan ran
+    want, got = ckpt.load_checkpoint(tmp_path / "plain")["model"], ckpt.load_checkpoint(tmp_path / "swapped")["model"]
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
