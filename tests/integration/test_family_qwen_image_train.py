@@ -75,7 +75,8 @@ def test_steps_run_and_resume_exactly(tmp_path, bases, mode, capsys):
 
 def _export_samples_as_difftrain(tmp_path):
     """``export`` of a full fine-tune: QwenImagePipeline loads the folder and, from the same initial noise,
-    samples difftrain's images (Euler, 3 steps, no CFG: true_cfg_scale 1 as difftrain's guidance 1)."""
+    samples difftrain's images (Euler, 3 steps), without guidance and with its true CFG 4 against the empty
+    negative prompt (each token rescaled to the conditional output's norm) as difftrain's guidance 4."""
     import diffusers
 
     from difftrain import api
@@ -85,14 +86,17 @@ def _export_samples_as_difftrain(tmp_path):
 
     out = api.export(tmp_path / "straight", tmp_path / "pipe")
     ours = load_model(tmp_path / "straight", device="cpu")
-    expected = generate_images(ours, 1, sampler="euler", steps=3, seed=5, prompt="a red square", guidance_scale=1.0)
     pipe = diffusers.QwenImagePipeline.from_pretrained(str(out))
     pipe.set_progress_bar_config(disable=True)
     noise = initial_noise(1, (16, 8, 8), 5)
-    theirs = pipe(["a red square"], latents=pack(noise), num_inference_steps=3, true_cfg_scale=1.0,
-                  max_sequence_length=QWEN_LENGTH, output_type="pt", height=32, width=32).images * 2 - 1
-    assert theirs.shape == expected.shape
-    assert (theirs - expected).abs().max() < 1e-4, (theirs - expected).abs().max()
+    for scale, negative in ((1.0, None), (4.0, "")):
+        expected = generate_images(ours, 1, sampler="euler", steps=3, seed=5, prompt="a red square",
+                                   guidance_scale=scale)
+        theirs = pipe(["a red square"], negative_prompt=negative, latents=pack(noise), num_inference_steps=3,
+                      true_cfg_scale=scale, max_sequence_length=QWEN_LENGTH, output_type="pt", height=32,
+                      width=32).images * 2 - 1
+        assert theirs.shape == expected.shape
+        assert (theirs - expected).abs().max() < 1e-4, (scale, (theirs - expected).abs().max())
 
 
 def _lora_export_loads_in_the_pipeline(tmp_path, bases):

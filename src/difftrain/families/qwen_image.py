@@ -46,9 +46,10 @@ Sampling (the pipeline): sigmas linspace(1, 1/N, N) shifted by e^mu, mu linear i
   shift_terminal (0.02), which difftrain's flow grid does not: the export writes shift_terminal = None so
   that the exported pipeline samples on difftrain's grid. Guidance: "true CFG" with a negative prompt,
   true_cfg_scale 4.0 by default (no guidance-distilled input): neg + s (cond - neg), then each token's
-  output rescaled to the conditional output's norm over its 64 packed channels. difftrain's validation
-  guides with validation.guidance_scale (the family sets 4.0) and the empty prompt, WITHOUT that norm
-  rescaling (difftrain's guidance is the shared plain CFG).
+  output rescaled to the conditional output's norm over its 64 packed channels: difftrain's validation and
+  ``sample`` guide so with validation.guidance_scale / --guidance-scale (the family sets 4.0) and the empty
+  prompt as the negative (QwenImageDenoiser.guide_outputs, which generation.sampling.guided_network uses in
+  place of plain CFG).
 LoRA: the script's default targets ["to_k", "to_q", "to_v", "to_out.0"] (the image stream's attention
   projections of every block); files in QwenImageLoraLoaderMixin's format (``transformer.`` + peft names).
 Edit variants (QwenImageEditPipeline: a reference image through the vision tower and the VAE) are not here;
@@ -234,6 +235,16 @@ class QwenImageDenoiser(TransformerDenoiser):
     @property
     def patch(self) -> int:
         return int(self.model.config.patch_size)
+
+    def guide_outputs(self, cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
+        """QwenImagePipeline's true CFG of outputs (B, 16, h, w): uncond + scale (cond - uncond), each 2x2 patch
+        (a packed token's 64 values) rescaled to the norm of the conditional output's
+        (``generation.sampling.guided_network`` asks for it instead of plain CFG)."""
+        combined = uncond + scale * (cond - uncond)
+        norm = lambda v: pack(v).norm(dim=-1, keepdim=True)  # (B, hw/4, 1)
+        h, w = cond.shape[-2:]
+        ratio = norm(cond) / norm(combined)
+        return unpack(pack(combined) * ratio, h, w)
 
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         b, _, h, w = x.shape
