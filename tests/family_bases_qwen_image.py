@@ -17,6 +17,7 @@ images -> 8 x 8 latents -> 16 tokens of 2 x 2 patches. The global RNG is left as
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.family_bases import seeded
@@ -52,7 +53,7 @@ def tiny_qwen_tokenizer(words=WORDS):
                                                         show_progress=False))
     model = bpe.get_vocab()
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-              for m in __import__("json").loads(bpe.to_str())["model"]["merges"]]
+              for m in json.loads(bpe.to_str())["model"]["merges"]]
     tok = Qwen2Tokenizer(vocab=model, merges=merges, model_max_length=32768)
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in CHAT_TOKENS[1:]]})
     return tok

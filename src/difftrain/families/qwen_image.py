@@ -122,7 +122,7 @@ def prompt_states(hidden: Tensor, mask: Tensor, drop: int, length: int) -> tuple
     b, _, d = hidden.shape
     states = hidden.new_zeros(b, length, d)
     kept = torch.zeros(b, length, dtype=torch.float32, device=hidden.device)
-    for i in range(b):  # a few rows; each prompt's own length (the masks are on the host's copy as well)
+    for i in range(b):  # a few rows, each its own length (a host read of the mask per row)
         row = hidden[i][mask[i].bool()][drop:drop + length]
         states[i, :row.shape[0]] = row
         kept[i, :row.shape[0]] = 1.0
