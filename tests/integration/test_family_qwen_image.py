@@ -152,3 +152,15 @@ def test_estimate_counts_the_masked_attention(qwen_folder):
     rows, info = count_settings(cfg, read_base(cfg, str(qwen_folder)), [own])
     assert "not counted" not in info["activations_note"], info["activations_note"]
     assert rows[own]["activations"] > 0
+
+
+def test_a_lora_file_of_another_family_is_one_line(tmp_path):
+    """A Flux LoRA file (its single-stream blocks) given to a Qwen-Image base: refused naming the file."""
+    from difftrain.families import family_named
+
+    adapter = {"single_transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
+               "single_transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2)}
+    path = family_named("flux").save_lora(adapter, {}, tmp_path / "flux-lora")
+    with pytest.raises(ValueError, match="not a qwen-image LoRA file: it names single_transformer_blocks") as info:
+        family_named("qwen-image").read_lora(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
