@@ -52,6 +52,14 @@ Sampling (the pipeline): sigmas linspace(1, 1/N, N) shifted by e^mu, mu linear i
   place of plain CFG).
 LoRA: the script's default targets ["to_k", "to_q", "to_v", "to_out.0"] (the image stream's attention
   projections of every block); files in QwenImageLoraLoaderMixin's format (``transformer.`` + peft names).
+Known base (tools/bases/qwen-image, for ``estimate --base qwen-image``): the transformer's config is
+QwenImageTransformer2DModel's defaults in diffusers 0.42 (60 blocks, 24 heads of 128, joint_attention_dim 3584):
+20,430,401,088 parameters on meta, the published "20B"; the VAE's is AutoencoderKLQwenImage's defaults (base_dim 96,
+dim_mult 1 2 4 4, its latents_mean / latents_std); the text encoder's is Qwen2.5-VL-7B-Instruct's published config
+as written from memory (28 layers of 3584, 28 heads, 4 key-value heads, feed-forward 18944, vocabulary 152064; a
+32-block vision tower 1280 wide), which counts 8,292,166,656 parameters on meta, Qwen2.5-VL-7B's published 8.29B;
+the scheduler's (base / max shift 0.5 / 0.9 at 256 / 8192 tokens, shift_terminal 0.02, exponential time shift) is
+the published Qwen-Image scheduler_config.json as remembered, NOT checked against the file here (no network).
 Edit variants (QwenImageEditPipeline: a reference image through the vision tower and the VAE) are not here;
 the encoder keeps its steps (:func:`chat_prompts`, :func:`chat_tokens`, :func:`prompt_states`) separate so
 that a vision input can be added.
