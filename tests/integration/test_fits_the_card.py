@@ -36,6 +36,7 @@ FAMILY_PRESETS = {
     "hidream-lora.toml": ["hidream"],
     "z-image-lora.toml": ["z-image"],
     "pixart-sigma-lora.toml": ["pixart-sigma"],
+    "qwen-image-lora.toml": ["qwen-image"],
 }
 PAIRS = [(preset, base) for preset, bases in FAMILY_PRESETS.items() for base in bases]
 

@@ -326,6 +326,28 @@ def loaded_names(model: nn.Module, names: set[str]) -> dict[str, str]:
     return {old: new for new, old in table.items() if old != new}
 
 
+def transformers_loaded_names(model: nn.Module, names: set[str]) -> dict[str, str]:
+    """The name (old -> new) each of ``names`` (a transformers model's weights files) is loaded under by its
+    ``from_pretrained``: transformers' own renaming of the names its checkpoints keep (Qwen2.5-VL's ``model.*`` and
+    ``visual.*`` load as ``model.language_model.*`` and ``model.visual.*``), run on the names alone; names a weight
+    converter (fusing several tensors) takes are left as they are. {} when the installed transformers has none."""
+    try:  # transformers (an optional package, [text]) >= 5: its loading's renaming
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    meta = model.state_dict()
+    out = {}
+    for name in names:
+        new, converter = rename_source_key(name, renamings, converters, getattr(model, "base_model_prefix", None), meta)
+        if converter is None and new != name and new in meta:
+            out[name] = new
+    return out
+
+
 class Family(ABC):
     """One base family, registered by name (``families.register``) and detected from a folder.
 
@@ -901,6 +923,8 @@ def check_model_part(cls: type, folder: Path) -> None:
     source = TensorSource.of_files([f for f in files if not f.name.endswith(".index.json")])
     if len(files) == 1 and not transformers:
         source = source.renamed(loaded_names(model, source.names()))
+    if transformers:
+        source = source.renamed(transformers_loaded_names(model, source.names()))
     groups: dict[int, list[tuple[str, Tensor]]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), []).append((key, tensor))
@@ -954,7 +978,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
-MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart")
+MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart", "qwen_image")
 
 
 def register(family: Family) -> Family:

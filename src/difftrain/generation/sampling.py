@@ -37,15 +37,32 @@ def guided_network(
     so guiding it guides the x0 prediction alike.
     """
 
+    guide = guidance_rule(model)
+
     def network(x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         c = condition_rows(condition, 0, x.shape[0])
         out = model(x, cond, c).float()
         if c is not None and guidance_scale != 1.0:
             uncond = model(x, cond, expand_rows(null_condition, x.shape[0])).float()
-            out = uncond + guidance_scale * (out - uncond)
+            out = uncond + guidance_scale * (out - uncond) if guide is None else guide(out, uncond, guidance_scale)
         return out
 
     return network
+
+
+def guidance_rule(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+    """The network's own rule ``guide_outputs(cond_out, uncond_out, scale)`` where its pipeline guides otherwise than
+    plain CFG (a family denoiser's: Qwen-Image's true CFG rescales each token to the conditional output's
+    norm), found through the wrappers of a run's network (a LoRA network's ``fsdp_inner()``, torch.compile's
+    ``_orig_mod``); None: plain CFG. A network guided by another (autoguidance) keeps plain CFG."""
+    seen = 0
+    while model is not None and seen < 8:
+        rule = getattr(model, "guide_outputs", None)
+        if callable(rule):
+            return rule
+        inner = model.fsdp_inner() if callable(getattr(model, "fsdp_inner", None)) else None
+        model, seen = inner if inner is not None else getattr(model, "_orig_mod", None), seen + 1
+    return None
 
 
 class NonFiniteSamples(ValueError):

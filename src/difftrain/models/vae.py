@@ -10,6 +10,7 @@ the latent cache stores) and converts to and from the model's space with ``to_mo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,7 +23,15 @@ from .text import check_loading_info, first_line, quiet_loading, weights_digest
 
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin",
                 "diffusion_pytorch_model.safetensors.index.json")
-VAE_CLASSES = ("AutoencoderKL",)
+# config.json _class_name -> the spatial downsampling its config gives. AutoencoderKL's here; a family whose VAE is
+# another class registers it from its module (register_vae_class) and loads it with its Family.load_codec.
+VAE_FACTORS: dict[str, Callable[[dict], int]] = {"AutoencoderKL": lambda c: 2 ** (len(c["block_out_channels"]) - 1)}
+
+
+def register_vae_class(name: str, factor: Callable[[dict], int]) -> None:
+    """Let :func:`vae_folder` and :func:`vae_factor` take VAE folders of class ``name`` (a family's own VAE class),
+    ``factor(config)`` their spatial downsampling."""
+    VAE_FACTORS[name] = factor
 
 
 def vae_folder(path: str) -> Path:
@@ -41,7 +50,7 @@ def vae_folder(path: str) -> Path:
         cls = json.loads(config.read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"vae {path}: unreadable {config}: {e}") from e
-    if cls not in VAE_CLASSES:
+    if cls not in VAE_FACTORS:
         raise ValueError(f"vae {path}: {config} describes a {cls!r}, not an AutoencoderKL")
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"vae {path}: no weights in {folder} (looked for {', '.join(WEIGHT_FILES)})")
@@ -49,11 +58,13 @@ def vae_folder(path: str) -> Path:
 
 
 def vae_factor(path: str) -> int:
-    """The spatial downsampling of the AutoencoderKL at ``path`` from its config alone (no weights
-    loaded): ``2 ** (len(block_out_channels) - 1)``, as :class:`LatentCodec` computes it."""
+    """The spatial downsampling of the VAE at ``path`` from its config alone (no weights loaded): an
+    AutoencoderKL's ``2 ** (len(block_out_channels) - 1)``, as :class:`LatentCodec` computes it (another class's:
+    :data:`VAE_FACTORS`)."""
     folder = vae_folder(path)
     try:
-        return 2 ** (len(json.loads((folder / "config.json").read_text())["block_out_channels"]) - 1)
+        config = json.loads((folder / "config.json").read_text())
+        return int(VAE_FACTORS[config.get("_class_name")](config))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"vae {path}: {folder / 'config.json'} has no list block_out_channels ({e})") from None
 
@@ -84,6 +95,9 @@ class LatentCodec(nn.Module):
         """Load on the CPU, float32, from an AutoencoderKL folder (config.json and
         diffusion_pytorch_model.safetensors) or a Stable Diffusion folder with ``vae/``."""
         folder = vae_folder(path)
+        found = json.loads((folder / "config.json").read_text()).get("_class_name")
+        if found != "AutoencoderKL":  # a family's own VAE class (VAE_FACTORS): its Family.load_codec loads it
+            raise ValueError(f"vae {path}: {folder} holds a {found}, which its base family loads, not an AutoencoderKL")
         require("diffusers", "text", f"model.vae={path}")
         from diffusers import AutoencoderKL  # inside: diffusers is optional (the text extra), required above
         from diffusers.utils import logging

@@ -53,6 +53,7 @@ from difftrain.networks.block_swap import OPTION as SWAP_OPTION, planned_bytes
 from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
 from difftrain.runtime.fsdp import blocks
 from difftrain.models.text import first_line
+from difftrain.models.vae import VAE_FACTORS
 from difftrain.data.text_cache import text_cache_wanted
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
@@ -111,9 +112,13 @@ def denoiser_config(folder: Path) -> dict:
 
 
 def vae_factor(folder: Path) -> int:
-    """The VAE's downsampling (2 ** (levels - 1); 8 when the folder has no vae/config.json)."""
+    """The VAE's downsampling (an AutoencoderKL's 2 ** (levels - 1), another class's ``models.vae.VAE_FACTORS``;
+    8 when the folder has no vae/config.json)."""
     path = folder / "vae" / "config.json"
-    return 2 ** (len(_json(path)["block_out_channels"]) - 1) if path.is_file() else 8
+    if not path.is_file():
+        return 8
+    config = _json(path)
+    return int(VAE_FACTORS.get(config.get("_class_name"), VAE_FACTORS["AutoencoderKL"])(config))
 
 
 def text_encoder_params(folder: Path) -> int:
@@ -132,14 +137,17 @@ def text_encoder_params(folder: Path) -> int:
     return total
 
 
+PADDED_POSITIONS = 1024  # CLIP's 77 positions are each prompt's length; a language model's (Qwen2.5-VL's 128000) are not
+
+
 def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
     """Peak device bytes of filling the text cache (``data/text_cache.py``: one encoder on the device at a
     time, in the compute dtype, before training starts; then released), and the largest encoder's name: its
     weights in ``train.precision``'s dtype (float32 for fp32) plus one fill batch's (``validation.heldout_batch_size``
     captions) largest activation: per caption, the larger of a layer's input and output (2 x tokens x
-    max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: CLIP's
-    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512 (also a language model's, Qwen3's,
-    whose ``max_position_embeddings`` is its context, tens of thousands, not the prompts' padded length)."""
+    max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: an encoder's
+    ``max_position_embeddings`` when at most :data:`PADDED_POSITIONS` (CLIP's 77: prompts are padded to it), else
+    (T5, which has none; a language model's thousands) ``model.max_sequence_length`` or 512."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
@@ -150,9 +158,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
         cls = getattr(transformers, value[1])
         with torch.device("meta"):
             params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
-        tokens = raw.get("max_position_embeddings") or cfg.model.max_sequence_length or 512
-        if tokens > 512:  # a language model's context (Llama 3.1: 131072): the pipelines pad prompts to their length
-            tokens = cfg.model.max_sequence_length or 512
+        positions = raw.get("max_position_embeddings") or math.inf
+        tokens = positions if positions <= PADDED_POSITIONS else cfg.model.max_sequence_length or 512
         width = max(raw.get("hidden_size") or raw.get("d_model", 0), raw.get("intermediate_size") or raw.get("d_ff", 0))
         heads = raw.get("num_attention_heads") or raw.get("num_heads", 0)
         total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize

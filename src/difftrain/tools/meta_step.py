@@ -16,7 +16,8 @@ counted as weights). Three stand-ins make a meta forward keep what a CUDA traini
   against real CPU autocast, to the byte;
 - **fused attention**: on meta, ``scaled_dot_product_attention`` falls back to the math kernel, which
   keeps the (B, H, L, L) scores; the stand-in keeps what the flash / memory-efficient kernels keep
-  (CUDA, and the CPU's flash kernel): q, k, v, the output and a (B, H, L) float32 log-sum-exp;
+  (CUDA, and the CPU's flash kernel): q, k, v, the output and a (B, H, L) float32 log-sum-exp, and an
+  attention mask where one is given (the memory-efficient kernel, which takes masks, keeps it for backward);
 - **gradient checkpointing**: diffusers' ``enable_gradient_checkpointing`` takes the function that
   checkpoints a block; the stand-in counts the block's inputs (the checkpoint holds them until
   backward) and what the block keeps when it is recomputed in backward, apart from the rest.
