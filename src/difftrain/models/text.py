@@ -203,10 +203,17 @@ def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
     """(B, length) long on the host: ``captions`` tokenized, padded to ``length`` and truncated (the
     tokenizer's own BOS / EOS kept), as the diffusers pipelines tokenize. The one tokenization of every
     text encoder (``families.base.token_ids`` adds the copy to the device)."""
+    return tokenize_with_mask(tokenizer, captions, length)[0]
+
+
+def tokenize_with_mask(tokenizer, captions: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each (B, length) long on the host: :func:`tokenize`'s ids and the
+    tokenizer's own mask (1 on the caption's tokens, its BOS / EOS included, 0 on padding), for the text
+    encoders that run with it (T5 in Chroma, UMT5 in AuraFlow)."""
     if isinstance(captions, str):
         raise TypeError("tokenize takes a list of captions, got one string")
-    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                     return_tensors="pt")["input_ids"].long()
+    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    return out["input_ids"].long(), out["attention_mask"].long()
 
 
 @contextlib.contextmanager
