@@ -179,3 +179,45 @@ def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, folders, nam
     if name == "chroma":
         theirs = unpack(theirs, 8, 8)
     assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
+
+
+def test_chroma_gradient_checkpointing_keeps_the_text_mask(folders):
+    """ChromaTransformer2DModel.forward calls its single-stream blocks without the attention mask under
+    diffusers' gradient checkpointing; the Chroma denoiser's own checkpointing gives it back: the loss and the
+    gradients equal those of the run without checkpointing."""
+    family = family_named("chroma")
+    cond = family.load_prompt_encoder(folders["chroma"]).encode(CAPTIONS)
+    assert (cond["attention_mask"] == 0).any()  # padding masked: the mask matters
+    x, t = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([900.0, 25.0])
+
+    def loss_and_grads(checkpointing: bool):
+        net = family.load_denoiser(folders["chroma"])
+        net.set_gradient_checkpointing(checkpointing)
+        loss = net(x, t, cond).square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+
+    (plain, plain_grads), (checked, checked_grads) = loss_and_grads(False), loss_and_grads(True)
+    close(checked, plain)
+    assert set(checked_grads) == set(plain_grads)
+    for name in plain_grads:
+        close(checked_grads[name], plain_grads[name])
+
+
+@pytest.mark.parametrize("base", ["chroma", "auraflow"])
+def test_estimate_counts_the_known_bases_activations(base):
+    """`difftrain estimate --base chroma|auraflow` builds the published transformers on the meta device and counts
+    their activations: Chroma's attention takes a mask, which the fused-attention stand-in keeps as the
+    memory-efficient kernel keeps its bias (before: "not counted", 0 bytes)."""
+    from difftrain.config import load_config
+    from difftrain.tools.base_memory import _config_setting, base_folder, count_settings, read_base
+
+    cfg = load_config(None, [f"model.init_from={base_folder(base)}", "data.resolution=256", "lora.rank=4",
+                             "model.gradient_checkpointing=true", "train.precision=bf16"])
+    b = read_base(cfg, base)
+    own = _config_setting(cfg, 1, None)
+    rows, info = count_settings(cfg, b, [own])
+    assert "not counted" not in info["activations_note"], info["activations_note"]
+    assert rows[own]["activations"] > 0
+    params = {"chroma": 8.90e9, "auraflow": 6.86e9}[base]  # Chroma1-HD, AuraFlow v0.3: counted on meta
+    assert abs(info["parameters"] - params) < 0.01e9, info["parameters"]

@@ -28,8 +28,9 @@ Transformer call: transformer(hidden_states=packed, timestep=sigma in [0, 1] (x 
   objective conditions on 1000 t: forward() passes t / 1000. The output is the velocity noise - x0
   (the scheduler steps x += (sigma_next - sigma) out), difftrain's v = eps - x0: no sign flip.
   NB diffusers' own forward drops the mask in the single-stream blocks when gradient checkpointing is on
-  (its _gradient_checkpointing_func call passes no attention_mask): a run with
-  model.gradient_checkpointing trains what that code computes, not exactly the pipeline's function.
+  (its _gradient_checkpointing_func call passes no attention_mask): ChromaDenoiser checkpoints with a
+  function of its own (torch.utils.checkpoint, non-reentrant, as diffusers' default) that gives those
+  blocks the mask back, so model.gradient_checkpointing trains the pipeline's function.
 Training (no diffusers script): rectified flow, x_t = (1 - t) x0 + t eps, velocity loss weight 1; t
   uniform and unshifted, as diffusers' Flux script trains its sibling on the same kind of scheduler
   (use_dynamic_shifting: the script's sigmas are not shifted): diffusion.flow_t_sampling "uniform",
@@ -50,6 +51,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from difftrain.families import register
@@ -97,15 +99,37 @@ class ChromaDenoiser(TransformerDenoiser):
 
     family = "chroma"
 
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._mask: Tensor | None = None  # the running forward's full mask, for :meth:`_checkpoint`
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """diffusers' activation checkpointing of the blocks, by :meth:`_checkpoint`."""
+        if enabled:
+            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self._checkpoint)
+        else:
+            self.model.disable_gradient_checkpointing()
+
+    def _checkpoint(self, block: nn.Module, *args):
+        """``torch.utils.checkpoint`` (non-reentrant: diffusers' default) of one block; a single-stream block,
+        which ChromaTransformer2DModel.forward calls here with (hidden_states, temb, rotary embedding) only,
+        gets the running forward's attention mask back, as it gets it without checkpointing."""
+        extra = {"attention_mask": self._mask} if len(args) == 3 and hasattr(block, "proj_mlp") else {}
+        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False, **extra)
+
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         b, _, h, w = x.shape
         require_keys(cond, KEYS, b, self.family)
         self.check_latent_size(h, w)
         text = cond["prompt_embeds"]
         mask = torch.cat([cond["attention_mask"].to(x.dtype), x.new_ones(b, (h // 2) * (w // 2))], dim=1)
-        out = self.model(hidden_states=pack(x), timestep=t.expand(b).to(x.dtype) / 1000,
-                         encoder_hidden_states=text, txt_ids=text.new_zeros(text.shape[1], 3),
-                         img_ids=image_ids(h, w, x.device, x.dtype), attention_mask=mask, return_dict=False)[0]
+        self._mask = mask
+        try:
+            out = self.model(hidden_states=pack(x), timestep=t.expand(b).to(x.dtype) / 1000,
+                             encoder_hidden_states=text, txt_ids=text.new_zeros(text.shape[1], 3),
+                             img_ids=image_ids(h, w, x.device, x.dtype), attention_mask=mask, return_dict=False)[0]
+        finally:
+            self._mask = None
         return unpack(out, h, w)
 
 
