@@ -8,7 +8,7 @@ no AuraFlow training script (none in ../shared/peers): the objective is taken fr
 scheduler, as said below.
 
 Prompts -> conditioning (``AuraFlowPipeline.encode_prompt``):
-  tokens = tokenizer(prompt, truncation, max_length=max_sequence_length (default 256), padding="max_length")
+  tokens = tokenizer(prompt, truncation, max_length=max_sequence_length (default 256), padded to max_length)
            -> input_ids (B, L), attention_mask m (B, L); the tokenizer is the class model_index.json names
            (the released bases: LlamaTokenizerFast, pile-t5's vocabulary; the pipeline's signature says a
            T5 tokenizer), loaded by that class (``families.base.part_class``)

@@ -8,7 +8,7 @@ Chroma training script (none in ../shared/peers): the objective is taken from th
 and the Flux script's defaults, as said below.
 
 Prompts -> conditioning (``ChromaPipeline._get_t5_prompt_embeds``):
-  tokens = T5TokenizerFast(prompt, padding="max_length", max_length=max_sequence_length (default 512,
+  tokens = T5TokenizerFast(prompt, padded to max_length, max_length=max_sequence_length (default 512,
            also the most), truncation) -> input_ids (B, L), attention_mask m (B, L) (1 on the caption's
            tokens and its EOS, 0 on padding)
   prompt_embeds = T5EncoderModel(input_ids, attention_mask=m)[0]      (B, L, 4096): unlike Flux, the
