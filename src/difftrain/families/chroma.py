@@ -24,7 +24,9 @@ Latents: FLUX.1's 16-channel VAE; latents = (z - shift_factor) * scaling_factor,
 Transformer call: transformer(hidden_states=packed, timestep=sigma in [0, 1] (x 1000 inside),
   encoder_hidden_states=prompt_embeds, txt_ids, img_ids, attention_mask=cat([text mask, ones(image
   tokens)], 1) (``_prepare_attention_mask``: a float 0/1 mask; each block makes it
-  mask[:, None, None, :] * mask[:, None, :, None])). No pooled input, no guidance input. difftrain's flow
+  mask[:, None, None, :] * mask[:, None, :, None], and scaled_dot_product_attention takes a float mask as an
+  additive bias: +1 on the pairs of kept tokens, 0 elsewhere, not a hard mask; difftrain passes the same
+  tensor, so that what it trains is what the pipeline samples). No pooled input, no guidance input. difftrain's flow
   objective conditions on 1000 t: forward() passes t / 1000. The output is the velocity noise - x0
   (the scheduler steps x += (sigma_next - sigma) out), difftrain's v = eps - x0: no sign flip.
   NB diffusers' own forward drops the mask in the single-stream blocks when gradient checkpointing is on
