@@ -169,6 +169,7 @@ def test_dreambooth_with_prior_preservation_resumes_exactly(tmp_path, bases, nam
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
 
 
+@pytest.mark.slow  # ~30 s more than the file's minute
 @pytest.mark.parametrize("name", ["chroma", "auraflow"])
 def test_block_swap_with_checkpointing_trains_what_the_plain_run_trains(tmp_path, bases, name):
     """model.swap_blocks=1 swaps the last of the family's blocks (fsdp_units: Chroma's single block, AuraFlow's
