@@ -37,6 +37,7 @@ FAMILY_PRESETS = {
     "z-image-lora.toml": ["z-image"],
     "pixart-sigma-lora.toml": ["pixart-sigma"],
     "qwen-image-lora.toml": ["qwen-image"],
+    "chroma-lora.toml": ["chroma"], "auraflow-lora.toml": ["auraflow"],
 }
 PAIRS = [(preset, base) for preset, bases in FAMILY_PRESETS.items() for base in bases]
 
