@@ -941,7 +941,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
-MODULES = ("sd", "sdxl", "sd3", "flux")
+MODULES = ("sd", "sdxl", "sd3", "flux", "sana", "lumina2")
 
 
 def register(family: Family) -> Family:

@@ -203,10 +203,17 @@ def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
     """(B, length) long on the host: ``captions`` tokenized, padded to ``length`` and truncated (the
     tokenizer's own BOS / EOS kept), as the diffusers pipelines tokenize. The one tokenization of every
     text encoder (``families.base.token_ids`` adds the copy to the device)."""
+    return tokenize_with_mask(tokenizer, captions, length)[0]
+
+
+def tokenize_with_mask(tokenizer, captions: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask), each (B, length) long on the host: :func:`tokenize` with the tokenizer's
+    attention mask (1 on the tokens, 0 on the padding, on the side the tokenizer pads), which the text
+    encoders of the Gemma families (Sana, Lumina 2) take and pass on to their denoisers."""
     if isinstance(captions, str):
         raise TypeError("tokenize takes a list of captions, got one string")
-    return tokenizer(list(captions), padding="max_length", max_length=length, truncation=True,
-                     return_tensors="pt")["input_ids"].long()
+    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    return out["input_ids"].long(), out["attention_mask"].long()
 
 
 @contextlib.contextmanager
