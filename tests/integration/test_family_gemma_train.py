@@ -123,10 +123,10 @@ def test_the_preset_command_trains_and_validates(tmp_path, bases, name):
 
     preset = Path(__file__).resolve().parents[2] / "configs" / f"{name}-lora.toml"
     sets = [f"model.init_from={bases[name]}", f"data.path={bases['data']}", "data.resolution=32",
-            "data.num_workers=0", "data.buckets=none", "train.total_steps=2", "train.grad_accum_steps=1",
+            "data.num_workers=0", "train.total_steps=2", "train.grad_accum_steps=1",
             "train.precision=fp32", "train.progress_bar=false", "checkpoint.every_steps=2", "validation.every_steps=2",
             "validation.steps=2", "validation.num_images=2", "validation.prompts=['a red square']",
-            f"model.max_sequence_length={LENGTH}", "model.quantize_base=none"]
+            f"model.max_sequence_length={LENGTH}"]
     args = ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")]
     for s in sets:
         args += ["--set", s]

@@ -33,6 +33,7 @@ FAMILY_PRESETS = {
     "sd3-lora.toml": ["sd3.5-large", "sd3.5-medium"],
     "sdxl-lora.toml": ["sdxl"],
     "sd-lora.toml": ["sd1.5"],
+    "sana-lora.toml": ["sana", "sana-4.8b"], "lumina2-lora.toml": ["lumina2"],
 }
 PAIRS = [(preset, base) for preset, bases in FAMILY_PRESETS.items() for base in bases]
 

@@ -53,6 +53,7 @@ from difftrain.networks.block_swap import OPTION as SWAP_OPTION, planned_bytes
 from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
 from difftrain.runtime.fsdp import blocks
 from difftrain.models.text import first_line
+from difftrain.models.vae import config_factor
 from difftrain.data.text_cache import text_cache_wanted
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
@@ -111,9 +112,10 @@ def denoiser_config(folder: Path) -> dict:
 
 
 def vae_factor(folder: Path) -> int:
-    """The VAE's downsampling (2 ** (levels - 1); 8 when the folder has no vae/config.json)."""
+    """The VAE's downsampling (2 ** (levels - 1), an AutoencoderDC's of its encoder; 8 when the folder has no
+    vae/config.json)."""
     path = folder / "vae" / "config.json"
-    return 2 ** (len(_json(path)["block_out_channels"]) - 1) if path.is_file() else 8
+    return config_factor(_json(path)) if path.is_file() else 8
 
 
 def text_encoder_params(folder: Path) -> int:
@@ -138,7 +140,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
     weights in ``train.precision``'s dtype (float32 for fp32) plus one fill batch's (``validation.heldout_batch_size``
     captions) largest activation: per caption, the larger of a layer's input and output (2 x tokens x
     max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: CLIP's
-    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512."""
+    ``max_position_embeddings``, T5's and a language model's (Gemma's, whose positions run to 8192)
+    ``model.max_sequence_length`` or 512."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
@@ -149,7 +152,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
         cls = getattr(transformers, value[1])
         with torch.device("meta"):
             params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
-        tokens = raw.get("max_position_embeddings") or cfg.model.max_sequence_length or 512
+        positions = raw.get("max_position_embeddings")  # CLIP's 77 are its prompt; an LLM's (Gemma's 8192) are not
+        tokens = positions if positions and positions <= 512 else cfg.model.max_sequence_length or 512
         width = max(raw.get("hidden_size") or raw.get("d_model", 0), raw.get("intermediate_size") or raw.get("d_ff", 0))
         heads = raw.get("num_attention_heads") or raw.get("num_heads", 0)
         total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize

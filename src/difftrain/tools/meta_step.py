@@ -16,7 +16,8 @@ counted as weights). Three stand-ins make a meta forward keep what a CUDA traini
   against real CPU autocast, to the byte;
 - **fused attention**: on meta, ``scaled_dot_product_attention`` falls back to the math kernel, which
   keeps the (B, H, L, L) scores; the stand-in keeps what the flash / memory-efficient kernels keep
-  (CUDA, and the CPU's flash kernel): q, k, v, the output and a (B, H, L) float32 log-sum-exp;
+  (CUDA, and the CPU's flash kernel): q, k, v, the output and a (B, H, L) float32 log-sum-exp; with an
+  attention mask (Sana's and Lumina 2's text masks) the memory-efficient kernel, which keeps the mask too;
 - **gradient checkpointing**: diffusers' ``enable_gradient_checkpointing`` takes the function that
   checkpoints a block; the stand-in counts the block's inputs (the checkpoint holds them until
   backward) and what the block keeps when it is recomputed in backward, apart from the rest.
@@ -64,23 +65,24 @@ def _ref(t: Tensor) -> StorageWeakRef:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """(B, H, L, D) q, k, v -> (B, H, L, Dv): keeps q, k, v, the output and a (B, H, L) float32
-    log-sum-exp, as the flash and memory-efficient kernels do; computes nothing (meta tensors)."""
+    """(B, H, L, D) q, k, v (and an attention mask or None) -> (B, H, L, Dv): keeps q, k, v, the output, a
+    (B, H, L) float32 log-sum-exp and the mask, as the flash and memory-efficient kernels do; computes nothing
+    (meta tensors)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         # laid out (B, L, H, Dv) and seen as (B, H, L, Dv), as those kernels return it: the caller's
         # transpose(1, 2).reshape(B, L, H * Dv) is then a view, as on the device
         out = q.new_empty(*q.shape[:-3], q.shape[-2], q.shape[-3], v.shape[-1]).transpose(-3, -2) if q.dim() >= 3 \
             else q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, Tensor) else []))
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
 class _StandIns(TorchFunctionMode):
@@ -120,9 +122,7 @@ class _StandIns(TorchFunctionMode):
         if name == "scaled_dot_product_attention":
             named = dict(zip(("query", "key", "value", "attn_mask"), args)) | kwargs
             if named["query"].is_meta:
-                if named.get("attn_mask") is not None:
-                    raise NotImplementedError("attention with a mask (no fused stand-in for it)")
-                return _FusedAttention.apply(named["query"], named["key"], named["value"])
+                return _FusedAttention.apply(named["query"], named["key"], named["value"], named.get("attn_mask"))
         return func(*args, **kwargs)
 
 
