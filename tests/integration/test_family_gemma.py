@@ -216,3 +216,21 @@ def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, ba
     with pytest.raises(ValueError, match="not a") as info:
         family.read_lora(other_path, denoiser=family.load_denoiser(folder))
     assert "\n" not in str(info.value) and str(other_path) in str(info.value)
+
+
+def test_the_known_bases_are_the_published_sizes():
+    """tools/bases/sana, sana-4.8b and lumina2 build on meta at the published sizes: Sana 1600M's transformer
+    (SanaTransformer2DModel's defaults, the 1600M 1024px config), SANA 1.5 4.8B (NVlabs' SanaMS_4800M_P1_D60:
+    60 blocks of the same width, qk norm), Lumina-Image 2.0's 2.6B transformer, Gemma 2 2B (Gemma2Config's
+    defaults: 2.6B); the AutoencoderDC's factor 32 and 32 channels."""
+    from difftrain.families import detect
+    from difftrain.tools.base_memory import base_folder, denoiser_config, text_encoder_params, vae_factor
+
+    sizes = {"sana": 1_604_462_752, "sana-4.8b": 4_721_825_952, "lumina2": 2_609_769_152}
+    for name, params in sizes.items():
+        folder = base_folder(name)
+        with torch.device("meta"):
+            net = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})
+        assert sum(p.numel() for p in net.parameters()) == params, name
+        assert text_encoder_params(folder) == 2_614_341_888
+    assert vae_factor(base_folder("sana")) == 32 and vae_factor(base_folder("lumina2")) == 8
