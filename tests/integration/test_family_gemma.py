@@ -234,3 +234,21 @@ def test_the_known_bases_are_the_published_sizes():
         assert sum(p.numel() for p in net.parameters()) == params, name
         assert text_encoder_params(folder) == 2_614_341_888
     assert vae_factor(base_folder("sana")) == 32 and vae_factor(base_folder("lumina2")) == 8
+
+
+def test_estimate_counts_sanas_activations_and_gemmas_fill_at_the_prompts_tokens():
+    """``estimate --base sana``: the masked cross-attention runs on meta through the fused stand-in (before, the
+    forward stopped at it and no activation was counted), and the text cache's fill counts Gemma at the prompt's
+    tokens (model.max_sequence_length or 512), not its 8192 positions (104.87 GiB before, for Gemma 2 2B)."""
+    from pathlib import Path
+
+    from difftrain.config import load_config
+    from difftrain.tools.base_memory import GiB, base_folder, count_base, text_cache_fill_bytes
+
+    preset = Path(__file__).resolve().parents[2] / "configs" / "sana-lora.toml"
+    cfg = load_config(preset, [f"model.init_from={base_folder('sana')}"])
+    counted = count_base(cfg, "sana", ranks=1)
+    assert "not counted" not in counted["activations_note"], counted["activations_note"]
+    assert counted["rows"][0]["activations"] > 0.1 * GiB
+    fill, _ = text_cache_fill_bytes(base_folder("sana"), cfg)
+    assert 2_614_341_888 * 2 < fill < 8 * GiB
