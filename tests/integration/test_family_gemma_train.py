@@ -49,8 +49,12 @@ def _digests(run_dir) -> tuple[str, str]:
 @pytest.mark.parametrize("name", ["sana", "lumina2"])
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_steps_run_and_resume_exactly(tmp_path, bases, name, mode):
-    """LoRA (with the text cache) and full fine-tuning: 4 steps straight = 2 steps, stop, resume, 2 more."""
-    extra = ["lora.rank=4", "lora.alpha=4", "text.cache=on"] if mode == "lora" else ["text.cache=off"]
+    """LoRA (with the text cache) and full fine-tuning: 4 steps straight = 2 steps, stop, resume, 2 more. The
+    text cache holds the Gemma condition, its mask included, and trains what the encoder itself gives."""
+    import json
+
+    extra = (["lora.rank=4", "lora.alpha=4", "text.cache=on", f"data.cache_dir={tmp_path / 'cache'}"] if mode == "lora"
+             else ["text.cache=off"])
     cfg = load_config(None, _overrides(bases, name, *extra))
     assert cfg.diffusion.objective == "flow" and cfg.diffusion.flow_t_sampling == "uniform"  # the base decided it
     train(cfg, tmp_path / "straight")
@@ -60,6 +64,13 @@ def test_steps_run_and_resume_exactly(tmp_path, bases, name, mode):
     names = list(ckpt.load_checkpoint(tmp_path / "straight")["model"])
     if mode == "lora":
         assert names and all("lora_" in n for n in names)
+        manifests = list((tmp_path / "cache").rglob("manifest.json"))
+        assert len(manifests) == 1 and f"text-{name}-" in str(manifests[0])
+        shapes = json.loads(manifests[0].read_text())["shapes"]
+        assert shapes == {"prompt_embeds": [LENGTH, 32], "prompt_attention_mask": [LENGTH]}, shapes
+        uncached = load_config(None, _overrides(bases, name, *extra[:2], "text.cache=off"))
+        train(uncached, tmp_path / "uncached")
+        assert _digests(tmp_path / "uncached") == _digests(tmp_path / "straight")
         _lora_export_loads_in_the_pipeline(tmp_path, bases, name)
     else:
         block = "transformer_blocks.0." if name == "sana" else "layers.0."
