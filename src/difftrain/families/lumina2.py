@@ -38,6 +38,13 @@ LoRA: peft on to_k, to_q, to_v, to_out.0 (the script's default targets, every at
   and the joint layers'); files in Lumina2LoraLoaderMixin's format (``transformer.`` + peft names),
   written by Lumina2Pipeline.save_lora_weights, read by its lora_state_dict.
 FSDP and block swap: the context refiner, the noise refiner and the joint layers, in forward order.
+Known base (tools/bases/lumina2, config files only, for ``estimate --base``): Lumina2Transformer2DModel's
+  defaults in the installed diffusers (26 joint layers and 2 + 2 refiner layers 2304 wide, 24 heads, 8 KV heads)
+  with cap_feat_dim 2304, the width of the Gemma 2 2B states the pipeline gives it (the class's default, 1024,
+  would not take them): 2,609,769,152 parameters on meta, the published 2.6B; Gemma 2 2B as Sana's (2.6B);
+  Flux's VAE (16 channels, factor 8, scaling 0.3611, shift 0.1159). Its scheduler_config.json (shift 6.0) is
+  recalled, not read from the published file here: estimate does not read it; a real base's own file decides.
+  Activations are not counted on meta: the transformer reads its mask's token counts on the host (tolist).
 """
 
 from __future__ import annotations

@@ -41,6 +41,16 @@ LoRA: peft on to_k, to_q, to_v (the script's default targets: both the linear se
   and the cross-attention ``attn2`` of every block); files in SanaLoraLoaderMixin's format
   (``transformer.`` + peft names), written by SanaPipeline.save_lora_weights, read by its lora_state_dict.
 FSDP and block swap: the transformer_blocks.
+Known bases (tools/bases/, config files only, for ``estimate --base``): ``sana`` is Sana_1600M_1024px: the
+  transformer's config is SanaTransformer2DModel's defaults in the installed diffusers (which are that model's:
+  20 blocks 2240 wide, 70 linear-attention heads of 32, 20 cross-attention heads of 112, caption 2304;
+  1,604,462,752 parameters on meta, the published 1.6B); ``sana-4.8b`` is SANA 1.5 4.8B: NVlabs/Sana's
+  SanaMS_4800M_P1_D60 (60 blocks of the same width and heads, qk_norm: its config's "allqknorm"), here
+  num_layers 60 and qk_norm "rms_norm_across_heads" (4,721,825,952 parameters); the text encoder Gemma 2 2B
+  (Gemma2Config's defaults in the installed transformers: 2,614,341,888 parameters); the VAE the DC-AE f32c32
+  (AutoencoderDC's defaults: 6 levels, factor 32, 32 channels; scaling_factor 0.41407 from NVlabs' configs);
+  the scheduler DPM-Solver++ with flow_shift 3.0 (NVlabs' configs' flow_shift; the other keys as recalled of
+  the published scheduler_config.json, not read here: estimate reads none of them).
 """
 
 from __future__ import annotations
