@@ -22,6 +22,7 @@ from tests.family_bases_hidream import write_tiny_hidream_folder
 from tests.family_bases_z_image import write_tiny_z_image_folder
 from tests.family_bases_pixart import write_tiny_pixart_folder
 from tests.family_bases_qwen_image import write_tiny_qwen_image_folder
+from tests.family_bases_gemma import write_tiny_lumina2_folder, write_tiny_sana_folder
 from tests.text_components import write_tiny_sd_folder
 
 diffusers = pytest.importorskip("diffusers")
@@ -34,13 +35,15 @@ from difftrain.models.text import TextEncoder  # noqa: E402
 BUILDERS = {"sd": write_tiny_sd_folder, "sdxl": write_tiny_sdxl_folder, "sd3": write_tiny_sd3_folder,
             "flux": write_tiny_flux_folder, "hidream": write_tiny_hidream_folder, "z-image": write_tiny_z_image_folder,
             "pixart-sigma": write_tiny_pixart_folder, "qwen-image": write_tiny_qwen_image_folder,
-            "chroma": write_tiny_chroma_folder, "auraflow": write_tiny_auraflow_folder}
+            "chroma": write_tiny_chroma_folder, "auraflow": write_tiny_auraflow_folder,
+            "sana": write_tiny_sana_folder, "lumina2": write_tiny_lumina2_folder}
 # The class of each family's denoiser, whose save_pretrained a test damages.
 DENOISER_CLASSES = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel", "sd3": "SD3Transformer2DModel",
                     "flux": "FluxTransformer2DModel", "hidream": "HiDreamImageTransformer2DModel",
                     "z-image": "ZImageTransformer2DModel", "pixart-sigma": "PixArtTransformer2DModel",
                     "qwen-image": "QwenImageTransformer2DModel", "chroma": "ChromaTransformer2DModel",
-                    "auraflow": "AuraFlowTransformer2DModel"}
+                    "auraflow": "AuraFlowTransformer2DModel", "sana": "SanaTransformer2DModel",
+                    "lumina2": "Lumina2Transformer2DModel"}
 
 
 @pytest.fixture(scope="module")

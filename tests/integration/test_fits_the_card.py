@@ -38,6 +38,7 @@ FAMILY_PRESETS = {
     "pixart-sigma-lora.toml": ["pixart-sigma"],
     "qwen-image-lora.toml": ["qwen-image"],
     "chroma-lora.toml": ["chroma"], "auraflow-lora.toml": ["auraflow"],
+    "sana-lora.toml": ["sana", "sana-4.8b"], "lumina2-lora.toml": ["lumina2"],
 }
 PAIRS = [(preset, base) for preset, bases in FAMILY_PRESETS.items() for base in bases]
 

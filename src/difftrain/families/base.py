@@ -978,7 +978,8 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
-MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart", "qwen_image", "chroma", "auraflow")
+MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart", "qwen_image", "chroma", "auraflow",
+           "sana", "lumina2")
 
 
 def register(family: Family) -> Family:

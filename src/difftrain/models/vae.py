@@ -1,10 +1,14 @@
-"""The frozen autoencoder of latent diffusion: a diffusers AutoencoderKL between images and latents.
+"""The frozen autoencoder of latent diffusion: a diffusers AutoencoderKL (or AutoencoderDC) between images and latents.
 
 Latent diffusion (Rombach et al. 2022) trains the denoiser on ``z * scaling_factor`` where
 ``z`` is drawn from the encoder's Gaussian ``N(mean, std^2)``; Stable Diffusion 3 / FLUX
 VAEs also subtract a ``shift_factor`` first. ``LatentCodec`` keeps the moments unscaled (what
 the latent cache stores) and converts to and from the model's space with ``to_model`` and
 ``decode``. diffusers is imported only when a codec is loaded.
+
+An AutoencoderDC (deep compression, Sana's: 32 channels, factor 32) encodes deterministically: its
+``encode(x).latent`` is the mean and its std is 0; its factor is ``2 ** (len(encoder_block_out_channels) - 1)``
+(what SanaPipeline computes), its config's key for the widths of the encoder's levels.
 """
 
 from __future__ import annotations
@@ -23,9 +27,24 @@ from .text import check_loading_info, first_line, quiet_loading, weights_digest
 
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin",
                 "diffusion_pytorch_model.safetensors.index.json")
-# config.json _class_name -> the spatial downsampling its config gives. AutoencoderKL's here; a family whose VAE is
-# another class registers it from its module (register_vae_class) and loads it with its Family.load_codec.
-VAE_FACTORS: dict[str, Callable[[dict], int]] = {"AutoencoderKL": lambda c: 2 ** (len(c["block_out_channels"]) - 1)}
+# The classes LatentCodec loads (its encode gives a distribution, or a latent: AutoencoderDC's, deterministic).
+CODEC_CLASSES = ("AutoencoderKL", "AutoencoderDC")
+# The config key of each level's width: the factor is 2 ** (levels - 1) (AutoencoderDC: its encoder's).
+LEVEL_KEYS = ("block_out_channels", "encoder_block_out_channels")
+
+
+def config_factor(config: dict) -> int:
+    """The spatial downsampling ``2 ** (len(widths) - 1)`` of a VAE config (a dict): its ``block_out_channels``,
+    else an AutoencoderDC's ``encoder_block_out_channels``; KeyError / TypeError when it has neither list."""
+    widths = next((config[k] for k in LEVEL_KEYS if config.get(k) is not None), None)
+    if widths is None:
+        raise KeyError("block_out_channels")
+    return 2 ** (len(widths) - 1)
+
+
+# config.json _class_name -> the spatial downsampling its config gives: LatentCodec's classes here; a family whose
+# VAE is another class registers it from its module (register_vae_class) and loads it with its Family.load_codec.
+VAE_FACTORS: dict[str, Callable[[dict], int]] = dict.fromkeys(CODEC_CLASSES, config_factor)
 
 
 def register_vae_class(name: str, factor: Callable[[dict], int]) -> None:
@@ -51,7 +70,8 @@ def vae_folder(path: str) -> Path:
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"vae {path}: unreadable {config}: {e}") from e
     if cls not in VAE_FACTORS:
-        raise ValueError(f"vae {path}: {config} describes a {cls!r}, not an AutoencoderKL")
+        raise ValueError(f"vae {path}: {config} describes a {cls!r}, not an AutoencoderKL (nor another VAE class a "
+                         f"family takes: {', '.join(VAE_FACTORS)})")
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"vae {path}: no weights in {folder} (looked for {', '.join(WEIGHT_FILES)})")
     return folder
@@ -85,7 +105,7 @@ class LatentCodec(nn.Module):
         self.source = source
         self.in_channels = int(config.in_channels)
         self.latent_channels = int(config.latent_channels)
-        self.factor = 2 ** (len(config.block_out_channels) - 1)
+        self.factor = config_factor(dict(config))
         self.scaling_factor = float(config.scaling_factor if config.scaling_factor is not None else 1.0)
         self.shift_factor = float(getattr(config, "shift_factor", None) or 0.0)
         self.digest = weights_digest(vae)
@@ -96,17 +116,19 @@ class LatentCodec(nn.Module):
         diffusion_pytorch_model.safetensors) or a Stable Diffusion folder with ``vae/``."""
         folder = vae_folder(path)
         found = json.loads((folder / "config.json").read_text()).get("_class_name")
-        if found != "AutoencoderKL":  # a family's own VAE class (VAE_FACTORS): its Family.load_codec loads it
+        if found not in CODEC_CLASSES:  # a family's own VAE class (VAE_FACTORS): its Family.load_codec loads it
             raise ValueError(f"vae {path}: {folder} holds a {found}, which its base family loads, not an AutoencoderKL")
         require("diffusers", "text", f"model.vae={path}")
-        from diffusers import AutoencoderKL  # inside: diffusers is optional (the text extra), required above
+        import diffusers  # inside: diffusers is optional (the text extra), required above
         from diffusers.utils import logging
+
+        vae_class = getattr(diffusers, found)  # one of CODEC_CLASSES
 
         check_weight_indexes(folder)  # from_pretrained reads the files a sharded VAE's index names, unchecked
         try:
             with quiet_loading(logging):
-                vae, info = AutoencoderKL.from_pretrained(str(folder), torch_dtype=torch.float32,
-                                                          low_cpu_mem_usage=False, output_loading_info=True)
+                vae, info = vae_class.from_pretrained(str(folder), torch_dtype=torch.float32,
+                                                      low_cpu_mem_usage=False, output_loading_info=True)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ValueError(f"vae {path}: cannot load {folder}: {first_line(e)}") from e
         check_loading_info(info, f"vae {path}", folder)
@@ -136,7 +158,10 @@ class LatentCodec(nn.Module):
         if images.shape[2] % self.factor or images.shape[3] % self.factor:
             raise ValueError(
                 f"vae {self.source}: image sides must be multiples of {self.factor}, got {tuple(images.shape[2:])}")
-        dist = self.vae.encode(images.to(self.device, self.dtype)).latent_dist  # float32 unless held in bf16
+        out = self.vae.encode(images.to(self.device, self.dtype))  # float32 unless held in bf16
+        dist = getattr(out, "latent_dist", None)
+        if dist is None:  # an AutoencoderDC: deterministic, its latent the mean, std 0
+            return out.latent.float(), torch.zeros_like(out.latent, dtype=torch.float32)
         return dist.mean.float(), dist.std.float()
 
     def to_model(self, z: torch.Tensor) -> torch.Tensor:
