@@ -44,7 +44,7 @@ from safetensors.torch import save
 
 from difftrain.models.text import (check_loading_info, first_line, model_weights_source, quiet_loading, streamed_digest,
                                    tokenize)
-from difftrain.models.vae import LatentCodec, vae_folder
+from difftrain.models.vae import VAE_CLASSES, LatentCodec, vae_folder
 from difftrain.runtime import meta_init
 from difftrain.runtime.device import to_device_async
 from difftrain.runtime.files import atomic_write_bytes
@@ -339,6 +339,8 @@ class Family(ABC):
     pipeline_class: str = ""
     model_classes: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = ()
+    # The VAE classes (config.json's _class_name) the family's :meth:`load_codec` takes (``model.vae``).
+    vae_classes: tuple[str, ...] = VAE_CLASSES
     # Whether the family's pipeline decodes with the VAE's shift_factor (z = latents / scaling + shift):
     # SD3 and Flux do; StableDiffusionPipeline and SDXL's do not, so their export refuses such a VAE.
     applies_shift_factor: bool = False
@@ -599,7 +601,9 @@ class Family(ABC):
                 raise ValueError(f"export: the {self.name} base {base} lacks {name}/ (its model_index.json names it)")
             copied[name] = (base / name, part_class(entry, f"base {base}: model_index.json's {name}"))
         if vae is not None:
-            copied["vae"] = (vae_folder(str(vae)), part_class(["diffusers", "AutoencoderKL"], f"VAE {vae}"))
+            folder = vae_folder(str(vae), self.vae_classes)
+            copied["vae"] = (folder, part_class(["diffusers", read_json(folder / "config.json", f"VAE {vae}")
+                                                 ["_class_name"]], f"VAE {vae}"))
         made = None
         if scheduler is not None:
             config = read_json(base / "scheduler" / "scheduler_config.json", f"base {base}")
@@ -888,6 +892,8 @@ def check_model_part(cls: type, folder: Path) -> None:
     source = TensorSource.of_files([f for f in files if not f.name.endswith(".index.json")])
     if len(files) == 1 and not transformers:
         source = source.renamed(loaded_names(model, source.names()))
+    if transformers:
+        source = source.renamed(transformers_names(model, source.names()))
     groups: dict[int, list[tuple[str, Tensor]]] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), []).append((key, tensor))
@@ -900,6 +906,26 @@ def check_model_part(cls: type, folder: Path) -> None:
             if source.shapes[key] != tuple(tensor.shape):
                 raise ValueError(f"{folder.name}/'s weight {key} has shape {source.shapes[key]}, its {cls.__name__} "
                                  f"config makes it {tuple(tensor.shape)}")
+
+
+def transformers_names(model: nn.Module, names: set[str]) -> dict[str, str]:
+    """The name each of ``names`` (a transformers model's weights files) is loaded under by its
+    ``from_pretrained``: transformers' own renamings of the model's checkpoint layout (its conversion mapping:
+    LLaVA-style models such as Mistral3ForConditionalGeneration save ``language_model.*`` / ``vision_tower.*``
+    and load them as ``model.language_model.*`` / ``model.vision_tower.*``), run on the names alone; only the
+    names it renames. {} with a transformers that has no such mapping (it renames nothing)."""
+    try:  # transformers 5's loader; an optional package ([text])
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {}
+    meta = model.state_dict()
+    found = {name: rename_source_key(name, renamings, [], getattr(model, "base_model_prefix", None), meta)[0]
+             for name in names}
+    return {old: new for old, new in found.items() if old != new}
 
 
 def quantized(quantization_config) -> dict:
@@ -941,7 +967,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
-MODULES = ("sd", "sdxl", "sd3", "flux")
+MODULES = ("sd", "sdxl", "sd3", "flux", "flux2", "flux2_klein")
 
 
 def register(family: Family) -> Family:

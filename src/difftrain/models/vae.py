@@ -25,9 +25,10 @@ WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.
 VAE_CLASSES = ("AutoencoderKL",)
 
 
-def vae_folder(path: str) -> Path:
-    """The AutoencoderKL folder of ``path``: the folder itself or a Stable Diffusion folder's
-    ``vae/``. Raises ValueError naming the folder and what is missing."""
+def vae_folder(path: str, classes: tuple[str, ...] = VAE_CLASSES) -> Path:
+    """The VAE folder of ``path``: the folder itself or a Stable Diffusion folder's ``vae/``, its config
+    naming one of ``classes`` (a family's: ``Family.vae_classes``). Raises ValueError naming the folder and
+    what is missing."""
     root = Path(path).expanduser()
     if not str(path).strip():
         raise ValueError("vae: the path is empty")
@@ -41,17 +42,17 @@ def vae_folder(path: str) -> Path:
         cls = json.loads(config.read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"vae {path}: unreadable {config}: {e}") from e
-    if cls not in VAE_CLASSES:
-        raise ValueError(f"vae {path}: {config} describes a {cls!r}, not an AutoencoderKL")
+    if cls not in classes:
+        raise ValueError(f"vae {path}: {config} describes a {cls!r}, not an {' or '.join(classes)}")
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"vae {path}: no weights in {folder} (looked for {', '.join(WEIGHT_FILES)})")
     return folder
 
 
-def vae_factor(path: str) -> int:
-    """The spatial downsampling of the AutoencoderKL at ``path`` from its config alone (no weights
+def vae_factor(path: str, classes: tuple[str, ...] = VAE_CLASSES) -> int:
+    """The spatial downsampling of the VAE (one of ``classes``) at ``path`` from its config alone (no weights
     loaded): ``2 ** (len(block_out_channels) - 1)``, as :class:`LatentCodec` computes it."""
-    folder = vae_folder(path)
+    folder = vae_folder(path, classes)
     try:
         return 2 ** (len(json.loads((folder / "config.json").read_text())["block_out_channels"]) - 1)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -75,7 +76,8 @@ class LatentCodec(nn.Module):
         self.in_channels = int(config.in_channels)
         self.latent_channels = int(config.latent_channels)
         self.factor = 2 ** (len(config.block_out_channels) - 1)
-        self.scaling_factor = float(config.scaling_factor if config.scaling_factor is not None else 1.0)
+        scaling = getattr(config, "scaling_factor", None)  # None or absent (a VAE normalising otherwise): 1
+        self.scaling_factor = float(scaling if scaling is not None else 1.0)
         self.shift_factor = float(getattr(config, "shift_factor", None) or 0.0)
         self.digest = weights_digest(vae)
 

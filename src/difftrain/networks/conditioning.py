@@ -27,7 +27,7 @@ from torch import Tensor
 from difftrain.data.text_cache import cached_prompt_encoder
 from difftrain.families import UNET, Family, family_of_config
 from difftrain.models import MODEL_PRESETS
-from difftrain.models.vae import LatentCodec, vae_factor
+from difftrain.models.vae import vae_factor
 from difftrain.runtime.stored_digest import FLOAT32
 
 # A network's condition: labels (B,), text embeddings (B, L, D), a base family's dict of batch-first
@@ -60,7 +60,8 @@ def image_side_multiple(model) -> int:
     Flux's times 2), or a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio buckets
     (``data/buckets.py``) round their sides to it."""
     if model.vae:
-        return family_of_config(model).image_side_multiple(SimpleNamespace(factor=vae_factor(model.vae)))
+        family = family_of_config(model)
+        return family.image_side_multiple(SimpleNamespace(factor=vae_factor(model.vae, family.vae_classes)))
     mult = model.channel_mult or MODEL_PRESETS.get(model.preset, {}).get("channel_mult", (1,))
     return 2 ** (len(mult) - 1)
 
@@ -105,7 +106,7 @@ class Conditioning:
         if cfg.model.text_encoder:
             text = family.run_prompt_encoder(cfg, device, cached_prompt_encoder if text_cache else None)
         if cfg.model.vae:
-            codec = LatentCodec.from_path(cfg.model.vae).to(device)
+            codec = family.load_codec(cfg.model.vae, device)  # the family's VAE class and latent normalisation
         made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution, family=family)
         if text is not None:  # the family's scalars and multiple apply to its text runs (UNet: none, the VAE's)
             made.train_values = family.run_conditions(cfg.model)  # training's; the samples' from validation
