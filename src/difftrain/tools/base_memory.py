@@ -138,7 +138,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
     weights in ``train.precision``'s dtype (float32 for fp32) plus one fill batch's (``validation.heldout_batch_size``
     captions) largest activation: per caption, the larger of a layer's input and output (2 x tokens x
     max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: CLIP's
-    ``max_position_embeddings``, T5's ``model.max_sequence_length`` or 512."""
+    ``max_position_embeddings`` (at most 512), else (T5, decoder LMs) ``model.max_sequence_length`` or 512; a
+    multimodal model's widths are its ``text_config``'s."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
@@ -149,9 +150,11 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
         cls = getattr(transformers, value[1])
         with torch.device("meta"):
             params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
-        tokens = raw.get("max_position_embeddings") or cfg.model.max_sequence_length or 512
-        width = max(raw.get("hidden_size") or raw.get("d_model", 0), raw.get("intermediate_size") or raw.get("d_ff", 0))
-        heads = raw.get("num_attention_heads") or raw.get("num_heads", 0)
+        dims = raw.get("text_config") or raw  # a multimodal model's language model (Mistral3's) runs the prompt
+        positions = dims.get("max_position_embeddings")  # a CLIP's 77; a decoder LM's (thousands) is no prompt's
+        tokens = positions if positions and positions <= 512 else cfg.model.max_sequence_length or 512
+        width = max(dims.get("hidden_size") or dims.get("d_model", 0), dims.get("intermediate_size") or dims.get("d_ff", 0))
+        heads = dims.get("num_attention_heads") or dims.get("num_heads", 0)
         total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize
         if total > peak:
             peak, name = total, f"{part} ({value[1]})"
