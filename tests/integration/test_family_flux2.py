@@ -194,3 +194,21 @@ def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, bases, name)
     else:  # Flux2KleinPipeline's "latent" output: the VAE's own (denormalised, unpatchified)
         ours = family.load_codec(folder).from_model(ours)
     assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
+
+
+def test_known_bases_are_the_published_sizes():
+    """tools/bases/flux2-*: the transformers at FLUX.2 [dev]'s 32B (Flux2Transformer2DModel's defaults) and klein's
+    4B / 9B (5 + 20 and 8 + 24 blocks, 24 and 32 heads), the text encoders at Mistral Small 3.1's 24B (vision tower
+    included) and Qwen3's 4B / 8B, counted on the meta device; each detected as its family."""
+    from difftrain.families import detect
+    from difftrain.tools.base_memory import base_folder, denoiser_config, text_encoder_params
+
+    sizes = {"flux2-dev": (32_223_281_152, 24_011_361_280), "flux2-klein-4b": (3_875_544_576, 4_022_468_096),
+             "flux2-klein-9b": (9_078_581_248, 8_190_735_360)}
+    for name, (denoiser, text) in sizes.items():
+        folder = base_folder(name)
+        family = detect(folder)
+        assert family.name == ("flux2" if name == "flux2-dev" else "flux2-klein")
+        with torch.device("meta"):
+            net = family.denoiser_from_record({"config": denoiser_config(folder)})
+        assert (sum(p.numel() for p in net.parameters()), text_encoder_params(folder)) == (denoiser, text), name

@@ -43,7 +43,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from difftrain.models.text import (check_loading_info, first_line, model_weights_source, quiet_loading, streamed_digest,
-                                   tokenize)
+                                   tokenize, tokenize_masked)
 from difftrain.models.vae import VAE_CLASSES, LatentCodec, vae_folder
 from difftrain.runtime import meta_init
 from difftrain.runtime.device import to_device_async
@@ -290,6 +290,14 @@ def token_ids(tokenizer, captions: list[str], length: int, device: torch.device 
     ``length``, truncated: ``models.text.tokenize``), made on the host and copied without waiting for the
     device (``runtime.device.to_device_async``). The one tokenise-and-copy of every family's text encoders."""
     return to_device_async(tokenize(tokenizer, captions, length), device)
+
+
+def masked_token_ids(tokenizer, texts: list[str], length: int, device: torch.device | str,
+                     add_special_tokens: bool = True) -> tuple[Tensor, Tensor]:
+    """(ids, attention mask), each (B, length) long on ``device``: :func:`token_ids` with the mask a decoder text
+    encoder takes (``models.text.tokenize_masked``; ``add_special_tokens=False`` for text a chat template made)."""
+    ids, mask = tokenize_masked(tokenizer, texts, length, add_special_tokens)
+    return to_device_async(ids, device), to_device_async(mask, device)
 
 
 def drop_rows(cond: Condition, null: Condition, drop: Tensor) -> Condition:

@@ -60,12 +60,12 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import Denoiser, PromptEncoder, frozen_part, load_part, read_json, require_keys
+from difftrain.families.base import (Denoiser, PromptEncoder, frozen_part, load_part, masked_token_ids, read_json,
+                                     require_keys)
 from difftrain.families.flux import pack, unpack
 from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily
 from difftrain.models.text import files_digest, first_line, quiet_loading, vocab_bytes
 from difftrain.models.vae import LatentCodec, vae_folder
-from difftrain.runtime.device import to_device_async
 from difftrain.runtime.tensor_source import check_weight_indexes
 
 DEFAULT_LENGTH = 512  # Flux2Pipeline's max_sequence_length default and the script's
@@ -95,11 +95,11 @@ def chat(prompt: str, system: str | None) -> list[dict]:
 def chat_tokens(tokenizer, captions: list[str], length: int, system: str | None,
                 device: torch.device | str) -> tuple[Tensor, Tensor]:
     """(ids (B, length) long, attention mask (B, length)) on ``device``: each caption's chat (:func:`chat`)
-    through the tokenizer's chat template, padded to ``length`` and truncated."""
-    out = tokenizer.apply_chat_template([chat(c, system) for c in captions], add_generation_prompt=False,
-                                        tokenize=True, return_dict=True, return_tensors="pt", padding="max_length",
-                                        truncation=True, max_length=length)
-    return to_device_async(out["input_ids"].long(), device), to_device_async(out["attention_mask"].long(), device)
+    through the tokenizer's chat template, then tokenized without adding special tokens (the template holds
+    them: what ``apply_chat_template(tokenize=True)`` does, the pipeline's call), padded to ``length``, truncated."""
+    texts = tokenizer.apply_chat_template([chat(c, system) for c in captions], add_generation_prompt=False,
+                                          tokenize=False)
+    return masked_token_ids(tokenizer, texts, length, device, add_special_tokens=False)
 
 
 def stacked_layers(model: nn.Module, ids: Tensor, mask: Tensor, layers: tuple[int, ...]) -> Tensor:

@@ -33,9 +33,8 @@ from pathlib import Path
 from torch import Tensor
 
 from difftrain.families import register
-from difftrain.families.base import read_json
+from difftrain.families.base import masked_token_ids, read_json
 from difftrain.families.flux2 import Flux2Denoiser, Flux2Family, Flux2PromptEncoder
-from difftrain.runtime.device import to_device_async
 
 QWEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
 PIPELINE_GUIDANCE = 4.0  # Flux2KleinPipeline.__call__'s guidance_scale default (CFG)
@@ -48,12 +47,6 @@ def user_chat_texts(tokenizer, captions: list[str]) -> list[str]:
                                           enable_thinking=False) for c in captions]
 
 
-def text_tokens(tokenizer, texts: list[str], length: int, device) -> tuple[Tensor, Tensor]:
-    """(ids (B, length) long, mask (B, length)) on ``device``: ``texts`` padded to ``length``, truncated."""
-    out = tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True, max_length=length)
-    return to_device_async(out["input_ids"].long(), device), to_device_async(out["attention_mask"].long(), device)
-
-
 class Flux2KleinPromptEncoder(Flux2PromptEncoder):
     """Qwen3 of a FLUX.2 [klein] folder, frozen: ``encode(captions) -> {"prompt_embeds": (B, L, 3 x D)}``."""
 
@@ -64,7 +57,7 @@ class Flux2KleinPromptEncoder(Flux2PromptEncoder):
         return None
 
     def tokens(self, captions: list[str], device) -> tuple[Tensor, Tensor]:
-        return text_tokens(self.tokenizer, user_chat_texts(self.tokenizer, captions), self.length, device)
+        return masked_token_ids(self.tokenizer, user_chat_texts(self.tokenizer, captions), self.length, device)
 
 
 class Flux2KleinDenoiser(Flux2Denoiser):

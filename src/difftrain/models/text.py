@@ -209,6 +209,18 @@ def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
                      return_tensors="pt")["input_ids"].long()
 
 
+def tokenize_masked(tokenizer, texts: list[str], length: int,
+                    add_special_tokens: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), each (B, length) long on the host: ``texts`` tokenized as :func:`tokenize` does,
+    with the mask the decoder text encoders take (Qwen3, Mistral 3...). ``add_special_tokens=False``: text a chat
+    template rendered, its special tokens in it (what a tokenizer's ``apply_chat_template(tokenize=True)`` does)."""
+    if isinstance(texts, str):
+        raise TypeError("tokenize_masked takes a list of texts, got one string")
+    out = tokenizer(list(texts), padding="max_length", max_length=length, truncation=True, return_tensors="pt",
+                    add_special_tokens=add_special_tokens)
+    return out["input_ids"].long(), out["attention_mask"].long()
+
+
 @contextlib.contextmanager
 def quiet_loading(logging_module):
     """Hide a library's per-load progress bars and load reports (transformers' or diffusers'
