@@ -158,17 +158,21 @@ def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, ba
     assert "\n" not in str(info.value) and str(other_path) in str(info.value)
 
 
+@pytest.mark.parametrize("grid", ["defaults", "shift3"])
 @pytest.mark.parametrize("name", ["flux2", "flux2-klein"])
-def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, bases, name):
-    """The exported folder (scheduler from difftrain's flow keys: a fixed shift 3, which both grids take
-    alike) samples, from the same noise, difftrain's latents (Euler, 4 steps; dev with its guidance input
-    4.0, klein with CFG 4 on encode([""]), the pipeline's negative prompt)."""
-    from types import SimpleNamespace
-
-    from difftrain.diffusion.flow import FlowObjective
+def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, bases, name, grid):
+    """The exported folder (its scheduler from difftrain's flow keys: the base's defaults, the pipelines'
+    empirical resolution- and step-dependent shift; or a fixed shift 3) samples, from the same noise, difftrain's
+    latents (Euler, 4 steps; dev with its guidance input 4.0, klein with CFG 4 on encode([""]), the pipeline's
+    negative prompt)."""
+    from difftrain.config import load_config
+    from difftrain.diffusion.objective import build_objective
 
     family, folder = FAMILY[name](), bases[name]
-    diffusion = SimpleNamespace(objective="flow", flow_dynamic_shift=False, flow_shift=3.0)
+    keys = {k: v for k, v in family.training_defaults(folder).items() if k.startswith("diffusion.")}
+    if grid == "shift3":
+        keys |= {"diffusion.flow_dynamic_shift": False, "diffusion.flow_shift": 3.0}
+    diffusion = load_config(overrides=[f"{k}={'none' if v is None else v}" for k, v in keys.items()]).diffusion
     out = family.export_pipeline(family.load_denoiser(folder), folder, tmp_path / "export",
                                  scheduler=family.export_scheduler(diffusion))
     x_T = torch.randn(1, LATENT_CHANNELS, 8, 8, generator=torch.Generator().manual_seed(3))
@@ -185,7 +189,7 @@ def test_exported_pipeline_samples_what_difftrain_samples(tmp_path, bases, name)
         return uncond + scale * (text - uncond)
 
     with torch.no_grad():
-        ours = FlowObjective(shift=3.0).sample(network, x_T, "euler", steps, None, clip=False)
+        ours = build_objective(diffusion).sample(network, x_T, "euler", steps, None, clip=False)
     theirs = _pipe(name, out)(prompt="a red circle", height=32, width=32, num_inference_steps=steps,
                               guidance_scale=scale, max_sequence_length=TEXT_LENGTH, latents=patchify(x_T),
                               output_type="latent").images
@@ -212,3 +216,14 @@ def test_known_bases_are_the_published_sizes():
         with torch.device("meta"):
             net = family.denoiser_from_record({"config": denoiser_config(folder)})
         assert (sum(p.numel() for p in net.parameters()), text_encoder_params(folder)) == (denoiser, text), name
+
+
+def test_the_empirical_shift_is_the_pipelines():
+    """diffusion.flow_shift_rule = "empirical": FLUX.2's mu of the token and step counts, as its pipelines compute it."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    from difftrain.diffusion.ode_samplers import empirical_shift
+
+    for tokens in (16, 256, 1024, 4096, 4301, 8192):
+        for steps in (1, 4, 28, 50, 250):
+            assert empirical_shift(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps), abs=1e-12)

@@ -46,11 +46,10 @@ def _digests(run_dir) -> tuple[str, str]:
 
 @pytest.mark.parametrize("name,mode", [("flux2", "lora"), ("flux2-klein", "lora"), ("flux2", "full")])
 def test_steps_run_and_resume_exactly(tmp_path, bases, name, mode):
-    """A fixed sampling shift (3) in the full run: its export's scheduler then samples on difftrain's grid."""
-    extra = ["lora.rank=4", "lora.alpha=4", "text.cache=on"] if mode == "lora" else [
-        "diffusion.flow_dynamic_shift=false", "diffusion.flow_shift=3.0"]
+    extra = ["lora.rank=4", "lora.alpha=4", "text.cache=on"] if mode == "lora" else []
     cfg = load_config(None, _overrides(bases, name, *extra))
     assert cfg.diffusion.objective == "flow" and cfg.diffusion.flow_t_sampling == "uniform"  # the base decided them
+    assert cfg.diffusion.flow_dynamic_shift and cfg.diffusion.flow_shift_rule == "empirical"  # the pipelines' grid
     train(cfg, tmp_path / "straight")
     train(cfg, tmp_path / "resumed", stop_at_step=2)
     assert train(cfg, tmp_path / "resumed").step == 4
@@ -69,7 +68,8 @@ def test_steps_run_and_resume_exactly(tmp_path, bases, name, mode):
 
 def _export_samples_as_difftrain(tmp_path, name):
     """``export`` of a full fine-tune: the pipeline loads the folder and, from the same initial noise,
-    samples difftrain's images (Euler, 3 steps, the guidance input 4.0: validation.distilled_guidance)."""
+    samples difftrain's images (Euler, 3 steps on the pipelines' empirical grid, the guidance input 4.0:
+    validation.distilled_guidance)."""
     import diffusers
 
     from difftrain import api

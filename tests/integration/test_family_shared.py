@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.family_bases import write_tiny_flux_folder, write_tiny_sd3_folder, write_tiny_sdxl_folder
+from tests.family_bases_flux2 import write_tiny_flux2_folder, write_tiny_flux2_klein_folder
 from tests.text_components import write_tiny_sd_folder
 
 diffusers = pytest.importorskip("diffusers")
@@ -26,10 +27,11 @@ from difftrain.families.base import Family, load_all  # noqa: E402
 from difftrain.models.text import TextEncoder  # noqa: E402
 
 BUILDERS = {"sd": write_tiny_sd_folder, "sdxl": write_tiny_sdxl_folder, "sd3": write_tiny_sd3_folder,
-            "flux": write_tiny_flux_folder}
+            "flux": write_tiny_flux_folder, "flux2": write_tiny_flux2_folder, "flux2-klein": write_tiny_flux2_klein_folder}
 # The class of each family's denoiser, whose save_pretrained a test damages.
 DENOISER_CLASSES = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel", "sd3": "SD3Transformer2DModel",
-                    "flux": "FluxTransformer2DModel"}
+                    "flux": "FluxTransformer2DModel", "flux2": "Flux2Transformer2DModel",
+                    "flux2-klein": "Flux2Transformer2DModel"}
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,7 @@ def test_a_lora_file_of_a_unet_family_is_checked_as_a_transformers_is(bases, tmp
         assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux", "flux2", "flux2-klein"])
 def test_an_exported_folder_is_loaded_back_and_one_that_does_not_load_is_one_line(bases, tmp_path, monkeypatch, name):
     """export_pipeline's folder loads in the family's pipeline (its denoiser's weights are the trained ones);
     when the folder written does not load (here: the denoiser's config.json damaged as it is saved), the

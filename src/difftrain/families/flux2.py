@@ -38,12 +38,12 @@ Training (the script): sigma = the scheduler's sigmas at floor(1000 u), u by wei
   here too; loss weight 1 (velocity). guidance = --guidance_scale (default 3.5) for every sample:
   model.distilled_guidance (3.5). The script encodes latents with latent_dist.mode() (the mean); difftrain
   draws from the cached distribution (mean + std eps) as for every VAE.
-Sampling (the pipeline): sigmas linspace(1, 1/N, N), shifted by e^mu with mu = compute_empirical_mu(tokens,
-  N) (BFL's empirical fit, depending on the step count too), guidance_scale 4.0 by default. difftrain's
-  grid takes Flux.1's resolution-dependent mu (calculate_shift with the scheduler's base/max shift): the
-  same family of grids, not the same mu (difftrain's flow objective has no step-dependent rule); the
-  exported folder keeps the base's scheduler settings, so the pipeline samples on its own grid.
-  validation.distilled_guidance defaults to 4.0, the pipeline's.
+Sampling (the pipeline): sigmas linspace(1, 1/N, N), shifted by e^mu (the scheduler's use_dynamic_shifting,
+  time_shift_type "exponential") with mu = compute_empirical_mu(tokens, N): BFL's empirical fit of the packed
+  token count and the step count (not Flux.1's calculate_shift: the scheduler's base/max shift are unused);
+  here diffusion.flow_dynamic_shift with diffusion.flow_shift_rule = "empirical", the same grid; the export
+  keeps use_dynamic_shifting, so the exported pipeline samples on it too. guidance_scale 4.0 by default:
+  validation.distilled_guidance defaults to 4.0.
 LoRA: the script's default targets: every double block's attention to_q/k/v/to_out.0 (image stream; not
   the context projections) and the single blocks' fused to_qkv_mlp_proj and attn.to_out (named per block,
   48 of them, as the script lists them); files in Flux2LoraLoaderMixin's format (``transformer.`` + peft
@@ -298,7 +298,7 @@ class Flux2Family(TransformerFamily):
 
     def training_defaults(self, folder: Path) -> dict[str, object]:
         """The base's parts, captions on, rectified flow as diffusers' script trains it (uniform, unshifted
-        t), sampling with the scheduler's resolution-dependent shift, the pipeline's guidance."""
+        t), sampling on the pipelines' grid (the empirical mu of the tokens and steps), the pipeline's guidance."""
         sched = self.scheduler_config(folder)
         return {**self._defaults(folder), "diffusion.flow_t_sampling": "uniform",
                 "diffusion.flow_train_shift": 1.0, "diffusion.flow_shift": 1.0, "diffusion.flow_grid_end": None,
@@ -307,7 +307,7 @@ class Flux2Family(TransformerFamily):
                 "diffusion.flow_max_shift": float(sched.get("max_shift", 1.15)),
                 "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
                 "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096)),
-                **self.guidance_defaults(folder)}
+                "diffusion.flow_shift_rule": "empirical", **self.guidance_defaults(folder)}
 
     def guidance_defaults(self, folder: Path) -> dict[str, object]:
         """The samples' guidance: the pipeline's distilled guidance_scale (4.0)."""
