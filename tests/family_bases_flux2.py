@@ -3,8 +3,11 @@ built offline from a seed with diffusers' and transformers' own classes.
 
     write_tiny_flux2_folder(path)         Flux2Pipeline: Flux2Transformer2DModel (guidance_embeds),
                                           Mistral3ForConditionalGeneration (text model of MISTRAL_LAYERS
-                                          layers, a 1-layer Pixtral vision tower), a PixtralProcessor
-                                          tokenizer with a chat template, AutoencoderKLFlux2 (32 channels,
+                                          layers, a 1-layer Pixtral vision tower), a fast tokenizer with a
+                                          chat template (the real base's tokenizer/ is a PixtralProcessor,
+                                          which transformers builds only with torchvision, not installed
+                                          here; the pipeline calls the same apply_chat_template on either),
+                                          AutoencoderKLFlux2 (32 channels,
                                           factor 4, its batch norm's running statistics set), the scheduler
     write_tiny_flux2_klein_folder(path)   Flux2KleinPipeline: the same transformer without guidance_embeds,
                                           Qwen3ForCausalLM (QWEN_LAYERS layers), a Qwen2 tokenizer with a
@@ -21,7 +24,6 @@ Each builder takes a seed and leaves the global RNG as it was.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -106,7 +108,7 @@ def tiny_flux2_transformer(seed: int, text_width: int, guidance: bool, head_dim:
 
 def write_tiny_flux2_folder(path: str | Path, seed: int = 0) -> Path:
     """Write a Flux2Pipeline folder into ``path`` (model_index.json, transformer/, vae/, text_encoder/ (a
-    Mistral3ForConditionalGeneration), tokenizer/ (a PixtralProcessor), scheduler/);
+    Mistral3ForConditionalGeneration), tokenizer/ (a fast tokenizer with the chat template), scheduler/);
     ``Flux2Pipeline.from_pretrained`` loads it and samples 32 px images."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
@@ -135,7 +137,7 @@ def write_tiny_flux2_folder(path: str | Path, seed: int = 0) -> Path:
 
 def write_tiny_flux2_klein_folder(path: str | Path, seed: int = 0) -> Path:
     """Write a Flux2KleinPipeline folder into ``path`` (transformer/ without guidance_embeds, vae/,
-    text_encoder/ (a Qwen3ForCausalLM), tokenizer/ (a Qwen2TokenizerFast-compatible fast tokenizer),
+    text_encoder/ (a Qwen3ForCausalLM), tokenizer/ (a fast tokenizer with a Qwen3-like chat template),
     scheduler/); ``Flux2KleinPipeline.from_pretrained`` loads it and samples 32 px images."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
