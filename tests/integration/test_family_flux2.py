@@ -227,3 +227,23 @@ def test_the_empirical_shift_is_the_pipelines():
     for tokens in (16, 256, 1024, 4096, 4301, 8192):
         for steps in (1, 4, 28, 50, 250):
             assert empirical_shift(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps), abs=1e-12)
+
+
+def test_a_folder_without_a_part_is_one_line_naming_it_and_a_distilled_klein_samples_without_cfg(tmp_path, bases):
+    import json
+    import shutil
+
+    for name in ("flux2", "flux2-klein"):
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(bases[name] / "model_index.json", folder)
+        with pytest.raises(ValueError, match="text_encoder/") as info:
+            FAMILY[name]().load_prompt_encoder(folder)
+        assert "\n" not in str(info.value) and str(folder) in str(info.value)
+        shutil.copytree(bases[name] / "text_encoder", folder / "text_encoder")
+        with pytest.raises(ValueError, match="tokenizer/") as info:
+            FAMILY[name]().load_prompt_encoder(folder)
+        assert "\n" not in str(info.value)
+    index = json.loads((tmp_path / "flux2-klein" / "model_index.json").read_text())
+    (tmp_path / "flux2-klein" / "model_index.json").write_text(json.dumps(index | {"is_distilled": True}))
+    assert Flux2KleinFamily().guidance_defaults(tmp_path / "flux2-klein") == {"validation.guidance_scale": 1.0}
