@@ -23,7 +23,7 @@ def test_every_config_and_record_without_a_base_answers_the_unet_family(tmp_path
 
 def test_the_unet_family_is_registered_but_no_base():
     assert FAMILIES["unet"] is UNET and not UNET.base
-    with pytest.raises(ValueError, match=r"^model.family must be one of flux, sd, sd3, sdxl \(or auto\), got 'unet'$"):
+    with pytest.raises(ValueError, match=r"^model.family must be one of flux, flux2, flux2-klein, sd, sd3, sdxl \(or auto\), got 'unet'$"):
         family_named("unet")
 
 
