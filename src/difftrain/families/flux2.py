@@ -48,7 +48,13 @@ LoRA: the script's default targets: every double block's attention to_q/k/v/to_o
   the context projections) and the single blocks' fused to_qkv_mlp_proj and attn.to_out (named per block,
   48 of them, as the script lists them); files in Flux2LoraLoaderMixin's format (``transformer.`` + peft
   names), written by Flux2Pipeline.save_lora_weights, read by its lora_state_dict.
-Sizes: tools/bases/flux2-dev/ (the transformer: Flux2Transformer2DModel's defaults are FLUX.2 [dev]'s).
+Known base (tools/bases/flux2-dev/, for ``difftrain estimate --base``; no network here, so no published file
+  was read): the transformer is Flux2Transformer2DModel's defaults (8 double and 48 single blocks, 48 heads of
+  128, joint_attention_dim 15360 = 3 x 5120: 32.2B parameters, the published "32B"); the text encoder
+  transformers' Mistral3Config defaults (Mistral Small 3.1: 40 layers of 5120, Pixtral vision tower of 24
+  layers) with its untied language-model head: 24.0B, the published "24B"; the VAE AutoencoderKLFlux2's
+  defaults; the scheduler FlowMatchEulerDiscreteScheduler with use_dynamic_shifting (the pipeline's mu is its
+  own: only the dynamic flag matters).
 """
 
 from __future__ import annotations

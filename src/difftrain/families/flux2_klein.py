@@ -24,6 +24,12 @@ Training (the script): flux2.py's (uniform, unshifted t; velocity; weight 1); it
   to 0 (difftrain keeps data.class_dropout, the null condition being the pipeline's negative prompt).
 LoRA: the script's default targets, flux2.py's list with the single blocks named up to 24; difftrain keeps
   the 48 names (the names past a base's blocks match nothing), so one list serves both.
+Known bases (tools/bases/flux2-klein-4b, -9b; no published file could be read here): the transformers' split,
+  4B: 5 double + 20 single blocks, 24 heads of 128, joint_attention_dim 7680; 9B: 8 + 24 blocks, 32 heads,
+  12288 (as public reimplementations quote the released transformer/config.json; the script's 24 single-block
+  targets agree with the 9B), 3.88B and 9.08B parameters; Qwen3-4B and -8B at their published sizes (36
+  layers, 2560 / 4096 wide, FFN 9728 / 12288, 32 heads, 8 KV heads, the 4B's embeddings tied): 4.02B and
+  8.19B. The folders say is_distilled (the released klein 4B / 9B are step-distilled; the "base" ones are not).
 """
 
 from __future__ import annotations
