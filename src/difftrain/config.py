@@ -28,6 +28,7 @@ Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
 FlowTSampling = Literal["logit_normal", "mode", "uniform"]  # diffusion/flow.py T_SAMPLINGS
 FlowLoss = Literal["velocity", "x0"]  # diffusion/flow.py FLOW_LOSSES
+FlowShiftRule = Literal["linear", "empirical"]  # diffusion/ode_samplers.py SHIFT_RULES
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
 Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
 # Each objective's samplers, in diffusion/objective.py's OBJECTIVE_SAMPLERS order (the order errors list them).
@@ -242,6 +243,9 @@ class DiffusionConfig(_Section):
     flow_max_shift: float = 1.15  # mu at flow_max_seq_len tokens (Flux's scheduler max_shift)
     flow_base_seq_len: int = 256  # tokens of flow_base_shift (base_image_seq_len)
     flow_max_seq_len: int = 4096  # tokens of flow_max_shift (max_image_seq_len)
+    # the dynamic shift's mu: "linear" in the tokens through the four values above (Flux.1's calculate_shift), or
+    # "empirical": FLUX.2's fit of the tokens and the sampling steps (its pipelines' compute_empirical_mu)
+    flow_shift_rule: FlowShiftRule = "linear"
     # what flow training regresses: "velocity" (eps - x0, weight 1: rectified flow, the SD3 paper's loss) or "x0"
     # (the denoised image x_t - t v, = the velocity error x t^2: diffusers' SD3 script's --precondition_outputs 1)
     flow_loss: FlowLoss = "velocity"

@@ -33,7 +33,8 @@ Sampling integrates dx/dt = v(x, t) from t = 1 (x_T ~ N(0, I)) to t = 0 on a uni
 (``grid_end`` None: linspace(1, 0, N + 1), FluxPipeline's sigmas; a value: linspace(1, end, N)
 then 0, what FlowMatchEulerDiscreteScheduler.set_timesteps makes for SD3), shifted by ``shift``,
 or, with ``dynamic_shift`` (Flux), by e^mu with mu from the image's token count (h / 2)(w / 2)
-of its latents (diffusers' calculate_shift). The denoised image is x0_hat = x_t - t v.
+of its latents (diffusers' calculate_shift; ``shift_rule`` "empirical": FLUX.2's fit of the token and
+step counts, diffusers' compute_empirical_mu). The denoised image is x0_hat = x_t - t v.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import torch
 from torch import Tensor
 
 from difftrain.diffusion.interface import Network, Noised
-from difftrain.diffusion.ode_samplers import ODE_SOLVERS, flow_times, image_seq_shift, shift_times
+from difftrain.diffusion.ode_samplers import (ODE_SOLVERS, SHIFT_RULES, empirical_shift, flow_times, image_seq_shift,
+                                              shift_times)
 
 # The UNet embeds its conditioning with DDPM's sinusoids, made for timesteps in [0, 1000)
 # (models/layers.py); t in (0, 1) would leave all but the fastest few nearly constant. The
@@ -114,12 +116,15 @@ class FlowObjective:
     def __init__(self, logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0,
                  t_sampling: str = "logit_normal", mode_scale: float = 1.29, train_shift: float = 1.0,
                  grid_end: float | None = None, dynamic_shift: bool = False, base_shift: float = 0.5,
-                 max_shift: float = 1.15, base_seq_len: int = 256, max_seq_len: int = 4096, loss: str = "velocity"):
+                 max_shift: float = 1.15, base_seq_len: int = 256, max_seq_len: int = 4096, loss: str = "velocity",
+                 shift_rule: str = "linear"):
         if t_sampling not in T_SAMPLINGS:
             raise ValueError(f"t_sampling must be one of {', '.join(T_SAMPLINGS)}, got {t_sampling!r}")
         if loss not in FLOW_LOSSES:
             raise ValueError(f"loss must be one of {', '.join(FLOW_LOSSES)}, got {loss!r}")
-        self.loss = loss
+        if shift_rule not in SHIFT_RULES:
+            raise ValueError(f"shift_rule must be one of {', '.join(SHIFT_RULES)}, got {shift_rule!r}")
+        self.loss, self.shift_rule = loss, shift_rule
         self.logit_mean, self.logit_std, self.shift = logit_mean, logit_std, shift
         self.t_sampling, self.mode_scale, self.train_shift = t_sampling, mode_scale, train_shift
         self.grid_end, self.dynamic_shift = grid_end, dynamic_shift
@@ -187,10 +192,12 @@ class FlowObjective:
 
     def grid(self, steps: int, latent_hw: tuple[int, int]) -> Tensor:
         """The sampling grid (steps + 1,) float64 from 1 to 0 for latents of ``latent_hw`` = (h, w):
-        shifted by ``shift`` or, with ``dynamic_shift``, by Flux's mu of (h / 2)(w / 2) tokens."""
+        shifted by ``shift`` or, with ``dynamic_shift``, by the mu of (h / 2)(w / 2) tokens: Flux's, linear in
+        them (``shift_rule`` "linear"), or FLUX.2's empirical fit of tokens and ``steps`` ("empirical")."""
         mu = None
+        tokens = (latent_hw[0] // 2) * (latent_hw[1] // 2)
         if self.dynamic_shift:
-            mu = image_seq_shift((latent_hw[0] // 2) * (latent_hw[1] // 2), **self.seq_shift)
+            mu = image_seq_shift(tokens, **self.seq_shift) if self.shift_rule == "linear" else empirical_shift(tokens, steps)
         return flow_times(steps, self.shift, self.grid_end, mu)
 
     def noised(self, x0: Tensor, levels: Tensor, noise: Tensor) -> Noised:

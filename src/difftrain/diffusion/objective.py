@@ -174,7 +174,7 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
     "flow": lambda d: FlowObjective(d.flow_logit_mean, d.flow_logit_std, d.flow_shift, d.flow_t_sampling,
                                     d.flow_mode_scale, d.flow_train_shift, d.flow_grid_end, d.flow_dynamic_shift,
                                     d.flow_base_shift, d.flow_max_shift, d.flow_base_seq_len, d.flow_max_seq_len,
-                                    d.flow_loss),
+                                    d.flow_loss, d.flow_shift_rule),
 }
 
 # name -> the samplers of that family (config validation; the CLI offers their union).

@@ -92,6 +92,22 @@ def image_seq_shift(tokens: int, base_shift: float = 0.5, max_shift: float = 1.1
     return tokens * slope + base_shift - slope * base_seq_len
 
 
+def empirical_shift(tokens: int, steps: int) -> float:
+    """FLUX.2's mu for an image of ``tokens`` latent patches sampled in ``steps`` steps: Black Forest Labs'
+    empirical fit (diffusers' compute_empirical_mu, from BFL's flux2 sampling code): linear in the token count
+    at 10 and at 200 steps, linear in the step count between (and beyond) them; past 4300 tokens the 200-step
+    line alone."""
+    a10, b10, a200, b200 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    at200 = a200 * tokens + b200
+    if tokens > 4300:
+        return float(at200)
+    slope = (at200 - (a10 * tokens + b10)) / 190.0
+    return float(slope * steps + at200 - 200.0 * slope)
+
+
+SHIFT_RULES = ("linear", "empirical")  # mu of the dynamic shift: image_seq_shift, empirical_shift
+
+
 def _levels(x: Tensor, grid: Tensor) -> tuple[Tensor, list[float]]:
     """Validate the shared arguments; return float32 x and the grid as floats."""
     if x.ndim < 2:

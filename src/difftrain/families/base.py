@@ -292,10 +292,12 @@ def token_ids(tokenizer, captions: list[str], length: int, device: torch.device 
     return to_device_async(tokenize(tokenizer, captions, length), device)
 
 
-def token_ids_and_mask(tokenizer, captions: list[str], length: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
-    """(ids (B, length) long, mask (B, length) long: 1 on the tokens) on ``device``: :func:`token_ids` with the tokenizer's
-    attention mask (``models.text.tokenize_with_mask``), for the text encoders run with one."""
-    ids, mask = tokenize_with_mask(tokenizer, captions, length)
+def token_ids_and_mask(tokenizer, captions: list[str], length: int, device: torch.device | str,
+                       add_special_tokens: bool = True) -> tuple[Tensor, Tensor]:
+    """(ids (B, length) long, mask (B, length) long: 1 on the tokens) on ``device``: :func:`token_ids` with the
+    tokenizer's attention mask (``models.text.tokenize_with_mask``; ``add_special_tokens=False`` for text a chat
+    template made), for the text encoders run with one."""
+    ids, mask = tokenize_with_mask(tokenizer, captions, length, add_special_tokens)
     return to_device_async(ids, device), to_device_async(mask, device)
 
 
@@ -368,6 +370,7 @@ class Family(ABC):
     pipeline_class: str = ""
     model_classes: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = ()
+    # The VAE classes (config.json's _class_name) the family's :meth:`load_codec` takes (``model.vae``).
     # Whether the family's pipeline decodes with the VAE's shift_factor (z = latents / scaling + shift):
     # SD3 and Flux do; StableDiffusionPipeline and SDXL's do not, so their export refuses such a VAE.
     applies_shift_factor: bool = False
@@ -628,7 +631,9 @@ class Family(ABC):
                 raise ValueError(f"export: the {self.name} base {base} lacks {name}/ (its model_index.json names it)")
             copied[name] = (base / name, part_class(entry, f"base {base}: model_index.json's {name}"))
         if vae is not None:
-            copied["vae"] = (vae_folder(str(vae)), part_class(["diffusers", "AutoencoderKL"], f"VAE {vae}"))
+            folder = vae_folder(str(vae))
+            copied["vae"] = (folder, part_class(["diffusers", read_json(folder / "config.json", f"VAE {vae}")
+                                                 ["_class_name"]], f"VAE {vae}"))
         made = None
         if scheduler is not None:
             config = read_json(base / "scheduler" / "scheduler_config.json", f"base {base}")
@@ -979,7 +984,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
 MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart", "qwen_image", "chroma", "auraflow",
-           "sana", "lumina2")
+           "sana", "lumina2", "flux2", "flux2_klein")
 
 
 def register(family: Family) -> Family:

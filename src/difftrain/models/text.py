@@ -206,13 +206,16 @@ def tokenize(tokenizer, captions: list[str], length: int) -> torch.Tensor:
     return tokenize_with_mask(tokenizer, captions, length)[0]
 
 
-def tokenize_with_mask(tokenizer, captions: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenize_with_mask(tokenizer, captions: list[str], length: int,
+                       add_special_tokens: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """((B, length) ids, (B, length) attention mask: 1 on the tokens, 0 on the padding), long, on the host:
     :func:`tokenize`'s ids and the tokenizer's mask, for the encoders the pipelines call with it (T5 in some,
-    the language models)."""
+    the language models). ``add_special_tokens=False``: text a chat template rendered, its special tokens in it
+    (what a tokenizer's ``apply_chat_template(tokenize=True)`` does)."""
     if isinstance(captions, str):
         raise TypeError("tokenize takes a list of captions, got one string")
-    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    out = tokenizer(list(captions), padding="max_length", max_length=length, truncation=True, return_tensors="pt",
+                    add_special_tokens=add_special_tokens)
     ids = out["input_ids"].long()
     mask = out.get("attention_mask")  # a tokenizer whose model_input_names leave it out: every position counts
     return ids, torch.ones_like(ids) if mask is None else mask.long()

@@ -53,9 +53,10 @@ def register_vae_class(name: str, factor: Callable[[dict], int]) -> None:
     VAE_FACTORS[name] = factor
 
 
-def vae_folder(path: str) -> Path:
-    """The AutoencoderKL folder of ``path``: the folder itself or a Stable Diffusion folder's
-    ``vae/``. Raises ValueError naming the folder and what is missing."""
+def vae_folder(path: str, expect: str | None = None) -> Path:
+    """The VAE folder of ``path``: the folder itself or a Stable Diffusion folder's ``vae/``, its config
+    naming a class of :data:`VAE_FACTORS` (``expect``: that class alone, a family's own). Raises ValueError naming
+    the folder and what is missing."""
     root = Path(path).expanduser()
     if not str(path).strip():
         raise ValueError("vae: the path is empty")
@@ -69,6 +70,8 @@ def vae_folder(path: str) -> Path:
         cls = json.loads(config.read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"vae {path}: unreadable {config}: {e}") from e
+    if expect is not None and cls != expect:
+        raise ValueError(f"vae {path}: {config} describes a {cls!r}, not the {expect} this base decodes with")
     if cls not in VAE_FACTORS:
         raise ValueError(f"vae {path}: {config} describes a {cls!r}, not an AutoencoderKL (nor another VAE class a "
                          f"family takes: {', '.join(VAE_FACTORS)})")
@@ -106,7 +109,8 @@ class LatentCodec(nn.Module):
         self.in_channels = int(config.in_channels)
         self.latent_channels = int(config.latent_channels)
         self.factor = config_factor(dict(config))
-        self.scaling_factor = float(config.scaling_factor if config.scaling_factor is not None else 1.0)
+        scaling = getattr(config, "scaling_factor", None)  # None or absent (a VAE normalising otherwise): 1
+        self.scaling_factor = float(scaling if scaling is not None else 1.0)
         self.shift_factor = float(getattr(config, "shift_factor", None) or 0.0)
         self.digest = weights_digest(vae)
 

@@ -60,7 +60,8 @@ def image_side_multiple(model) -> int:
     Flux's times 2), or a pixel UNet's downsampling ``2 ** (len(channel_mult) - 1)``. Aspect-ratio buckets
     (``data/buckets.py``) round their sides to it."""
     if model.vae:
-        return family_of_config(model).image_side_multiple(SimpleNamespace(factor=vae_factor(model.vae)))
+        family = family_of_config(model)
+        return family.image_side_multiple(SimpleNamespace(factor=vae_factor(model.vae)))
     mult = model.channel_mult or MODEL_PRESETS.get(model.preset, {}).get("channel_mult", (1,))
     return 2 ** (len(mult) - 1)
 

@@ -149,7 +149,8 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
     captions) largest activation: per caption, the larger of a layer's input and output (2 x tokens x
     max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: an encoder's
     ``max_position_embeddings`` when at most :data:`PADDED_POSITIONS` (CLIP's 77: prompts are padded to it), else
-    (T5, which has none; a language model's thousands) ``model.max_sequence_length`` or 512."""
+    (T5, which has none; a language model's thousands) ``model.max_sequence_length`` or 512; a multimodal model's
+    widths are its ``text_config``'s."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
@@ -160,10 +161,11 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
         cls = getattr(transformers, value[1])
         with torch.device("meta"):
             params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
-        positions = raw.get("max_position_embeddings") or math.inf
+        dims = raw.get("text_config") or raw  # a multimodal model's language model (Mistral3's) runs the prompt
+        positions = dims.get("max_position_embeddings") or math.inf
         tokens = positions if positions <= PADDED_POSITIONS else cfg.model.max_sequence_length or 512
-        width = max(raw.get("hidden_size") or raw.get("d_model", 0), raw.get("intermediate_size") or raw.get("d_ff", 0))
-        heads = raw.get("num_attention_heads") or raw.get("num_heads", 0)
+        width = max(dims.get("hidden_size") or dims.get("d_model", 0), dims.get("intermediate_size") or dims.get("d_ff", 0))
+        heads = dims.get("num_attention_heads") or dims.get("num_heads", 0)
         total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize
         if total > peak:
             peak, name = total, f"{part} ({value[1]})"
