@@ -44,6 +44,7 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True, captio
         captions=d.captions if captions is None else captions,
         caption_column=d.caption_column,
         masks=d.masks,
+        references=d.references,
     )
 
 

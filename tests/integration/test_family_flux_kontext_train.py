@@ -1,0 +1,148 @@
+"""FLUX.1 Kontext trained on pairs end to end, offline, on the tiny base of tests/family_bases_flux_kontext.py:
+(target, reference, instruction) items from a folder and its parallel reference folder, the reference latents
+cached with the targets' in each pair's bucket, LoRA and full fine-tuning steps that resume exactly, validation
+grids on fixed reference images, ``sample --reference``, the exported folder sampling in FluxKontextPipeline as
+difftrain samples, and one line for bad pairs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("transformers")
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
+from difftrain.cli import main  # noqa: E402
+from difftrain.config import load_config  # noqa: E402
+from difftrain.training.loop import train  # noqa: E402
+from tests.family_bases import T5_LENGTH, write_tiny_flux_folder  # noqa: E402
+from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder  # noqa: E402
+
+COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
+
+
+def _pairs(root, n=8, flip_colours=False):
+    """``root/data``: n captioned targets (a coloured square; every third 48 x 32, the rest 32 x 32: two
+    buckets) and ``root/refs``: each one's reference (the square grey, of another size: 40 x 40), under the same
+    name (every fourth as .jpg beside a .png target: matched by stem). ``flip_colours``: other references."""
+    data, refs = root / "data", root / "refs"
+    data.mkdir(parents=True)
+    refs.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        name = list(COLOURS)[i % 2]
+        h, w = (48, 32) if i % 3 == 0 else (32, 32)
+        a = np.full((h, w, 3), 30, np.uint8)
+        a[4:20, 4:20] = COLOURS[name]
+        Image.fromarray(np.clip(a.astype(int) + rng.integers(-5, 6, a.shape), 0, 255).astype(np.uint8)).save(
+            data / f"img{i:03d}.png")
+        (data / f"img{i:03d}.txt").write_text(f"make the square {name}\n")
+        r = np.full((40, 40, 3), 30, np.uint8)
+        r[5:25, 5:25] = (128, 128, 128) if not flip_colours else (250, 250, 20)
+        Image.fromarray(r).save(refs / f"img{i:03d}.{'jpg' if i % 4 == 3 else 'png'}")
+    return data, refs
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kontext-train")
+    data, refs = _pairs(root)
+    _, other_refs = _pairs(root / "other", flip_colours=True)
+    Image.fromarray(np.full((40, 40, 3), 128, np.uint8)).save(root / "valref.png")
+    return {"base": write_tiny_flux_kontext_folder(root / "base"), "flux": write_tiny_flux_folder(root / "flux"),
+            "data": data, "refs": refs, "other_refs": other_refs, "valref": root / "valref.png"}
+
+
+def _overrides(bases, *extra, refs="refs"):
+    """A 4-step run of the tiny Kontext base on 8 pairs at 32 px (latents 8 x 8 and 12 x 8: two buckets)."""
+    return ["data.resolution=32", "data.num_workers=0", f"data.path={bases['data']}", f"data.references={bases[refs]}",
+            f"model.init_from={bases['base']}", f"model.max_sequence_length={T5_LENGTH}", "optim.lr=1e-3",
+            "optim.warmup_steps=1", "train.total_steps=4", "train.batch_size=2", "train.log_every_steps=2",
+            "train.progress_bar=false", "ema.decay=0.9", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+            "validation.every_steps=0", *extra]
+
+
+def _digests(run_dir) -> tuple[str, str]:
+    state = ckpt.load_checkpoint(run_dir)
+    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_pairs_train_and_resume_exactly(tmp_path, bases, mode):
+    extra = ["lora.rank=4", "lora.alpha=4"] if mode == "lora" else []
+    cfg = load_config(None, _overrides(bases, *extra))
+    assert cfg.data.buckets == "aspect" and cfg.diffusion.objective == "flow"  # the base decided them
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=2)
+    assert train(cfg, tmp_path / "resumed").step == 4
+    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    if mode == "lora":  # the references reach the denoiser: other references, other weights
+        train(load_config(None, _overrides(bases, *extra, refs="other_refs")), tmp_path / "other")
+        assert _digests(tmp_path / "other")[0] != _digests(tmp_path / "straight")[0]
+    else:
+        _export_samples_as_difftrain(tmp_path, bases)
+
+
+def _export_samples_as_difftrain(tmp_path, bases):
+    """``export`` of the full fine-tune: FluxKontextPipeline loads the folder and, from the same initial noise and
+    the same reference latents, samples difftrain's ``sample --reference`` images (Euler, 3 steps, guidance 3.5)."""
+    from difftrain import api
+    from difftrain.families.flux import pack
+    from difftrain.generation.inference import generate_images, load_model
+    from difftrain.generation.sampling import initial_noise
+
+    out = api.export(tmp_path / "straight", tmp_path / "pipe")
+    ours = load_model(tmp_path / "straight", device="cpu")
+    expected = generate_images(ours, 1, sampler="euler", steps=3, seed=5, prompt="make the square red",
+                               reference=str(bases["valref"]))
+    c = ours.conditioning
+    ref = c.reference_latents([str(bases["valref"])], (32, 32))
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(str(out))
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(image=ref, prompt=["make the square red"], latents=pack(initial_noise(1, (16, 8, 8), 5)),
+                  num_inference_steps=3, guidance_scale=3.5, max_sequence_length=T5_LENGTH, output_type="pt",
+                  height=32, width=32, max_area=32 * 32).images * 2 - 1
+    assert (theirs - expected).abs().max() < 1e-4, (theirs - expected).abs().max()
+    # the CLI: sample --reference writes the same images; without --reference, one line
+    assert main(["sample", "--checkpoint", str(tmp_path / "straight"), "--out", str(tmp_path / "s"), "--num", "1",
+                 "--steps", "2", "--sampler", "euler", "--prompt", "make the square red",
+                 "--reference", str(bases["valref"])]) == 0
+    assert (tmp_path / "s" / "000000.png").is_file()
+
+
+def test_validation_grid_on_fixed_references(tmp_path, bases):
+    """The preset-like CLI run validates on validation.references at the family's guidance (the input, 3.5)."""
+    sets = _overrides(bases, "lora.rank=4", "train.total_steps=2", "validation.every_steps=2", "validation.steps=2",
+                      "validation.num_images=2", "validation.prompts=['make the square red', 'make the square blue']",
+                      f"validation.references=['{bases['valref']}']")
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    assert list((tmp_path / "run" / "samples").glob("*.png"))
+
+
+def test_bad_pairs_are_one_line_and_exit_2(tmp_path, bases, capsys):
+    """A target without its reference (named), an edit base without data.references, a base that takes none
+    with them, validation on an edit base without references."""
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    for f in sorted(bases["refs"].iterdir())[1:]:
+        (refs / f.name).write_bytes(f.read_bytes())
+    cases = [(_overrides(bases) + [f"data.references={refs}"], "no reference image for img000.png"),
+             ([s for s in _overrides(bases) if not s.startswith("data.references")], "set data.references"),
+             (_overrides(bases) + [f"model.init_from={bases['flux']}"], "takes no reference images"),
+             (_overrides(bases, "validation.every_steps=2", "validation.prompts=['x']"), "validation.references")]
+    for k, (sets, needle) in enumerate(cases):
+        args = ["train", "--run-dir", str(tmp_path / f"run{k}")]
+        for s in sets:
+            args += ["--set", s]
+        assert main(args) == 2, needle
+        err = capsys.readouterr().err.strip().splitlines()
+        assert needle in err[-1], err
