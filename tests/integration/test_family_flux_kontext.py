@@ -119,3 +119,23 @@ def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, fo
     assert (a - b).abs().max() < 1e-4
     plain = _pipe(folder)(**prompt, generator=torch.Generator().manual_seed(1)).images
     assert (a - plain).abs().max() > 1e-3
+
+
+def test_estimate_counts_the_reference_tokens():
+    """``difftrain estimate --base flux-kontext-dev``: the known base (FLUX.1-dev's configs as a Kontext folder)
+    is detected as this family and its activations count the reference's tokens beside the target's (more than
+    the same setting on flux-dev, whose transformer is the same)."""
+    from pathlib import Path
+
+    from difftrain.config import load_config
+    from difftrain.tools.base_memory import _config_setting, base_folder, count_settings, read_base
+
+    preset = Path(__file__).resolve().parents[2] / "configs" / "flux-kontext-lora.toml"
+    rows = {}
+    for base in ("flux-dev", "flux-kontext-dev"):
+        cfg = load_config(preset, [f"model.init_from={base_folder(base)}", "data.resolution=512"])
+        b = read_base(cfg, base)
+        own = _config_setting(cfg, 1, None)
+        rows[base] = count_settings(cfg, b, [own])[0][own]
+    assert detect(base_folder("flux-kontext-dev")).name == "flux-kontext"
+    assert rows["flux-kontext-dev"]["activations"] > 1.5 * rows["flux-dev"]["activations"]

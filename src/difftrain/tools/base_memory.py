@@ -235,7 +235,8 @@ class _Network:
     def activations(self, family, config: dict, cfg, batch: int, latent: tuple[int, int], checkpointing: bool,
                     quantize: str) -> SavedBytes:
         """What the training loss of one micro-batch (``per_sample_loss``, as the step computes it) keeps
-        for backward, on meta tensors: latents (B, C, h, w), the family's condition shapes."""
+        for backward, on meta tensors: latents (B, C, h, w), the family's condition shapes (an edit family's
+        reference latents too, the target's shape: the tokens it adds)."""
         from difftrain.diffusion.objective import build_objective, per_sample_loss
 
         shapes = family.condition_shapes(config, int(getattr(cfg.model, "max_sequence_length", 0)))
@@ -246,6 +247,8 @@ class _Network:
         def forward():
             x0 = torch.empty(batch, family.latent_channels(config), *latent, device="meta")
             cond = {k: torch.empty(batch, *s, device="meta") for k, s in shapes.items()}
+            if family.references:  # an edit family's reference latents: each at the target's size (its bucket)
+                cond |= family.reference_condition([torch.empty_like(x0) for _ in range(family.references)])
             return per_sample_loss(objective, self.model, x0, cond, levels, torch.empty_like(x0)).mean()
 
         quantized = frozenset(id(w) for w in self.quantized(quantize))
