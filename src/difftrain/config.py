@@ -163,6 +163,10 @@ class DataConfig(_Section):
     # same relative path (any image extension), as ai-toolkit's control folders and SimpleTuner's conditioning
     # datasets pair them; each reference is resized and cropped with its image (its bucket). "" = none
     references: str = ""
+    # or: the metadata.jsonl key naming each image's reference file, relative to the jsonl's folder, e.g.
+    # {"file_name": "edited/1.png", "text": "make it red", "reference": "source/1.png"} (the files it names are
+    # references, not training images). "" = none
+    reference_column: str = ""
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
 
@@ -879,7 +883,9 @@ def _check_buckets(cfg: Config) -> None:
                "data.masks: the held-out loss is unmasked; leave data.heldout_fraction and data.heldout_path out")
         _check(cfg.validation.memorization in ("auto", "off"),
                "data.masks: validation.memorization compares RGB images; set it to 'auto' (off with masks) or 'off'")
-    if d.references:
+    _check(not (d.references and d.reference_column), "set data.references (a folder) or data.reference_column "
+                                                          "(a metadata.jsonl key), not both")
+    if d.references or d.reference_column:
         why = "data.references (reference images)"
         _check(not d.cache, f"{why}: the decode cache (data.cache) holds no references; set data.cache = false")
         _check(d.heldout_fraction == 0 and not d.heldout_path,
@@ -889,7 +895,8 @@ def _check_buckets(cfg: Config) -> None:
         _check(not cfg.dreambooth.class_prompt,
                f"{why}: DreamBooth's class images have no references; leave dreambooth.class_prompt out")
     if cfg.validation.references:
-        _check(bool(d.references), "validation.references: the run has no data.references (an edit family's pairs)")
+        _check(bool(d.references or d.reference_column),
+               "validation.references: the run has no data.references (an edit family's pairs)")
         _check(len(cfg.validation.references) in (1, len(cfg.validation.prompts)),
                f"validation.references: {len(cfg.validation.references)} images for {len(cfg.validation.prompts)} "
                "validation.prompts; give one per prompt, or one for all")
@@ -1078,6 +1085,7 @@ ARCHITECTURE_KEYS = (
     "data.bucket_resolutions",
     "data.masks",
     "data.references",
+    "data.reference_column",
     "data.channels",
     "data.class_conditional",
     "data.captions",

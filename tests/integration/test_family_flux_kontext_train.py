@@ -116,12 +116,20 @@ def _export_samples_as_difftrain(tmp_path, bases):
     assert (tmp_path / "s" / "000000.png").is_file()
 
 
-def test_validation_grid_on_fixed_references(tmp_path, bases):
-    """The preset-like CLI run validates on validation.references at the family's guidance (the input, 3.5)."""
-    sets = _overrides(bases, "lora.rank=4", "train.total_steps=2", "validation.every_steps=2", "validation.steps=2",
-                      "validation.num_images=2", "validation.prompts=['make the square red', 'make the square blue']",
-                      f"validation.references=['{bases['valref']}']")
-    args = ["train", "--run-dir", str(tmp_path / "run")]
+def test_the_preset_command_trains_and_validates_on_fixed_references(tmp_path, bases):
+    """``difftrain train --config configs/flux-kontext-lora.toml`` with the base, the pairs and the validation's
+    references (shrunk to 2 steps at 32 px): the grid sampled from validation.references at the family's guidance
+    (the input, 3.5, no CFG)."""
+    from pathlib import Path
+
+    preset = Path(__file__).resolve().parents[2] / "configs" / "flux-kontext-lora.toml"
+    sets = [f"model.init_from={bases['base']}", f"data.path={bases['data']}", f"data.references={bases['refs']}",
+            "data.resolution=32", "data.num_workers=0", "train.total_steps=2", "train.grad_accum_steps=1",
+            "train.precision=fp32", "train.progress_bar=false", "checkpoint.every_steps=2", "validation.every_steps=2",
+            "validation.steps=2", "validation.num_images=2", f"model.max_sequence_length={T5_LENGTH}",
+            "validation.prompts=['make the square red', 'make the square blue']",
+            f"validation.references=['{bases['valref']}']"]
+    args = ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")]
     for s in sets:
         args += ["--set", s]
     assert main(args) == 0
@@ -146,3 +154,33 @@ def test_bad_pairs_are_one_line_and_exit_2(tmp_path, bases, capsys):
         assert main(args) == 2, needle
         err = capsys.readouterr().err.strip().splitlines()
         assert needle in err[-1], err
+
+
+def test_a_metadata_column_names_the_references_as_the_parallel_folder_does(tmp_path, bases, capsys):
+    """data.reference_column: metadata.jsonl's key naming each target's reference (relative to the jsonl's folder;
+    the files it names are references, not training images) trains exactly as the parallel folder of the same
+    images does; a line without the key is one line naming the file and line."""
+    data = tmp_path / "data"
+    (data / "sources").mkdir(parents=True)
+    lines = []
+    for f in sorted(bases["data"].glob("*.png")):
+        (data / f.name).write_bytes(f.read_bytes())
+        ref = next(bases["refs"].glob(f.stem + ".*"))
+        (data / "sources" / ref.name).write_bytes(ref.read_bytes())
+        lines.append({"file_name": f.name, "text": (f.with_suffix(".txt")).read_text().strip(),
+                      "reference": f"sources/{ref.name}"})
+    (data / "metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    short = ["train.total_steps=2", "lora.rank=4"]
+    train(load_config(None, _overrides(bases, *short)), tmp_path / "folder")
+    column = [s for s in _overrides(bases, *short) if not s.startswith("data.")] + [
+        "data.resolution=32", "data.num_workers=0", f"data.path={data}", "data.reference_column=reference"]
+    train(load_config(None, column), tmp_path / "column")
+    assert _digests(tmp_path / "folder") == _digests(tmp_path / "column")
+    del lines[2]["reference"]
+    (data / "metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ["train", "--run-dir", str(tmp_path / "bad")]
+    for s in column:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "metadata.jsonl line 3" in err[-1] and '"reference"' in err[-1], err

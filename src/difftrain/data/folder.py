@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions
+from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions, read_metadata
 from .sampler import split_key
 from .transforms import (MASK_SUFFIX, BadImage, augment, check_image_options, flip_decision, image_size,
                          load_image_sized, load_mask, printable, resize_center_crop, resize_crop, square_geometry,
@@ -113,6 +113,27 @@ def reference_paths(folder: str | Path, files: list[str]) -> list[Path]:
     return found
 
 
+def metadata_references(root: Path, metadata: list[Path], column: str) -> dict[str, str]:
+    """Training image -> its reference file, both relative "/"-separated paths under ``root``, from the
+    ``column`` key of every ``metadata.jsonl`` (``data.reference_column``; the file named relative to the jsonl's
+    folder, as its ``file_name``); one ValueError naming the file and line of a line without that key, a
+    reference outside ``root``, or when no metadata.jsonl is found."""
+    if not metadata:
+        raise ValueError(f"data.reference_column {column!r}: {printable(str(root))} holds no {METADATA_NAME} to read it "
+                         "from (or set data.references to a folder of reference images under the same names)")
+    out: dict[str, str] = {}
+    for path in sorted(metadata):
+        base = path.parent.relative_to(root).as_posix()
+        for rel, named in read_metadata(path, root, column, "the reference image; data.reference_column names the "
+                                                             "key").items():
+            ref = os.path.normpath(f"{base}/{named}").replace(os.sep, "/")
+            if os.path.isabs(named) or ref == ".." or ref.startswith("../"):
+                raise ValueError(f"{printable(str(path))}: the reference {printable(named)} of {printable(rel)} lies "
+                                 "outside the folder")
+            out[rel] = ref
+    return out
+
+
 class DataGone(OSError):
     """Every image of a folder dataset became unreadable during a run."""
 
@@ -169,7 +190,9 @@ class ImageFolderDataset(Dataset):
     A mask of another size than its image is a bad image (:class:`BadImage` naming both sizes).
 
     With ``references`` (``data.references``, a folder: an edit family's pairs) each image's reference image is
-    the file of the same name in that folder (:func:`find_reference`), resized and cropped to the image's own
+    the file of the same name in that folder (:func:`find_reference`), or with ``reference_column``
+    (``data.reference_column``) the file its ``metadata.jsonl`` line names under that key (those files are then
+    references, not training images: :func:`metadata_references`), resized and cropped to the image's own
     crop shape (its bucket's: diffusers' Kontext script's ``paired_transform``) and flipped with it: the image
     tensor is then (2C [+ 1], H, W), the target's C channels, the reference's C, the mask last.
     ``self.references`` is how many reference images an item carries (0 or 1).
@@ -187,11 +210,14 @@ class ImageFolderDataset(Dataset):
         caption_column: str = "text",
         masks: bool = False,
         references: str = "",
+        reference_column: str = "",
     ) -> None:
         check_image_options(resolution, channels, color_jitter)
         self.masks = masks
         self.reference_root = Path(references).expanduser() if references else None
-        self.references = int(bool(references))  # reference images per item
+        self.reference_column = reference_column
+        self.references = int(bool(references or reference_column))  # reference images per item
+        self._reference_names: dict[str, str] = {}  # reference_column: image -> its reference (relative paths)
         self._reference_files: list[Path] = []
         if captions and class_conditional:
             raise ValueError("set data.captions or data.class_conditional, not both")
@@ -206,8 +232,13 @@ class ImageFolderDataset(Dataset):
         self.captions, self.caption_column = captions, caption_column
         self._metadata_files: list[Path] = []  # the metadata.jsonl files under root (captions)
         self._captions: CaptionTable | None = None
-        found = scan_images(self.root, self.unreadable_folders, metadata=self._metadata_files if captions else None)
+        found = scan_images(self.root, self.unreadable_folders,
+                            metadata=self._metadata_files if captions or reference_column else None)
         files = [p.relative_to(self.root).as_posix() for p in found]
+        if reference_column:  # the files the column names are references, not training images
+            self._reference_names = metadata_references(self.root, self._metadata_files, reference_column)
+            named = set(self._reference_names.values())
+            files = [f for f in files if f not in named]
         classes = []
         if class_conditional:
             loose = [f for f in files if "/" not in f]
@@ -265,6 +296,8 @@ class ImageFolderDataset(Dataset):
         self.classes = list(classes)
         if self.reference_root is not None:
             self._reference_files = reference_paths(self.reference_root, files)
+        elif self.reference_column:
+            self._reference_files = self._named_references(files)
         if self.captions:
             self._captions = self._caption_table(files)
         index = {name: k for k, name in enumerate(self.classes)}
@@ -381,6 +414,21 @@ class ImageFolderDataset(Dataset):
             x = torch.cat([x[: self.channels], reference, x[self.channels:]])
         second = self.caption(index) if self.captions else int(self._labels[index])
         return x, second, torch.tensor(geometry, dtype=torch.long)
+
+    def _named_references(self, files: list[str]) -> list[Path]:
+        """The reference file of each of ``files`` its metadata.jsonl names (``data.reference_column``); one
+        ValueError naming the first image without one, or whose reference is not a file."""
+        out = []
+        for f in files:
+            ref = self._reference_names.get(f)
+            if ref is None:
+                raise ValueError(f"data.reference_column {self.reference_column!r}: no {METADATA_NAME} line names a "
+                                 f"reference image for {printable(f)}")
+            if not (self.root / ref).is_file():
+                raise ValueError(f"data.reference_column {self.reference_column!r}: the reference image {printable(ref)} "
+                                 f"of {printable(f)} does not exist")
+            out.append(self.root / ref)
+        return out
 
     def reference_file(self, index: int) -> Path:
         """The reference image of image ``index`` (``data.references``)."""

@@ -31,6 +31,7 @@ def build_dataset(
     caption_column: str = "text",
     masks: bool = False,
     references: str = "",
+    reference_column: str = "",
 ) -> Dataset:
     """The dataset ``path`` names, by its form:
 
@@ -49,12 +50,12 @@ def build_dataset(
     cache (``data/cache.py``; built-in datasets are generated and need none). With ``masks`` (a folder
     only) each image carries its loss mask as a last channel (``folder.py``); with ``references`` (a folder of
     reference images under the same names: an edit family's pairs; an image folder only) its reference image's
-    channels after its own.
+    channels after its own (or ``reference_column``: the ``metadata.jsonl`` key naming each one's reference file).
     """
     if masks and (path.startswith(BUILTIN_PREFIX) or is_shard_path(path) or is_hf_path(path)):
         raise ValueError(f"data.masks needs a folder of images (NAME.mask.png or an alpha channel per image); "
                          f"data.path {path} is not one")
-    if references and (path.startswith(BUILTIN_PREFIX) or is_shard_path(path) or is_hf_path(path)):
+    if (references or reference_column) and (path.startswith(BUILTIN_PREFIX) or is_shard_path(path) or is_hf_path(path)):
         raise ValueError(f"data.references needs data.path to be a folder of images (the targets, each paired by "
                          f"name with its reference); data.path {path} is not one")
     options = dict(
@@ -79,7 +80,7 @@ def build_dataset(
         return HFImageDataset(path, **options, image_column=image_column, label_column=label_column,
                               caption_column=caption_column)
     dataset = ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks,
-                                   references=references)
+                                   references=references, reference_column=reference_column)
     return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
 
 

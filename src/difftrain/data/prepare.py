@@ -45,6 +45,7 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True, captio
         caption_column=d.caption_column,
         masks=d.masks,
         references=d.references,
+        reference_column=d.reference_column,
     )
 
 

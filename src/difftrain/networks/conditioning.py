@@ -199,13 +199,16 @@ class Conditioning:
             mean, _ = self.codec.encode_moments(torch.stack(images).to(codec_device))
             return self.codec.to_model(mean).float().to(device)
 
-    def check_reference_data(self, references: str, base: str) -> None:
-        """One ValueError unless the run's ``data.references`` (``references``) and its family agree: an edit
-        family (``Family.references``) trains on pairs, a family that takes none on single images (``base``:
-        ``model.init_from``, named in the line)."""
+    def check_reference_data(self, data, base: str) -> None:
+        """One ValueError unless the run's data section ``data`` (``data.references`` or ``data.reference_column``)
+        and its family agree: an edit family (``Family.references``) trains on pairs, a family that takes none on
+        single images (``base``: ``model.init_from``, named in the line)."""
+        references = data.references or (f"(data.reference_column {data.reference_column!r})"
+                                          if data.reference_column else "")
         if self.family.references and not references:
             raise ValueError(f"the {self.family.name} base {base} is an edit model: set data.references to a folder "
-                             "holding each training image's reference image under the same name")
+                             "holding each training image's reference image under the same name, or "
+                             "data.reference_column to the metadata.jsonl key naming it")
         if references and not self.family.references:
             raise ValueError(f"data.references {references}: the {self.family.name} base {base or '(none)'} takes no "
                              "reference images (only an edit family does)")
