@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.family_bases import write_tiny_flux_folder, write_tiny_sd3_folder, write_tiny_sdxl_folder
+from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder
 from tests.text_components import write_tiny_sd_folder
 
 diffusers = pytest.importorskip("diffusers")
@@ -26,10 +27,10 @@ from difftrain.families.base import Family, load_all  # noqa: E402
 from difftrain.models.text import TextEncoder  # noqa: E402
 
 BUILDERS = {"sd": write_tiny_sd_folder, "sdxl": write_tiny_sdxl_folder, "sd3": write_tiny_sd3_folder,
-            "flux": write_tiny_flux_folder}
+            "flux": write_tiny_flux_folder, "flux-kontext": write_tiny_flux_kontext_folder}
 # The class of each family's denoiser, whose save_pretrained a test damages.
 DENOISER_CLASSES = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel", "sd3": "SD3Transformer2DModel",
-                    "flux": "FluxTransformer2DModel"}
+                    "flux": "FluxTransformer2DModel", "flux-kontext": "FluxTransformer2DModel"}
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_a_lora_file_of_a_unet_family_is_checked_as_a_transformers_is(bases, tmp
         assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux", "flux-kontext"])
 def test_an_exported_folder_is_loaded_back_and_one_that_does_not_load_is_one_line(bases, tmp_path, monkeypatch, name):
     """export_pipeline's folder loads in the family's pipeline (its denoiser's weights are the trained ones);
     when the folder written does not load (here: the denoiser's config.json damaged as it is saved), the
@@ -210,7 +211,7 @@ def _dtypes(file: Path) -> set[str]:
         return {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 - a safe_open, not a dict
 
 
-@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux"])
+@pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux", "flux-kontext"])
 def test_an_export_writes_the_frozen_parts_as_the_base_holds_them(bases, tmp_path, name):
     """Of a bfloat16 base's text encoders and VAE, the export writes the base's files byte for byte (bf16 stays
     bf16: Flux's T5 is 9.5 GB, not 19), every tokenizer file too; only the denoiser is written from the run
