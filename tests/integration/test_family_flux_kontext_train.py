@@ -184,3 +184,23 @@ def test_a_metadata_column_names_the_references_as_the_parallel_folder_does(tmp_
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "metadata.jsonl line 3" in err[-1] and '"reference"' in err[-1], err
+
+
+def test_an_unreadable_reference_is_a_bad_pair(tmp_path, bases, capsys):
+    """A reference that is not an image: its pair is a bad sample, named (data.on_bad_image 'fail': the run stops,
+    exit 2; 'skip': left out, logged, the run trains on the other pairs)."""
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    for f in bases["refs"].iterdir():
+        (refs / f.name).write_bytes(f.read_bytes())
+    (refs / "img001.png").write_bytes(b"not an image")
+    sets = _overrides(bases, "lora.rank=4", "train.total_steps=2") + [f"data.references={refs}"]
+    args = ["train", "--run-dir", str(tmp_path / "fail")]
+    for s in sets + ["data.on_bad_image=fail"]:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "img001.png: reference: unreadable" in err and "or reference" in err
+    cfg = load_config(None, sets + ["data.on_bad_image=skip"])
+    assert train(cfg, tmp_path / "skip").step == 2
+    assert "img001.png" in (tmp_path / "skip" / "bad_images.log").read_text()
