@@ -204,3 +204,16 @@ def test_an_unreadable_reference_is_a_bad_pair(tmp_path, bases, capsys):
     cfg = load_config(None, sets + ["data.on_bad_image=skip"])
     assert train(cfg, tmp_path / "skip").step == 2
     assert "img001.png" in (tmp_path / "skip" / "bad_images.log").read_text()
+
+
+def test_dreambooth_instance_prompt_on_pairs_resumes_exactly(tmp_path, bases):
+    """DreamBooth's instance prompt on pairs (every target's instruction the prompt, its reference kept) trains
+    and resumes exactly; prior preservation (class images, which have no references) is refused in one line."""
+    sets = _overrides(bases, "lora.rank=4", "dreambooth.instance_prompt=make the sks square red")
+    cfg = load_config(None, sets)
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=2)
+    assert train(cfg, tmp_path / "resumed").step == 4
+    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    with pytest.raises(ValueError, match="class images have no references"):
+        load_config(None, sets + ["dreambooth.class_prompt=a square"])

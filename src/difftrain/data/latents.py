@@ -106,7 +106,8 @@ def dataset_fingerprint(dataset: Dataset) -> str:
     h.update(f"{type(dataset).__name__}:{len(dataset)}\n".encode())
     if getattr(dataset, "masks", False):  # items with a mask channel (data.masks)
         h.update(b"masks\n")
-    if getattr(dataset, "references", 0):  # items with their reference images (data.references): their files too
+    if getattr(dataset, "references", 0) and callable(getattr(dataset, "reference_file", None)):  # items with their
+        # reference images (data.references): their files too
         files = [dataset.reference_file(i) for i in range(len(dataset))]
         h.update(f"references:{files_fingerprint(Path('/'), [f.absolute() for f in files])}\n".encode())
     h.update(_identity(dataset).encode())
