@@ -32,8 +32,11 @@ Sampling (the pipeline): guidance_scale 3.5 by default (Flux's distilled convent
 Export: the base's FluxKontextPipeline folder with the trained transformer (Family.export_pipeline); LoRA
   files in FluxLoraLoaderMixin's format (FluxKontextPipeline.save_lora_weights / lora_state_dict).
 Real size: FLUX.1-Kontext-dev's transformer has FLUX.1-dev's config (12B: 19 double and 38 single blocks,
-  24 heads of 128, joint_attention_dim 4096, guidance_embeds), its text encoders and VAE are FLUX.1-dev's:
-  the known base ``flux-kontext-dev`` (tools/bases/) is flux-dev's config files.
+  24 heads of 128, in_channels 64, joint_attention_dim 4096, guidance_embeds), its VAE is FLUX.1-dev's (16
+  channels, 0.3611 / 0.1159): Black Forest Labs' reference code (black-forest-labs/flux, src/flux/util.py, the
+  "flux-dev-kontext" ModelSpec: the same FluxParams and AutoEncoderParams as "flux-dev"); its text encoders are
+  FLUX.1-dev's CLIP-L and T5-XXL (the pipeline's classes). The known base ``flux-kontext-dev`` (tools/bases/) is
+  flux-dev's config files with model_index.json naming FluxKontextPipeline.
 """
 
 from __future__ import annotations

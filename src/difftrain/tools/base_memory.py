@@ -7,7 +7,8 @@
 A base is a pipeline folder of which only the ``config.json`` files are read (``model_index.json``, the
 denoiser's, the text encoders', the VAE's): the known bases in ``tools/bases/`` are such folders, written
 from the public configs of stabilityai/stable-diffusion-xl-base-1.0, stabilityai/stable-diffusion-3.5-large
-and -medium, black-forest-labs/FLUX.1-dev and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``). The
+and -medium, black-forest-labs/FLUX.1-dev (and ``flux-kontext-dev``: FLUX.1-Kontext-dev, FLUX.1-dev's configs in a
+FluxKontextPipeline folder) and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``). The
 family's denoiser is built on the meta device (``Family.denoiser_from_record``) and, for LoRA, peft's layers
 are injected as training injects them (``networks/lora.py``'s targets and ``LoraConfig``). Per rank
 (``parallel_memory.rank_memory``, DDP or FSDP):
