@@ -217,3 +217,21 @@ def test_dreambooth_instance_prompt_on_pairs_resumes_exactly(tmp_path, bases):
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
     with pytest.raises(ValueError, match="class images have no references"):
         load_config(None, sets + ["dreambooth.class_prompt=a square"])
+
+
+def test_a_pair_is_cropped_and_flipped_together(bases):
+    """The folder dataset's item of a pair: the target's channels, then its reference's, resized to cover the
+    target's own crop (its bucket's shape, whatever the reference's aspect) and flipped with it."""
+    from difftrain.data.folder import ImageFolderDataset
+    from difftrain.data.latents import flip_of
+
+    ds = ImageFolderDataset(bases["data"], 32, random_flip=True, captions=True, references=str(bases["refs"]))
+    assert ds.references == 1 and ds.reference_file(3).suffix == ".jpg"  # matched by stem
+    ds.set_buckets([[48, 32] if i % 3 == 0 else [32, 32] for i in range(len(ds))])
+    x, caption, _ = ds[0]
+    assert x.shape == (6, 48, 32) and caption == "make the square red"
+    grey = x[3:, 10, 10]  # the reference's square (grey), not the target's red one
+    assert torch.allclose(grey, grey.mean().expand(3), atol=0.05) and grey.mean() > 0
+    seed = next(s for s in range(100) if flip_of(s))
+    flipped, _, _ = ds[(0, seed)]
+    assert torch.equal(flipped, x.flip(-1))  # both images mirrored, by the same draw
