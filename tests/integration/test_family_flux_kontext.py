@@ -43,7 +43,8 @@ def test_denoiser_with_a_reference_equals_the_pipelines_transformer_call(folder)
     cond = with_run_conditions(family, enc.encode(CAPTIONS))
     close(cond["prompt_embeds"], embeds)
     g = torch.Generator().manual_seed(0)
-    x, ref, t = torch.randn(2, 16, 8, 6, generator=g), torch.randn(2, 16, 4, 10, generator=g), torch.tensor([900.0, 25.0])
+    x, ref = torch.randn(2, 16, 8, 6, generator=g), torch.randn(2, 16, 4, 10, generator=g)
+    t = torch.tensor([900.0, 25.0])
     # the pipeline's own pieces: prepare_latents packs the image latents and marks their ids' first axis 1
     _, ref_packed, latent_ids, ref_ids = pipe.prepare_latents(ref, 2, 16, 8 * 4, 6 * 4, torch.float32, "cpu", None,
                                                               latents=pack(x))
@@ -89,8 +90,8 @@ def test_exported_pipeline_samples_what_difftrain_samples_with_a_reference(tmp_p
     ref = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(4))
     ours = _difftrain_sample(family, folder, x_T, ref, 4)
     # image given as latents (16 channels): the pipeline takes them as they are, packed after the target's
-    theirs = _pipe(out)(image=ref, prompt="make the circle red", height=32, width=32, max_area=32 * 32, num_inference_steps=4,
-                        guidance_scale=3.5, max_sequence_length=T5_LENGTH, latents=pack(x_T),
+    theirs = _pipe(out)(image=ref, prompt="make the circle red", height=32, width=32, max_area=32 * 32,
+                        num_inference_steps=4, guidance_scale=3.5, max_sequence_length=T5_LENGTH, latents=pack(x_T),
                         output_type="latent").images
     assert (ours - unpack(theirs, 8, 8)).abs().max() < 1e-4
 

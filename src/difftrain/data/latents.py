@@ -326,7 +326,8 @@ def build_bucket_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
             unlink_quietly(tmp)
             raise
     index = {"format": BUCKET_FORMAT, "version": BUCKET_INDEX_VERSION, "latent_channels": int(codec.latent_channels),
-             "factor": int(codec.factor), "views": views, "masks": masks, "references": references, "shapes": [list(s) for s in groups],
+             "factor": int(codec.factor), "views": views, "masks": masks, "references": references,
+             "shapes": [list(s) for s in groups],
              "items": items.tolist(), "geometry": geometry.tolist()}
     atomic_write_bytes(targets_path(path), json.dumps(targets).encode())
     atomic_write_bytes(path, json.dumps(index).encode())

@@ -67,7 +67,8 @@ def draw_micro_batch(
     if cfg.data.masks:  # the items' last channel: the loss mask, at the network's resolution (data/latents.py)
         x0, mask = x0[:, :-1], x0[:, -1:].float()
     references = None
-    if (cfg.data.references or cfg.data.reference_column) and c.codec is not None:  # the items' reference moments after the target's (data/latents.py)
+    if (cfg.data.references or cfg.data.reference_column) and c.codec is not None:  # an edit family's pairs: the
+        # items' reference moments after the target's (data/latents.py)
         k = 2 * c.codec.latent_channels
         x0, references = x0[:, :k], [x0[:, i: i + k] for i in range(k, x0.shape[1], k)]
     gen = step_generator(cfg.train.seed, 0, state.step * cfg.train.grad_accum_steps + micro, device, "diffusion")
