@@ -235,3 +235,17 @@ def test_a_pair_is_cropped_and_flipped_together(bases):
     seed = next(s for s in range(100) if flip_of(s))
     flipped, _, _ = ds[(0, seed)]
     assert torch.equal(flipped, x.flip(-1))  # both images mirrored, by the same draw
+
+
+def test_estimate_measures_a_step_with_reference_tokens_without_data(tmp_path, bases):
+    """``difftrain estimate`` of an edit run whose data is not here: the random stand-in items carry a reference
+    too, so the measured step (training/step.py's draw) runs the denoiser with the reference's tokens."""
+    from difftrain.runtime.distributed import DistContext
+    from difftrain.tools.common import build_setup, fetch_batch
+    from difftrain.training.step import draw_micro_batch
+
+    sets = [s for s in _overrides(bases, "lora.rank=4") if not s.startswith("data.path")]
+    setup = build_setup(load_config(None, sets + [f"data.path={tmp_path / 'absent'}"]), need_data=False)
+    x0, second = fetch_batch(setup, 2, seed=0)
+    batch = draw_micro_batch(setup.state, setup.objective, x0, second, 0, DistContext(device=setup.device))
+    assert batch.condition["reference"].shape == (2, 16, 8, 8)
