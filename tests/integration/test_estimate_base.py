@@ -210,9 +210,10 @@ def test_known_bases_are_the_public_architectures():
 
     from difftrain.tools.base_memory import text_encoder_params
 
-    assert known_bases() == ["flux-dev", "sd1.5", "sd3.5-large", "sd3.5-medium", "sdxl"]
+    assert known_bases() == ["flux-dev", "flux-kontext-dev", "sd1.5", "sd3.5-large", "sd3.5-medium", "sdxl"]
     assert text_encoder_params(base_folder("sd1.5")) == 123_060_480
-    for name, params in {"sdxl": 2_567_463_684, "flux-dev": 11_901_408_320, "sd1.5": 859_520_964}.items():
+    for name, params in {"sdxl": 2_567_463_684, "flux-dev": 11_901_408_320, "flux-kontext-dev": 11_901_408_320,
+                         "sd1.5": 859_520_964}.items():
         folder = base_folder(name)
         with torch.device("meta"):
             net = detect(folder).denoiser_from_record({"config": denoiser_config(folder)})
