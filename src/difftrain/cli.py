@@ -136,6 +136,7 @@ def _sample(args: argparse.Namespace) -> int:
             class_label=args.class_label,
             prompt=args.prompt,
             guidance_scale=args.guidance_scale,
+            reference=args.reference,
             progress=True,
             **options,
         )
@@ -451,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distilled-guidance", type=float,
                    help="a Flux base's guidance input (guidance-distilled; default: the run's "
                         "validation.distilled_guidance, 3.5)")
+    p.add_argument("--reference", action="append",
+                   help="an edit model (data.references): the reference image of every sample (given once), or of "
+                        "each (given --num times), resized and centre-cropped to the samples' size")
     _guide_options(p)
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     _frozen_part_options(p)

@@ -160,6 +160,14 @@ class DataConfig(_Section):
     # grey) or else its alpha channel weights the loss per pixel, resized as the latents are; images without
     # either (DreamBooth's class images) are unmasked. A folder of images only
     masks: bool = False
+    # an edit family's pairs (FLUX.1 Kontext): a folder holding each training image's reference image under the
+    # same relative path (any image extension), as ai-toolkit's control folders and SimpleTuner's conditioning
+    # datasets pair them; each reference is resized and cropped with its image (its bucket). "" = none
+    references: str = ""
+    # or: the metadata.jsonl key naming each image's reference file, relative to the jsonl's folder, e.g.
+    # {"file_name": "edited/1.png", "text": "make it red", "reference": "source/1.png"} (the files it names are
+    # references, not training images). "" = none
+    reference_column: str = ""
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
 
@@ -329,6 +337,9 @@ class ValidationConfig(_Section):
     steps: int = 50  # sampling steps for the grid
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
+    # an edit family (data.references): the reference image of each grid row, one per prompt or one for all,
+    # resized and centre-cropped to the grid's images
+    references: tuple[str, ...] = ()
     guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
     # Flux: the guidance input of the grids, FID and DreamBooth class samples, and of `sample` unless
     # --distilled-guidance (FluxPipeline's guidance_scale default); other bases: unused
@@ -879,6 +890,23 @@ def _check_buckets(cfg: Config) -> None:
                "data.masks: the held-out loss is unmasked; leave data.heldout_fraction and data.heldout_path out")
         _check(cfg.validation.memorization in ("auto", "off"),
                "data.masks: validation.memorization compares RGB images; set it to 'auto' (off with masks) or 'off'")
+    _check(not (d.references and d.reference_column), "set data.references (a folder) or data.reference_column "
+                                                          "(a metadata.jsonl key), not both")
+    if d.references or d.reference_column:
+        why = "data.references (reference images)"
+        _check(not d.cache, f"{why}: the decode cache (data.cache) holds no references; set data.cache = false")
+        _check(d.heldout_fraction == 0 and not d.heldout_path,
+               f"{why}: the held-out loss takes no references; leave data.heldout_fraction and data.heldout_path out")
+        _check(cfg.validation.memorization in ("auto", "off"),
+               f"{why}: validation.memorization compares RGB images; set it to 'auto' (off with references) or 'off'")
+        _check(not cfg.dreambooth.class_prompt,
+               f"{why}: DreamBooth's class images have no references; leave dreambooth.class_prompt out")
+    if cfg.validation.references:
+        _check(bool(d.references or d.reference_column),
+               "validation.references: the run has no data.references (an edit family's pairs)")
+        _check(len(cfg.validation.references) in (1, len(cfg.validation.prompts)),
+               f"validation.references: {len(cfg.validation.references)} images for {len(cfg.validation.prompts)} "
+               "validation.prompts; give one per prompt, or one for all")
     if d.buckets != "aspect":
         _check(not d.bucket_resolutions, "data.bucket_resolutions needs data.buckets = 'aspect'")
         return
@@ -1063,6 +1091,8 @@ ARCHITECTURE_KEYS = (
     "data.buckets",  # the shapes images train at and the order batches come in
     "data.bucket_resolutions",
     "data.masks",
+    "data.references",
+    "data.reference_column",
     "data.channels",
     "data.class_conditional",
     "data.captions",

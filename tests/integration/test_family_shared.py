@@ -24,6 +24,7 @@ from tests.family_bases_pixart import write_tiny_pixart_folder
 from tests.family_bases_qwen_image import write_tiny_qwen_image_folder
 from tests.family_bases_gemma import write_tiny_lumina2_folder, write_tiny_sana_folder
 from tests.family_bases_flux2 import write_tiny_flux2_folder, write_tiny_flux2_klein_folder
+from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder
 from tests.text_components import write_tiny_sd_folder
 
 diffusers = pytest.importorskip("diffusers")
@@ -38,7 +39,8 @@ BUILDERS = {"sd": write_tiny_sd_folder, "sdxl": write_tiny_sdxl_folder, "sd3": w
             "pixart-sigma": write_tiny_pixart_folder, "qwen-image": write_tiny_qwen_image_folder,
             "chroma": write_tiny_chroma_folder, "auraflow": write_tiny_auraflow_folder,
             "sana": write_tiny_sana_folder, "lumina2": write_tiny_lumina2_folder,
-            "flux2": write_tiny_flux2_folder, "flux2-klein": write_tiny_flux2_klein_folder}
+            "flux2": write_tiny_flux2_folder, "flux2-klein": write_tiny_flux2_klein_folder,
+            "flux-kontext": write_tiny_flux_kontext_folder}
 # The class of each family's denoiser, whose save_pretrained a test damages.
 DENOISER_CLASSES = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel", "sd3": "SD3Transformer2DModel",
                     "flux": "FluxTransformer2DModel", "hidream": "HiDreamImageTransformer2DModel",
@@ -46,7 +48,7 @@ DENOISER_CLASSES = {"sd": "UNet2DConditionModel", "sdxl": "UNet2DConditionModel"
                     "qwen-image": "QwenImageTransformer2DModel", "chroma": "ChromaTransformer2DModel",
                     "auraflow": "AuraFlowTransformer2DModel", "sana": "SanaTransformer2DModel",
                     "lumina2": "Lumina2Transformer2DModel", "flux2": "Flux2Transformer2DModel",
-                    "flux2-klein": "Flux2Transformer2DModel"}
+                    "flux2-klein": "Flux2Transformer2DModel", "flux-kontext": "FluxTransformer2DModel"}
 
 
 @pytest.fixture(scope="module")

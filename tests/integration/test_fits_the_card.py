@@ -30,6 +30,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # Each family preset and the known bases (tools/bases/) of its family.
 FAMILY_PRESETS = {
     "flux-lora.toml": ["flux-dev"],
+    "flux-kontext-lora.toml": ["flux-kontext-dev"],
     "sd3-lora.toml": ["sd3.5-large", "sd3.5-medium"],
     "sdxl-lora.toml": ["sdxl"],
     "sd-lora.toml": ["sd1.5"],

@@ -83,9 +83,10 @@ def read_caption_file(path: Path) -> str:
     return decode_caption(data, str(path))
 
 
-def read_metadata(path: Path, root: Path, column: str = "text") -> dict[str, str]:
+def read_metadata(path: Path, root: Path, column: str = "text",
+                  what: str = "the caption; data.caption_column names the key") -> dict[str, str]:
     """The captions of one ``metadata.jsonl``: image path relative to ``root`` ("/"-separated)
-    -> caption.
+    -> caption (or another string ``column``, ``what`` it is: an edit family's reference file).
 
     Raises ValueError naming the file and line for a line that is not a JSON object with a
     string ``file_name`` inside the folder and a string ``column``, or names a file twice.
@@ -114,7 +115,7 @@ def read_metadata(path: Path, root: Path, column: str = "text") -> dict[str, str
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"{at}: no \"file_name\" string")
         if not isinstance(text, str):
-            raise ValueError(f"{at}: no {json.dumps(column)} string (the caption; data.caption_column names the key)")
+            raise ValueError(f"{at}: no {json.dumps(column)} string ({what})")
         rel = os.path.normpath((base / name.strip()).as_posix()).replace(os.sep, "/")
         if PurePosixPath(name).is_absolute() or rel == ".." or rel.startswith("../"):
             raise ValueError(f"{at}: file_name {printable(name)} lies outside the folder")

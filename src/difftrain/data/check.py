@@ -318,6 +318,9 @@ def _bad_files(dataset: ImageFolderDataset, on_bad_image: str, min_size: int, ca
     if getattr(dataset, "masks", False):  # a mask of another size than its image: a bad sample (counted as captions are)
         captions.update((p, r) for p, r in mask_problems(dataset.root, dataset.files, report.sizes).items()
                         if p not in report.bad and p not in captions)
+    if getattr(dataset, "references", 0):  # an unreadable reference image: its pair is a bad sample
+        captions.update((p, r) for p, r in reference_problems(dataset).items()
+                        if p not in report.bad and p not in captions)
     problems = {**report.bad, **captions, **report.unreadable_folders}
     if problems and on_bad_image == "fail":
         listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(problems.items())[:20])
@@ -381,8 +384,22 @@ def _save_file_list(dataset: ImageFolderDataset, run_dir: Path, min_size: int, r
 
 
 def _or_mask(dataset) -> str:
-    """" or mask" where a dataset's masks are checked with its captions."""
-    return " or mask" if getattr(dataset, "masks", False) else ""
+    """" or mask" where a dataset's masks are checked with its captions (" or reference": its reference images)."""
+    return (" or mask" if getattr(dataset, "masks", False) else "") + (
+        " or reference" if getattr(dataset, "references", 0) else "")
+
+
+def reference_problems(dataset) -> dict[str, str]:
+    """{relative path: reason} of the images whose reference image (``data.references``) cannot be read (its
+    header: no decode; a file that decodes badly later is named when it is read)."""
+    out = {}
+    for i, rel in enumerate(dataset.files):
+        path = dataset.reference_file(i)
+        try:
+            image_size(path)
+        except BadImage as e:
+            out[rel] = f"reference: unreadable {printable(str(path))}: {e.reason}"
+    return out
 
 
 def mask_problems(root: Path, files: list[str], sizes: dict[str, list[int]]) -> dict[str, str]:

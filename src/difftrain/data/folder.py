@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions
+from .captions import METADATA_NAME, CaptionTable, find_metadata, folder_captions, read_metadata
 from .sampler import split_key
 from .transforms import (MASK_SUFFIX, BadImage, augment, check_image_options, flip_decision, image_size,
                          load_image_sized, load_mask, printable, resize_center_crop, resize_crop, square_geometry,
@@ -81,6 +81,59 @@ def scan_images(
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def find_reference(folder: Path, rel: str) -> Path | None:
+    """The reference image of the training image ``rel`` (a relative "/"-separated path) in the parallel folder
+    ``folder`` (``data.references``): the same relative path, else the same path with another image extension
+    (``photo.jpg`` -> ``photo.png``), as ai-toolkit's control folders and SimpleTuner's conditioning datasets pair
+    them by name; None when there is none."""
+    same = folder / rel
+    if same.is_file():
+        return same
+    stem = (folder / rel).with_suffix("")
+    for ext in IMAGE_EXTENSIONS:
+        for candidate in (stem.with_name(stem.name + ext), stem.with_name(stem.name + ext.upper())):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def reference_paths(folder: str | Path, files: list[str]) -> list[Path]:
+    """The reference image of each of ``files`` in ``folder`` (:func:`find_reference`); one ValueError naming the
+    first training image without one (and how many lack one) or a folder that does not exist."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"data.references {printable(str(folder))} is not a folder (it holds each training "
+                         "image's reference image under the same name)")
+    found = [find_reference(folder, f) for f in files]
+    missing = [f for f, p in zip(files, found) if p is None]
+    if missing:
+        raise ValueError(f"data.references {printable(str(folder))}: no reference image for {printable(missing[0])} "
+                         f"(looked for {printable(missing[0])} under another image extension too)"
+                         + (f"; {len(missing)} of {len(files)} training images lack one" if len(missing) > 1 else ""))
+    return found
+
+
+def metadata_references(root: Path, metadata: list[Path], column: str) -> dict[str, str]:
+    """Training image -> its reference file, both relative "/"-separated paths under ``root``, from the
+    ``column`` key of every ``metadata.jsonl`` (``data.reference_column``; the file named relative to the jsonl's
+    folder, as its ``file_name``); one ValueError naming the file and line of a line without that key, a
+    reference outside ``root``, or when no metadata.jsonl is found."""
+    if not metadata:
+        raise ValueError(f"data.reference_column {column!r}: {printable(str(root))} holds no {METADATA_NAME} to read it "
+                         "from (or set data.references to a folder of reference images under the same names)")
+    out: dict[str, str] = {}
+    for path in sorted(metadata):
+        base = path.parent.relative_to(root).as_posix()
+        for rel, named in read_metadata(path, root, column, "the reference image; data.reference_column names the "
+                                                             "key").items():
+            ref = os.path.normpath(f"{base}/{named}").replace(os.sep, "/")
+            if os.path.isabs(named) or ref == ".." or ref.startswith("../"):
+                raise ValueError(f"{printable(str(path))}: the reference {printable(named)} of {printable(rel)} lies "
+                                 "outside the folder")
+            out[rel] = ref
+    return out
+
+
 class DataGone(OSError):
     """Every image of a folder dataset became unreadable during a run."""
 
@@ -135,6 +188,14 @@ class ImageFolderDataset(Dataset):
     With ``masks`` (``data.masks``) the image tensor has one more channel, last: its loss mask in [0, 1]
     (``NAME.mask.png`` beside it, else its alpha channel, else ones), resized, cropped and flipped with it.
     A mask of another size than its image is a bad image (:class:`BadImage` naming both sizes).
+
+    With ``references`` (``data.references``, a folder: an edit family's pairs) each image's reference image is
+    the file of the same name in that folder (:func:`find_reference`), or with ``reference_column``
+    (``data.reference_column``) the file its ``metadata.jsonl`` line names under that key (those files are then
+    references, not training images: :func:`metadata_references`), resized and cropped to the image's own
+    crop shape (its bucket's: diffusers' Kontext script's ``paired_transform``) and flipped with it: the image
+    tensor is then (2C [+ 1], H, W), the target's C channels, the reference's C, the mask last.
+    ``self.references`` is how many reference images an item carries (0 or 1).
     """
 
     def __init__(
@@ -148,9 +209,16 @@ class ImageFolderDataset(Dataset):
         captions: bool = False,
         caption_column: str = "text",
         masks: bool = False,
+        references: str = "",
+        reference_column: str = "",
     ) -> None:
         check_image_options(resolution, channels, color_jitter)
         self.masks = masks
+        self.reference_root = Path(references).expanduser() if references else None
+        self.reference_column = reference_column
+        self.references = int(bool(references or reference_column))  # reference images per item
+        self._reference_names: dict[str, str] = {}  # reference_column: image -> its reference (relative paths)
+        self._reference_files: list[Path] = []
         if captions and class_conditional:
             raise ValueError("set data.captions or data.class_conditional, not both")
         self.root = Path(root).expanduser()
@@ -164,8 +232,13 @@ class ImageFolderDataset(Dataset):
         self.captions, self.caption_column = captions, caption_column
         self._metadata_files: list[Path] = []  # the metadata.jsonl files under root (captions)
         self._captions: CaptionTable | None = None
-        found = scan_images(self.root, self.unreadable_folders, metadata=self._metadata_files if captions else None)
+        found = scan_images(self.root, self.unreadable_folders,
+                            metadata=self._metadata_files if captions or reference_column else None)
         files = [p.relative_to(self.root).as_posix() for p in found]
+        if reference_column:  # the files the column names are references, not training images
+            self._reference_names = metadata_references(self.root, self._metadata_files, reference_column)
+            named = set(self._reference_names.values())
+            files = [f for f in files if f not in named]
         classes = []
         if class_conditional:
             loose = [f for f in files if "/" not in f]
@@ -221,6 +294,10 @@ class ImageFolderDataset(Dataset):
         order, do not depend on a rescan of a folder that changed in between.
         """
         self.classes = list(classes)
+        if self.reference_root is not None:
+            self._reference_files = reference_paths(self.reference_root, files)
+        elif self.reference_column:
+            self._reference_files = self._named_references(files)
         if self.captions:
             self._captions = self._caption_table(files)
         index = {name: k for k, name in enumerate(self.classes)}
@@ -270,6 +347,8 @@ class ImageFolderDataset(Dataset):
             self.bucket_shapes = self.bucket_shapes[keep]
         if self._captions is not None:
             self._captions = self._captions.select(keep)
+        if self._reference_files:
+            self._reference_files = [p for p, k in zip(self._reference_files, keep.tolist()) if k]
         self.file_stats = None
 
     @property
@@ -319,6 +398,7 @@ class ImageFolderDataset(Dataset):
         else:
             img, geometry = resize_crop(img, shape, original)
             mask = None if mask is None else resize_crop(mask, shape)[0]
+        reference = self._reference(index, shape) if self.references else None
         x = to_tensor(img)  # (C, H, W)
         if seed is not None:
             g = torch.Generator().manual_seed(seed)
@@ -328,8 +408,39 @@ class ImageFolderDataset(Dataset):
             if seed is not None and self.random_flip and flip_decision(seed):
                 m = m.flip(-1)
             x = torch.cat([x, m])
+        if reference is not None:  # (C, H, W) after the target's C channels, flipped as the image
+            if seed is not None and self.random_flip and flip_decision(seed):
+                reference = reference.flip(-1)
+            x = torch.cat([x[: self.channels], reference, x[self.channels:]])
         second = self.caption(index) if self.captions else int(self._labels[index])
         return x, second, torch.tensor(geometry, dtype=torch.long)
+
+    def _named_references(self, files: list[str]) -> list[Path]:
+        """The reference file of each of ``files`` its metadata.jsonl names (``data.reference_column``); one
+        ValueError naming the first image without one, or whose reference is not a file."""
+        out = []
+        for f in files:
+            ref = self._reference_names.get(f)
+            if ref is None:
+                raise ValueError(f"data.reference_column {self.reference_column!r}: no {METADATA_NAME} line names a "
+                                 f"reference image for {printable(f)}")
+            if not (self.root / ref).is_file():
+                raise ValueError(f"data.reference_column {self.reference_column!r}: the reference image {printable(ref)} "
+                                 f"of {printable(f)} does not exist")
+            out.append(self.root / ref)
+        return out
+
+    def reference_file(self, index: int) -> Path:
+        """The reference image of image ``index`` (``data.references``)."""
+        return self._reference_files[index]
+
+    def _reference(self, index: int, shape: tuple[int, int] | None) -> torch.Tensor:
+        """(C, H, W) in [-1, 1]: image ``index``'s reference resized to cover the image's crop (the run's square,
+        or its bucket's ``shape``) and centre-cropped; :class:`BadImage` naming it when it cannot be read."""
+        img, original = load_image_sized(self._reference_files[index], self.channels,
+                                         min_size=2 * (self.resolution if shape is None else max(shape)))
+        img = resize_center_crop(img, self.resolution) if shape is None else resize_crop(img, shape, original)[0]
+        return to_tensor(img)
 
     def _mask(self, index: int, size: tuple[int, int]):
         """Image ``index``'s mask (an "L" image of ``size``) or None (all ones); :class:`BadImage` when it has

@@ -15,7 +15,10 @@ The file name is a digest of the dataset's fingerprint (:func:`dataset_fingerpri
 resolution, the flip setting and the codec's weights digest; change any and a new cache is
 built. It is built into a temporary file and renamed, so an interrupted build leaves nothing.
 Colour jitter cannot be cached (it changes the pixels the encoder sees) and is refused. With
-``data.masks`` each item's loss mask, area-averaged to the latents' size, is one more channel (2c + 1).
+``data.masks`` each item's loss mask, area-averaged to the latents' size, is one more channel (2c + 1). With
+``data.references`` (an edit family's pairs) each item's reference image's moments follow the target's: (2c + 2c
+[+ 1]) channels, the reference's mean and std after the target's, the mask last; the index's ``"references"``
+counts the reference images per item (0 or 1).
 
 Size: N x V x 2c x h x w x 2 bytes (50,000 images of 256 px, SD VAE, flips: 3.3 GB).
 
@@ -57,7 +60,7 @@ from .transforms import flip_decision
 # Bump when what the cache holds for the same inputs changes.
 LATENT_CACHE_VERSION = 1
 # The base dataset's attributes that the rest of difftrain reads, kept by the cached dataset.
-KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip", "masks")
+KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip", "masks", "references")
 BUCKET_FORMAT = "difftrain-bucketed-latents"  # the "format" of a bucketed cache's index
 BUCKET_INDEX_VERSION = 1
 
@@ -103,6 +106,10 @@ def dataset_fingerprint(dataset: Dataset) -> str:
     h.update(f"{type(dataset).__name__}:{len(dataset)}\n".encode())
     if getattr(dataset, "masks", False):  # items with a mask channel (data.masks)
         h.update(b"masks\n")
+    if getattr(dataset, "references", 0) and callable(getattr(dataset, "reference_file", None)):  # items with their
+        # reference images (data.references): their files too
+        files = [dataset.reference_file(i) for i in range(len(dataset))]
+        h.update(f"references:{files_fingerprint(Path('/'), [f.absolute() for f in files])}\n".encode())
     h.update(_identity(dataset).encode())
     return h.hexdigest()
 
@@ -173,13 +180,19 @@ def _collate(batch):
     return (torch.stack(images), list(targets), *(torch.stack(r) for r in rest))
 
 
-def encode_items(codec, images: torch.Tensor, masks: bool) -> torch.Tensor:
+def encode_items(codec, images: torch.Tensor, masks: bool, references: int = 0) -> torch.Tensor:
     """(B, 2c, h, w) float16 numpy moments of images (B, C, H, W) in [-1, 1]; with ``masks`` the last
     channel of ``images`` is each image's loss mask in [0, 1], area-averaged to the latents' (h, w) and kept as
-    a last channel: (B, 2c + 1, h, w)."""
+    a last channel: (B, 2c + 1, h, w). With ``references`` (R reference images per item, each C channels after
+    the target's) the images are (B, (1 + R) C [+ 1], H, W) and each reference's moments follow the target's:
+    (B, (1 + R) 2c [+ 1], h, w)."""
     pixels = images[:, :-1] if masks else images
-    mean, std = codec.encode_moments(pixels)  # each (B, c, h, w)
-    parts = [mean, std]
+    images_per_item = 1 + references
+    parts = []
+    for k in range(images_per_item):  # the target, then each reference: the same codec, the same size
+        per = pixels.shape[1] // images_per_item
+        parts.extend(codec.encode_moments(pixels[:, k * per: (k + 1) * per]))  # mean, std: each (B, c, h, w)
+    mean = parts[0]
     if masks:  # the mask resized as the latents are: the share of each latent cell's pixels that train
         parts.append(torch.nn.functional.interpolate(images[:, -1:].float(), size=mean.shape[-2:], mode="area"))
     return torch.cat(parts, dim=1).cpu().numpy().astype(np.float16)
@@ -196,6 +209,7 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
     remove_stale_temporaries(path.parent)
     views = 2 if random_flip else 1
     masks = bool(getattr(dataset, "masks", False))
+    references = int(getattr(dataset, "references", 0))
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     out = None
     try:
@@ -206,7 +220,7 @@ def build_latent_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
         for images, batch_targets, *rest in loader:  # images (B, C, H, W) in [-1, 1]
             images = images.to(device)
             for v in range(views):
-                moments = encode_items(codec, images.flip(-1) if v else images, masks)  # (B, 2c [+ 1], h, w)
+                moments = encode_items(codec, images.flip(-1) if v else images, masks, references)  # (B, 2c.., h, w)
                 if not np.isfinite(moments).all():
                     raise ValueError(f"vae {codec.source}: the latents of images {i}..{i + len(images) - 1} "
                                      "overflow float16 (the latent cache stores float16)")
@@ -275,6 +289,7 @@ def build_bucket_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
     remove_stale_temporaries(path.parent)
     views = 2 if random_flip else 1
     masks = bool(getattr(dataset, "masks", False))
+    references = int(getattr(dataset, "references", 0))
     groups = group_indices(item_shapes(dataset))
     items = np.zeros((len(dataset), 2), dtype=np.int64)
     geometry = np.zeros((len(dataset), 4), dtype=np.int64)
@@ -290,7 +305,7 @@ def build_bucket_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
             for images, batch_targets, batch_geometry in loader:  # (B, C, h, w) in [-1, 1]
                 images = images.to(device)
                 for v in range(views):
-                    moments = encode_items(codec, images.flip(-1) if v else images, masks)
+                    moments = encode_items(codec, images.flip(-1) if v else images, masks, references)
                     if not np.isfinite(moments).all():
                         raise ValueError(f"vae {codec.source}: the latents of a {h}x{w} bucket overflow float16 "
                                          "(the latent cache stores float16)")
@@ -311,7 +326,8 @@ def build_bucket_cache(dataset: Dataset, path: Path, *, codec, random_flip: bool
             unlink_quietly(tmp)
             raise
     index = {"format": BUCKET_FORMAT, "version": BUCKET_INDEX_VERSION, "latent_channels": int(codec.latent_channels),
-             "factor": int(codec.factor), "views": views, "masks": masks, "shapes": [list(s) for s in groups],
+             "factor": int(codec.factor), "views": views, "masks": masks, "references": references,
+             "shapes": [list(s) for s in groups],
              "items": items.tolist(), "geometry": geometry.tolist()}
     atomic_write_bytes(targets_path(path), json.dumps(targets).encode())
     atomic_write_bytes(path, json.dumps(index).encode())
@@ -353,7 +369,11 @@ def read_bucket_index(path: Path, shapes: np.ndarray | None = None) -> dict:
     c, f, views = header["latent_channels"], header["factor"], header["views"]
     if type(index.get("masks", False)) is not bool:
         raise bad(f"masks must be true or false, got {index.get('masks')!r}")
-    channels = 2 * c + int(index.get("masks", False))  # the mean, the std, and the mask (data.masks)
+    references = index.get("references", 0)
+    if type(references) is not int or not 0 <= references <= 8:
+        raise bad(f"references must be a count of reference images, got {references!r}")
+    # the mean and the std of the target and of each reference (data.references), and the mask (data.masks)
+    channels = 2 * c * (1 + references) + int(index.get("masks", False))
     try:
         bucket_shapes = _int_table(index.get("shapes"), len(index.get("shapes") or []), 2, "shapes")
         n = len(index.get("items") or [])
@@ -453,7 +473,9 @@ class LatentDataset(Dataset):
         if fresh is not None and len(fresh) == len(self.targets):
             self.targets = fresh
         moments = np.load(path, mmap_mode="r")
-        self.latent_channels, self.latent_resolution = moments.shape[2] // 2, moments.shape[3]
+        per_image = moments.shape[2] - int(bool(getattr(base, "masks", False)))  # the mask: one channel, last
+        self.latent_channels = per_image // (2 * (1 + int(getattr(base, "references", 0))))
+        self.latent_resolution = moments.shape[3]
         if len(self.targets) != moments.shape[0]:
             raise ValueError(f"latent cache {path}: {moments.shape[0]} items but {len(self.targets)} targets")
         self._geometry = read_geometry(path, moments.shape[0])  # (N, 4) long, or None

@@ -30,6 +30,8 @@ def build_dataset(
     captions: bool = False,
     caption_column: str = "text",
     masks: bool = False,
+    references: str = "",
+    reference_column: str = "",
 ) -> Dataset:
     """The dataset ``path`` names, by its form:
 
@@ -46,11 +48,16 @@ def build_dataset(
     names the caption key of a folder's ``metadata.jsonl``), ``num_classes`` is 0 and the
     dataset's ``captions`` is True. With ``cache`` a folder's images are read from their decode
     cache (``data/cache.py``; built-in datasets are generated and need none). With ``masks`` (a folder
-    only) each image carries its loss mask as a last channel (``folder.py``).
+    only) each image carries its loss mask as a last channel (``folder.py``); with ``references`` (a folder of
+    reference images under the same names: an edit family's pairs; an image folder only) its reference image's
+    channels after its own (or ``reference_column``: the ``metadata.jsonl`` key naming each one's reference file).
     """
     if masks and (path.startswith(BUILTIN_PREFIX) or is_shard_path(path) or is_hf_path(path)):
         raise ValueError(f"data.masks needs a folder of images (NAME.mask.png or an alpha channel per image); "
                          f"data.path {path} is not one")
+    if (references or reference_column) and (path.startswith(BUILTIN_PREFIX) or is_shard_path(path) or is_hf_path(path)):
+        raise ValueError(f"data.references needs data.path to be a folder of images (the targets, each paired by "
+                         f"name with its reference); data.path {path} is not one")
     options = dict(
         resolution=resolution,
         channels=channels,
@@ -72,7 +79,8 @@ def build_dataset(
     if is_hf_path(path):
         return HFImageDataset(path, **options, image_column=image_column, label_column=label_column,
                               caption_column=caption_column)
-    dataset = ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks)
+    dataset = ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks,
+                                   references=references, reference_column=reference_column)
     return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
 
 

@@ -44,6 +44,8 @@ def dataset_from_config(d, path: str | None = None, augment: bool = True, captio
         captions=d.captions if captions is None else captions,
         caption_column=d.caption_column,
         masks=d.masks,
+        references=d.references,
+        reference_column=d.reference_column,
     )
 
 

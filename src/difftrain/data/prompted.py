@@ -30,6 +30,7 @@ class PromptedDataset(Dataset):
         self.random_flip = getattr(images, "random_flip", False)
         self.color_jitter = getattr(images, "color_jitter", 0.0)
         self.masks = getattr(images, "masks", False)
+        self.references = getattr(images, "references", 0)  # an edit family's pairs (data.references)
 
     @property
     def bucket_shapes(self):

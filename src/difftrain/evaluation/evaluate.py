@@ -337,7 +337,7 @@ def _checked(inception: InceptionFeatures, loaded, space: str | None):
 
 def _unmasked(data):
     """A run's ``DataConfig`` without ``data.masks``: evaluation reads its images (or captions), not their masks."""
-    return dataclasses.replace(data, masks=False)
+    return dataclasses.replace(data, masks=False, references="", reference_column="")  # nor their reference images
 
 
 def checkpoint_conditions(loaded, guidance_scale: float = 1.0, captions: str | Path | None = None) -> FIDConditions:

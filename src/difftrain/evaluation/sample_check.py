@@ -156,7 +156,8 @@ def resolve_space(v: ValidationConfig, dataset) -> str:
     (and off for images in aspect-ratio buckets, whose shapes differ from the square samples')."""
     if v.memorization != "auto":
         return v.memorization
-    if getattr(dataset, "bucket_shapes", None) is not None or getattr(dataset, "masks", False):
+    if getattr(dataset, "bucket_shapes", None) is not None or getattr(dataset, "masks", False) or getattr(
+            dataset, "references", 0):
         return "off"
     n = len(dataset) if dataset is not None else 0
     return "pixels" if 2 <= n <= v.memorization_auto_max_images else "off"

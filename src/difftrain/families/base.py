@@ -398,6 +398,10 @@ class Family(ABC):
     # How ``export --format diffusers`` writes a checkpoint of this family (a key of interop/diffusers.py's
     # EXPORTS): "pipeline" (:meth:`export_pipeline`) or "unet2d" (difftrain's own UNet: a UNet2DModel folder).
     export_kind: str = "pipeline"
+    # Reference images per sample of an edit family (FLUX.1 Kontext: 1): its runs train on (reference, target,
+    # caption) items (data.references), its samples take reference images (validation.references, sample
+    # --reference); 0: a family that takes none. The step adds :meth:`reference_condition` of their latents.
+    references: int = 0
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -565,6 +569,12 @@ class Family(ABC):
         data side gives them (None: the image was the target size, uncropped); ``size``: the (H, W) in
         pixels the network trains at. SDXL returns ``{"time_ids": (B, 6)}``."""
         return {}
+
+    def reference_condition(self, references: list[Tensor]) -> Condition:
+        """The condition the reference images add, given their latents in the model's space, one (B, c, h', w')
+        tensor per reference (:attr:`references` of them): what the family's denoiser packs into its input
+        (Kontext: ``{"reference": ...}``, appended to the image tokens). A family that takes none refuses."""
+        raise ValueError(f"the {self.name} family takes no reference images")
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """The shape of one sample's condition (what :meth:`load_prompt_encoder` and :meth:`image_conditions`
@@ -984,7 +994,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
 MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart", "qwen_image", "chroma", "auraflow",
-           "sana", "lumina2", "flux2", "flux2_klein")
+           "sana", "lumina2", "flux2", "flux2_klein", "flux_kontext")
 
 
 def register(family: Family) -> Family:

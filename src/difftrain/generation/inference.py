@@ -145,12 +145,15 @@ def generate_images(
     class_label: int | Sequence[int] | None = None,
     prompt: str | Sequence[str] | None = None,
     guidance_scale: float = 1.0,
+    reference: str | Sequence[str] | None = None,
     **sampler_options,
 ) -> torch.Tensor:
     """(num, C, H, W) float32 images in [-1, 1] on the CPU, from the initial noise of ``seed``:
     what ``difftrain sample`` writes. Class-conditional models: ``class_label``, else one class
     per grid row; text models: ``prompt`` (one, or one per image). Samples that come out NaN or
-    infinite raise ``NonFiniteSamples`` naming ``loaded.path``."""
+    infinite raise ``NonFiniteSamples`` naming ``loaded.path``. An edit family's models (``Family.references``)
+    take ``reference``: the reference image's file (one, or one per image), resized and centre-cropped to the
+    samples' size."""
     c = loaded.conditioning
     channels, resolution = c.network_shape()
     noise = initial_noise(num, (channels, resolution, resolution), seed)
@@ -159,9 +162,12 @@ def generate_images(
         from difftrain.networks.conditioning import map_condition
 
         condition = map_condition(lambda t: t.cpu(), c.prompts(prompts_for(num, prompt), device))
+        condition = condition | _reference_condition(c, num, reference, resolution)
     else:
         if prompt is not None:
             raise ValueError("--prompt given, but the model is not text-conditioned")
+        if reference:
+            raise ValueError("--reference given, but the model is not text-conditioned (no edit model)")
         condition = class_labels_for(num, loaded.num_classes, class_label)
     with naming_samples(sampled_from(loaded)):  # NaN or inf samples: one line naming the checkpoint or adapter
         return generate(
@@ -179,6 +185,22 @@ def generate_images(
             clip=c.codec is None,  # latents are not bounded to [-1, 1]
             **sampler_options,
         )
+
+
+def _reference_condition(c: Conditioning, num: int, reference: str | Sequence[str] | None, resolution: int) -> dict:
+    """The reference condition of ``num`` samples of an edit family's model (one ValueError without a
+    ``reference``, or with one for a family that takes none): each image encoded at the samples' size."""
+    if not c.family.references:
+        if reference:
+            raise ValueError(f"--reference given, but the {c.family.name} model takes no reference image")
+        return {}
+    refs = [reference] if isinstance(reference, str) else list(reference or ())
+    if len(refs) not in (1, num):
+        raise ValueError(f"the {c.family.name} model edits a reference image: give --reference IMAGE (one for every "
+                         f"image, or one per image: {num}), got {len(refs)}")
+    side = resolution * c.codec.factor
+    latents = c.reference_latents(refs, (side, side))
+    return c.reference_condition([latents.expand(num, *latents.shape[1:]) if len(refs) == 1 else latents])
 
 
 def sampled_from(loaded: LoadedModel) -> str:
@@ -199,6 +221,7 @@ def sample_to_folder(
     class_label: int | None = None,
     prompt: str | Sequence[str] | None = None,
     guidance_scale: float = 1.0,
+    reference: str | Sequence[str] | None = None,
     progress: bool = False,
     **sampler_options,
 ) -> Path:
@@ -208,7 +231,8 @@ def sample_to_folder(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     images = generate_images(loaded, num, sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
-                             class_label=class_label, prompt=prompt, guidance_scale=guidance_scale, progress=CountProgress("sample", num, enabled=progress),
+                             class_label=class_label, prompt=prompt, guidance_scale=guidance_scale, reference=reference,
+                             progress=CountProgress("sample", num, enabled=progress),
                              **sampler_options)
     pixels = to_uint8(images)
     for i, image in enumerate(pixels):

@@ -43,7 +43,10 @@ def guided_network(
         c = condition_rows(condition, 0, x.shape[0])
         out = model(x, cond, c).float()
         if c is not None and guidance_scale != 1.0:
-            uncond = model(x, cond, expand_rows(null_condition, x.shape[0])).float()
+            null = expand_rows(null_condition, x.shape[0])
+            if isinstance(c, dict) and isinstance(null, dict):  # what the null leaves out (an edit family's
+                null = c | null  # reference images) is each row's own
+            uncond = model(x, cond, null).float()
             out = uncond + guidance_scale * (out - uncond) if guide is None else guide(out, uncond, guidance_scale)
         return out
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from difftrain.data.text_cache import cached_prompt_encoder
+from difftrain.data.transforms import load_image, resize_center_crop, resize_crop, to_tensor
 from difftrain.families import UNET, Family, family_of_config
 from difftrain.models import MODEL_PRESETS
 from difftrain.models.vae import vae_factor
@@ -171,6 +172,49 @@ class Conditioning:
         if self.num_classes:
             return torch.full((n,), self.num_classes, dtype=torch.long, device=device)
         return None
+
+    # -- reference images (an edit family: Family.references) ------------------------------------------
+
+    def reference_condition(self, latents: list[Tensor]) -> dict[str, Tensor]:
+        """The condition reference latents add (one (B, c, h', w') tensor in the model's space per reference):
+        the family's (``Family.reference_condition``: what its denoiser packs into its input)."""
+        return self.family.reference_condition(latents)
+
+    def reference_latents(self, paths: Sequence[str], size: tuple[int, int], device: torch.device | str = "cpu"
+                          ) -> Tensor:
+        """(N, c, h, w) model-space latents of the images ``paths``, each resized to cover ``size`` (H, W) pixels
+        and centre-cropped, encoded by the VAE's mode (the mean: the edit pipelines' ``sample_mode="argmax"``).
+        An unreadable file is one ValueError naming it."""
+        if self.codec is None:
+            raise ValueError("reference images need a latent model (model.vae)")
+        images = []
+        for path in paths:
+            try:
+                img = load_image(path, self.channels)
+            except OSError as e:
+                raise ValueError(f"reference image {path}: cannot read it ({e})") from None
+            img = resize_center_crop(img, size[0]) if size[0] == size[1] else resize_crop(img, size)[0]
+            images.append(to_tensor(img))
+        codec_device = next(self.codec.parameters()).device
+        with torch.no_grad():
+            mean, _ = self.codec.encode_moments(torch.stack(images).to(codec_device))
+            return self.codec.to_model(mean).float().to(device)
+
+    def check_reference_data(self, data, base: str) -> None:
+        """One ValueError unless the run's data section ``data`` (``data.references`` or ``data.reference_column``)
+        and its family agree: an edit family (``Family.references``) trains on pairs, a family that takes none on
+        single images (``base``: ``model.init_from``, named in the line)."""
+        references = data.references or (f"(data.reference_column {data.reference_column!r})"
+                                          if data.reference_column else "")
+        if self.family.references and not references:
+            raise ValueError(f"the {self.family.name} base {base} is an edit model: set data.references to a folder "
+                             "holding each training image's reference image under the same name, or "
+                             "data.reference_column to the metadata.jsonl key naming it")
+        if references and not self.family.references:
+            raise ValueError(f"data.references {references}: the {self.family.name} base {base or '(none)'} takes no "
+                             "reference images (only an edit family does)")
+        if references and self.codec is None:
+            raise ValueError(f"data.references {references}: reference images need a latent model (model.vae)")
 
     def pixel_size(self, x: Tensor) -> tuple[int, int]:
         """(H, W) in pixels of a batch of what the network denoises (latents: times the VAE's factor)."""

@@ -7,9 +7,10 @@
 A base is a pipeline folder of which only the ``config.json`` files are read (``model_index.json``, the
 denoiser's, the text encoders', the VAE's): the known bases in ``tools/bases/`` are such folders, written
 from the public configs of stabilityai/stable-diffusion-xl-base-1.0, stabilityai/stable-diffusion-3.5-large
-and -medium, black-forest-labs/FLUX.1-dev and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``), and
-Sana 1600M / SANA 1.5 4.8B and Lumina-Image 2.0 (``sana``, ``sana-4.8b``, ``lumina2``: their sources in
-families/sana.py and families/lumina2.py). The
+and -medium, black-forest-labs/FLUX.1-dev (and ``flux-kontext-dev``: FLUX.1-Kontext-dev, FLUX.1-dev's configs in a
+FluxKontextPipeline folder) and stable-diffusion-v1-5/stable-diffusion-v1-5 (``sd1.5``), and the families of 2026
+(their sources in each family's module: families/sana.py, lumina2.py, flux2.py, qwen_image.py, z_image.py,
+hidream.py, chroma.py, auraflow.py, pixart.py). The
 family's denoiser is built on the meta device (``Family.denoiser_from_record``) and, for LoRA, peft's layers
 are injected as training injects them (``networks/lora.py``'s targets and ``LoraConfig``). Per rank
 (``parallel_memory.rank_memory``, DDP or FSDP):
@@ -249,7 +250,8 @@ class _Network:
     def activations(self, family, config: dict, cfg, batch: int, latent: tuple[int, int], checkpointing: bool,
                     quantize: str) -> SavedBytes:
         """What the training loss of one micro-batch (``per_sample_loss``, as the step computes it) keeps
-        for backward, on meta tensors: latents (B, C, h, w), the family's condition shapes."""
+        for backward, on meta tensors: latents (B, C, h, w), the family's condition shapes (an edit family's
+        reference latents too, the target's shape: the tokens it adds)."""
         from difftrain.diffusion.objective import build_objective, per_sample_loss
 
         shapes = family.condition_shapes(config, int(getattr(cfg.model, "max_sequence_length", 0)))
@@ -260,6 +262,8 @@ class _Network:
         def forward():
             x0 = torch.empty(batch, family.latent_channels(config), *latent, device="meta")
             cond = {k: torch.empty(batch, *s, device="meta") for k, s in shapes.items()}
+            if family.references:  # an edit family's reference latents: each at the target's size (its bucket)
+                cond |= family.reference_condition([torch.empty_like(x0) for _ in range(family.references)])
             return per_sample_loss(objective, self.model, x0, cond, levels, torch.empty_like(x0)).mean()
 
         quantized = frozenset(id(w) for w in self.quantized(quantize))

@@ -83,6 +83,7 @@ def train(
     data = prepare_training_data(cfg, run_dir, image_side_multiple(cfg.model), dctx.world_size)  # buckets: the VAE's multiple
     check = SampleCheck(cfg, data.train, device)  # memorization and diversity; a no-op unless validation.memorization
     conditioning = Conditioning.from_config(cfg, data.num_classes, device, text_cache=True)  # text.cache: encoders load only to fill it
+    conditioning.check_reference_data(cfg.data, cfg.model.init_from)  # an edit family trains on pairs
     data = with_class_images(data, cfg, conditioning, run_dir, dctx)  # DreamBooth's prior; made once
     source, resumed_from = resume_source(run_dir, resume), None
     saved = load_resume(source, cfg, dctx)  # an FSDP run's sharded checkpoint: its run state; the shards later

@@ -66,6 +66,11 @@ def draw_micro_batch(
     mask = None
     if cfg.data.masks:  # the items' last channel: the loss mask, at the network's resolution (data/latents.py)
         x0, mask = x0[:, :-1], x0[:, -1:].float()
+    references = None
+    if (cfg.data.references or cfg.data.reference_column) and c.codec is not None:  # an edit family's pairs: the
+        # items' reference moments after the target's (data/latents.py)
+        k = 2 * c.codec.latent_channels
+        x0, references = x0[:, :k], [x0[:, i: i + k] for i in range(k, x0.shape[1], k)]
     gen = step_generator(cfg.train.seed, 0, state.step * cfg.train.grad_accum_steps + micro, device, "diffusion")
     n = x0.shape[0] * dctx.world_size
     shape = (c.codec.latent_channels, *x0.shape[2:]) if c.codec is not None else tuple(x0.shape[1:])
@@ -75,6 +80,8 @@ def draw_micro_batch(
     if c.kind != "none":  # label or caption dropout for classifier-free guidance
         drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
     condition = c.condition(second, drop, device, geometry, c.pixel_size(x0))  # the batch's (bucket's) pixels
+    if references:  # an edit family's reference latents: the mode (the mean), as its pipeline encodes them
+        condition = condition | c.reference_condition([c.codec.to_model(r[:, : k // 2]) for r in references])
     weight = loss_weights(cfg.dreambooth, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
         eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)

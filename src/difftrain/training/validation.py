@@ -77,11 +77,27 @@ def _plan(v, shape: tuple[int, int, int], conditioning: Conditioning, dataset) -
         device = next(conditioning.text.parameters()).device
         cpu = lambda t: t.cpu()  # noqa: E731
         condition = map_condition(cpu, conditioning.prompts([p for p in prompts for _ in range(ncols)], device))
+        if conditioning.family.references:  # an edit family: each row's reference image (validation.references)
+            condition = condition | map_condition(cpu, _reference_rows(v, prompts, ncols, shape, conditioning))
         return ValidationPlan(noise, condition, map_condition(cpu, conditioning.null(1, device)), ncols, prompts)
     noise = initial_noise(v.num_images, shape, v.seed)
     labels = grid_class_labels(v.num_images, conditioning.num_classes)
     null = conditioning.null(1) if labels is not None else None
     return ValidationPlan(noise, labels, null, grid_columns(v.num_images), None)
+
+
+def _reference_rows(v, prompts: list[str], ncols: int, shape: tuple[int, int, int], conditioning: Conditioning
+                    ) -> dict[str, torch.Tensor]:
+    """The reference condition of every grid image: ``validation.references`` (one per prompt, or one for all),
+    each encoded at the grid's size and repeated over its row's ``ncols`` images; one ValueError without them."""
+    refs = list(v.references)
+    if len(refs) not in (1, len(prompts)):
+        raise ValueError(f"validation.references: the {conditioning.family.name} base samples from a reference image; "
+                         f"give one per validation prompt ({len(prompts)}) or one for all, got {len(refs)}")
+    factor = conditioning.codec.factor
+    latents = conditioning.reference_latents(refs, (shape[1] * factor, shape[2] * factor))
+    rows = latents.expand(len(prompts), *latents.shape[1:]) if len(refs) == 1 else latents
+    return conditioning.reference_condition([rows.repeat_interleave(ncols, dim=0)])
 
 
 def data_prompts(dataset, count: int) -> list[str]:
