@@ -3,7 +3,8 @@ transformer (``Denoiser.model``), load their parts from a pipeline folder, are t
 rectified flow as their scheduler config says, export through ``Family.export_pipeline`` (the base's
 pipeline with the trained ``transformer/``, checked to load) and keep LoRA files in their pipeline's
 own format (``Family.save_lora`` / ``Family.read_lora``: its ``save_lora_weights`` / ``lora_state_dict``,
-the ``transformer.`` prefix, peft's LoraConfig as metadata). diffusers and transformers are imported
+the ``transformer.`` prefix, peft's LoraConfig as metadata). The single-T5 families (Chroma, PixArt-Sigma,
+AuraFlow) share one prompt encoder, :class:`T5PromptEncoder`. diffusers and transformers are imported
 only when a part is loaded.
 """
 
