@@ -80,8 +80,8 @@ def test_steps_run_and_resume_exactly(tmp_path, bases, name, mode):
 
 def _export_samples_as_difftrain(tmp_path, name):
     """``export`` of a full fine-tune: the family's pipeline loads the folder and, from the same initial noise,
-    samples difftrain's images (Euler, 3 steps, CFG 2 on the negative prompt ""; Lumina 2 without its
-    cfg_normalization, Sana with the Euler scheduler the export writes), 1e-4."""
+    samples difftrain's images (Euler, 3 steps, CFG 2 on the negative prompt ""; Lumina 2 with its default
+    cfg_normalization=True, Sana with the Euler scheduler the export writes), 1e-4."""
     import diffusers
 
     from difftrain import api
@@ -94,7 +94,7 @@ def _export_samples_as_difftrain(tmp_path, name):
     pipe = getattr(diffusers, PIPELINES[name]).from_pretrained(str(out))
     pipe.set_progress_bar_config(disable=True)
     noise = initial_noise(1, (CHANNELS[name], LATENT[name], LATENT[name]), 5)
-    extra = {"use_resolution_binning": False} if name == "sana" else {"cfg_normalization": False}
+    extra = {"use_resolution_binning": False} if name == "sana" else {}  # Lumina 2: the pipeline's defaults
     theirs = pipe(["a red square"], latents=noise.clone(), num_inference_steps=3, guidance_scale=2.0,
                   max_sequence_length=LENGTH, output_type="pt", height=32, width=32, **extra).images * 2 - 1
     assert theirs.shape == expected.shape

@@ -13,7 +13,7 @@ Prompts -> conditioning (``AuraFlowPipeline.encode_prompt``):
            (the released bases: LlamaTokenizerFast, pile-t5's vocabulary; the pipeline's signature says a
            T5 tokenizer), loaded by that class (``families.base.part_class``)
   prompt_embeds = UMT5EncoderModel(input_ids, attention_mask=m)[0] * m[..., None]   (B, L, 2048): the last
-           hidden state run with the mask, padding rows zeroed (``base.token_ids_and_mask`` and the chroma module's
+           hidden state run with the mask, padding rows zeroed (``mmdit.T5PromptEncoder``: ``base.token_ids_and_mask``,
            ``masked_t5``, then :func:`zero_padding`)
   The transformer takes no mask: the zeroed rows are all it gets of it. The negative prompt defaults to ""
   through the same steps: ``encode([""])``, difftrain's null condition, is what the pipeline's CFG uses.
@@ -49,11 +49,8 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import (Denoiser, PromptEncoder, frozen_part, load_part, part_class, read_json,
-                                     require_keys, token_ids_and_mask)
-from difftrain.families.chroma import masked_t5
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, t5_length
-from difftrain.models.text import files_digest, vocab_bytes
+from difftrain.families.base import Denoiser, part_class, read_json, require_keys
+from difftrain.families.mmdit import T5PromptEncoder, TransformerDenoiser, TransformerFamily
 
 DEFAULT_T5_LENGTH = 256  # AuraFlowPipeline's max_sequence_length default
 DEFAULT_SIZE = 1024  # AuraFlowPipeline.__call__'s default height and width (px)
@@ -92,43 +89,22 @@ class AuraFlowDenoiser(TransformerDenoiser):
                           return_dict=False)[0]
 
 
-class AuraFlowPromptEncoder(PromptEncoder):
+class AuraFlowPromptEncoder(T5PromptEncoder):
     """UMT5 of an AuraFlow folder, frozen: ``encode(captions, device) -> {"prompt_embeds": (B, t5_length, W)}``
     (padding rows zero) as AuraFlowPipeline.encode_prompt."""
 
-    parts = ("t5",)
+    encoder_class = "UMT5EncoderModel"
+    encoder_what, tokenizer_what = "UMT5 text encoder", "text tokenizer"
+    default_length = DEFAULT_T5_LENGTH
+    digest_extra = "padding=zero"
 
-    def __init__(self, folder: Path, max_sequence_length: int = 0, deferred: bool = False):
-        super().__init__()
-        from transformers import UMT5EncoderModel  # optional ([text])
-
-        self.source = str(folder)
+    def tokenizer_type(self, folder: Path) -> type:
+        """The class model_index.json names (the released bases: LlamaTokenizerFast)."""
         index = read_json(folder / "model_index.json", f"base {folder}")
-        tokenizer_class = part_class(index.get("tokenizer"), f"base {folder}: model_index.json's tokenizer")
-        self.add_part("t5", folder / "text_encoder", frozen_part(folder, "text_encoder", UMT5EncoderModel,
-                                                                 "UMT5 text encoder"), deferred)
-        self.tok_t5 = load_part(folder, "tokenizer", tokenizer_class, "text tokenizer")
-        self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
-        self.width = int(read_json(folder / "text_encoder" / "config.json", f"base {folder}")["d_model"])
-        self.digest = files_digest([folder / "text_encoder"], [folder / "tokenizer"], self._extra())
+        return part_class(index.get("tokenizer"), f"base {folder}: model_index.json's tokenizer")
 
-    def _extra(self) -> bytes:
-        return f"t5_length={self.t5_length},padding=zero".encode()
-
-    def legacy_extra(self) -> bytes:
-        return vocab_bytes([self.tok_t5], pairs=True) + self._extra()
-
-    @property
-    def dim(self) -> int:
-        """The width of ``prompt_embeds`` (UMT5's d_model)."""
-        return self.width
-
-    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
-        ids, mask = token_ids_and_mask(self.tok_t5, captions, self.t5_length, self.t5.device)
-        return {"prompt_embeds": zero_padding(masked_t5(self.t5, ids, mask), mask)}
-
-    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
-        return {"prompt_embeds": outputs["t5"]["prompt_embeds"].float().to(device)}
+    def outputs(self, states: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        return {"prompt_embeds": zero_padding(states, mask)}
 
 
 class AuraFlowFamily(TransformerFamily):

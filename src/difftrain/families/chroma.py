@@ -12,7 +12,7 @@ Prompts -> conditioning (``ChromaPipeline._get_t5_prompt_embeds``):
            also the most), truncation) -> input_ids (B, L), attention_mask m (B, L) (1 on the caption's
            tokens and its EOS, 0 on padding)
   prompt_embeds = T5EncoderModel(input_ids, attention_mask=m)[0]      (B, L, 4096): unlike Flux, the
-           encoder runs WITH the tokenizer's mask (``base.token_ids_and_mask``, :func:`masked_t5`)
+           encoder runs WITH the tokenizer's mask (``base.token_ids_and_mask``, ``mmdit.masked_t5``)
   attention_mask = (arange(L) <= m.sum(1))                            (B, L) float: the transformer's
            text mask keeps the caption's tokens AND the first padding token unmasked, all other padding
            masked (:func:`chroma_text_mask`; lodestones' "keep one pad token" rule)
@@ -57,23 +57,16 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from difftrain.families import register
-from difftrain.families.base import (Denoiser, PromptEncoder, frozen_part, load_part, read_json, require_keys,
-                                     token_ids_and_mask)
+from difftrain.families.base import Denoiser, require_keys
 from difftrain.families.flux import image_ids, pack, unpack
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, t5_length
-from difftrain.models.text import files_digest, vocab_bytes
+from difftrain.families.mmdit import T5PromptEncoder, TransformerDenoiser, TransformerFamily
 
 DEFAULT_T5_LENGTH = 512  # ChromaPipeline's max_sequence_length default (and the most its check_inputs takes)
 KEYS = ("prompt_embeds", "attention_mask")
 
 
 # ---------------------------------------------------------------------------------------------
-# The T5-with-mask steps (AuraFlow's encoder takes the same first two: families/auraflow.py imports them).
-
-
-def masked_t5(encoder: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
-    """(B, L, W): the encoder's last hidden state run with the tokenizer's mask (padding attends to nothing)."""
-    return encoder(input_ids=ids, attention_mask=mask)[0]
+# Chroma's text mask (the T5-with-mask steps are mmdit.T5PromptEncoder's, shared with PixArt and AuraFlow).
 
 
 def chroma_text_mask(mask: Tensor) -> Tensor:
@@ -128,41 +121,15 @@ class ChromaDenoiser(TransformerDenoiser):
         return unpack(out, h, w)
 
 
-class ChromaPromptEncoder(PromptEncoder):
+class ChromaPromptEncoder(T5PromptEncoder):
     """T5 of a Chroma folder, frozen: ``encode(captions, device) -> {"prompt_embeds": (B, t5_length, W),
     "attention_mask": (B, t5_length) 0/1}`` as ChromaPipeline.encode_prompt."""
 
-    parts = ("t5",)
+    default_length = DEFAULT_T5_LENGTH
+    digest_extra = "mask=chroma"
 
-    def __init__(self, folder: Path, max_sequence_length: int = 0, deferred: bool = False):
-        super().__init__()
-        from transformers import T5EncoderModel, T5TokenizerFast  # optional ([text])
-
-        self.source = str(folder)
-        self.add_part("t5", folder / "text_encoder", frozen_part(folder, "text_encoder", T5EncoderModel,
-                                                                 "T5 text encoder"), deferred)
-        self.tok_t5 = load_part(folder, "tokenizer", T5TokenizerFast, "T5 tokenizer")
-        self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tok_t5, folder)
-        self.width = int(read_json(folder / "text_encoder" / "config.json", f"base {folder}")["d_model"])
-        self.digest = files_digest([folder / "text_encoder"], [folder / "tokenizer"], self._extra())
-
-    def _extra(self) -> bytes:
-        return f"t5_length={self.t5_length},mask=chroma".encode()
-
-    def legacy_extra(self) -> bytes:
-        return vocab_bytes([self.tok_t5], pairs=True) + self._extra()
-
-    @property
-    def dim(self) -> int:
-        """The width of ``prompt_embeds`` (T5's d_model)."""
-        return self.width
-
-    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
-        ids, mask = token_ids_and_mask(self.tok_t5, captions, self.t5_length, self.t5.device)
-        return {"prompt_embeds": masked_t5(self.t5, ids, mask), "attention_mask": chroma_text_mask(mask)}
-
-    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
-        return {k: v.float().to(device) for k, v in outputs["t5"].items()}
+    def outputs(self, states: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        return {"prompt_embeds": states, "attention_mask": chroma_text_mask(mask)}
 
 
 class ChromaFamily(TransformerFamily):

@@ -39,18 +39,12 @@ from pathlib import Path
 from torch import Tensor
 
 from difftrain.families import register
-from difftrain.families.base import token_ids_and_mask, read_json
+from difftrain.families.base import read_json
 from difftrain.families.flux2 import Flux2Denoiser, Flux2Family, Flux2PromptEncoder
+from difftrain.families.z_image import chat_prompts, qwen_tokens
 
 QWEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
 PIPELINE_GUIDANCE = 4.0  # Flux2KleinPipeline.__call__'s guidance_scale default (CFG)
-
-
-def user_chat_texts(tokenizer, captions: list[str]) -> list[str]:
-    """Each caption as one user message through the chat template, the generation prompt added, thinking
-    off (Qwen3's ``enable_thinking=False``), as text."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True,
-                                          enable_thinking=False) for c in captions]
 
 
 class Flux2KleinPromptEncoder(Flux2PromptEncoder):
@@ -63,7 +57,11 @@ class Flux2KleinPromptEncoder(Flux2PromptEncoder):
         return None
 
     def tokens(self, captions: list[str], device) -> tuple[Tensor, Tensor]:
-        return token_ids_and_mask(self.tokenizer, user_chat_texts(self.tokenizer, captions), self.length, device)
+        """Each caption as one user message through Qwen3's chat template, the generation prompt added, thinking
+        off (``enable_thinking=False``), tokenized with its mask: Z-Image's Qwen3 steps (z_image.chat_prompts,
+        qwen_tokens)."""
+        return qwen_tokens(self.tokenizer, chat_prompts(self.tokenizer, captions, enable_thinking=False), self.length,
+                           device)
 
 
 class Flux2KleinDenoiser(Flux2Denoiser):

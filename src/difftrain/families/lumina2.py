@@ -30,10 +30,14 @@ Training (the script): sigma = the base scheduler's (FlowMatchEulerDiscreteSched
 Sampling (the pipeline): sigmas linspace(1, 1/N, N), shifted by the scheduler (its shift, or mu when it
   has use_dynamic_shifting: the pipeline computes mu from latents.shape[1], the channels), then 0: here
   diffusion.flow_shift = shift on difftrain's grid linspace(1, 0, N + 1) (the same points).
-  CFG with guidance_scale 4.0 by default, on two transformer calls, with ``cfg_normalization`` (each
-  guided prediction rescaled to the conditional one's norm along its last axis) and ``cfg_trunc_ratio``:
-  difftrain's validation guidance is plain CFG; the exported pipeline samples as difftrain does with
-  cfg_normalization=False (not done: the normalized guidance in difftrain's sampler).
+  CFG with guidance_scale 4.0 by default, on two transformer calls, with ``cfg_normalization`` (True by
+  default: the guided prediction uncond + g (cond - uncond), a (B, 16, h, w) tensor, rescaled so that each
+  vector along its LAST axis, one latent row of w values per sample and channel, has the norm of the
+  conditional prediction's same row; not the whole prediction, not per token) and ``cfg_trunc_ratio``
+  (1.0 by default: guidance on every step). difftrain's validation guidance is the same normalised CFG
+  (:meth:`Lumina2Denoiser.guide_outputs`, the hook ``generation.sampling.guided_network`` takes), so the
+  exported pipeline samples as difftrain does with its defaults; cfg_trunc_ratio < 1 is not reproduced. The
+  pipeline guides only when guidance_scale > 1 (difftrain's sampler at any scale but 1: below 1 they differ).
 LoRA: peft on to_k, to_q, to_v, to_out.0 (the script's default targets, every attention: the refiners'
   and the joint layers'); files in Lumina2LoraLoaderMixin's format (``transformer.`` + peft names),
   written by Lumina2Pipeline.save_lora_weights, read by its lora_state_dict.
@@ -86,6 +90,15 @@ class Lumina2Denoiser(TransformerDenoiser):
                          encoder_hidden_states=cond["prompt_embeds"].to(x.dtype),
                          encoder_attention_mask=cond["prompt_attention_mask"].long(), return_dict=False)[0]
         return -out
+
+    def guide_outputs(self, cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
+        """Lumina2Pipeline's guidance of outputs (B, 16, h, w) with its default ``cfg_normalization=True``:
+        uncond + scale (cond - uncond), each vector along the LAST axis (one latent row: the w values of a
+        sample's channel and row) rescaled to the norm of the conditional output's same row
+        (``generation.sampling.guided_network`` asks for it instead of plain CFG). The pipeline computes it on
+        the transformer's output (x0 - eps), difftrain on its negation: the same norms, the negated result."""
+        combined = uncond + scale * (cond - uncond)
+        return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
 
 class Lumina2PromptEncoder(GemmaPromptEncoder):

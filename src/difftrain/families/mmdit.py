@@ -3,7 +3,8 @@ transformer (``Denoiser.model``), load their parts from a pipeline folder, are t
 rectified flow as their scheduler config says, export through ``Family.export_pipeline`` (the base's
 pipeline with the trained ``transformer/``, checked to load) and keep LoRA files in their pipeline's
 own format (``Family.save_lora`` / ``Family.read_lora``: its ``save_lora_weights`` / ``lora_state_dict``,
-the ``transformer.`` prefix, peft's LoraConfig as metadata). diffusers and transformers are imported
+the ``transformer.`` prefix, peft's LoraConfig as metadata). The single-T5 families (Chroma, PixArt-Sigma,
+AuraFlow) share one prompt encoder, :class:`T5PromptEncoder`. diffusers and transformers are imported
 only when a part is loaded.
 """
 
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from difftrain.families.base import Denoiser, Family, load_part, quantized, read_json
+from difftrain.families.base import (Denoiser, Family, PromptEncoder, frozen_part, load_part, quantized, read_json,
+                                     token_ids_and_mask)
+from difftrain.models.text import files_digest, vocab_bytes
 
 PATCH = 2  # the transformers' patch side (SD3's patch_size, Flux's 2x2 packing) in every released base
 
@@ -27,6 +31,75 @@ def t5_length(requested: int, default: int, tokenizer, folder, limit: int = 512)
         raise ValueError(f"model.max_sequence_length={requested!r}: the base {folder} cannot take it: its T5 "
                          f"tokenizer and pipeline take 1 to {most} tokens")
     return length
+
+
+def masked_t5(encoder: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
+    """(B, L, W): the encoder's last hidden state run with the tokenizer's mask (padding attends to nothing)."""
+    return encoder(input_ids=ids, attention_mask=mask)[0]
+
+
+class T5PromptEncoder(PromptEncoder):
+    """One T5-kind encoder of a pipeline folder (``text_encoder/``, ``tokenizer/``), frozen, run with the
+    tokenizer's mask: ``encode(captions, device) -> {key: (B, t5_length, ...)}``, the keys :meth:`outputs`
+    makes of the last hidden state (B, t5_length, W) and the mask (B, t5_length). The single-T5 families
+    (Chroma, PixArt-Sigma, AuraFlow) subclass it and set what differs: the classes, the default length, the
+    digest's settings string, the text preprocessing (:meth:`texts`) and :meth:`outputs`.
+
+    The digest is ``files_digest`` of the two folders with ``extra`` b"t5_length=N,<digest_extra>"; the
+    FLOAT32 record's extra is the tokenizer's vocabulary (sorted pairs) then the same bytes."""
+
+    parts = ("t5",)
+    encoder_class = "T5EncoderModel"  # a transformers class name
+    tokenizer_class = "T5TokenizerFast"
+    encoder_what = "T5 text encoder"  # the part's name in error lines
+    tokenizer_what = "T5 tokenizer"
+    default_length = 512  # the pipeline's max_sequence_length default
+    digest_extra = ""  # the family's settings after "t5_length=N," in the digest (never change: records hold it)
+
+    def __init__(self, folder: Path, max_sequence_length: int = 0, deferred: bool = False):
+        super().__init__()
+        import transformers  # an optional package ([text])
+
+        folder = Path(folder)
+        self.source = str(folder)
+        self.add_part("t5", folder / "text_encoder", frozen_part(
+            folder, "text_encoder", getattr(transformers, self.encoder_class), self.encoder_what), deferred)
+        self.tok_t5 = load_part(folder, "tokenizer", self.tokenizer_type(folder), self.tokenizer_what)
+        self.t5_length = t5_length(max_sequence_length, self.default_length, self.tok_t5, folder)
+        self.width = int(read_json(folder / "text_encoder" / "config.json", f"base {folder}")["d_model"])
+        self.digest = files_digest([folder / "text_encoder"], [folder / "tokenizer"], self._extra())
+
+    def tokenizer_type(self, folder: Path) -> type:
+        """The tokenizer's class: :attr:`tokenizer_class` of transformers."""
+        import transformers  # an optional package ([text])
+
+        return getattr(transformers, self.tokenizer_class)
+
+    def _extra(self) -> bytes:
+        return f"t5_length={self.t5_length},{self.digest_extra}".encode()
+
+    def legacy_extra(self) -> bytes:
+        return vocab_bytes([self.tok_t5], pairs=True) + self._extra()
+
+    @property
+    def dim(self) -> int:
+        """The width of ``prompt_embeds`` (the encoder's d_model)."""
+        return self.width
+
+    def texts(self, captions: list[str]) -> list[str]:
+        """The captions as the pipeline tokenizes them (as given, unless a family preprocesses them)."""
+        return captions
+
+    def outputs(self, states: Tensor, mask: Tensor) -> dict[str, Tensor]:  # pragma: no cover - interface
+        """The condition of the last hidden state ``states`` (B, L, W) and the tokenizer's ``mask`` (B, L)."""
+        raise NotImplementedError(type(self).__name__)
+
+    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
+        ids, mask = token_ids_and_mask(self.tok_t5, self.texts(captions), self.t5_length, self.t5.device)
+        return self.outputs(masked_t5(self.t5, ids, mask), mask)
+
+    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
+        return {k: v.float().to(device) for k, v in outputs["t5"].items()}
 
 
 class TransformerDenoiser(Denoiser):

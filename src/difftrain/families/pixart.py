@@ -66,11 +66,9 @@ from torch import Tensor, nn
 
 from difftrain.diffusion.scheduler_configs import scheduler_config
 from difftrain.families import register
-from difftrain.families.base import (Denoiser, ExportParts, PromptEncoder, frozen_part, load_part, read_json,
-                                     require_keys, token_ids_and_mask)
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, t5_length
+from difftrain.families.base import Denoiser, ExportParts, require_keys
+from difftrain.families.mmdit import T5PromptEncoder, TransformerDenoiser, TransformerFamily
 from difftrain.families.sd import scheduler_training
-from difftrain.models.text import files_digest, vocab_bytes
 
 DEFAULT_T5_LENGTH = 300  # PixArtSigmaPipeline's max_sequence_length default ("See Section 3.1 of the paper")
 KEYS = ("prompt_embeds", "prompt_mask")
@@ -78,17 +76,12 @@ TRANSFORMER_CLASS = "PixArtTransformer2DModel"
 
 
 # ---------------------------------------------------------------------------------------------
-# The T5 encoder's steps (PixArt-Sigma's; Chroma's and AuraFlow's differ in the template and the mask).
+# PixArt-Sigma's text preprocessing (the T5-with-mask steps are mmdit.T5PromptEncoder's).
 
 
 def pixart_text(captions: list[str]) -> list[str]:
     """PixArtSigmaPipeline._text_preprocessing without the caption cleaner: each caption lower-cased and stripped."""
     return [str(c).lower().strip() for c in captions]
-
-
-def t5_states(model: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
-    """T5EncoderModel's last hidden state (B, L, D) of ``ids`` with the attention ``mask``."""
-    return model(ids, attention_mask=mask)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,43 +119,20 @@ class PixArtDenoiser(TransformerDenoiser):
 # The prompt encoder.
 
 
-class PixArtPromptEncoder(PromptEncoder):
+class PixArtPromptEncoder(T5PromptEncoder):
     """T5 of a PixArt-Sigma folder, frozen: ``encode(captions, device) -> {"prompt_embeds": (B, t5_length, W_t5),
     "prompt_mask": (B, t5_length)}`` as PixArtSigmaPipeline.encode_prompt (clean_caption False); the null
     condition encode([""]) is the pipeline's negative prompt."""
 
-    parts = ("t5",)
+    tokenizer_class = "T5Tokenizer"
+    default_length = DEFAULT_T5_LENGTH
+    digest_extra = "text=lower-strip,mask"
 
-    def __init__(self, folder: Path, max_sequence_length: int = 0, deferred: bool = False):
-        super().__init__()
-        from transformers import T5EncoderModel, T5Tokenizer  # optional ([text])
+    def texts(self, captions: list[str]) -> list[str]:
+        return pixart_text(captions)
 
-        self.source = str(folder)
-        self.add_part("t5", folder / "text_encoder", frozen_part(folder, "text_encoder", T5EncoderModel,
-                                                                 "T5 text encoder"), deferred)
-        self.tokenizer = load_part(folder, "tokenizer", T5Tokenizer, "T5 tokenizer")
-        self.t5_length = t5_length(max_sequence_length, DEFAULT_T5_LENGTH, self.tokenizer, folder)
-        self.width = int(read_json(folder / "text_encoder" / "config.json", f"base {folder}")["d_model"])
-        self.digest = files_digest([folder / "text_encoder"], [folder / "tokenizer"], self._extra())
-
-    def _extra(self) -> bytes:
-        return f"t5_length={self.t5_length},text=lower-strip,mask".encode()
-
-    def legacy_extra(self) -> bytes:
-        return vocab_bytes([self.tokenizer], pairs=True) + self._extra()
-
-    @property
-    def dim(self) -> int:
-        """The width of ``prompt_embeds`` (T5's d_model)."""
-        return self.width
-
-    def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
-        ids, mask = token_ids_and_mask(self.tokenizer, pixart_text(captions), self.t5_length, self.t5.device)
-        return {"prompt_embeds": t5_states(self.t5, ids, mask), "prompt_mask": mask}
-
-    def assemble(self, outputs: dict[str, dict[str, Tensor]], device: torch.device | str) -> dict[str, Tensor]:
-        return {"prompt_embeds": outputs["t5"]["prompt_embeds"].float().to(device),
-                "prompt_mask": outputs["t5"]["prompt_mask"].float().to(device)}
+    def outputs(self, states: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        return {"prompt_embeds": states, "prompt_mask": mask}
 
 
 # ---------------------------------------------------------------------------------------------
