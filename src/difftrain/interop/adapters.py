@@ -237,7 +237,8 @@ def default_layout(record: dict) -> str:
 def where_it_loads(record: dict, layout: str) -> str | None:
     """One line saying which of diffusers and ComfyUI a ``layout`` file of this adapter loads in at the trained
     strength and what to export for the other ("loads in diffusers, not in ComfyUI (...)"); None where it
-    loads in both (and difftrain, which reads every file it writes)."""
+    loads in both (and difftrain, which reads every file it writes). ComfyUI: where the family's
+    ``comfyui_layouts`` name the layout (its names are ones ComfyUI maps onto the family's network)."""
     from difftrain.families import family_of_record
 
     family, kind = family_of_record(record["base"]), record_kind(record)
@@ -245,15 +246,23 @@ def where_it_loads(record: dict, layout: str) -> str | None:
         return None
     if layout == "difftrain":
         return "loads in difftrain only (sample --lora): --layout " + default_layout(record) + " for other programs"
+    comfyui = layout in family.comfyui_layouts  # ComfyUI maps the layout's names onto the family's network
+    unmapped = (f"ComfyUI maps none of a {family.name} LoRA's {layout}-layout names" if family.comfyui_layouts
+                else f"ComfyUI loads no {family.name} LoRA file difftrain writes, in any layout")
     if kind == "dora":
         return ("loads in diffusers, not in ComfyUI (its dora_scale rule is not peft's DoRA, and it ignores "
                 "lora_magnitude_vector): for ComfyUI export --format diffusers --merge, the adapted network")
+    if kind in ("loha", "lokr") and not comfyui:
+        return (f"loads in difftrain only ({family.pipeline_class}.load_lora_weights reads no {KIND_NAMES[kind]}, "
+                f"and {unmapped}): export --format diffusers --merge writes the adapted network")
     if kind in ("loha", "lokr"):
         return (f"loads in ComfyUI, not in diffusers ({family.pipeline_class}.load_lora_weights reads no "
                 f"{KIND_NAMES[kind]}): for diffusers export --format diffusers --merge, the adapted network")
     if layout == "diffusers" and family.writes_kohya_lora:
         return ("loads in diffusers, not in ComfyUI (it maps none of a UNet's peft-named keys): --layout kohya "
                 "(the default) loads in both")
+    if not comfyui:
+        return f"loads in diffusers, not in ComfyUI ({unmapped})"
     return None
 
 
