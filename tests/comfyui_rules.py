@@ -109,15 +109,15 @@ QWEN_MODULES = [
 ]
 # comfy/utils.py z_image_to_diffusers (layers, context_refiner, noise_refiner; q, k, v slices of attention.qkv).
 NEXTDIT_MODULES = [
-    r"(layers|context_refiner|noise_refiner)\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.(w1|w2|w3)"
-    r"|adaLN_modulation\.0)",
+    (r"(layers|context_refiner|noise_refiner)\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.(w1|w2|w3)"
+     r"|adaLN_modulation\.0)"),
     r"(all_final_layer\.2-1\.(linear|adaLN_modulation\.1)|all_x_embedder\.2-1|cap_embedder\.1|t_embedder\.mlp\.[02])",
 ]
 # comfy/lora.py's HiDream branch: every weight of its network (comfy/ldm/hidream/model.py), named as diffusers'.
 HIDREAM_MODULES = [
     r"(double_stream_blocks|single_stream_blocks)\.\d+\.block\.attn1\.(to_q|to_k|to_v|to_out)(_t)?",
-    r"(double_stream_blocks|single_stream_blocks)\.\d+\.block\.(adaLN_modulation\.1|ff_t\.(w1|w2|w3)"
-    r"|ff_i\.(shared_experts|experts\.\d+)\.(w1|w2|w3))",
+    (r"(double_stream_blocks|single_stream_blocks)\.\d+\.block\.(adaLN_modulation\.1|ff_t\.(w1|w2|w3)"
+     r"|ff_i\.(shared_experts|experts\.\d+)\.(w1|w2|w3))"),
 ]
 # comfy/utils.py auraflow_to_diffusers.
 AURAFLOW_MODULES = [
@@ -130,39 +130,40 @@ AURAFLOW_MODULES = [
 # comfy/utils.py pixart_to_diffusers (attn1's q, k, v slices of attn.qkv; attn2's k, v of cross_attn.kv_linear).
 PIXART_MODULES = [
     r"transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)", r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
-    r"(adaln_single\.emb\.(resolution_embedder|aspect_ratio_embedder|timestep_embedder)\.linear_[12]|pos_embed\.proj"
-    r"|caption_projection\.linear_[12]|adaln_single\.linear|proj_out)",
+    (r"(adaln_single\.emb\.(resolution_embedder|aspect_ratio_embedder|timestep_embedder)\.linear_[12]|pos_embed\.proj"
+     r"|caption_projection\.linear_[12]|adaln_single\.linear|proj_out)"),
 ]
 
 
+# comfy/utils.py flux_to_diffusers read backwards: (block kind, ComfyUI's native weight in that block, the block's
+# diffusers modules whose weights stacked by rows are it). FLUX.1 and FLUX.2 name some differently: both listed.
+FLUX_NATIVE = [
+    ("double", "img_attn.qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]),
+    ("double", "txt_attn.qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
+    ("double", "img_attn.proj", ["attn.to_out.0"]), ("double", "txt_attn.proj", ["attn.to_add_out"]),
+    ("double", "img_mlp.0", ["ff.linear_in"]), ("double", "img_mlp.0", ["ff.net.0.proj"]),
+    ("double", "img_mlp.2", ["ff.linear_out"]), ("double", "img_mlp.2", ["ff.net.2"]),
+    ("double", "txt_mlp.0", ["ff_context.linear_in"]), ("double", "txt_mlp.0", ["ff_context.net.0.proj"]),
+    ("double", "txt_mlp.2", ["ff_context.linear_out"]), ("double", "txt_mlp.2", ["ff_context.net.2"]),
+    ("single", "linear1", ["attn.to_qkv_mlp_proj"]), ("single", "linear1", ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]),
+    ("single", "linear2", ["attn.to_out"]), ("single", "linear2", ["proj_out"]),
+]
+FLUX_BLOCKS = {"double": ("transformer_blocks", "double_blocks"), "single": ("single_transformer_blocks", "single_blocks")}
+
+
 def _flux_native(modules: list[str]) -> dict[str, list[str]]:
-    """ComfyUI's own (BFL) names of a Flux-class network's weights, each the diffusers modules whose weights,
-    stacked by rows, are that weight (comfy/utils.py flux_to_diffusers read backwards): ``double_blocks.N.img_attn.qkv``
-    = to_q, to_k, to_v...; a single block's ``linear1`` = FLUX.2's ``attn.to_qkv_mlp_proj`` (FLUX.1's to_q, to_k,
-    to_v, proj_mlp), ``linear2`` = FLUX.2's ``attn.to_out`` (FLUX.1's ``proj_out``)."""
+    """ComfyUI's own (BFL) names of a Flux-class network's weights, each the diffusers modules whose weights, stacked
+    by rows, are that weight (:data:`FLUX_NATIVE`): ``double_blocks.N.img_attn.qkv`` = to_q, to_k, to_v...; a single
+    block's ``linear1`` = FLUX.2's ``attn.to_qkv_mlp_proj`` (FLUX.1's to_q, to_k, to_v, proj_mlp), ``linear2`` =
+    FLUX.2's ``attn.to_out`` (FLUX.1's ``proj_out``)."""
     have, out = set(modules), {}
-    for m in modules:
-        if (g := re.fullmatch(r"transformer_blocks\.(\d+)\.attn\.to_q", m)):
-            b, i = f"transformer_blocks.{g[1]}", g[1]
-            for native, parts in ((f"double_blocks.{i}.img_attn.qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]),
-                                  (f"double_blocks.{i}.txt_attn.qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
-                                  (f"double_blocks.{i}.img_attn.proj", ["attn.to_out.0"]),
-                                  (f"double_blocks.{i}.txt_attn.proj", ["attn.to_add_out"]),
-                                  (f"double_blocks.{i}.img_mlp.0", ["ff.linear_in"]), (f"double_blocks.{i}.img_mlp.0", ["ff.net.0.proj"]),
-                                  (f"double_blocks.{i}.img_mlp.2", ["ff.linear_out"]), (f"double_blocks.{i}.img_mlp.2", ["ff.net.2"]),
-                                  (f"double_blocks.{i}.txt_mlp.0", ["ff_context.linear_in"]),
-                                  (f"double_blocks.{i}.txt_mlp.0", ["ff_context.net.0.proj"]),
-                                  (f"double_blocks.{i}.txt_mlp.2", ["ff_context.linear_out"]),
-                                  (f"double_blocks.{i}.txt_mlp.2", ["ff_context.net.2"])):
-                if all(f"{b}.{p}" in have for p in parts):
-                    out[native] = [f"{b}.{p}" for p in parts]
-        if (g := re.fullmatch(r"single_transformer_blocks\.(\d+)\.attn\.(to_q|to_qkv_mlp_proj)", m)):
-            b, i = f"single_transformer_blocks.{g[1]}", g[1]
-            for native, parts in ((f"single_blocks.{i}.linear1", ["attn.to_qkv_mlp_proj"]),
-                                  (f"single_blocks.{i}.linear1", ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]),
-                                  (f"single_blocks.{i}.linear2", ["attn.to_out"]), (f"single_blocks.{i}.linear2", ["proj_out"])):
-                if all(f"{b}.{p}" in have for p in parts):
-                    out[native] = [f"{b}.{p}" for p in parts]
+    blocks = {(kind, g[1]) for m in modules for kind, (ours, _) in FLUX_BLOCKS.items()
+              if (g := re.match(rf"{ours}\.(\d+)\.", m))}
+    for kind, i in blocks:
+        ours, theirs = FLUX_BLOCKS[kind]
+        for k, native, parts in FLUX_NATIVE:
+            if k == kind and all(f"{ours}.{i}.{p}" in have for p in parts):
+                out[f"{theirs}.{i}.{native}"] = [f"{ours}.{i}.{p}" for p in parts]
     return out
 
 

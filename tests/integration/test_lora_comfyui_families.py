@@ -21,6 +21,7 @@ from difftrain.config import config_to_dict, load_config  # noqa: E402
 from difftrain.families import detect  # noqa: E402
 from difftrain.interop.adapters import LORA_LAYOUTS, Adapter, default_layout, where_it_loads  # noqa: E402
 from difftrain.networks.lora import apply_lora  # noqa: E402
+from difftrain.networks.lora_import import read_adapter  # noqa: E402
 from tests.comfyui_rules import comfyui_apply  # noqa: E402
 from tests.family_bases_auraflow import write_tiny_auraflow_folder  # noqa: E402
 from tests.family_bases_chroma import write_tiny_chroma_folder  # noqa: E402
@@ -96,7 +97,11 @@ def test_the_default_lora_export_of_each_new_family_loads_in_comfyui_at_the_trai
     adapter, weights, want = _adapter(family, folder, kind, tmp_path)
     layout = default_layout(adapter.record)
     assert layout == ("diffusers" if kind == "lora" else "kohya")
-    file = LORA_LAYOUTS[layout](adapter, tmp_path / layout) / "pytorch_lora_weights.safetensors"
+    out = LORA_LAYOUTS[layout](adapter, tmp_path / layout)
+    file = out / "pytorch_lora_weights.safetensors"
+    back = read_adapter(out)["tensors"]  # difftrain reads back the adapter it wrote (the lycoris_ names too)
+    assert set(back) == set(adapter.tensors)
+    assert all(torch.allclose(back[k], adapter.tensors[k], rtol=1e-6, atol=0) for k in back)
     applied = comfyui_apply(load_file(str(file)), name, weights)
     exact = (not applied.not_loaded and set(applied.weights) == set(want)
              and max((applied.weights[m] - want[m]).abs().max().item() for m in want) < 1e-4)

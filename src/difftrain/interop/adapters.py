@@ -10,7 +10,8 @@ An export is :func:`adapter_of` (the checkpoint's adapter, its base's record and
 followed by one writer of :data:`LORA_LAYOUTS`: ``diffusers`` (each family's own ``Family.save_lora``,
 through the pipeline's ``save_lora_weights``, the scale alpha / rank folded into ``lora_B``), ``kohya``
 (kohya's / LyCORIS' names with each module's alpha: ``lora_unet_`` on the UNets, ``lora_transformer_`` on
-SD3 and Flux, what ComfyUI maps) and ``difftrain`` (peft's names as they are: difftrain's own networks).
+SD3 and the Flux families, ``lycoris_`` on Qwen-Image, Z-Image and HiDream: what ComfyUI maps; a family's
+``kohya_prefix``) and ``difftrain`` (peft's names as they are: difftrain's own networks).
 Every layout keeps difftrain's record of the base (its source, digest and the LoRA settings) in the file's
 metadata, so ``difftrain sample --lora FILE`` finds the base again and refuses another one. Which file
 loads where at the trained strength (difftrain, diffusers' ``load_lora_weights``, ComfyUI) is
@@ -168,7 +169,8 @@ KOHYA_MODULES = {"lora": "networks.lora", "loha": "lycoris.kohya", "lokr": "lyco
 def write_kohya(adapter: Adapter, out: Path) -> Path:
     """``out/pytorch_lora_weights.safetensors`` in kohya sd-scripts' / LyCORIS' layout (:func:`kohya_layout`),
     which ComfyUI and A1111 read at the trained strength: ``lora_unet_<module with _>`` on the UNet families,
-    ``lora_transformer_<module with _>`` on SD3 and Flux; kohya's own metadata (``ss_network_dim``,
+    ``<kohya_prefix><module with _>`` on the transformers (``lora_transformer_`` on SD3 and the Flux families,
+    ``lycoris_`` where ComfyUI maps that; ``Family.comfyui_layouts`` says where it maps neither); kohya's own metadata (``ss_network_dim``,
     ``ss_network_alpha``) beside difftrain's. LoRA on the UNet families (their pipeline's
     ``load_lora_weights`` reads it back), LoHa and LoKr on every family (ComfyUI only: diffusers reads
     neither); DoRA is refused (ComfyUI's DoRA rule is not peft's), and so is a plain LoRA of SD3 or Flux (its
