@@ -382,8 +382,9 @@ class Family(ABC):
     # loads in both diffusers and ComfyUI.
     writes_kohya_lora: bool = False
     # The prefix of the kohya-layout names ComfyUI maps to the denoiser: "lora_unet_" + the diffusers module path
-    # with "_" for the UNets, "lora_transformer_" + the same for SD3 and Flux (comfy/lora.py model_lora_keys_unet;
-    # docs/lora_files.md). LoHa and LoKr files take these names with LyCORIS' tensor names (hada_w1_a, lokr_w1).
+    # with "_" for the UNets, "lora_transformer_" + the same for SD3 and the Flux families, "lycoris_" for Qwen-Image,
+    # Z-Image and HiDream (comfy/lora.py model_lora_keys_unet; docs/lora_files.md). LoHa and LoKr files take these
+    # names with LyCORIS' tensor names (hada_w1_a, lokr_w1).
     kohya_prefix: str = "lora_unet_"
     # The layouts (``export --layout``) whose names ComfyUI maps onto this family's network (comfy/lora.py
     # model_lora_keys_unet; the facts in tests/comfyui_rules.py): the diffusers layout's ``transformer.<module>`` and

@@ -170,8 +170,8 @@ def write_kohya(adapter: Adapter, out: Path) -> Path:
     """``out/pytorch_lora_weights.safetensors`` in kohya sd-scripts' / LyCORIS' layout (:func:`kohya_layout`),
     which ComfyUI and A1111 read at the trained strength: ``lora_unet_<module with _>`` on the UNet families,
     ``<kohya_prefix><module with _>`` on the transformers (``lora_transformer_`` on SD3 and the Flux families,
-    ``lycoris_`` where ComfyUI maps that; ``Family.comfyui_layouts`` says where it maps neither); kohya's own metadata (``ss_network_dim``,
-    ``ss_network_alpha``) beside difftrain's. LoRA on the UNet families (their pipeline's
+    ``lycoris_`` where ComfyUI maps that; ``Family.comfyui_layouts`` says where it maps neither); kohya's own
+    metadata (``ss_network_dim``, ``ss_network_alpha``) beside difftrain's. LoRA on the UNet families (their pipeline's
     ``load_lora_weights`` reads it back), LoHa and LoKr on every family (ComfyUI only: diffusers reads
     neither); DoRA is refused (ComfyUI's DoRA rule is not peft's), and so is a plain LoRA of SD3 or Flux (its
     diffusers layout is the one both load)."""
