@@ -118,6 +118,7 @@ class AuraFlowFamily(TransformerFamily):
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                     "attn.add_v_proj", "attn.to_add_out", "ff.linear_1", "ff.linear_2", "ff.out_projection",
                     "ff_context.linear_1", "ff_context.linear_2", "ff_context.out_projection")
+    comfyui_layouts = ("diffusers",)  # ComfyUI maps its transformer.<module> names alone
     # Flux's / Chroma's double-block list and single-block MLP, SD3.5's second attention: not AuraFlow's.
     foreign_modules = ("attn2", "transformer_blocks", "proj_mlp", "x_embedder")
 

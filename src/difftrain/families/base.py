@@ -382,9 +382,14 @@ class Family(ABC):
     # loads in both diffusers and ComfyUI.
     writes_kohya_lora: bool = False
     # The prefix of the kohya-layout names ComfyUI maps to the denoiser: "lora_unet_" + the diffusers module path
-    # with "_" for the UNets, "lora_transformer_" + the same for SD3 and Flux (comfy/lora.py model_lora_keys_unet;
-    # docs/lora_files.md). LoHa and LoKr files take these names with LyCORIS' tensor names (hada_w1_a, lokr_w1).
+    # with "_" for the UNets, "lora_transformer_" + the same for SD3 and the Flux families, "lycoris_" for Qwen-Image,
+    # Z-Image and HiDream (comfy/lora.py model_lora_keys_unet; docs/lora_files.md). LoHa and LoKr files take these
+    # names with LyCORIS' tensor names (hada_w1_a, lokr_w1).
     kohya_prefix: str = "lora_unet_"
+    # The layouts (``export --layout``) whose names ComfyUI maps onto this family's network (comfy/lora.py
+    # model_lora_keys_unet; the facts in tests/comfyui_rules.py): the diffusers layout's ``transformer.<module>`` and
+    # the kohya layout's ``kohya_prefix`` names, where ComfyUI has them; () where it has no loader for the family.
+    comfyui_layouts: tuple[str, ...] = ("diffusers", "kohya")
     # Module names of another family's denoiser: a LoRA file naming them is not this family's (SD3: Flux's).
     foreign_modules: tuple[str, ...] = ()
     # Whether the family is a base of diffusers folders (detect, model.family, model.init_from's defaults);

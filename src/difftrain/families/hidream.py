@@ -303,6 +303,7 @@ class HiDreamFamily(TransformerFamily):
     transformer_class = "HiDreamImageTransformer2DModel"
     denoiser_class = HiDreamDenoiser
     lora_targets = ("to_k", "to_q", "to_v", "to_out")  # the script's default target_modules
+    kohya_prefix = "lycoris_"  # what ComfyUI maps for HiDream (SimpleTuner's LyCORIS names)
     foreign_modules = ("transformer_blocks", "single_transformer_blocks", "attn2")  # SD3's and Flux's
     default_sample_size = 128  # HiDreamImagePipeline's fixed default_sample_size (latent pixels)
 

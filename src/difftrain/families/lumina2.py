@@ -120,6 +120,7 @@ class Lumina2Family(TransformerFamily):
     transformer_class = "Lumina2Transformer2DModel"
     denoiser_class = Lumina2Denoiser
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # diffusers' Lumina 2 script's default
+    comfyui_layouts = ()  # ComfyUI's Lumina2 maps its fused attention.qkv and Z-Image's names, not diffusers' attn.
     # Sana's, SD3's and Flux's blocks: a LoRA file naming them is not Lumina 2's
     foreign_modules = ("transformer_blocks", "single_transformer_blocks", "attn1", "attn2")
     default_sample_size = 128  # Lumina2Pipeline's when the transformer's config has none

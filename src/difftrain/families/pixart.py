@@ -148,6 +148,7 @@ class PixArtSigmaFamily(TransformerFamily):
     denoiser_class = PixArtDenoiser
     lora_targets = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                     "attn2.to_v", "attn2.to_out.0", "ff.net.0.proj", "ff.net.2")
+    comfyui_layouts = ("diffusers",)  # ComfyUI maps its transformer.<module> names alone
     # SD3's and Flux's joint attention ("attn") and blocks: a LoRA file naming them is theirs.
     foreign_modules = ("attn", "single_transformer_blocks", "ff_context", "context_embedder")
     applies_shift_factor = False  # the pipeline decodes latents / scaling_factor

@@ -274,6 +274,7 @@ class QwenImageFamily(TransformerFamily):
     denoiser_class = QwenImageDenoiser
     # diffusers' Qwen-Image script's default LoRA targets (--lora_layers unset).
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    kohya_prefix = "lycoris_"  # what ComfyUI maps for Qwen-Image (SimpleTuner's LyCORIS names)
     foreign_modules = ("single_transformer_blocks", "context_embedder", "x_embedder")  # Flux's and SD3's
     default_sample_size = 128  # QwenImagePipeline's (1024 px with its VAE's factor 8)
 

@@ -140,6 +140,7 @@ class SanaFamily(TransformerFamily):
     transformer_class = "SanaTransformer2DModel"
     denoiser_class = SanaDenoiser
     lora_targets = ("to_k", "to_q", "to_v")  # diffusers' Sana script's default
+    comfyui_layouts = ()  # ComfyUI has no Sana model
     # Lumina 2's and Flux's blocks: a LoRA file naming them is not Sana's
     foreign_modules = ("layers", "noise_refiner", "context_refiner", "single_transformer_blocks")
     applies_shift_factor = False  # SanaPipeline decodes latents / scaling_factor

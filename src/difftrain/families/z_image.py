@@ -215,6 +215,7 @@ class ZImageFamily(TransformerFamily):
     denoiser_class = ZImageDenoiser
     # diffusers' Z-Image script's default --lora_layers: the attention projections of every block.
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    kohya_prefix = "lycoris_"  # what ComfyUI maps for Z-Image (SimpleTuner's LyCORIS names)
     # Other transformers' module names: a LoRA file naming them is not Z-Image's.
     foreign_modules = ("transformer_blocks", "single_transformer_blocks", "attn", "pos_embed")
     default_sample_size = 128  # ZImagePipeline's default 1024 px (its transformer's config has no sample_size)

@@ -10,7 +10,8 @@ An export is :func:`adapter_of` (the checkpoint's adapter, its base's record and
 followed by one writer of :data:`LORA_LAYOUTS`: ``diffusers`` (each family's own ``Family.save_lora``,
 through the pipeline's ``save_lora_weights``, the scale alpha / rank folded into ``lora_B``), ``kohya``
 (kohya's / LyCORIS' names with each module's alpha: ``lora_unet_`` on the UNets, ``lora_transformer_`` on
-SD3 and Flux, what ComfyUI maps) and ``difftrain`` (peft's names as they are: difftrain's own networks).
+SD3 and the Flux families, ``lycoris_`` on Qwen-Image, Z-Image and HiDream: what ComfyUI maps; a family's
+``kohya_prefix``) and ``difftrain`` (peft's names as they are: difftrain's own networks).
 Every layout keeps difftrain's record of the base (its source, digest and the LoRA settings) in the file's
 metadata, so ``difftrain sample --lora FILE`` finds the base again and refuses another one. Which file
 loads where at the trained strength (difftrain, diffusers' ``load_lora_weights``, ComfyUI) is
@@ -168,8 +169,9 @@ KOHYA_MODULES = {"lora": "networks.lora", "loha": "lycoris.kohya", "lokr": "lyco
 def write_kohya(adapter: Adapter, out: Path) -> Path:
     """``out/pytorch_lora_weights.safetensors`` in kohya sd-scripts' / LyCORIS' layout (:func:`kohya_layout`),
     which ComfyUI and A1111 read at the trained strength: ``lora_unet_<module with _>`` on the UNet families,
-    ``lora_transformer_<module with _>`` on SD3 and Flux; kohya's own metadata (``ss_network_dim``,
-    ``ss_network_alpha``) beside difftrain's. LoRA on the UNet families (their pipeline's
+    ``<kohya_prefix><module with _>`` on the transformers (``lora_transformer_`` on SD3 and the Flux families,
+    ``lycoris_`` where ComfyUI maps that; ``Family.comfyui_layouts`` says where it maps neither); kohya's own
+    metadata (``ss_network_dim``, ``ss_network_alpha``) beside difftrain's. LoRA on the UNet families (their pipeline's
     ``load_lora_weights`` reads it back), LoHa and LoKr on every family (ComfyUI only: diffusers reads
     neither); DoRA is refused (ComfyUI's DoRA rule is not peft's), and so is a plain LoRA of SD3 or Flux (its
     diffusers layout is the one both load)."""
@@ -237,7 +239,8 @@ def default_layout(record: dict) -> str:
 def where_it_loads(record: dict, layout: str) -> str | None:
     """One line saying which of diffusers and ComfyUI a ``layout`` file of this adapter loads in at the trained
     strength and what to export for the other ("loads in diffusers, not in ComfyUI (...)"); None where it
-    loads in both (and difftrain, which reads every file it writes)."""
+    loads in both (and difftrain, which reads every file it writes). ComfyUI: where the family's
+    ``comfyui_layouts`` name the layout (its names are ones ComfyUI maps onto the family's network)."""
     from difftrain.families import family_of_record
 
     family, kind = family_of_record(record["base"]), record_kind(record)
@@ -245,15 +248,23 @@ def where_it_loads(record: dict, layout: str) -> str | None:
         return None
     if layout == "difftrain":
         return "loads in difftrain only (sample --lora): --layout " + default_layout(record) + " for other programs"
+    comfyui = layout in family.comfyui_layouts  # ComfyUI maps the layout's names onto the family's network
+    unmapped = (f"ComfyUI maps none of a {family.name} LoRA's {layout}-layout names" if family.comfyui_layouts
+                else f"ComfyUI loads no {family.name} LoRA file difftrain writes, in any layout")
     if kind == "dora":
         return ("loads in diffusers, not in ComfyUI (its dora_scale rule is not peft's DoRA, and it ignores "
                 "lora_magnitude_vector): for ComfyUI export --format diffusers --merge, the adapted network")
+    if kind in ("loha", "lokr") and not comfyui:
+        return (f"loads in difftrain only ({family.pipeline_class}.load_lora_weights reads no {KIND_NAMES[kind]}, "
+                f"and {unmapped}): export --format diffusers --merge writes the adapted network")
     if kind in ("loha", "lokr"):
         return (f"loads in ComfyUI, not in diffusers ({family.pipeline_class}.load_lora_weights reads no "
                 f"{KIND_NAMES[kind]}): for diffusers export --format diffusers --merge, the adapted network")
     if layout == "diffusers" and family.writes_kohya_lora:
         return ("loads in diffusers, not in ComfyUI (it maps none of a UNet's peft-named keys): --layout kohya "
                 "(the default) loads in both")
+    if not comfyui:
+        return f"loads in diffusers, not in ComfyUI ({unmapped})"
     return None
 
 
