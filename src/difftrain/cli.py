@@ -579,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: fold the adapter into the base and export the whole network")
     p.add_argument("--layout", "--lora-layout", dest="lora_layout", choices=list(LORA_LAYOUTS), default=None,
-                   help="file layout of --format lora: diffusers (load_lora_weights; ComfyUI too for SD3 / Flux), "
+                   help="file layout of --format lora: diffusers (load_lora_weights; ComfyUI too for the transformer families it has a loader for), "
                         "kohya (lora_unet_... with alpha: ComfyUI, A1111, and load_lora_weights for SD / SDXL), "
                         "difftrain (sample --lora only); default: the one that loads in the most programs "
                         "(docs/lora_files.md); the export names any that does not load it")
