@@ -994,7 +994,8 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
 MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart", "qwen_image", "chroma", "auraflow",
-           "sana", "lumina2", "flux2", "flux2_klein", "flux_kontext")
+           "sana", "lumina2", "flux2", "flux2_klein", "flux_kontext",
+           "qwen_image_edit")
 
 
 def register(family: Family) -> Family:
