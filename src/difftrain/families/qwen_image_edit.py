@@ -76,6 +76,7 @@ EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input ima
 EDIT_DROP = 64  # prompt_template_encode_start_idx: the template's tokens before <|vision_start|>, dropped
 IMAGE_PAD = "<|image_pad|>"
 REFERENCE = "reference"  # the condition key of the reference latents (B, 16, h', w')
+NULL_FLAG = "null_prompt"  # (B,) 1: the row's negative states (negative_embeds / negative_mask) in place of its prompt's
 REFERENCE_AREA = 1024 * 1024  # the pipeline's calculate_dimensions target area
 REFERENCE_MULTIPLE = 32  # ... and its rounding of each side
 
@@ -157,6 +158,14 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
         return {"prompt_embeds": states.float().to(device), "prompt_mask": kept.to(device)}
 
 
+def pil_images(pixels: Tensor) -> list:
+    """B PIL RGB images of (B, 3, H, W) pixels in [-1, 1] (8 bits: an image read from a file comes back as it was)."""
+    from PIL import Image
+
+    values = ((pixels.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return [Image.fromarray(v.permute(1, 2, 0).numpy()) for v in values]
+
+
 class QwenImageEditDenoiser(QwenImageDenoiser):
     """``net(x (B, 16, h, w), t (B,) = 1000 t, cond) -> (B, 16, h, w)``: QwenImageDenoiser with cond's
     ``"reference"`` (B, 16, h', w') latents packed after the target's tokens, img_shapes [(1, h/2, w/2),
@@ -166,6 +175,10 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
     family = "qwen-image-edit"
 
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        if NULL_FLAG in cond:  # guidance's unconditional rows: each row's negative states (QwenImageEditFamily)
+            use = (cond[NULL_FLAG] > 0.5).view(-1, 1)
+            cond = cond | {"prompt_embeds": torch.where(use[..., None], cond["negative_embeds"], cond["prompt_embeds"]),
+                           "prompt_mask": torch.where(use, cond["negative_mask"], cond["prompt_mask"])}
         if REFERENCE not in cond:
             return super().forward(x, t, cond)
         b, _, h, w = x.shape
@@ -194,6 +207,61 @@ class QwenImageEditFamily(QwenImageFamily):
                             max_sequence_length: int = 0, deferred: bool = False) -> QwenEditPromptEncoder:
         return QwenEditPromptEncoder(Path(folder), max_sequence_length, deferred).to(device)
 
+    def training_defaults(self, folder: Path) -> dict[str, object]:
+        """Qwen-Image's, the text cache off: the prompt is encoded with its reference at each step (so the
+        encoder stays loaded, which ``estimate`` then counts)."""
+        return {**super().training_defaults(folder), "text.cache": "off"}
+
+    def part_checks(self) -> dict:
+        """The exported processor/ checked by loading its tokenizer and its image processor (transformers'
+        Qwen2VLProcessor class cannot be built without torchvision; the pipeline's from_pretrained needs it)."""
+        def processor(folder: Path):
+            from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil  # optional ([text])
+
+            load_part(folder.parent, folder.name, Qwen2Tokenizer, "Qwen2-VL processor's tokenizer")
+            return image_processor(folder.parent, Qwen2VLImageProcessorPil)
+
+        return {"processor": processor}
+
+    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> QwenEditPromptEncoder:
+        """The run's encoder, never behind the text cache (a condition is a caption AND its reference image: the
+        cache keys on captions alone): :meth:`edit_condition` runs it at each step."""
+        return super().run_prompt_encoder(cfg, device, None)
+
+    def condition(self, c, captions, drop: Tensor | None, device: torch.device, geometry: Tensor | None = None,
+                  size: tuple[int, int] | None = None) -> Condition:
+        """Nothing without the reference: the prompt is encoded with it by :meth:`edit_condition`."""
+        return {}
+
+    def prompt_condition(self, c, prompts, device: torch.device | str = "cpu") -> Condition:
+        """Nothing without the reference (:meth:`edit_condition` encodes the prompts with it)."""
+        return {}
+
+    def null_condition(self, c, n: int, device: torch.device | str = "cpu") -> Condition:
+        """``{"null_prompt": ones (n,)}``: guidance's unconditional pass takes each row's own negative states
+        (the empty prompt with the row's reference, :meth:`edit_condition`'s ``negative_embeds``)."""
+        return {NULL_FLAG: torch.ones(n, device=device)}
+
+    def edit_condition(self, c, references: list[Tensor], captions=None, drop: Tensor | None = None,
+                       images: list[Tensor] | None = None, device: torch.device | str = "cpu") -> Condition:
+        """The rows' prompt states encoded with their reference image, and the reference's latents.
+        Training (``drop`` given): the dropped rows' captions "" (the empty prompt with the same image, the
+        pipeline's negative); the image the vision tower sees is the reference's cached latent mean decoded by
+        the VAE (training holds no pixels). Sampling (``images``, the references' pixels): the prompts' states and
+        the empty prompt's (``negative_embeds``, ``negative_mask``) which :data:`NULL_FLAG` selects."""
+        if captions is None:
+            raise ValueError(f"the {self.name} family encodes each prompt with its reference image: give the prompts")
+        captions = list(captions)
+        if drop is not None:  # a host read of B flags per step
+            captions = ["" if d else text for text, d in zip(captions, drop.tolist())]
+        pixels = images[0] if images else c.decode(references[0])
+        pil = pil_images(pixels)
+        cond = c.text.encode_edit(captions, pil, device) | self.reference_condition(references)
+        if drop is None:
+            empty = c.text.encode_edit([""] * len(captions), pil, device)
+            cond |= {"negative_embeds": empty["prompt_embeds"], "negative_mask": empty["prompt_mask"]}
+        return cond
+
     def reference_condition(self, references: list[Tensor]) -> Condition:
         """``{"reference": (B, 16, h', w')}``: the one reference's latents (model space), which
         :class:`QwenImageEditDenoiser` packs after the target's tokens."""
@@ -203,14 +271,12 @@ class QwenImageEditFamily(QwenImageFamily):
         return {REFERENCE: references[0]}
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
-        """Qwen-Image's, the prompt's states longer by the vision tokens of the default 1024 px reference
-        (smart_resize: 1036 x 1036, 37 x 37 merged 28 px patches, + 2) and the reference's latents (16, 128, 128)."""
+        """Qwen-Image's, the prompt's states longer by the vision tokens of a 1024 px reference (smart_resize:
+        1036 x 1036, 37 x 37 merged 28 px patches, + 2); the estimate adds the reference's latents itself."""
         shapes = super().condition_shapes(config, max_sequence_length)
         vision = round(1024 / 28) ** 2 + 2
         length, width = shapes["prompt_embeds"]
-        side = self.default_sample_size
-        return {"prompt_embeds": (length + vision, width), "prompt_mask": (length + vision,),
-                REFERENCE: (self.latent_channels(config), side, side)}
+        return {"prompt_embeds": (length + vision, width), "prompt_mask": (length + vision,)}
 
 
 QWEN_IMAGE_EDIT = register(QwenImageEditFamily())
