@@ -22,8 +22,13 @@ import json
 from pathlib import Path
 
 from tests.family_bases import seeded
-from tests.family_bases_qwen_image import (QWEN_SCHEDULER, QWEN_WIDTH, tiny_qwen_tokenizer, tiny_qwen_transformer,
-                                           tiny_qwen_vae)
+from tests.family_bases_qwen_image import (
+    QWEN_SCHEDULER,
+    QWEN_WIDTH,
+    tiny_qwen_tokenizer,
+    tiny_qwen_transformer,
+    tiny_qwen_vae,
+)
 from tests.text_components import WORDS
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")  # the real tokenizer's
@@ -115,13 +120,25 @@ def write_tiny_qwen_image_edit_folder(path: str | Path, seed: int = 0, layers: i
     return path
 
 
+def write_tiny_qwen_image_edit_plus_folder(path: str | Path, seed: int = 0, layers: int = 1) -> Path:
+    """write_tiny_qwen_image_edit_folder's folder with model_index.json naming QwenImageEditPlusPipeline (the same
+    parts: Qwen-Image-Edit-2509's folder has the same classes)."""
+    path = write_tiny_qwen_image_edit_folder(path, seed, layers)
+    index = json.loads((path / "model_index.json").read_text())
+    index["_class_name"] = "QwenImageEditPlusPipeline"
+    (path / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return path
+
+
 def load_tiny_qwen_image_edit_pipeline(path: str | Path, **parts):
-    """QwenImageEditPipeline.from_pretrained(path) with its processor built from the folder's processor/
-    (tiny_qwen_processor: transformers' Qwen2VLProcessor.from_pretrained needs torchvision, not installed)."""
-    from diffusers import QwenImageEditPipeline
+    """The folder's pipeline (QwenImageEditPipeline or QwenImageEditPlusPipeline).from_pretrained(path) with its
+    processor built from the folder's processor/ (tiny_qwen_processor: transformers' Qwen2VLProcessor
+    .from_pretrained needs torchvision, not installed)."""
+    import diffusers
     from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil
 
     path = Path(path)
     processor = tiny_qwen_processor(Qwen2Tokenizer.from_pretrained(path / "processor"),
                                     Qwen2VLImageProcessorPil.from_pretrained(path / "processor"))
-    return QwenImageEditPipeline.from_pretrained(path, processor=processor, **parts)
+    cls = getattr(diffusers, json.loads((path / "model_index.json").read_text())["_class_name"])
+    return cls.from_pretrained(path, processor=processor, **parts)

@@ -18,15 +18,17 @@ pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
-from difftrain.cli import main  # noqa: E402
-from difftrain.config import load_config  # noqa: E402
-from difftrain.families.flux import pack  # noqa: E402
-from difftrain.families.qwen_image_edit import QwenImageEditFamily  # noqa: E402
-from difftrain.training.loop import train  # noqa: E402
-from tests.family_bases_qwen_image import QWEN_LENGTH  # noqa: E402
-from tests.family_bases_qwen_image_edit import (load_tiny_qwen_image_edit_pipeline,  # noqa: E402
-                                                write_tiny_qwen_image_edit_folder)
+from difftrain.checkpoints import checkpoint as ckpt
+from difftrain.cli import main
+from difftrain.config import load_config
+from difftrain.families.flux import pack
+from difftrain.families.qwen_image_edit import QwenImageEditFamily
+from difftrain.training.loop import train
+from tests.family_bases_qwen_image import QWEN_LENGTH
+from tests.family_bases_qwen_image_edit import (
+    load_tiny_qwen_image_edit_pipeline,
+    write_tiny_qwen_image_edit_folder,
+)
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 EDIT_MODULE = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit"

@@ -63,8 +63,14 @@ from torch import Tensor
 from difftrain.families import register
 from difftrain.families.base import Condition, load_part, read_json, require_keys
 from difftrain.families.flux import pack, unpack
-from difftrain.families.qwen_image import (KEYS, QwenImageDenoiser, QwenImageFamily, QwenPromptEncoder, chat_prompts,
-                                           prompt_states)
+from difftrain.families.qwen_image import (
+    KEYS,
+    QwenImageDenoiser,
+    QwenImageFamily,
+    QwenPromptEncoder,
+    chat_prompts,
+    prompt_states,
+)
 from difftrain.models.text import files_digest, first_line
 from difftrain.runtime.device import to_device_async
 
@@ -79,6 +85,11 @@ REFERENCE = "reference"  # the condition key of the reference latents (B, 16, h'
 NULL_FLAG = "null_prompt"  # (B,) 1: the row's negative states (negative_embeds / negative_mask) in place of its prompt's
 REFERENCE_AREA = 1024 * 1024  # the pipeline's calculate_dimensions target area
 REFERENCE_MULTIPLE = 32  # ... and its rounding of each side
+# QwenImageEditPlusPipeline's: the template without the vision tokens, each image's before the prompt as
+# "Picture i: ...", and the image the vision tower sees resized to 384 x 384 pixels' area (the VAE's: 1024 x 1024)
+PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
+PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+CONDITION_AREA = 384 * 384
 
 
 def reference_size(width: int, height: int, area: int = REFERENCE_AREA) -> tuple[int, int]:
@@ -97,11 +108,24 @@ def vision_inputs(image_processor, images: list) -> tuple[Tensor, Tensor]:
     return out["pixel_values"], out["image_grid_thw"]
 
 
-def image_prompts(captions: list[str], grid: Tensor, merge: int) -> list[str]:
-    """Each caption in EDIT_TEMPLATE with ``<|image_pad|>`` written out once per merged patch of its image:
-    grid (B, 3) (t, h, w) patches, ``merge`` ** 2 of them per token (Qwen2VLProcessor's replace_image_token)."""
+def image_prompts(captions: list[str], grid: Tensor, merge: int, template: str = EDIT_TEMPLATE, prefix: str = ""
+                  ) -> list[str]:
+    """Each caption after ``prefix`` in ``template`` with ``<|image_pad|>`` written out once per merged patch of
+    its image: grid (B, 3) (t, h, w) patches, ``merge`` ** 2 of them per token (Qwen2VLProcessor's
+    replace_image_token)."""
     counts = (grid.prod(dim=-1) // merge ** 2).tolist()  # a host read of B small counts
-    return [text.replace(IMAGE_PAD, IMAGE_PAD * n, 1) for text, n in zip(chat_prompts(captions, EDIT_TEMPLATE), counts)]
+    texts = chat_prompts([prefix + c for c in captions], template)
+    return [text.replace(IMAGE_PAD, IMAGE_PAD * n, 1) for text, n in zip(texts, counts)]
+
+
+def resized(images: list, area: int | None) -> list:
+    """PIL images resized (Lanczos: VaeImageProcessor.resize) to :func:`reference_size` of ``area``; None: as
+    they are."""
+    from PIL import Image
+
+    if area is None:
+        return images
+    return [img.resize(reference_size(*img.size, area), resample=Image.LANCZOS) for img in images]
 
 
 def image_processor(folder: Path, cls):
@@ -122,9 +146,16 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
     ``_get_qwen_prompt_embeds(captions, images)`` (V: the vision tokens of the batch's image size, L:
     ``model.max_sequence_length``, 0: 512). Captions alone cannot be encoded: :meth:`encode` refuses."""
 
+    template = EDIT_TEMPLATE  # the pipeline's prompt_template_encode
+    prefix = ""  # what the pipeline writes before each prompt (the Plus pipeline's "Picture 1: ..." and image)
+    condition_area: int | None = None  # the Plus pipeline's area of the image the vision tower sees (None: as given)
+
     def __init__(self, folder: Path, max_sequence_length: int = 0, deferred: bool = False):
         super().__init__(folder, max_sequence_length, deferred)
-        from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil  # optional ([text])
+        from transformers import (  # optional ([text])
+            Qwen2Tokenizer,
+            Qwen2VLImageProcessorPil,
+        )
 
         # the pipeline tokenizes with its processor's tokenizer (processor/), which knows the vision tokens
         self.tokenizer = load_part(folder, "processor", Qwen2Tokenizer, "Qwen2-VL processor's tokenizer")
@@ -134,6 +165,12 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
 
     def _extra(self) -> str:
         return f"qwen_edit_length={self.length}"
+
+    def vision_part(self) -> str:
+        """The text the pipeline keeps before each prompt (after the dropped template): the prefix and the
+        template's vision tokens, ``<|image_pad|>`` once."""
+        start = self.template.index("<|vision_start|>") if "<|vision_start|>" in self.template else None
+        return self.prefix + (self.template[start:self.template.index("{}")] if start is not None else "")
 
     def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
         raise ValueError(f"the Qwen-Image-Edit base {self.source} encodes a prompt with its reference image "
@@ -146,14 +183,16 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
         if len(images) != len(captions):
             raise ValueError(f"Qwen-Image-Edit: {len(captions)} prompts and {len(images)} reference images")
         model = self.qwen
-        pixels, grid = vision_inputs(self.image_processor, images)
+        pixels, grid = vision_inputs(self.image_processor, resized(list(images), self.condition_area))
         if (grid != grid[:1]).any():
             raise ValueError("Qwen-Image-Edit: the reference images of one batch must have one size")
-        tokens = self.tokenizer(image_prompts(captions, grid, self.merge), padding=True, return_tensors="pt")
+        tokens = self.tokenizer(image_prompts(captions, grid, self.merge, self.template, self.prefix), padding=True,
+                                return_tensors="pt")
         ids, mask = to_device_async(tokens.input_ids, model.device), to_device_async(tokens.attention_mask, model.device)
         out = model(input_ids=ids, attention_mask=mask, pixel_values=pixels.to(model.device, model.dtype),
                     image_grid_thw=grid.to(model.device), output_hidden_states=True, logits_to_keep=1)
-        vision = int(grid[0].prod()) // self.merge ** 2 + 2  # <|vision_start|>, the image's tokens, <|vision_end|>
+        # the tokens kept before the prompt's: <|vision_start|>, the image's, <|vision_end|> (and the Plus prefix's)
+        vision = int(grid[0].prod()) // self.merge ** 2 + len(self.tokenizer(self.vision_part()).input_ids) - 1
         states, kept = prompt_states(out.hidden_states[-1], mask, EDIT_DROP, vision + self.length)
         return {"prompt_embeds": states.float().to(device), "prompt_mask": kept.to(device)}
 
@@ -164,6 +203,16 @@ def pil_images(pixels: Tensor) -> list:
 
     values = ((pixels.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return [Image.fromarray(v.permute(1, 2, 0).numpy()) for v in values]
+
+
+class QwenEditPlusPromptEncoder(QwenEditPromptEncoder):
+    """QwenImageEditPlusPipeline's prompt encoder with one reference: PLUS_TEMPLATE, "Picture 1: " and the image's
+    vision tokens before the prompt, the image the vision tower sees resized to CONDITION_AREA pixels at its aspect
+    ratio (Lanczos) first."""
+
+    template = PLUS_TEMPLATE
+    prefix = PICTURE.format(1)
+    condition_area = CONDITION_AREA
 
 
 class QwenImageEditDenoiser(QwenImageDenoiser):
@@ -216,7 +265,10 @@ class QwenImageEditFamily(QwenImageFamily):
         """The exported processor/ checked by loading its tokenizer and its image processor (transformers'
         Qwen2VLProcessor class cannot be built without torchvision; the pipeline's from_pretrained needs it)."""
         def processor(folder: Path):
-            from transformers import Qwen2Tokenizer, Qwen2VLImageProcessorPil  # optional ([text])
+            from transformers import (  # optional ([text])
+                Qwen2Tokenizer,
+                Qwen2VLImageProcessorPil,
+            )
 
             load_part(folder.parent, folder.name, Qwen2Tokenizer, "Qwen2-VL processor's tokenizer")
             return image_processor(folder.parent, Qwen2VLImageProcessorPil)
@@ -279,4 +331,25 @@ class QwenImageEditFamily(QwenImageFamily):
         return {"prompt_embeds": (length + vision, width), "prompt_mask": (length + vision,)}
 
 
+class QwenImageEditPlusDenoiser(QwenImageEditDenoiser):
+    """:class:`QwenImageEditDenoiser` of the Plus family (its checkpoints name it): the same transformer call."""
+
+    family = "qwen-image-edit-plus"
+
+
+class QwenImageEditPlusFamily(QwenImageEditFamily):
+    """Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline) with one reference image: Qwen-Image-Edit but for the
+    prompt (:class:`QwenEditPlusPromptEncoder`). The pipeline takes several images, batch 1; difftrain one
+    reference per sample (``data.references``), any batch."""
+
+    name = "qwen-image-edit-plus"
+    pipeline_class = "QwenImageEditPlusPipeline"
+    denoiser_class = QwenImageEditPlusDenoiser
+
+    def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
+                            max_sequence_length: int = 0, deferred: bool = False) -> QwenEditPlusPromptEncoder:
+        return QwenEditPlusPromptEncoder(Path(folder), max_sequence_length, deferred).to(device)
+
+
 QWEN_IMAGE_EDIT = register(QwenImageEditFamily())
+QWEN_IMAGE_EDIT_PLUS = register(QwenImageEditPlusFamily())
