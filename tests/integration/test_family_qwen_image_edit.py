@@ -139,7 +139,8 @@ def test_bad_input_is_one_line(folder):
     enc = family.load_prompt_encoder(folder, max_sequence_length=LENGTH)
     for bad in (lambda: enc.encode_edit(CAPTIONS, [image(0, 64, 48)]),
                 lambda: enc.encode_edit(CAPTIONS, [image(0, 56, 56), image(1, 112, 56)]),
-                lambda: family.reference_condition([])):
+                lambda: family.reference_condition([]),
+                lambda: family.load_denoiser(folder)(torch.zeros(1, 16, 4, 4), torch.ones(1), {})):
         with pytest.raises(ValueError) as info:
             bad()
         assert "\n" not in str(info.value)

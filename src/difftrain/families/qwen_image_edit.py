@@ -46,7 +46,23 @@ Reference latents (``prepare_latents`` / ``_encode_vae_image``): the VAE's mode 
 Training: the pipeline's; no diffusers training script for the edit model (0.42). difftrain trains on
   (reference, target, instruction) pairs (``data.references``), each pair resized and cropped together to the
   target's bucket, so a training reference has the target's size (the pipeline's ~1 MP reference is the
-  target's size too when the target is the default size).
+  target's size too when the target is the default size). The prompt is encoded with its reference at EACH step
+  (``QwenImageEditFamily.edit_condition``, called by the step, validation and ``sample`` through
+  ``Family.edit_condition``): the text cache keys on captions alone, so this family runs without it
+  (``text.cache`` off, the encoder loaded for the run: ``estimate`` counts it). The training data holds the
+  references as cached VAE moments only, so in training the vision tower sees the reference's latent mean decoded
+  by the VAE (an 8-bit image of it), not the file's pixels (validation and ``sample`` give it the pixels, as the
+  pipeline does); a dropped caption (caption dropout) is the empty prompt with the same image.
+Guidance (true CFG, qwen_image.py's rescale): the negative is the empty prompt WITH the row's image, so it is
+  per row: at sampling the condition carries both the prompt's states and the empty prompt's
+  (``negative_embeds``, ``negative_mask``) and the null condition is ``{"null_prompt": 1}``, which selects them
+  (:class:`QwenImageEditDenoiser`); ``generation.sampling.guided_network`` merges it into each row's condition.
+Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline), one reference (``qwen-image-edit-plus``): the template has no
+  vision tokens, the pipeline writes "Picture 1: <|vision_start|><|image_pad|><|vision_end|>" before the prompt
+  (the 64 dropped tokens are the same system part), and the image the vision tower sees is resized (Lanczos) to
+  ``calculate_dimensions(384 * 384, ratio)`` (CONDITION_IMAGE_SIZE) while the VAE's is at 1024 x 1024 pixels'
+  area (VAE_IMAGE_SIZE: difftrain's reference at the target's size); the transformer call is the same. The Plus
+  pipeline takes several images and batch 1; difftrain one reference and any batch.
 Known base (tools/bases/qwen-image-edit, for ``estimate --base qwen-image-edit``): Qwen-Image's files (the same
   20.4B transformer config, VAE, Qwen2.5-VL-7B and scheduler, as qwen_image.py remembers them) with
   model_index.json naming QwenImageEditPipeline and its processor.
@@ -224,6 +240,10 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
     family = "qwen-image-edit"
 
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        if not isinstance(cond, dict) or "prompt_embeds" not in cond:  # a prompt without its reference image
+            raise ValueError(f"the {self.family} model edits a reference image: its prompts are encoded with it, and "
+                             "this use gives none (evaluation on captions and DreamBooth's prior images are not "
+                             "supported for an edit model)")
         if NULL_FLAG in cond:  # guidance's unconditional rows: each row's negative states (QwenImageEditFamily)
             use = (cond[NULL_FLAG] > 0.5).view(-1, 1)
             cond = cond | {"prompt_embeds": torch.where(use[..., None], cond["negative_embeds"], cond["prompt_embeds"]),
