@@ -211,7 +211,7 @@ def test_known_bases_are_the_public_architectures():
     from difftrain.tools.base_memory import text_encoder_params
 
     assert known_bases() == ["auraflow", "chroma", "flux-dev", "flux-kontext-dev", "flux2-dev", "flux2-klein-4b",
-                             "flux2-klein-9b", "hidream", "lumina2", "pixart-sigma", "qwen-image", "sana", "sana-4.8b",
+                             "flux2-klein-9b", "hidream", "lumina2", "pixart-sigma", "qwen-image", "qwen-image-edit", "sana", "sana-4.8b",
                              "sd1.5", "sd3.5-large", "sd3.5-medium", "sdxl", "z-image"]
     assert text_encoder_params(base_folder("sd1.5")) == 123_060_480
     for name, params in {"sdxl": 2_567_463_684, "flux-dev": 11_901_408_320, "flux-kontext-dev": 11_901_408_320,

@@ -38,6 +38,7 @@ FAMILY_PRESETS = {
     "z-image-lora.toml": ["z-image"],
     "pixart-sigma-lora.toml": ["pixart-sigma"],
     "qwen-image-lora.toml": ["qwen-image"],
+    "qwen-image-edit-lora.toml": ["qwen-image-edit"],
     "chroma-lora.toml": ["chroma"], "auraflow-lora.toml": ["auraflow"],
     "sana-lora.toml": ["sana", "sana-4.8b"], "lumina2-lora.toml": ["lumina2"],
     "flux2-lora.toml": ["flux2-dev"], "flux2-klein-lora.toml": ["flux2-klein-4b", "flux2-klein-9b"],

@@ -581,6 +581,15 @@ class Family(ABC):
         (Kontext: ``{"reference": ...}``, appended to the image tokens). A family that takes none refuses."""
         raise ValueError(f"the {self.name} family takes no reference images")
 
+    def edit_condition(self, c, references: list[Tensor], captions=None, drop: Tensor | None = None,
+                       images: list[Tensor] | None = None, device: torch.device | str = "cpu") -> Condition:
+        """The condition an edit family's reference images add to B rows (``c``: the run's Conditioning):
+        :meth:`reference_condition` of their latents by default. ``captions``: the rows' captions (B strings) and
+        ``drop`` (B,) bool the rows whose caption is dropped (training), ``images``: each reference's pixels (B, 3,
+        H, W) in [-1, 1] where the caller read them (validation, ``sample``; training holds cached latents only):
+        a family whose prompt encoder sees the reference too (Qwen-Image-Edit) encodes the captions with it here."""
+        return self.reference_condition(references)
+
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """The shape of one sample's condition (what :meth:`load_prompt_encoder` and :meth:`image_conditions`
         give, without the batch) for a denoiser of diffusers ``config``; ``max_sequence_length``:
@@ -627,8 +636,14 @@ class Family(ABC):
         if parts.scheduler is not None:
             parts.scheduler.save_pretrained(str(out / "scheduler"))
         atomic_write_bytes(out / "model_index.json", (json.dumps(parts.index, indent=2, sort_keys=True) + "\n").encode())
-        check_written_folder(self.pipeline_class, out)
+        check_written_folder(self.pipeline_class, out, self.part_checks())
         return out
+
+    def part_checks(self) -> dict[str, Callable[[Path], object]]:
+        """How :func:`check_written_folder` loads a part without weights that its class cannot load here, by
+        model_index.json name: ``{name: load(folder)}`` (none by default; Qwen-Image-Edit's processor, whose
+        transformers class needs torchvision: its tokenizer and image processor)."""
+        return {}
 
     def export_parts(self, denoiser: Denoiser, base: Path, scheduler: dict | None, vae: Path | None) -> ExportParts:
         """What :meth:`export_pipeline` writes besides the denoiser: the base's ``model_index.json`` and each
@@ -897,12 +912,14 @@ def load_config_part(cls: type, folder: Path):
         return cls.from_pretrained(str(folder))
 
 
-def check_written_folder(pipeline_class: str, out: Path) -> None:
+def check_written_folder(pipeline_class: str, out: Path, checks: dict[str, Callable[[Path], object]] | None = None
+                         ) -> None:
     """One ValueError naming ``out`` unless the pipeline folder loads in ``pipeline_class.from_pretrained``,
     checked without reading a weight: ``model_index.json`` names that class and a folder for each of its
     parts; each model part's class built from its config on the meta device (:func:`meta_init.empty_build`)
     and its state dict's names and shapes found in its safetensors files' headers (:func:`check_model_part`);
-    tokenizers, schedulers and the other parts without weights loaded (their small files)."""
+    tokenizers, schedulers and the other parts without weights loaded (their small files; a part named in
+    ``checks`` by its ``checks[name](folder)``: ``Family.part_checks``)."""
     name = "model_index.json"
     try:
         index = read_json(out / name, "model_index.json")
@@ -917,6 +934,8 @@ def check_written_folder(pipeline_class: str, out: Path) -> None:
             cls = part_class(entry, "model_index.json")
             if issubclass(cls, nn.Module):
                 check_model_part(cls, folder)
+            elif name in (checks or {}):
+                checks[name](folder)
             else:
                 load_config_part(cls, folder)
     except Exception as e:  # noqa: BLE001 - configs, tokenizers and headers fail in many kinds; one line naming the folder
@@ -999,7 +1018,8 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
 FAMILIES: dict[str, Family] = {}
 # The family modules, imported on first use (each calls register); cheap: diffusers loads lazily.
 MODULES = ("sd", "sdxl", "sd3", "flux", "hidream", "z_image", "pixart", "qwen_image", "chroma", "auraflow",
-           "sana", "lumina2", "flux2", "flux2_klein", "flux_kontext")
+           "sana", "lumina2", "flux2", "flux2_klein", "flux_kontext",
+           "qwen_image_edit")
 
 
 def register(family: Family) -> Family:

@@ -162,7 +162,7 @@ def generate_images(
         from difftrain.networks.conditioning import map_condition
 
         condition = map_condition(lambda t: t.cpu(), c.prompts(prompts_for(num, prompt), device))
-        condition = condition | _reference_condition(c, num, reference, resolution)
+        condition = condition | _reference_condition(c, num, reference, resolution, prompts_for(num, prompt))
     else:
         if prompt is not None:
             raise ValueError("--prompt given, but the model is not text-conditioned")
@@ -187,9 +187,11 @@ def generate_images(
         )
 
 
-def _reference_condition(c: Conditioning, num: int, reference: str | Sequence[str] | None, resolution: int) -> dict:
+def _reference_condition(c: Conditioning, num: int, reference: str | Sequence[str] | None, resolution: int,
+                         prompts: list[str] | None = None) -> dict:
     """The reference condition of ``num`` samples of an edit family's model (one ValueError without a
-    ``reference``, or with one for a family that takes none): each image encoded at the samples' size."""
+    ``reference``, or with one for a family that takes none): each image encoded at the samples' size (and
+    given with its pixels and ``prompts`` to a family whose prompt encoder sees it)."""
     if not c.family.references:
         if reference:
             raise ValueError(f"--reference given, but the {c.family.name} model takes no reference image")
@@ -199,8 +201,10 @@ def _reference_condition(c: Conditioning, num: int, reference: str | Sequence[st
         raise ValueError(f"the {c.family.name} model edits a reference image: give --reference IMAGE (one for every "
                          f"image, or one per image: {num}), got {len(refs)}")
     side = resolution * c.codec.factor
-    latents = c.reference_latents(refs, (side, side))
-    return c.reference_condition([latents.expand(num, *latents.shape[1:]) if len(refs) == 1 else latents])
+    images = c.reference_images(refs, (side, side))
+    latents = c.encode_references(images)
+    rows = lambda t: t.expand(num, *t.shape[1:]) if len(refs) == 1 else t
+    return c.reference_condition([rows(latents)], prompts, images=[rows(images)])
 
 
 def sampled_from(loaded: LoadedModel) -> str:

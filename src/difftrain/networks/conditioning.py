@@ -175,16 +175,31 @@ class Conditioning:
 
     # -- reference images (an edit family: Family.references) ------------------------------------------
 
-    def reference_condition(self, latents: list[Tensor]) -> dict[str, Tensor]:
+    def reference_condition(self, latents: list[Tensor], captions=None, drop: Tensor | None = None,
+                            images: list[Tensor] | None = None, device: torch.device | str = "cpu"
+                            ) -> dict[str, Tensor]:
         """The condition reference latents add (one (B, c, h', w') tensor in the model's space per reference):
-        the family's (``Family.reference_condition``: what its denoiser packs into its input)."""
-        return self.family.reference_condition(latents)
+        the family's (``Family.edit_condition``: what its denoiser packs into its input; with the rows'
+        ``captions``, ``drop`` and the references' pixels ``images`` for a family whose prompt encoder sees them)."""
+        return self.family.edit_condition(self, latents, captions, drop, images, device)
 
     def reference_latents(self, paths: Sequence[str], size: tuple[int, int], device: torch.device | str = "cpu"
                           ) -> Tensor:
         """(N, c, h, w) model-space latents of the images ``paths``, each resized to cover ``size`` (H, W) pixels
         and centre-cropped, encoded by the VAE's mode (the mean: the edit pipelines' ``sample_mode="argmax"``).
         An unreadable file is one ValueError naming it."""
+        return self.encode_references(self.reference_images(paths, size), device)
+
+    def encode_references(self, images: Tensor, device: torch.device | str = "cpu") -> Tensor:
+        """(N, c, h, w) model-space latents of reference images (N, 3, H, W) in [-1, 1]: the VAE's mode."""
+        codec_device = next(self.codec.parameters()).device
+        with torch.no_grad():
+            mean, _ = self.codec.encode_moments(images.to(codec_device))
+            return self.codec.to_model(mean).float().to(device)
+
+    def reference_images(self, paths: Sequence[str], size: tuple[int, int]) -> Tensor:
+        """(N, 3, H, W) float32 in [-1, 1] on the host: the images ``paths``, each resized to cover ``size`` (H, W)
+        and centre-cropped; one ValueError naming an unreadable file (or for a run without a VAE)."""
         if self.codec is None:
             raise ValueError("reference images need a latent model (model.vae)")
         images = []
@@ -195,10 +210,7 @@ class Conditioning:
                 raise ValueError(f"reference image {path}: cannot read it ({e})") from None
             img = resize_center_crop(img, size[0]) if size[0] == size[1] else resize_crop(img, size)[0]
             images.append(to_tensor(img))
-        codec_device = next(self.codec.parameters()).device
-        with torch.no_grad():
-            mean, _ = self.codec.encode_moments(torch.stack(images).to(codec_device))
-            return self.codec.to_model(mean).float().to(device)
+        return torch.stack(images)
 
     def check_reference_data(self, data, base: str) -> None:
         """One ValueError unless the run's data section ``data`` (``data.references`` or ``data.reference_column``)

@@ -81,7 +81,8 @@ def draw_micro_batch(
         drop = distributed.rank_rows(torch.rand((n,), device=device, generator=gen), dctx) < cfg.model.class_dropout
     condition = c.condition(second, drop, device, geometry, c.pixel_size(x0))  # the batch's (bucket's) pixels
     if references:  # an edit family's reference latents: the mode (the mean), as its pipeline encodes them
-        condition = condition | c.reference_condition([c.codec.to_model(r[:, : k // 2]) for r in references])
+        condition = condition | c.reference_condition([c.codec.to_model(r[:, : k // 2]) for r in references],
+                                                      second, drop, None, device)
     weight = loss_weights(cfg.dreambooth, second, device)  # before dropout emptied captions; None unless a prior
     if c.codec is not None:  # a latent drawn from the image's cached distribution
         eps = distributed.rank_rows(torch.randn((n, *shape), device=device, generator=gen), dctx)

@@ -95,9 +95,11 @@ def _reference_rows(v, prompts: list[str], ncols: int, shape: tuple[int, int, in
         raise ValueError(f"validation.references: the {conditioning.family.name} base samples from a reference image; "
                          f"give one per validation prompt ({len(prompts)}) or one for all, got {len(refs)}")
     factor = conditioning.codec.factor
-    latents = conditioning.reference_latents(refs, (shape[1] * factor, shape[2] * factor))
-    rows = latents.expand(len(prompts), *latents.shape[1:]) if len(refs) == 1 else latents
-    return conditioning.reference_condition([rows.repeat_interleave(ncols, dim=0)])
+    images = conditioning.reference_images(refs, (shape[1] * factor, shape[2] * factor))
+    latents = conditioning.encode_references(images)
+    grid = lambda t: (t.expand(len(prompts), *t.shape[1:]) if len(refs) == 1 else t).repeat_interleave(ncols, dim=0)
+    return conditioning.reference_condition([grid(latents)], [p for p in prompts for _ in range(ncols)],
+                                            images=[grid(images)])
 
 
 def data_prompts(dataset, count: int) -> list[str]:
