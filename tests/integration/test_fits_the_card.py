@@ -43,7 +43,15 @@ FAMILY_PRESETS = {
     "sana-lora.toml": ["sana", "sana-4.8b"], "lumina2-lora.toml": ["lumina2"],
     "flux2-lora.toml": ["flux2-dev"], "flux2-klein-lora.toml": ["flux2-klein-4b", "flux2-klein-9b"],
 }
-PAIRS = [(preset, base) for preset, bases in FAMILY_PRESETS.items() for base in bases]
+# Presets known not to fit 24 GB yet, and why (strict: the day one fits, the test says so and the entry goes).
+DOES_NOT_FIT_YET = {
+    ("qwen-image-edit-lora.toml", "qwen-image-edit"): "its prompts are encoded with each pair's reference image at "
+    "every step (no text cache for caption + image yet), so the 15.45 GiB Qwen2.5-VL stays on the device: 30.51 GiB",
+}
+PAIRS = [pytest.param(preset, base, id=f"{preset}-{base}",
+                      marks=[pytest.mark.xfail(strict=True, reason=DOES_NOT_FIT_YET[(preset, base)])]
+                      if (preset, base) in DOES_NOT_FIT_YET else [])
+         for preset, bases in FAMILY_PRESETS.items() for base in bases]
 
 
 def test_every_family_preset_is_covered():
@@ -59,7 +67,7 @@ def sixteen_gb_overrides(preset: str) -> list[str] | None:
     return [] if head.startswith("as shipped") else re.findall(r"--set (\S+)", head)
 
 
-@pytest.mark.parametrize("preset,base", PAIRS, ids=[f"{p}-{b}" for p, b in PAIRS])
+@pytest.mark.parametrize("preset,base", PAIRS)
 def test_every_family_preset_fits_24gb_and_its_16gb_setting_fits_16gb(preset, base):
     """The preset's own setting on one GPU (as `difftrain estimate --base BASE --config PRESET` counts it) at most
     HEADROOM of 24 GiB, with checkpointing on and bf16; the header's 16 GB overrides (levers of the count's
