@@ -162,7 +162,9 @@ def generate_images(
         from difftrain.networks.conditioning import map_condition
 
         condition = map_condition(lambda t: t.cpu(), c.prompts(prompts_for(num, prompt), device))
-        condition = condition | _reference_condition(c, num, reference, resolution, prompts_for(num, prompt))
+        references = _reference_condition(c, num, reference, resolution, prompts_for(num, prompt))
+        if references:  # an edit family's (its conditions are dicts); difftrain's UNet conditions on a tensor
+            condition = condition | references
     else:
         if prompt is not None:
             raise ValueError("--prompt given, but the model is not text-conditioned")
