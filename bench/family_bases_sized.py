@@ -158,7 +158,7 @@ def parameter_counts(path: Path) -> dict:
         for f in sorted((path / sub).glob("*.safetensors")):
             with safe_open(str(f), "pt") as st:
                 for key in st.keys():
-                    n += st.get_slice(key).get_shape() and _numel(st.get_slice(key).get_shape())
+                    n += _numel(st.get_slice(key).get_shape())  # a scalar (shape []) counts 1
         return n
 
     denoiser = count("unet") + count("transformer")

@@ -7,6 +7,13 @@ both at the same time, one core each; steps per second from each one's own log, 
     python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --family sdxl --size tiny
     python bench/family_peer_speed.py ... --family sd3 --size proportioned --cores 1,0   # cores swapped
 
+The families of 2026 (:data:`NEW_FAMILIES`: Z-Image, Qwen-Image, FLUX.2 [klein], Lumina 2, Sana, HiDream, and
+FLUX.2 [dev] and Flux Kontext, whose scripts do not run on the tests' bases) beside diffusers' script for each
+(``train_dreambooth_lora_z_image.py`` ...), on the tests' tiny base of the family (tests/family_bases_*.py),
+``--size tiny`` only; ``--our-set KEY=VALUE`` adds a difftrain ``--set`` (e.g. no gradient checkpointing):
+
+    python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --family z-image --steps 600
+
 ``--size tiny`` trains bases of about the tests' size; ``--size proportioned`` bases whose text
 encoders weigh against the denoiser as the real family's do (SDXL 0.3, SD3 2.8, Flux 0.4), because what the peer repeats at every step (each text
 encoder on the batch's captions, the VAE on its images) is where a trainer that computes them once
@@ -46,6 +53,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,22 +65,76 @@ sys.path.insert(0, str(ROOT / "bench"))
 from family_bases_sized import _numel, parameter_counts, write_base  # noqa: E402
 from peer_lora_speed import difftrain_times, peer_times, rate, run_pair  # noqa: E402  (the same runner and log readers)
 
+from tests.family_bases_flux2 import TEXT_LENGTH, write_tiny_flux2_folder, write_tiny_flux2_klein_folder  # noqa: E402
+from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder  # noqa: E402
+from tests.family_bases_gemma import write_tiny_lumina2_folder, write_tiny_sana_folder  # noqa: E402
+from tests.family_bases_hidream import write_tiny_hidream_folder  # noqa: E402
+from tests.family_bases_qwen_image import write_tiny_qwen_image_folder  # noqa: E402
+from tests.family_bases_z_image import QWEN_LENGTH, write_tiny_z_image_folder  # noqa: E402
+
 SCRIPTS = {"sdxl": "train_text_to_image_lora_sdxl.py", "sd3": "train_dreambooth_lora_sd3.py",
            "flux": "train_dreambooth_lora_flux.py"}
 T5_TOKENS = 24  # the bases' T5 tokenizer length (tests/family_bases.T5_LENGTH), passed to the peers as well
 
 
-def write_data(folder: Path, images: int, resolution: int) -> Path:
-    """``images`` built-in shapes as PNGs with a metadata.jsonl of their captions (both read it)."""
+@dataclass(frozen=True)
+class NewFamily:
+    """A family of 2026 beside diffusers' script for it: ``script`` (in ../shared/peers, run unchanged),
+    ``write`` the tests' tiny base builder (path -> path), ``tokens`` the text length both are given
+    (``--max_sequence_length`` / ``model.max_sequence_length``; None: each one's default, the pipeline's),
+    ``extra`` the script's further arguments its tiny base needs (../shared/peers/README.md), ``varied``
+    whether the captions get tails of different lengths (:func:`write_data`)."""
+
+    script: str
+    write: Callable[[Path], Path]
+    tokens: int | None
+    extra: tuple[str, ...] = ()
+    varied: bool = False
+
+
+# Only tiny bases (the tests' builders): --size proportioned is for SDXL, SD3 and Flux.
+NEW_FAMILIES = {
+    "z-image": NewFamily("train_dreambooth_lora_z_image.py", write_tiny_z_image_folder, QWEN_LENGTH),
+    # Qwen-Image: the script crashes when a batch's captions all have the same token count (its own bug,
+    # ../shared/peers/README.md): captions of different lengths for both.
+    "qwen-image": NewFamily("train_dreambooth_lora_qwen_image.py", write_tiny_qwen_image_folder, 32, varied=True),
+    # klein's script stacks Mistral's layers 10/20/30 by default; the klein pipeline (and its Qwen3) 9/18/27
+    "flux2-klein": NewFamily("train_dreambooth_lora_flux2_klein.py", write_tiny_flux2_klein_folder, TEXT_LENGTH,
+                             ("--text_encoder_out_layers", "9", "18", "27")),
+    "flux2": NewFamily("train_dreambooth_lora_flux2.py", write_tiny_flux2_folder, TEXT_LENGTH),
+    "lumina2": NewFamily("train_dreambooth_lora_lumina2.py", write_tiny_lumina2_folder, None),
+    "sana": NewFamily("train_dreambooth_lora_sana.py", write_tiny_sana_folder, None),
+    "hidream": NewFamily("train_dreambooth_lora_hidream.py", write_tiny_hidream_folder, None,
+                         ("--pretrained_tokenizer_4_name_or_path", "{base}/tokenizer_4",  # default: a hub model
+                          "--pretrained_text_encoder_4_name_or_path", "{base}/text_encoder_4")),
+    "flux-kontext": NewFamily("train_dreambooth_lora_flux_kontext.py", write_tiny_flux_kontext_folder, T5_TOKENS),
+}
+for _name, _family in NEW_FAMILIES.items():
+    SCRIPTS[_name] = _family.script
+
+
+def new_family_base(family: str, path: Path) -> Path:
+    """The tests' tiny base of a family of 2026 in ``path`` (written once)."""
+    if not (path / "model_index.json").is_file():
+        NEW_FAMILIES[family].write(path)
+    return path
+
+
+def write_data(folder: Path, images: int, resolution: int, varied: bool = False) -> Path:
+    """``images`` built-in shapes as PNGs with a metadata.jsonl of their captions (both read it); ``varied``:
+    image i's caption gets a tail of i % 16 more caption words (no four captions of one length)."""
     from PIL import Image
 
-    from difftrain.data.builtin import describe_shape, draw_shape, shape_caption
+    from difftrain.data.builtin import CAPTION_WORDS, describe_shape, draw_shape, shape_caption
 
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(images):
         Image.fromarray(draw_shape(i, resolution)[0]).save(folder / f"{i:05d}.png")
-        lines.append(json.dumps({"file_name": f"{i:05d}.png", "text": shape_caption(describe_shape(i, resolution))}))
+        caption = shape_caption(describe_shape(i, resolution))
+        if varied:
+            caption = " ".join([caption, *(CAPTION_WORDS[j % len(CAPTION_WORDS)] for j in range(i % 16))])
+        lines.append(json.dumps({"file_name": f"{i:05d}.png", "text": caption}))
     (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -85,8 +147,12 @@ def peer_command(family: str, base: Path, data: Path, out: Path, args) -> list[s
               "--checkpointing_steps", "100000", "--caption_column", "text"]
     if family == "sdxl":
         return common + ["--train_data_dir", str(data)]
-    return common + ["--dataset_name", str(data), "--image_column", "image", "--instance_prompt", "a shape",
-                     "--max_sequence_length", str(T5_TOKENS)]
+    captions = common + ["--dataset_name", str(data), "--image_column", "image", "--instance_prompt", "a shape"]
+    if family in NEW_FAMILIES:
+        new = NEW_FAMILIES[family]
+        tokens = [] if new.tokens is None else ["--max_sequence_length", str(new.tokens)]
+        return captions + tokens + [a.replace("{base}", str(base)) for a in new.extra]
+    return captions + ["--max_sequence_length", str(T5_TOKENS)]
 
 
 def peer_precision(args) -> list[str]:
@@ -102,9 +168,16 @@ def our_command(family: str, base: Path, data: Path, run_dir: Path, args) -> lis
               f"train.batch_size={args.batch}", "train.grad_accum_steps=1", f"train.total_steps={args.steps}",
               f"train.log_every_steps={1 if args.memory else 5}", f"train.precision={args.precision}", "train.device=cpu", "train.seed=0",
               "train.progress_bar=false", "validation.every_steps=0", f"checkpoint.every_steps={args.steps}",
-              f"model.max_sequence_length={T5_TOKENS if family != 'sdxl' else 0}"]:
+              f"model.max_sequence_length={_our_tokens(family)}"]:
         cmd += ["--set", o]
     return cmd
+
+
+def _our_tokens(family: str) -> int:
+    """difftrain's model.max_sequence_length for ``family`` (0: the pipeline's default)."""
+    if family in NEW_FAMILIES:
+        return NEW_FAMILIES[family].tokens or 0
+    return T5_TOKENS if family != "sdxl" else 0
 
 
 def peak_mib(log: str) -> float:
@@ -230,6 +303,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--cores", default="0,1", help="the peer's core and difftrain's (swap them for a second run)")
+    p.add_argument("--our-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further difftrain --set (e.g. model.gradient_checkpointing=false, as the scripts run)")
     args = p.parse_args()
     args.resolution = args.resolution or (32 if args.size == "tiny" and not args.memory else 64)
     args.precision = args.precision or ("bf16" if args.memory else "fp32")
@@ -238,14 +313,22 @@ def main() -> int:
     if args.family is None:
         p.error("--family is required (or --memory)")
     work = Path(args.work) / f"{args.family}-{args.size}"
-    base = write_base(args.family, args.size, work / "base")
-    data = write_data(work / "data", args.images, args.resolution)
+    if args.family in NEW_FAMILIES:
+        if args.size != "tiny":
+            p.error(f"--family {args.family}: only --size tiny (the tests' base)")
+        base = new_family_base(args.family, work / "base")
+    else:
+        base = write_base(args.family, args.size, work / "base")
+    varied = args.family in NEW_FAMILIES and NEW_FAMILIES[args.family].varied
+    data = write_data(work / "data", args.images, args.resolution, varied)
     peer_out, run_dir = work / "peer-out", work / "difftrain-run"
     peer_core, our_core = args.cores.split(",")
     timed = ["/usr/bin/time", "-f", "peak-kib %M", "taskset", "-c"]
     peer = timed + [peer_core, args.peer_python, str(PEERS / SCRIPTS[args.family])] + peer_command(
         args.family, base, data, peer_out, args) + peer_precision(args)
     ours = timed + [our_core] + our_command(args.family, base, data, run_dir, args)
+    for o in args.our_set:
+        ours += ["--set", o]
     if not run_pair(peer, ours, work, run_dir, peer_out):
         return 1
     peer_log, our_log = (work / "peer.log").read_text(), (work / "difftrain.log").read_text()
