@@ -168,7 +168,9 @@ def our_command(family: str, base: Path, data: Path, run_dir: Path, args) -> lis
               f"train.batch_size={args.batch}", "train.grad_accum_steps=1", f"train.total_steps={args.steps}",
               f"train.log_every_steps={1 if args.memory else 5}", f"train.precision={args.precision}", "train.device=cpu", "train.seed=0",
               "train.progress_bar=false", "validation.every_steps=0", f"checkpoint.every_steps={args.steps}",
-              f"model.max_sequence_length={_our_tokens(family)}"]:
+              f"model.max_sequence_length={_our_tokens(family)}",
+              # the scripts' base is float32 (--precision fp32) or bf16: none of the 2026 presets' nf4 / fp8
+              *(["model.quantize_base=off"] if family in NEW_FAMILIES else [])]:
         cmd += ["--set", o]
     return cmd
 
