@@ -22,6 +22,7 @@ from tests.family_bases import T5_LENGTH  # noqa: E402
 from tests.family_bases_auraflow import write_tiny_auraflow_folder  # noqa: E402
 from tests.family_bases_chroma import write_tiny_chroma_folder  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
+from tests.family_runs import run_digests as _digests, tiny_run  # noqa: E402
 
 WRITERS = {"chroma": write_tiny_chroma_folder, "auraflow": write_tiny_auraflow_folder}
 CHANNELS = {"chroma": 16, "auraflow": 4}
@@ -37,16 +38,7 @@ def bases(tmp_path_factory):
 
 def _overrides(bases, name, *extra):
     """A 4-step run of the tiny base on 8 captioned 32 px squares (latents 8 x 8)."""
-    return ["data.resolution=32", "data.num_workers=0", f"data.path={bases['data']}", f"model.init_from={bases[name]}",
-            f"model.max_sequence_length={T5_LENGTH}", "optim.lr=1e-3", "optim.warmup_steps=1", "train.total_steps=4",
-            "train.batch_size=2", "train.log_every_steps=2", "train.progress_bar=false", "ema.decay=0.9",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=2", "validation.every_steps=0",
-            *extra]
-
-
-def _digests(run_dir) -> tuple[str, str]:
-    state = ckpt.load_checkpoint(run_dir)
-    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
+    return tiny_run(bases['data'], bases[name], *extra, length=T5_LENGTH)
 
 
 @pytest.mark.parametrize("name", ["chroma", "auraflow"])

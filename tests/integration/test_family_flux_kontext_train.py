@@ -17,12 +17,12 @@ pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.cli import main  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases import T5_LENGTH, write_tiny_flux_folder  # noqa: E402
 from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder  # noqa: E402
+from tests.family_runs import run_digests as _digests  # noqa: E402
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 
@@ -66,11 +66,6 @@ def _overrides(bases, *extra, refs="refs"):
             "optim.warmup_steps=1", "train.total_steps=4", "train.batch_size=2", "train.log_every_steps=2",
             "train.progress_bar=false", "ema.decay=0.9", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
             "validation.every_steps=0", *extra]
-
-
-def _digests(run_dir) -> tuple[str, str]:
-    state = ckpt.load_checkpoint(run_dir)
-    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])

@@ -20,6 +20,7 @@ from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases_pixart import T5_LENGTH, write_tiny_pixart_folder  # noqa: E402
 from tests.integration.test_family_pixart import load_lora_with_peft  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
+from tests.family_runs import run_digests as _digests, tiny_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +32,7 @@ def bases(tmp_path_factory):
 
 def _overrides(bases, *extra):
     """A 4-step run of the tiny base on 8 captioned 32 px squares (latents 8 x 8: 16 tokens)."""
-    return ["data.resolution=32", "data.num_workers=0", f"data.path={bases['data']}", f"model.init_from={bases['base']}",
-            f"model.max_sequence_length={T5_LENGTH}", "optim.lr=1e-3", "optim.warmup_steps=1", "train.total_steps=4",
-            "train.batch_size=2", "train.log_every_steps=2", "train.progress_bar=false", "ema.decay=0.9",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=2", "validation.every_steps=0", *extra]
-
-
-def _digests(run_dir) -> tuple[str, str]:
-    state = ckpt.load_checkpoint(run_dir)
-    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
+    return tiny_run(bases['data'], bases['base'], *extra, length=T5_LENGTH)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])

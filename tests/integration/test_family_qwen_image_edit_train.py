@@ -18,7 +18,6 @@ pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from difftrain.checkpoints import checkpoint as ckpt
 from difftrain.cli import main
 from difftrain.config import load_config
 from difftrain.families.flux import pack
@@ -29,6 +28,7 @@ from tests.family_bases_qwen_image_edit import (
     load_tiny_qwen_image_edit_pipeline,
     write_tiny_qwen_image_edit_folder,
 )
+from tests.family_runs import run_digests as _digests
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 EDIT_MODULE = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit"
@@ -71,11 +71,6 @@ def _overrides(bases, *extra, refs="refs"):
             "optim.warmup_steps=1", "train.total_steps=4", "train.batch_size=2", "train.log_every_steps=2",
             "train.progress_bar=false", "ema.decay=0.9", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
             "validation.every_steps=0", "model.class_dropout=0.5", *extra]
-
-
-def _digests(run_dir) -> tuple[str, str]:
-    state = ckpt.load_checkpoint(run_dir)
-    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
 
 
 def _small_reference_area(monkeypatch):

@@ -19,6 +19,7 @@ from difftrain.config import load_config  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases_z_image import QWEN_LENGTH, write_tiny_z_image_folder  # noqa: E402
 from tests.integration.test_text_train import _captioned_folder  # noqa: E402
+from tests.family_runs import run_digests as _digests, tiny_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +31,7 @@ def bases(tmp_path_factory):
 
 def _overrides(bases, *extra):
     """A 4-step run of the tiny base on 8 captioned 32 px squares (latents 8 x 8: 16 tokens)."""
-    return ["data.resolution=32", "data.num_workers=0", f"data.path={bases['data']}",
-            f"model.init_from={bases['z-image']}", "optim.lr=1e-3", "optim.warmup_steps=1", "train.total_steps=4",
-            "train.batch_size=2", "train.log_every_steps=2", "train.progress_bar=false", "ema.decay=0.9",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=2", "validation.every_steps=0", *extra]
-
-
-def _digests(run_dir) -> tuple[str, str]:
-    state = ckpt.load_checkpoint(run_dir)
-    return ckpt.state_dict_sha256(state["model"]), ckpt.state_dict_sha256(state["ema"]["model"])
+    return tiny_run(bases['data'], bases['z-image'], *extra)
 
 
 @pytest.mark.parametrize("mode", ["lora", "lora-no-cache", "full"])
