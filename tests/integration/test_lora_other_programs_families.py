@@ -18,9 +18,11 @@ The layouts are facts from each program's source (no code of theirs here):
 - ai-toolkit (``convert_lora_weights_before_save`` of its Chroma, HiDream, Qwen-Image, Z-Image models; peft format in
   ``toolkit/network_mixins.py``): ``diffusion_model.`` + the module path of its model (BFL's for Chroma, diffusers'
   for the others), ``.lora_A.weight`` / ``.lora_B.weight``, no alpha (alpha = rank).
-- ai-toolkit's FLUX.1 Kontext and SimpleTuner (diffusers' models): diffusers' own layout (``transformer.`` + peft's
-  names), here without alpha.
-- OneTrainer (FLUX-type models, Chroma): ``lora_transformer_`` + the diffusers module path with "_", kohya's tensors.
+- ai-toolkit's FLUX.1 Kontext and PixArt-Sigma, SimpleTuner (diffusers' models, the pipelines' save_lora_weights):
+  diffusers' own layout (``transformer.`` + peft's names), here without alpha.
+- OneTrainer's legacy layouts (its newer KOHYA, COMFY and DIFFUSERS formats are the layouts above; ``modules/
+  modelSaver/*LoRASaver.py``): Chroma's ``lora_transformer_`` + the diffusers module path with "_", kohya's tensors;
+  Qwen-Image's, Z-Image's and FLUX.2's "canonical" ``transformer.`` + the diffusers module path, kohya's tensors.
 
 Tiny random bases (tests/family_bases_*.py); rank 4; alpha 8 where the program writes one (scale 2, so a reader that
 drops alpha is caught)."""
@@ -41,12 +43,14 @@ from difftrain.families import detect  # noqa: E402
 from difftrain.interop.adapters import LORA_LAYOUTS, Adapter  # noqa: E402
 from difftrain.networks.conditioning import Conditioning  # noqa: E402
 from difftrain.networks.lora import apply_lora  # noqa: E402
-from difftrain.networks.lora_import import adapter_start, read_adapter  # noqa: E402
+from difftrain.networks.lora_import import adapter_start, native_resolution, read_adapter  # noqa: E402
 from tests.family_bases_chroma import write_tiny_chroma_folder  # noqa: E402
 from tests.family_bases_flux2 import write_tiny_flux2_folder, write_tiny_flux2_klein_folder  # noqa: E402
 from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder  # noqa: E402
-from tests.family_bases_gemma import write_tiny_lumina2_folder  # noqa: E402
+from tests.family_bases_auraflow import write_tiny_auraflow_folder  # noqa: E402
+from tests.family_bases_gemma import write_tiny_lumina2_folder, write_tiny_sana_folder  # noqa: E402
 from tests.family_bases_hidream import write_tiny_hidream_folder  # noqa: E402
+from tests.family_bases_pixart import write_tiny_pixart_folder  # noqa: E402
 from tests.family_bases_qwen_image import write_tiny_qwen_image_folder  # noqa: E402
 from tests.family_bases_qwen_image_edit import write_tiny_qwen_image_edit_folder  # noqa: E402
 from tests.family_bases_z_image import write_tiny_z_image_folder  # noqa: E402
@@ -54,7 +58,8 @@ from tests.family_bases_z_image import write_tiny_z_image_folder  # noqa: E402
 BASES = {"flux-kontext": write_tiny_flux_kontext_folder, "chroma": write_tiny_chroma_folder,
          "flux2": write_tiny_flux2_folder, "flux2-klein": write_tiny_flux2_klein_folder,
          "qwen-image": write_tiny_qwen_image_folder, "qwen-image-edit": write_tiny_qwen_image_edit_folder,
-         "z-image": write_tiny_z_image_folder, "lumina2": write_tiny_lumina2_folder, "hidream": write_tiny_hidream_folder}
+         "z-image": write_tiny_z_image_folder, "lumina2": write_tiny_lumina2_folder, "hidream": write_tiny_hidream_folder,
+         "sana": write_tiny_sana_folder, "pixart-sigma": write_tiny_pixart_folder, "auraflow": write_tiny_auraflow_folder}
 RANK = 4
 # load_model's finite-output probe (lora_import.check_adapted_output) runs the null condition, which Qwen-Image-Edit's
 # denoiser refuses without its reference ("the qwen-image-edit model edits a reference image..."), for any LoRA file:
@@ -140,7 +145,7 @@ def _onetrainer_flux(names: list[tuple[str, list[str]]]) -> list[tuple[str, list
 
 
 # (family, program): (the program's modules and the diffusers modules each covers, its key style)
-KOHYA, AITK, ONETRAINER, PEFT = "kohya", "ai-toolkit", "onetrainer", "peft"
+KOHYA, AITK, ONETRAINER, PEFT, CANONICAL = "kohya", "ai-toolkit", "onetrainer", "peft", "canonical"
 PAIRS = {
     ("flux-kontext", "sd-scripts"): (_bfl_flux1(mods=True), KOHYA),
     ("flux-kontext", "musubi-tuner"): (_bfl_flux1(mods=False), KOHYA),
@@ -157,9 +162,25 @@ PAIRS = {
     ("z-image", "musubi-tuner"): (_z_image(), KOHYA),
     ("z-image", "ai-toolkit"): (_z_image(), AITK),
     ("hidream", "ai-toolkit"): (_hidream(), AITK),
+    ("qwen-image", "onetrainer"): (_qwen(), CANONICAL),
+    ("z-image", "onetrainer"): (_z_image(), CANONICAL),
+    ("flux2", "onetrainer"): (_onetrainer_flux(_bfl_flux2()), CANONICAL),
     ("lumina2", "simpletuner"): (_same(*(m for _, ms in _lumina2() for m in ms)), PEFT),  # diffusers' save_lora_weights
+    ("hidream", "simpletuner"): (_hidream(), PEFT),
+    ("sana", "simpletuner"): (_same(*(f"transformer_blocks.0.attn1.{m}" for m in ("to_q", "to_k", "to_v"))), PEFT),
+    ("pixart-sigma", "ai-toolkit"): (_same(*(f"transformer_blocks.0.{a}.{m}" for a in ("attn1", "attn2")
+                                            for m in ("to_q", "to_k", "to_v", "to_out.0"))), PEFT),
+    ("auraflow", "simpletuner"): (_same(*(f"{b}.0.attn.{m}" for b in ("joint_transformer_blocks", "single_transformer_blocks")
+                                          for m in ("to_q", "to_k", "to_v", "to_out.0"))), PEFT),
 }
-ALPHA = {KOHYA: 8.0, ONETRAINER: 8.0, AITK: None, PEFT: None}  # None: no alpha tensor (ai-toolkit's peft format: alpha = rank)
+# Pairs difftrain refuses in one line, and the words of its line: diffusers' PixArtTransformer2DModel has no
+# load_lora_adapter (PixArtSigmaPipeline no LoRA loader), through which other programs' files are read.
+# FLUX.2 in OneTrainer's canonical layout: Flux2Pipeline's lora_state_dict reads diffusers' names without alpha only, and
+# its kohya converter leaves every tensor of it out (reading it would fold alpha into the tensors).
+NOT_READ = {("pixart-sigma", "ai-toolkit"): "lacks", ("flux2", "onetrainer"): "leaves tensors of it out"}
+READ = [p for p in PAIRS if p not in NOT_READ]
+LOUD = {"auraflow": 1.0}  # the factors' scale (0.1 elsewhere): the tiny AuraFlow's output hardly feels its attention
+ALPHA = {KOHYA: 8.0, ONETRAINER: 8.0, AITK: None, PEFT: None, CANONICAL: 8.0}  # None: no alpha tensor (ai-toolkit's peft format: alpha = rank)
 
 
 def _key(style: str, path: str) -> tuple[str, str, str]:
@@ -170,6 +191,8 @@ def _key(style: str, path: str) -> tuple[str, str, str]:
         return "lora_transformer_" + path.replace(".", "_"), ".lora_down.weight", ".lora_up.weight"
     if style == PEFT:
         return "transformer." + path, ".lora_A.weight", ".lora_B.weight"
+    if style == CANONICAL:
+        return "transformer." + path, ".lora_down.weight", ".lora_up.weight"
     return "diffusion_model." + path, ".lora_A.weight", ".lora_B.weight"
 
 
@@ -179,12 +202,13 @@ def their_file(pair, weights: dict[str, torch.Tensor], seed: int = 3):
     shared by them."""
     names, style = PAIRS[pair]
     g = torch.Generator().manual_seed(seed)
+    size = LOUD.get(pair[0], 0.1)
     alpha = ALPHA[style]
     file, ours = {}, {}
     for path, modules in names:
         rows = [weights[m].shape[0] for m in modules]
-        down = 0.1 * torch.randn(RANK, weights[modules[0]].shape[1], generator=g)
-        up = 0.1 * torch.randn(sum(rows), RANK, generator=g)
+        down = size * torch.randn(RANK, weights[modules[0]].shape[1], generator=g)
+        up = size * torch.randn(sum(rows), RANK, generator=g)
         name, d, u = _key(style, path)
         file[name + d], file[name + u] = down, up
         if alpha is not None:
@@ -215,8 +239,10 @@ def bases(tmp_path_factory):
 
 
 def _lora_config(folder, alpha: float, modules):
+    """A LoRA run's config on ``folder`` adapting ``modules``, at the base's native resolution (as read_foreign's)."""
+    side = native_resolution(folder, detect(folder).load_denoiser(folder))
     return load_config(None, [f"model.init_from={folder}", f"lora.rank={RANK}", f"lora.alpha={alpha}",
-                              f"lora.target_modules={json.dumps(sorted(modules))}"])
+                              f"lora.target_modules={json.dumps(sorted(modules))}", f"data.resolution={side}"])
 
 
 def _own_file(family, folder, ours: dict[str, torch.Tensor], alpha: float, out):
@@ -243,7 +269,7 @@ def _output(loaded, like=None) -> torch.Tensor:
     return loaded.model(b.input, b.cond, loaded.conditioning.null(1, "cpu"))
 
 
-@pytest.mark.parametrize("pair", list(PAIRS), ids=["-".join(p) for p in PAIRS])
+@pytest.mark.parametrize("pair", READ, ids=["-".join(p) for p in READ])
 def test_another_programs_file_samples_as_the_same_adapter_in_difftrains_layout(bases, tmp_path, pair):
     """``sample --lora FILE --base FOLDER`` (load_model) on the program's file: the network's outputs equal the same
     adapter's, read from difftrain's own layout (1e-5 of their scale); ``model.init_lora_from`` (adapter_start) starts
@@ -290,7 +316,7 @@ def _other_family(pair) -> tuple[str, str]:
     family's base lacks."""
     near = {"flux-kontext": "flux2", "chroma": "flux2", "flux2": "flux-kontext", "flux2-klein": "flux-kontext",
             "qwen-image": "z-image", "qwen-image-edit": "z-image", "z-image": "qwen-image", "lumina2": "z-image",
-            "hidream": "qwen-image"}[pair[0]]
+            "hidream": "qwen-image", "sana": "auraflow", "pixart-sigma": "auraflow", "auraflow": "sana"}[pair[0]]
     same_style = [p for p in PAIRS if p[0] == near and PAIRS[p][1] == PAIRS[pair][1]]
     return same_style[0] if same_style else next(p for p in PAIRS if p[0] == near)
 
@@ -333,3 +359,27 @@ def test_a_file_of_another_family_or_damaged_is_one_line(bases, tmp_path, capsys
     line = _one_error_line(capsys.readouterr().err)
     assert code == 2 and str(path) in line, line
     assert not list(out.glob("*.png"))
+
+
+@pytest.mark.parametrize("pair", list(NOT_READ), ids=["-".join(p) for p in NOT_READ])
+def test_a_pair_difftrain_does_not_read_is_one_line_saying_why(bases, tmp_path, capsys, pair):
+    """``sample --lora FILE --base FOLDER`` and ``model.init_lora_from`` on a file of a pair docs/lora_files.md
+    says is not read: one line naming the file and why, exit 2."""
+    from safetensors.torch import save_file
+
+    from difftrain.cli import main
+
+    family, folder, weights = bases(pair[0])
+    file, ours, alpha = their_file(pair, weights)
+    path = tmp_path / "theirs.safetensors"
+    save_file(file, str(path))
+    code = main(["sample", "--lora", str(path), "--base", str(folder), "--num", "1", "--steps", "1",
+                 "--out", str(tmp_path / "samples"), "--prompt", "a red disc"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and str(path) in line and NOT_READ[pair] in line, line
+    cfg = _lora_config(folder, alpha, {k.split(".lora_")[0] for k in ours})
+    denoiser = family.load_denoiser(folder)
+    net = apply_lora(denoiser, cfg.lora, base_record=denoiser.record(), base_source=str(folder))
+    with pytest.raises(ValueError, match=NOT_READ[pair]) as e:
+        adapter_start(net, path)
+    assert "\n" not in str(e.value)

@@ -131,6 +131,17 @@ def flux_lora_renamed(tensors: dict[str, Tensor], model: nn.Module) -> dict[str,
     return None
 
 
+def canonical_lora_renamed(tensors: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """OneTrainer's "canonical" (legacy) LoRA layout, diffusers' module names with kohya's tensors
+    (``transformer.<module>.lora_down.weight``, ``.lora_up.weight``, ``.alpha``), renamed to ComfyUI's
+    ``diffusion_model.<module>...``, which Qwen-Image's and Z-Image's lora_state_dict convert (diffusers 0.42 reads the
+    file as it is with a second ``transformer.`` prefix: no module matches); None for any other layout."""
+    kohya = (".lora_down.weight", ".lora_up.weight", ".alpha")
+    if not tensors or not all(k.startswith("transformer.") and k.endswith(kohya) for k in tensors):
+        return None
+    return {"diffusion_model." + k[len("transformer."):]: v for k, v in tensors.items()}
+
+
 class TransformerDenoiser(Denoiser):
     """A diffusers transformer on (B, 16, h, w) latents; ``check_latent_size`` refuses sides the
     patches cannot divide, in one line."""
