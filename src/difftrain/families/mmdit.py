@@ -103,8 +103,8 @@ class T5PromptEncoder(PromptEncoder):
 
 
 def flux_lora_renamed(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor] | None:
-    """Two layouts of FLUX.1-type LoRA files (FLUX.1 Kontext, Chroma) that FluxLoraLoaderMixin.lora_state_dict
-    (diffusers 0.42) reads only after a plain renaming (``Family.renamed_lora``; no tensor changed), or None:
+    """Two layouts of Chroma's LoRA files (FLUX.1's module names) that FluxLoraLoaderMixin.lora_state_dict (diffusers
+    0.42) reads only after a plain renaming (``Family.renamed_lora``; no tensor changed), or None:
 
     - BFL's module names with peft's factors, ai-toolkit's Chroma files (``diffusion_model.double_blocks.0.img_attn.
       qkv.lora_A.weight``, no alpha): ``lora_A`` / ``lora_B`` named kohya's ``lora_down`` / ``lora_up``, which its
