@@ -26,7 +26,9 @@ do. diffusers and transformers are imported only when a part is loaded.
 from __future__ import annotations
 
 import importlib
+import contextlib
 import json
+import logging
 import math
 import re
 import shutil
@@ -699,24 +701,31 @@ class Family(ABC):
             atomic_write_bytes(file, save(written, metadata=merged))
         return file
 
-    def lora_file(self, path: Path, config: dict | None = None) -> tuple[dict[str, Tensor], dict | None, dict | None]:
+    def lora_file(self, path: Path, config: dict | None = None,
+                  renamed: dict[str, Tensor] | None = None) -> tuple[dict[str, Tensor], dict | None, dict | None]:
         """The one reader of LoRA files (:meth:`read_lora` and :meth:`lora_state` take its output): (every
         tensor, the network alphas or None, diffusers' adapter metadata or None) of ``path`` as the pipeline
         class's ``lora_state_dict`` returns them (safetensors only: it never unpickles), converting the
         layouts it knows (kohya sd-scripts', ComfyUI's...) with :meth:`lora_state_options` of the denoiser's
-        diffusers config ``config`` (None: no options). One ValueError naming the file when it does not
-        exist or cannot be read."""
+        diffusers config ``config`` (None: no options). ``renamed``: the file's tensors renamed by
+        :meth:`renamed_lora`, given to ``lora_state_dict`` instead of the file. One ValueError naming the file
+        when it does not exist or cannot be read."""
         path = Path(path).expanduser()
         if not path.is_file():
             raise ValueError(f"LoRA file {path} does not exist" if not path.exists() else
                              f"LoRA file {path} is a folder, not a .safetensors file")
         cls = self.lora_io_class()
         try:
-            out = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True,
-                                      **({} if config is None else self.lora_state_options(config)))
+            with dropped_by_converter() as dropped:
+                out = cls.lora_state_dict(str(path) if renamed is None else dict(renamed), use_safetensors=True,
+                                          return_lora_metadata=True,
+                                          **({} if config is None else self.lora_state_options(config)))
         except Exception as e:  # noqa: BLE001 - diffusers' converters raise many kinds; re-raised as one line
             raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file: {cls.__name__}.lora_state_dict "
                              f"cannot read it ({type(e).__name__}: {first_line(e)})") from None
+        if dropped:
+            raise ValueError(f"LoRA file {path} is not a {self.name} LoRA file as a whole: {cls.__name__}.lora_state_dict "
+                             f"leaves tensors of it out ({dropped[0][:300]}); difftrain applies a file whole or not at all")
         return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], None, out[1])
 
     def read_lora(self, path: Path, denoiser: Denoiser | None = None) -> dict[str, Tensor]:
@@ -740,18 +749,28 @@ class Family(ABC):
             check_lora_fits(state, denoiser.model, path, self.name, self.lora_prefix)
         return state
 
-    def lora_state(self, path: Path, config: dict) -> tuple[dict[str, Tensor], dict | None, dict | None, int]:
+    def lora_state(self, path: Path, config: dict,
+                   renamed: dict[str, Tensor] | None = None) -> tuple[dict[str, Tensor], dict | None, dict | None, int]:
         """A LoRA file of any layout the family's pipeline reads (diffusers' and peft's names, kohya
         sd-scripts' and ComfyUI's ``lora_unet_...``, the other layouts its ``lora_state_dict`` converts),
         as diffusers' loader takes it: (the denoiser's tensors under ``lora_prefix + "."``, their
         network alphas or None, diffusers' adapter metadata or None, how many tensors are of other parts
-        (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`). Read by
+        (text encoders)). ``config``: the denoiser's diffusers config (:attr:`Denoiser.config`); ``renamed``:
+        the file's tensors as :meth:`renamed_lora` renamed them (None: the file as it is). Read by
         :meth:`lora_file` (the pipeline class's ``lora_state_dict``), not by a key map of difftrain's."""
-        state, alphas, metadata = self.lora_file(path, config)
+        state, alphas, metadata = self.lora_file(path, config, renamed)
         prefix = self.lora_prefix + "."
         ours = {k: v for k, v in state.items() if k.startswith(prefix)}
         alphas = {k: v for k, v in (alphas or {}).items() if k.startswith(prefix)} or None
         return ours, alphas, metadata, len(state) - len(ours)
+
+    def renamed_lora(self, tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor] | None:
+        """Another program's LoRA file (``tensors``, as the file holds them) in a layout the pipeline's
+        ``lora_state_dict`` does not convert, renamed to one it reads (a renaming, a fused module's factors
+        split by its parts' rows where the program fuses them: docs/lora_files.md); None: the file goes to it as
+        it is (every family but those that say otherwise). ``model``: the denoiser's diffusers model (its module
+        names and widths; its weights are not read)."""
+        return None
 
     def lora_state_options(self, config: dict) -> dict:
         """Keyword arguments of the pipeline's ``lora_state_dict`` for a denoiser of diffusers config
@@ -764,6 +783,36 @@ class Family(ABC):
 
 # ---------------------------------------------------------------------------------------------
 # Shared helpers of the family files.
+
+
+# diffusers' LoRA converters that leave a file's tensors they cannot name out with a warning instead of raising
+# (diffusers 0.42: the kohya FLUX.1 and FLUX.2 converters, "Unsupported keys ..."): their logger and the message.
+CONVERTER_LOGGER = "diffusers.loaders.lora_conversion_utils"
+DROPPED = "Unsupported keys"
+
+
+@contextlib.contextmanager
+def dropped_by_converter():
+    """A list, filled with the first line of each warning by which a diffusers LoRA converter, inside the block,
+    says it left tensors of the file out (:data:`DROPPED`), whatever diffusers' verbosity; it is logged as before."""
+    found: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage().strip()
+            if text.startswith(DROPPED):
+                found.append(text.splitlines()[0])
+
+    logger, catch = logging.getLogger(CONVERTER_LOGGER), Catch(logging.WARNING)
+    level = logger.level
+    logger.addHandler(catch)
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(catch)
+        logger.setLevel(level)
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from difftrain.families import register
 from difftrain.families.base import Denoiser, require_keys
 from difftrain.families.flux import image_ids, pack, unpack
-from difftrain.families.mmdit import T5PromptEncoder, TransformerDenoiser, TransformerFamily
+from difftrain.families.mmdit import T5PromptEncoder, TransformerDenoiser, TransformerFamily, flux_lora_renamed
 
 DEFAULT_T5_LENGTH = 512  # ChromaPipeline's max_sequence_length default (and the most its check_inputs takes)
 KEYS = ("prompt_embeds", "attention_mask")
@@ -178,6 +178,10 @@ class ChromaFamily(TransformerFamily):
     def lora_state_options(self, config: dict) -> dict:
         """FluxLoraLoaderMixin.lora_state_dict (ChromaPipeline's) returns the network alphas only when asked."""
         return {"return_alphas": True}
+
+    def renamed_lora(self, tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor] | None:
+        """ai-toolkit's and OneTrainer's layouts, renamed to ones FluxLoraLoaderMixin reads (:func:`flux_lora_renamed`)."""
+        return flux_lora_renamed(tensors, model)
 
 
 CHROMA = register(ChromaFamily())

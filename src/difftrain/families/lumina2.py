@@ -112,6 +112,20 @@ class Lumina2PromptEncoder(GemmaPromptEncoder):
         return [SYSTEM_PROMPT + PROMPT_START + c for c in captions], self.length
 
 
+# kohya sd-scripts' Lumina 2 LoRA names (the NextDiT's, after "lora_unet_"): the diffusers modules of
+# Lumina2Transformer2DModel each names, as diffusers' single-file converter maps the weights (convert_lumina2_to_diffusers;
+# its attention.qkv is split into to_q, to_k, to_v by rows): of each block (BLOCKS) and of the model (KOHYA_TOP).
+KOHYA = "lora_unet_"
+BLOCKS = ("noise_refiner", "context_refiner", "layers")
+KOHYA_NAMES = {"attention.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"), "attention.out": ("attn.to_out.0",),
+               "feed_forward.w1": ("feed_forward.linear_1",), "feed_forward.w2": ("feed_forward.linear_2",),
+               "feed_forward.w3": ("feed_forward.linear_3",), "adaLN_modulation.1": ("norm1.linear",)}
+KOHYA_TOP = {"final_layer.linear": ("norm_out.linear_2",), "final_layer.adaLN_modulation.1": ("norm_out.linear_1",),
+             "x_embedder": ("x_embedder",), "cap_embedder.1": ("time_caption_embed.caption_embedder.1",),
+             "t_embedder.mlp.0": ("time_caption_embed.timestep_embedder.linear_1",),
+             "t_embedder.mlp.2": ("time_caption_embed.timestep_embedder.linear_2",)}
+
+
 class Lumina2Family(TransformerFamily):
     """Lumina-Image 2.0 and its fine-tunes."""
 
@@ -152,6 +166,40 @@ class Lumina2Family(TransformerFamily):
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         model = denoiser.model
         return [*model.context_refiner, *model.noise_refiner, *model.layers]
+
+    def renamed_lora(self, tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor] | None:
+        """kohya sd-scripts' Lumina 2 files (``networks/lora_lumina.py``: ``lora_unet_`` + the original NextDiT's
+        module path with "_", ``.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``), which Lumina2Pipeline's
+        lora_state_dict does not convert (its converter takes ``diffusion_model.`` names with peft's factors, at
+        the 2.6B's q/k/v widths, without the final layer), in diffusers' names: each module named after
+        :data:`KOHYA_NAMES` (diffusers' single-file converter's map, ``convert_lumina2_to_diffusers``), the fused
+        ``attention.qkv``'s up factor split by the rows of ``to_q``, ``to_k``, ``to_v`` (its down factor is theirs),
+        alpha / rank folded into the up factor (the mixin reads no alpha). A name of no module of ``model`` keeps
+        its underscores, for the check that names it; tensors of the text encoder (``lora_te_``) stay as they
+        are. None for any other layout."""
+        if not any(k.startswith(KOHYA) for k in tensors) or not all(k.startswith((KOHYA, "lora_te_")) for k in tensors):
+            return None
+        modules = dict(model.named_modules())
+        names = {}  # kohya's name -> the diffusers modules whose rows its up factor holds, in order
+        for block in (n for n in modules if n.count(".") == 1 and n.split(".")[0] in BLOCKS):
+            names |= {KOHYA + f"{block}.{theirs}".replace(".", "_"): [f"{block}.{m}" for m in ours]
+                      for theirs, ours in KOHYA_NAMES.items()}
+        names |= {KOHYA + theirs.replace(".", "_"): list(ours) for theirs, ours in KOHYA_TOP.items()}
+        out = {k: v for k, v in tensors.items() if k.startswith("lora_te_")}
+        for key in (k for k in tensors if k.endswith(".lora_down.weight") and k.startswith(KOHYA)):
+            name = key.split(".")[0]
+            down, up = tensors[key], tensors.get(f"{name}.lora_up.weight")
+            ours = names.get(name, [name[len(KOHYA):]])
+            rows = [modules[m].weight.shape[0] for m in ours if m in modules]
+            if up is None or len(rows) != len(ours) or sum(rows) != up.shape[0]:  # as one module, for the checks
+                out |= {f"transformer.{ours[0]}.lora_A.weight": down} | ({} if up is None else
+                                                                       {f"transformer.{ours[0]}.lora_B.weight": up})
+                continue
+            alpha = tensors.get(f"{name}.alpha")
+            up = up * (float(alpha) / down.shape[0]) if alpha is not None else up
+            for module, part in zip(ours, up.split(rows)):
+                out[f"transformer.{module}.lora_A.weight"], out[f"transformer.{module}.lora_B.weight"] = down, part
+        return out
 
 
 LUMINA2 = register(Lumina2Family())

@@ -102,6 +102,46 @@ class T5PromptEncoder(PromptEncoder):
         return {k: v.float().to(device) for k, v in outputs["t5"].items()}
 
 
+def flux_lora_renamed(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor] | None:
+    """Two layouts of Chroma's LoRA files (FLUX.1's module names) that FluxLoraLoaderMixin.lora_state_dict (diffusers
+    0.42) reads only after a plain renaming (``Family.renamed_lora``; no tensor changed), or None:
+
+    - BFL's module names with peft's factors, ai-toolkit's Chroma files (``diffusion_model.double_blocks.0.img_attn.
+      qkv.lora_A.weight``, no alpha): ``lora_A`` / ``lora_B`` named kohya's ``lora_down`` / ``lora_up``, which its
+      kohya converter reads (ComfyUI's ``diffusion_model.`` names; alpha = rank where the file has none).
+    - OneTrainer's ``lora_transformer_<diffusers module path with _>`` with kohya's tensors: named after the
+      module of ``model`` they name (``transformer.<module>.lora_A.weight``, ``.lora_B.weight``, ``.alpha``); its
+      converter for them ("mixture") maps the attention projections alone and puts every other module's tensors
+      on its block. A name of no module keeps its underscores, for the check that names it.
+    """
+    keys = list(tensors)
+    factors = (".lora_A.weight", ".lora_B.weight", ".alpha")
+    if keys and all(k.startswith("diffusion_model.") and k.endswith(factors) for k in keys):
+        return {k.replace(".lora_A.weight", ".lora_down.weight").replace(".lora_B.weight", ".lora_up.weight"): v
+                for k, v in tensors.items()}
+    prefix, kohya = "lora_transformer_", {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight",
+                                          ".alpha": ".alpha"}
+    if keys and all(k.startswith(prefix) and k.endswith(tuple(kohya)) for k in keys):
+        named = {prefix + m.replace(".", "_"): m for m, _ in model.named_modules() if m}
+        out = {}
+        for key, value in tensors.items():
+            name, leaf = key.split(".", 1)
+            out[f"transformer.{named.get(name, name[len(prefix):])}{kohya['.' + leaf]}"] = value
+        return out
+    return None
+
+
+def canonical_lora_renamed(tensors: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """OneTrainer's "canonical" (legacy) LoRA layout, diffusers' module names with kohya's tensors
+    (``transformer.<module>.lora_down.weight``, ``.lora_up.weight``, ``.alpha``), renamed to ComfyUI's
+    ``diffusion_model.<module>...``, which Qwen-Image's and Z-Image's lora_state_dict convert (diffusers 0.42 reads the
+    file as it is with a second ``transformer.`` prefix: no module matches); None for any other layout."""
+    kohya = (".lora_down.weight", ".lora_up.weight", ".alpha")
+    if not tensors or not all(k.startswith("transformer.") and k.endswith(kohya) for k in tensors):
+        return None
+    return {"diffusion_model." + k[len("transformer."):]: v for k, v in tensors.items()}
+
+
 class TransformerDenoiser(Denoiser):
     """A diffusers transformer on (B, 16, h, w) latents; ``check_latent_size`` refuses sides the
     patches cannot divide, in one line."""

@@ -75,7 +75,7 @@ from torch import Tensor, nn
 from difftrain.families import register
 from difftrain.families.base import Denoiser, PromptEncoder, frozen_part, load_part, read_json, require_keys
 from difftrain.families.flux import pack, unpack
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, canonical_lora_renamed
 from difftrain.models.text import files_digest, vocab_bytes, weights_digest
 from difftrain.models.vae import LatentCodec, register_vae_class
 from difftrain.runtime.device import to_device_async
@@ -330,6 +330,11 @@ class QwenImageFamily(TransformerFamily):
 
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         return list(denoiser.model.transformer_blocks)
+
+    def renamed_lora(self, tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor] | None:
+        """OneTrainer's canonical layout, renamed to one the pipeline's lora_state_dict converts
+        (:func:`~difftrain.families.mmdit.canonical_lora_renamed`)."""
+        return canonical_lora_renamed(tensors)
 
 
 QWEN_IMAGE = register(QwenImageFamily())

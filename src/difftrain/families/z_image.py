@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from difftrain.families import register
 from difftrain.families.base import (Denoiser, PromptEncoder, frozen_part, load_part, part_class, read_json,
                                      require_keys, token_ids_and_mask)
-from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily
+from difftrain.families.mmdit import TransformerDenoiser, TransformerFamily, canonical_lora_renamed
 from difftrain.models.text import files_digest, vocab_bytes
 
 DEFAULT_LENGTH = 512  # ZImagePipeline's max_sequence_length default (the script's too)
@@ -248,6 +248,11 @@ class ZImageFamily(TransformerFamily):
     def fsdp_units(self, denoiser: Denoiser) -> list[nn.Module]:
         m = denoiser.model
         return [*m.noise_refiner, *m.context_refiner, *m.layers]
+
+    def renamed_lora(self, tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor] | None:
+        """OneTrainer's canonical layout, renamed to one the pipeline's lora_state_dict converts
+        (:func:`~difftrain.families.mmdit.canonical_lora_renamed`)."""
+        return canonical_lora_renamed(tensors)
 
 
 Z_IMAGE = register(ZImageFamily())

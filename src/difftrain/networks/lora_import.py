@@ -92,7 +92,13 @@ def adopt(path: Path, family, denoiser: nn.Module, base) -> tuple[dict, dict[str
     from peft import get_peft_model_state_dict  # optional (the lora extra): peft and diffusers inside, where used
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    state, alphas, metadata, others = family.lora_state(path, denoiser.config)
+    if not hasattr(denoiser.model, "load_lora_adapter"):
+        raise ValueError(f"LoRA file {path}: difftrain reads other programs' LoRA files with diffusers' load_lora_adapter, "
+                         f"which the {family.name} {family.lora_prefix} ({type(denoiser.model).__name__}) lacks: only "
+                         "LoRA files difftrain exported are read on it")
+    _, file = read_safetensors(path, "LoRA adapter")  # safetensors only, every weight finite
+    renamed = family.renamed_lora(file, denoiser.model)
+    state, alphas, metadata, others = family.lora_state(path, denoiser.config, renamed)
     if not state:
         raise ValueError(f"LoRA file {path} holds no tensor of a {family.name} {family.lora_prefix} (0 modules match "
                          f"the base {base}; {others} tensors of other parts): a LoRA of another family?")
