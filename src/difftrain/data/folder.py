@@ -134,6 +134,15 @@ def metadata_references(root: Path, metadata: list[Path], column: str) -> dict[s
     return out
 
 
+def paired_reference(path: Path, channels: int, resolution: int, shape: tuple[int, int] | None) -> torch.Tensor:
+    """(C, H, W) float32 in [-1, 1]: the reference image ``path`` resized to cover its target's crop (the run's
+    ``resolution`` square when ``shape`` is None, else the bucket's (h, w)) and centre-cropped, as an item of
+    :class:`ImageFolderDataset` carries it (unflipped); :class:`BadImage` naming it when it cannot be read."""
+    img, original = load_image_sized(path, channels, min_size=2 * (resolution if shape is None else max(shape)))
+    img = resize_center_crop(img, resolution) if shape is None else resize_crop(img, shape, original)[0]
+    return to_tensor(img)
+
+
 class DataGone(OSError):
     """Every image of a folder dataset became unreadable during a run."""
 
@@ -434,13 +443,14 @@ class ImageFolderDataset(Dataset):
         """The reference image of image ``index`` (``data.references``)."""
         return self._reference_files[index]
 
+    @property
+    def reference_files(self) -> list[Path]:
+        """Each image's reference image (``data.references``), in index order; [] without references."""
+        return list(self._reference_files)
+
     def _reference(self, index: int, shape: tuple[int, int] | None) -> torch.Tensor:
-        """(C, H, W) in [-1, 1]: image ``index``'s reference resized to cover the image's crop (the run's square,
-        or its bucket's ``shape``) and centre-cropped; :class:`BadImage` naming it when it cannot be read."""
-        img, original = load_image_sized(self._reference_files[index], self.channels,
-                                         min_size=2 * (self.resolution if shape is None else max(shape)))
-        img = resize_center_crop(img, self.resolution) if shape is None else resize_crop(img, shape, original)[0]
-        return to_tensor(img)
+        """(C, H, W) in [-1, 1]: image ``index``'s reference (:func:`paired_reference`)."""
+        return paired_reference(self._reference_files[index], self.channels, self.resolution, shape)
 
     def _mask(self, index: int, size: tuple[int, int]):
         """Image ``index``'s mask (an "L" image of ``size``) or None (all ones); :class:`BadImage` when it has

@@ -60,7 +60,8 @@ from .transforms import flip_decision
 # Bump when what the cache holds for the same inputs changes.
 LATENT_CACHE_VERSION = 1
 # The base dataset's attributes that the rest of difftrain reads, kept by the cached dataset.
-KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip", "masks", "references")
+KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip", "masks", "references",
+                   "reference_files")
 BUCKET_FORMAT = "difftrain-bucketed-latents"  # the "format" of a bucketed cache's index
 BUCKET_INDEX_VERSION = 1
 

@@ -46,13 +46,18 @@ Reference latents (``prepare_latents`` / ``_encode_vae_image``): the VAE's mode 
 Training: the pipeline's; no diffusers training script for the edit model (0.42). difftrain trains on
   (reference, target, instruction) pairs (``data.references``), each pair resized and cropped together to the
   target's bucket, so a training reference has the target's size (the pipeline's ~1 MP reference is the
-  target's size too when the target is the default size). The prompt is encoded with its reference at EACH step
+  target's size too when the target is the default size). The prompt is encoded with its reference
   (``QwenImageEditFamily.edit_condition``, called by the step, validation and ``sample`` through
-  ``Family.edit_condition``): the text cache keys on captions alone, so this family runs without it
-  (``text.cache`` off, the encoder loaded for the run: ``estimate`` counts it). The training data holds the
-  references as cached VAE moments only, so in training the vision tower sees the reference's latent mean decoded
-  by the VAE (an 8-bit image of it), not the file's pixels (validation and ``sample`` give it the pixels, as the
-  pipeline does); a dropped caption (caption dropout) is the empty prompt with the same image.
+  ``Family.edit_condition``). In training, with ``text.cache`` on or auto (the default), once, before the first
+  step, by the pair cache (``data/pair_cache.py``): each pair's caption and the empty prompt (caption dropout's
+  row: the pipeline's negative is encoded with the image too), each with the reference file's pixels as the
+  training item carries them (cropped to its target's bucket, mirrored with it: both views with
+  ``data.random_flip``), keyed by the caption and the reference file's content; the encoder is then released
+  and never loaded during training (``estimate`` counts it so: 15.06 GiB for the preset at 1024 px, against
+  30.51 GiB with it resident). With ``text.cache = 'off'`` the encoder is loaded for the run and encodes each
+  batch at its step; the training data then holds the references as cached VAE moments only, so the vision
+  tower sees the reference's latent mean decoded by the VAE (an 8-bit image of it). Validation and ``sample``
+  give it the reference file's pixels, as the pipeline does (with the cache: entries keyed by those pixels).
 Guidance (true CFG, qwen_image.py's rescale): the negative is the empty prompt WITH the row's image, so it is
   per row: at sampling the condition carries both the prompt's states and the empty prompt's
   (``negative_embeds``, ``negative_mask``) and the null condition is ``{"null_prompt": 1}``, which selects them
@@ -76,6 +81,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from difftrain.data.pair_cache import cached_pair_encoder, pil_images
 from difftrain.families import register
 from difftrain.families.base import Condition, load_part, read_json, require_keys
 from difftrain.families.flux import pack, unpack
@@ -212,13 +218,10 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
         states, kept = prompt_states(out.hidden_states[-1], mask, EDIT_DROP, vision + self.length)
         return {"prompt_embeds": states.float().to(device), "prompt_mask": kept.to(device)}
 
-
-def pil_images(pixels: Tensor) -> list:
-    """B PIL RGB images of (B, 3, H, W) pixels in [-1, 1] (8 bits: an image read from a file comes back as it was)."""
-    from PIL import Image
-
-    values = ((pixels.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return [Image.fromarray(v.permute(1, 2, 0).numpy()) for v in values]
+    def training_rows(self, captions, device: torch.device | str) -> None:
+        """None: a live encoder has no cached rows (``data.pair_cache.CachedPairEncoder`` has): the family encodes
+        each training row with its reference at each step."""
+        return None
 
 
 class QwenEditPlusPromptEncoder(QwenEditPromptEncoder):
@@ -276,11 +279,6 @@ class QwenImageEditFamily(QwenImageFamily):
                             max_sequence_length: int = 0, deferred: bool = False) -> QwenEditPromptEncoder:
         return QwenEditPromptEncoder(Path(folder), max_sequence_length, deferred).to(device)
 
-    def training_defaults(self, folder: Path) -> dict[str, object]:
-        """Qwen-Image's, the text cache off: the prompt is encoded with its reference at each step (so the
-        encoder stays loaded, which ``estimate`` then counts)."""
-        return {**super().training_defaults(folder), "text.cache": "off"}
-
     def part_checks(self) -> dict:
         """The exported processor/ checked by loading its tokenizer and its image processor (transformers'
         Qwen2VLProcessor class cannot be built without torchvision; the pipeline's from_pretrained needs it)."""
@@ -295,10 +293,11 @@ class QwenImageEditFamily(QwenImageFamily):
 
         return {"processor": processor}
 
-    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> QwenEditPromptEncoder:
-        """The run's encoder, never behind the text cache (a condition is a caption AND its reference image: the
-        cache keys on captions alone): :meth:`edit_condition` runs it at each step."""
-        return super().run_prompt_encoder(cfg, device, None)
+    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None):
+        """The run's encoder; in training (``cache`` given) behind the pair cache where ``text.cache`` asks for it
+        (``data/pair_cache.py``: each pair's prompt states keyed by its caption and its reference file's
+        content, loaded only to fill it), else loaded now (:meth:`edit_condition` runs it at each step)."""
+        return super().run_prompt_encoder(cfg, device, cached_pair_encoder if cache is not None else None)
 
     def condition(self, c, captions, drop: Tensor | None, device: torch.device, geometry: Tensor | None = None,
                   size: tuple[int, int] | None = None) -> Condition:
@@ -318,11 +317,18 @@ class QwenImageEditFamily(QwenImageFamily):
                        images: list[Tensor] | None = None, device: torch.device | str = "cpu") -> Condition:
         """The rows' prompt states encoded with their reference image, and the reference's latents.
         Training (``drop`` given): the dropped rows' captions "" (the empty prompt with the same image, the
-        pipeline's negative); the image the vision tower sees is the reference's cached latent mean decoded by
-        the VAE (training holds no pixels). Sampling (``images``, the references' pixels): the prompts' states and
+        pipeline's negative): the pair cache's rows (``c.text.training_rows``: each caption's and ""'s states with
+        the reference file's pixels, read in the loader's workers), or, without the cache, the rows encoded now
+        with the reference's cached latent mean decoded by the VAE (training holds no pixels). Sampling (``images``, the references' pixels): the prompts' states and
         the empty prompt's (``negative_embeds``, ``negative_mask``) which :data:`NULL_FLAG` selects."""
         if captions is None:
             raise ValueError(f"the {self.name} family encodes each prompt with its reference image: give the prompts")
+        rows = c.text.training_rows(captions, device) if drop is not None else None
+        if rows is not None:  # the pair cache's: each row's caption and "" encoded with its reference file
+            use = drop.to(rows["prompt_mask"].device).view(-1, 1)
+            return {"prompt_embeds": torch.where(use[..., None], rows["empty_embeds"], rows["prompt_embeds"]),
+                    "prompt_mask": torch.where(use, rows["empty_mask"], rows["prompt_mask"])} \
+                | self.reference_condition(references)
         captions = list(captions)
         if drop is not None:  # a host read of B flags per step
             captions = ["" if d else text for text, d in zip(captions, drop.tolist())]
