@@ -33,6 +33,7 @@ import shutil
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,11 @@ class Denoiser(nn.Module):
         self.model = model
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
+
+    def counted_on_meta(self) -> AbstractContextManager:
+        """What a training forward on meta tensors needs (``tools/base_memory.py`` counts activations so): nothing
+        by default; a model that reads values on the host (Lumina 2: its mask's token counts) says how to count."""
+        return nullcontext()
 
     @property
     def config(self) -> dict:

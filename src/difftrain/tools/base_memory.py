@@ -267,8 +267,9 @@ class _Network:
             return per_sample_loss(objective, self.model, x0, cond, levels, torch.empty_like(x0)).mean()
 
         quantized = frozenset(id(w) for w in self.quantized(quantize))
-        return saved_for_backward(forward, self.model, cfg.train.precision,
-                                  self.denoiser.model if checkpointing else None, quantized)
+        with self.denoiser.counted_on_meta():  # a model reading values on the host (Lumina 2's mask) says how
+            return saved_for_backward(forward, self.model, cfg.train.precision,
+                                      self.denoiser.model if checkpointing else None, quantized)
 
 
 def _settings(optimizer_name: str, ranks: int) -> list[Setting]:
