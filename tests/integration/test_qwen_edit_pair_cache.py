@@ -156,3 +156,18 @@ def test_a_run_with_the_cache_resumes_exactly_without_the_encoder(pairs, tmp_pat
     assert train(cfg, tmp_path / "resumed").step == 4
     assert loads == []  # a complete store: the encoder is not even built
     assert run_digests(tmp_path / "straight") == run_digests(tmp_path / "resumed")
+
+
+def test_estimate_counts_the_pair_fill_with_the_references_vision_tokens():
+    """`estimate`'s text-cache fill figure of the edit base counts each prompt with a 1024 px reference's vision
+    tokens, 4 pairs per encoder call (data/pair_cache.FILL_BATCH), not 100 prompts of text alone."""
+    from difftrain.data.pair_cache import FILL_BATCH
+    from difftrain.tools.base_memory import base_folder, text_cache_fill_bytes
+
+    folder = base_folder("qwen-image-edit")
+    cfg = load_config(None, ["train.precision=bf16", f"validation.heldout_batch_size={FILL_BATCH}"])
+    text_alone, _ = text_cache_fill_bytes(folder, cfg)  # FILL_BATCH prompts of 512 tokens
+    pairs, name = text_cache_fill_bytes(folder, cfg, FAMILY)
+    assert pairs > text_alone and "Qwen2_5_VL" in name
+    hundred, _ = text_cache_fill_bytes(folder, load_config(None, ["train.precision=bf16"]), FAMILY)
+    assert hundred == pairs  # the pair fill's batch, whatever validation.heldout_batch_size says

@@ -596,6 +596,12 @@ class Family(ABC):
         a family whose prompt encoder sees the reference too (Qwen-Image-Edit) encodes the captions with it here."""
         return self.reference_condition(references)
 
+    def cache_fill(self) -> tuple[int, int]:
+        """(tokens each prompt of the text cache's fill brings besides its text, prompts per encoder call; 0: the
+        fill's ``validation.heldout_batch_size``): what ``estimate`` counts the fill's activations with. A
+        family's prompt alone by default; an edit family whose encoder sees the reference says how many."""
+        return 0, 0
+
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """The shape of one sample's condition (what :meth:`load_prompt_encoder` and :meth:`image_conditions`
         give, without the batch) for a denoiser of diffusers ``config``; ``max_sequence_length``:

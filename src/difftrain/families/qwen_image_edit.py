@@ -81,7 +81,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from difftrain.data.pair_cache import cached_pair_encoder, pil_images
+from difftrain.data.pair_cache import FILL_BATCH, cached_pair_encoder, pil_images
 from difftrain.families import register
 from difftrain.families.base import Condition, load_part, read_json, require_keys
 from difftrain.families.flux import pack, unpack
@@ -112,6 +112,9 @@ REFERENCE_MULTIPLE = 32  # ... and its rounding of each side
 PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
 PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 CONDITION_AREA = 384 * 384
+# The vision tokens of a 1024 px reference in the prompt (smart_resize: 1036 x 1036, 37 x 37 merged 28 px patches)
+# and <|vision_start|>, <|vision_end|>: what estimate counts
+VISION_TOKENS_1024 = round(1024 / 28) ** 2 + 2
 
 
 def reference_size(width: int, height: int, area: int = REFERENCE_AREA) -> tuple[int, int]:
@@ -348,13 +351,17 @@ class QwenImageEditFamily(QwenImageFamily):
                              f"got {len(references)}")
         return {REFERENCE: references[0]}
 
+    def cache_fill(self) -> tuple[int, int]:
+        """The pair cache's fill (``data/pair_cache.py``): each prompt with a 1024 px reference's vision tokens
+        (:data:`VISION_TOKENS_1024`), FILL_BATCH pairs per encoder call."""
+        return VISION_TOKENS_1024, FILL_BATCH
+
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """Qwen-Image's, the prompt's states longer by the vision tokens of a 1024 px reference (smart_resize:
         1036 x 1036, 37 x 37 merged 28 px patches, + 2); the estimate adds the reference's latents itself."""
         shapes = super().condition_shapes(config, max_sequence_length)
-        vision = round(1024 / 28) ** 2 + 2
         length, width = shapes["prompt_embeds"]
-        return {"prompt_embeds": (length + vision, width), "prompt_mask": (length + vision,)}
+        return {"prompt_embeds": (length + VISION_TOKENS_1024, width), "prompt_mask": (length + VISION_TOKENS_1024,)}
 
 
 class QwenImageEditPlusDenoiser(QwenImageEditDenoiser):
