@@ -899,8 +899,6 @@ def _check_buckets(cfg: Config) -> None:
                f"{why}: the held-out loss takes no references; leave data.heldout_fraction and data.heldout_path out")
         _check(cfg.validation.memorization in ("auto", "off"),
                f"{why}: validation.memorization compares RGB images; set it to 'auto' (off with references) or 'off'")
-        _check(not cfg.dreambooth.class_prompt,
-               f"{why}: DreamBooth's class images have no references; leave dreambooth.class_prompt out")
     if cfg.validation.references:
         _check(bool(d.references or d.reference_column),
                "validation.references: the run has no data.references (an edit family's pairs)")

@@ -248,8 +248,8 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         if not isinstance(cond, dict) or "prompt_embeds" not in cond:  # a prompt without its reference image
             raise ValueError(f"the {self.family} model edits a reference image: its prompts are encoded with it, and "
-                             "this use gives none (evaluation on captions and DreamBooth's prior images are not "
-                             "supported for an edit model)")
+                             "this use gives none (evaluation on captions alone is not supported for an edit model; "
+                             "DreamBooth's class images are made from the instance pairs' references)")
         if NULL_FLAG in cond:  # guidance's unconditional rows: each row's negative states (QwenImageEditFamily)
             use = (cond[NULL_FLAG] > 0.5).view(-1, 1)
             cond = cond | {"prompt_embeds": torch.where(use[..., None], cond["negative_embeds"], cond["prompt_embeds"]),
