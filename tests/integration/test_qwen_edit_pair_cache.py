@@ -20,9 +20,9 @@ pytest.importorskip("peft")
 from difftrain.config import load_config  # noqa: E402
 from difftrain.data.cached_conditions import PairConditions, caption_batch  # noqa: E402
 from difftrain.data.folder import ImageFolderDataset  # noqa: E402
-from difftrain.data.pair_cache import CachedPairEncoder, PairCache, pil_images  # noqa: E402
+from difftrain.data.pair_cache import CachedPairEncoder, PairCache  # noqa: E402
 from difftrain.data.transforms import flip_decision  # noqa: E402
-from difftrain.families.qwen_image_edit import QwenImageEditFamily  # noqa: E402
+from difftrain.families.qwen_image_edit import QwenImageEditFamily, pil_images  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases_qwen_image import QWEN_LENGTH  # noqa: E402
 from tests.family_bases_qwen_image_edit import write_tiny_qwen_image_edit_folder  # noqa: E402

@@ -134,13 +134,12 @@ def metadata_references(root: Path, metadata: list[Path], column: str) -> dict[s
     return out
 
 
-def paired_reference(path: Path, channels: int, resolution: int, shape: tuple[int, int] | None) -> torch.Tensor:
-    """(C, H, W) float32 in [-1, 1]: the reference image ``path`` resized to cover its target's crop (the run's
-    ``resolution`` square when ``shape`` is None, else the bucket's (h, w)) and centre-cropped, as an item of
-    :class:`ImageFolderDataset` carries it (unflipped); :class:`BadImage` naming it when it cannot be read."""
+def paired_reference(path: Path, channels: int, resolution: int, shape: tuple[int, int] | None):
+    """The PIL image of the reference ``path`` resized to cover its target's crop (the run's ``resolution`` square
+    when ``shape`` is None, else the bucket's (h, w)) and centre-cropped, as an item of :class:`ImageFolderDataset`
+    carries it (unflipped: ``to_tensor`` of it); :class:`BadImage` naming it when it cannot be read."""
     img, original = load_image_sized(path, channels, min_size=2 * (resolution if shape is None else max(shape)))
-    img = resize_center_crop(img, resolution) if shape is None else resize_crop(img, shape, original)[0]
-    return to_tensor(img)
+    return resize_center_crop(img, resolution) if shape is None else resize_crop(img, shape, original)[0]
 
 
 class DataGone(OSError):
@@ -450,7 +449,7 @@ class ImageFolderDataset(Dataset):
 
     def _reference(self, index: int, shape: tuple[int, int] | None) -> torch.Tensor:
         """(C, H, W) in [-1, 1]: image ``index``'s reference (:func:`paired_reference`)."""
-        return paired_reference(self._reference_files[index], self.channels, self.resolution, shape)
+        return to_tensor(paired_reference(self._reference_files[index], self.channels, self.resolution, shape))
 
     def _mask(self, index: int, size: tuple[int, int]):
         """Image ``index``'s mask (an "L" image of ``size``) or None (all ones); :class:`BadImage` when it has

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from difftrain.runtime.files import cache_dir as default_cache_dir
 from difftrain.runtime.files import files_fingerprint
@@ -51,6 +51,7 @@ from .text_cache import (
     CachedPromptEncoder,
     Condition,
     TextCache,
+    cached_prompt_encoder,
     compute_dtype,
     encoder_files,
     entry_name,
@@ -66,14 +67,6 @@ ANY = 0  # a manifest shape's axis of any length (the vision tokens depend on th
 FILL_BATCH = 4
 ROW_KEYS = ("prompt_embeds", "prompt_mask")  # an entry's tensors
 EMPTY = {"prompt_embeds": "empty_embeds", "prompt_mask": "empty_mask"}  # the "" entry's, in a training row
-
-
-def pil_images(pixels: Tensor) -> list:
-    """B PIL RGB images of (B, 3, H, W) pixels in [-1, 1] (8 bits: an image read from a file comes back as it was)."""
-    from PIL import Image
-
-    values = ((pixels.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return [Image.fromarray(v.permute(1, 2, 0).numpy()) for v in values]
 
 
 def descriptor(caption: str, image: str) -> str:
@@ -108,9 +101,12 @@ class PairItem(NamedTuple):
     flip: bool
 
     def image(self):
-        """The PIL image the encoder sees: the reference cropped to its target's crop, mirrored with it."""
-        pixels = paired_reference(Path(self.path), self.channels, self.resolution, self.shape)
-        return pil_images((pixels.flip(-1) if self.flip else pixels)[None])[0]
+        """The PIL image the encoder sees: the reference cropped to its target's crop, mirrored with it (the
+        training item's reference channels are ``to_tensor`` of it)."""
+        from PIL import ImageOps
+
+        image = paired_reference(Path(self.path), self.channels, self.resolution, self.shape)
+        return ImageOps.mirror(image) if self.flip else image
 
 
 class PairCache(TextCache):
@@ -329,3 +325,10 @@ def cached_pair_encoder(cfg, family: str, folder: Path, options: dict, load: Cal
     except FileNotFoundError as e:
         raise ValueError(f"model.text_encoder: {e}") from None
     return CachedPairEncoder(store, load, device, cfg.data.resolution, cfg.data.channels)
+
+
+# How a family's prompts are cached (``Family.text_cache``): by caption alone, or by caption and reference image
+# (an edit family whose prompt encoder sees the reference). ``networks/conditioning.py`` picks the run's by it.
+TEXT_CACHES = {"captions": cached_prompt_encoder, "pairs": cached_pair_encoder}
+# Prompts per encoder call of each kind's fill (0: ``validation.heldout_batch_size``): what estimate counts.
+FILL_ROWS = {"captions": 0, "pairs": FILL_BATCH}

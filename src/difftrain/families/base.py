@@ -413,6 +413,9 @@ class Family(ABC):
     # caption) items (data.references), its samples take reference images (validation.references, sample
     # --reference); 0: a family that takes none. The step adds :meth:`reference_condition` of their latents.
     references: int = 0
+    # How a training run caches its prompts (``data/pair_cache.TEXT_CACHES``): "captions" (the text cache), or
+    # "pairs" (an edit family whose prompt encoder sees the reference: each caption with its pair's reference)
+    text_cache: str = "captions"
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -596,11 +599,10 @@ class Family(ABC):
         a family whose prompt encoder sees the reference too (Qwen-Image-Edit) encodes the captions with it here."""
         return self.reference_condition(references)
 
-    def cache_fill(self) -> tuple[int, int]:
-        """(tokens each prompt of the text cache's fill brings besides its text, prompts per encoder call; 0: the
-        fill's ``validation.heldout_batch_size``): what ``estimate`` counts the fill's activations with. A
-        family's prompt alone by default; an edit family whose encoder sees the reference says how many."""
-        return 0, 0
+    def cache_fill_tokens(self) -> int:
+        """Tokens each prompt of the text cache's fill brings besides its text (what ``estimate`` counts the fill's
+        activations with): none by default; an edit family whose encoder sees the reference says how many."""
+        return 0
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """The shape of one sample's condition (what :meth:`load_prompt_encoder` and :meth:`image_conditions`

@@ -81,7 +81,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from difftrain.data.pair_cache import FILL_BATCH, cached_pair_encoder, pil_images
 from difftrain.families import register
 from difftrain.families.base import Condition, load_part, read_json, require_keys
 from difftrain.families.flux import pack, unpack
@@ -227,6 +226,14 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
         return None
 
 
+def pil_images(pixels: Tensor) -> list:
+    """B PIL RGB images of (B, 3, H, W) pixels in [-1, 1] (8 bits: an image read from a file comes back as it was)."""
+    from PIL import Image
+
+    values = ((pixels.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return [Image.fromarray(v.permute(1, 2, 0).numpy()) for v in values]
+
+
 class QwenEditPlusPromptEncoder(QwenEditPromptEncoder):
     """QwenImageEditPlusPipeline's prompt encoder with one reference: PLUS_TEMPLATE, "Picture 1: " and the image's
     vision tokens before the prompt, the image the vision tower sees resized to CONDITION_AREA pixels at its aspect
@@ -277,6 +284,8 @@ class QwenImageEditFamily(QwenImageFamily):
     pipeline_class = "QwenImageEditPipeline"
     denoiser_class = QwenImageEditDenoiser
     references = 1  # one reference image per sample (data.references)
+    # the run's prompts cached with their pairs' references (data/pair_cache.py): training never runs the encoder
+    text_cache = "pairs"
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
                             max_sequence_length: int = 0, deferred: bool = False) -> QwenEditPromptEncoder:
@@ -295,12 +304,6 @@ class QwenImageEditFamily(QwenImageFamily):
             return image_processor(folder.parent, Qwen2VLImageProcessorPil)
 
         return {"processor": processor}
-
-    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None):
-        """The run's encoder; in training (``cache`` given) behind the pair cache where ``text.cache`` asks for it
-        (``data/pair_cache.py``: each pair's prompt states keyed by its caption and its reference file's
-        content, loaded only to fill it), else loaded now (:meth:`edit_condition` runs it at each step)."""
-        return super().run_prompt_encoder(cfg, device, cached_pair_encoder if cache is not None else None)
 
     def condition(self, c, captions, drop: Tensor | None, device: torch.device, geometry: Tensor | None = None,
                   size: tuple[int, int] | None = None) -> Condition:
@@ -351,10 +354,9 @@ class QwenImageEditFamily(QwenImageFamily):
                              f"got {len(references)}")
         return {REFERENCE: references[0]}
 
-    def cache_fill(self) -> tuple[int, int]:
-        """The pair cache's fill (``data/pair_cache.py``): each prompt with a 1024 px reference's vision tokens
-        (:data:`VISION_TOKENS_1024`), FILL_BATCH pairs per encoder call."""
-        return VISION_TOKENS_1024, FILL_BATCH
+    def cache_fill_tokens(self) -> int:
+        """The pair cache's fill (``data/pair_cache.py``): each prompt with a 1024 px reference's vision tokens."""
+        return VISION_TOKENS_1024
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """Qwen-Image's, the prompt's states longer by the vision tokens of a 1024 px reference (smart_resize:

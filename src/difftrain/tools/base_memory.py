@@ -57,6 +57,7 @@ from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
 from difftrain.runtime.fsdp import blocks
 from difftrain.models.text import first_line
 from difftrain.models.vae import VAE_FACTORS
+from difftrain.data.pair_cache import FILL_ROWS
 from difftrain.data.text_cache import text_cache_wanted
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
@@ -151,13 +152,14 @@ def text_cache_fill_bytes(folder: Path, cfg, family=None) -> tuple[int, str]:
     max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: an encoder's
     ``max_position_embeddings`` when at most :data:`PADDED_POSITIONS` (CLIP's 77: prompts are padded to it), else
     (T5, which has none; a language model's thousands) ``model.max_sequence_length`` or 512; a multimodal model's
-    widths are its ``text_config``'s. ``family`` (the base's): its ``cache_fill`` (an edit family's reference tokens
-    added to each prompt's, and its prompts per encoder call instead of the held-out batch)."""
+    widths are its ``text_config``'s. ``family`` (the base's): its ``cache_fill_tokens`` (an edit family's reference
+    tokens) added to each prompt's, its kind of cache's prompts per encoder call (``data/pair_cache.FILL_ROWS``)
+    instead of the held-out batch where it has its own."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
-    extra, rows = family.cache_fill() if family is not None else (0, 0)
-    rows = rows or cfg.validation.heldout_batch_size
+    extra = family.cache_fill_tokens() if family is not None else 0
+    rows = (FILL_ROWS[family.text_cache] if family is not None else 0) or cfg.validation.heldout_batch_size
     for part, value in sorted(index.items()):
         if not part.startswith("text_encoder") or not isinstance(value, list) or not (folder / part).is_dir():
             continue
