@@ -21,6 +21,7 @@ from difftrain.config import load_config  # noqa: E402
 from difftrain.data.cached_conditions import PairConditions, caption_batch  # noqa: E402
 from difftrain.data.folder import ImageFolderDataset  # noqa: E402
 from difftrain.data.pair_cache import CachedPairEncoder, PairCache  # noqa: E402
+from difftrain.data.text_cache import entry_name  # noqa: E402
 from difftrain.data.transforms import flip_decision  # noqa: E402
 from difftrain.families.qwen_image_edit import QwenImageEditFamily, pil_images  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
@@ -171,3 +172,29 @@ def test_estimate_counts_the_pair_fill_with_the_references_vision_tokens():
     assert pairs > text_alone and "Qwen2_5_VL" in name
     hundred, _ = text_cache_fill_bytes(folder, load_config(None, ["train.precision=bf16"]), FAMILY)
     assert hundred == pairs  # the pair fill's batch, whatever validation.heldout_batch_size says
+
+
+def test_a_missing_or_damaged_entry_is_rebuilt_on_the_training_thread(pairs, tmp_path, capsys):
+    """An entry deleted or damaged after the start: the loader's row comes without its entries (the worker cannot
+    run the encoder) but with its pair, and ``training_rows`` encodes it again from the reference file (a damaged
+    one with one warning line naming it): the same states as before."""
+    text = _encoder(pairs["base"], tmp_path / "cache")
+    dataset = _dataset(pairs)
+    text.run_entries(SimpleNamespace(train=dataset), None)
+    served = PairConditions(dataset, text.store, text.views_of(dataset))
+    rows = [served[(i, _seed(False))][1] for i in range(2)]
+    before = text.training_rows(caption_batch(rows), "cpu")
+    item = rows[0].pair
+    text.store.path(entry_name(item.prompt)).unlink()
+    text.store.path(entry_name(item.empty)).write_bytes(b"not a safetensors file")
+    fresh = _encoder(pairs["base"], tmp_path / "cache")
+    served = PairConditions(dataset, fresh.store, fresh.views_of(dataset))
+    rows = [served[(i, _seed(False))][1] for i in range(2)]
+    assert rows[0].cond is None and rows[1].cond is not None
+    batch = caption_batch(rows)
+    assert not hasattr(batch, "cond") and batch[0].pair == item  # the pairs kept for the training thread
+    after = fresh.training_rows(batch, "cpu")
+    for k in before:
+        assert (after[k] - before[k]).abs().max() < 1e-5, k
+    err = capsys.readouterr().err
+    assert err.count("it is rebuilt") == 1 and entry_name(item.empty) in err

@@ -100,6 +100,10 @@ class PairItem(NamedTuple):
     channels: int
     flip: bool
 
+    def size(self) -> tuple[int, int]:
+        """(W, H) of :meth:`image`, without reading it."""
+        return (self.shape[1], self.shape[0]) if self.shape else (self.resolution, self.resolution)
+
     def image(self):
         """The PIL image the encoder sees: the reference cropped to its target's crop, mirrored with it (the
         training item's reference channels are ``to_tensor`` of it)."""
@@ -214,23 +218,22 @@ class CachedPairEncoder(CachedPromptEncoder):
             self.store.remove_stale_temporaries()
             print(f"difftrain: encoding {len(todo)} prompts with their reference images into the text cache "
                   f"{self.store.folder}")
-            self._fill_pairs([(name, text, item.image) for name, (text, item) in todo.items()],
+            self._fill_pairs([(name, text, item.image, item.size()) for name, (text, item) in todo.items()],
                              min(batch_size, FILL_BATCH))
         self.release()
         return len(todo)
 
-    def _fill_pairs(self, jobs: list[tuple[str, str, Callable]], batch_size: int) -> None:
-        """Encode ``jobs`` (entry name, descriptor, a function giving its PIL image), ``batch_size`` rows of one
-        image size at a time, the encoder's models read onto the fill device in the store's dtype for it, and
-        write them (the manifest first)."""
+    def _fill_pairs(self, jobs: list[tuple[str, str, Callable, tuple[int, int]]], batch_size: int) -> None:
+        """Encode ``jobs`` (entry name, descriptor, a function giving its PIL image, that image's (W, H)),
+        ``batch_size`` rows of one image size at a time (each chunk's images read only for it), the encoder's
+        models read onto the fill device in the store's dtype for it, and write them (the manifest first)."""
         self._manifest()
         encoder = self.encoder()
         dtype = self.store.dtype
         device = fill_device(encoder, self.anchor.device, dtype)
         groups: dict[tuple, list] = {}
-        for name, text, image in jobs:
-            pil = image()
-            groups.setdefault(pil.size, []).append((name, text, pil))
+        for name, text, image, size in jobs:
+            groups.setdefault(tuple(size), []).append((name, text, image))
         deferred = getattr(encoder, "loaders", {})
         parts = [(encoder.load_model(n, dtype) if n in deferred else encoder.get_submodule(n)).to(device, dtype)
                  for n in encoder.parts]
@@ -240,7 +243,7 @@ class CachedPairEncoder(CachedPromptEncoder):
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start:start + batch_size]
                     captions = [json.loads(text)[0] for _, text, _ in chunk]
-                    cond = encoder.encode_edit(captions, [pil for *_, pil in chunk], "cpu")
+                    cond = encoder.encode_edit(captions, [image() for *_, image in chunk], "cpu")
                     for k, (name, text, _) in enumerate(chunk):
                         self.store.write(name, text, {key: cond[key][k:k + 1] for key in ROW_KEYS})
                         self.reader.forget(name)
@@ -253,23 +256,23 @@ class CachedPairEncoder(CachedPromptEncoder):
 
     # -- reading --------------------------------------------------------------------------------------
 
-    def _rows(self, texts: list[str], images: list[Callable], device) -> Condition:
-        """The entries of ``texts`` (descriptors; ``images``: each one's PIL image, for a missing or damaged
-        entry, encoded then) stacked: ``{"prompt_embeds": (B, n, D), "prompt_mask": (B, n)}`` float32."""
+    def _rows(self, texts: list[str], images: list[Callable], sizes: list[tuple[int, int]], device) -> Condition:
+        """The entries of ``texts`` (descriptors; ``images``: functions giving each one's PIL image of ``sizes``
+        (W, H), for a missing or damaged entry, encoded then) stacked: ``{"prompt_embeds": (B, n, D), "prompt_mask": (B, n)}`` float32."""
         rows, missing = {}, []
-        for text, image in zip(texts, images):
+        for text, image, size in zip(texts, images, sizes):
             name = entry_name(text)
             try:
                 rows[name] = self.reader.read(name, text)
             except FileNotFoundError:
-                missing.append((name, text, image))
+                missing.append((name, text, image, size))
             except BadEntry as e:
                 print(f"difftrain: warning: text cache entry {self.store.path(name)}: {e}; it is rebuilt",
                       file=sys.stderr)
-                missing.append((name, text, image))
+                missing.append((name, text, image, size))
         if missing:
-            self._fill_pairs(list({name: (name, t, i) for name, t, i in missing}.values()), FILL_BATCH)
-            for name, text, _ in missing:
+            self._fill_pairs(list({job[0]: job for job in missing}.values()), FILL_BATCH)
+            for name, text, *_ in missing:
                 rows[name] = self.store.read(name, text)
         picked = [rows[entry_name(t)] for t in texts]
         return {k: torch.cat([r[k] for r in picked]).to(device, non_blocking=True).float() for k in ROW_KEYS}
@@ -280,7 +283,7 @@ class CachedPairEncoder(CachedPromptEncoder):
         if len(images) != len(captions):
             raise ValueError(f"{self.store.family}: {len(captions)} prompts and {len(images)} reference images")
         texts = [descriptor(c, pixels_id(img)) for c, img in zip(captions, images)]
-        return self._rows(texts, [lambda img=img: img for img in images], device)
+        return self._rows(texts, [lambda img=img: img for img in images], [img.size for img in images], device)
 
     def training_rows(self, captions, device: torch.device | str) -> Condition | None:
         """A training batch's rows: ``{"prompt_embeds", "prompt_mask", "empty_embeds", "empty_mask"}`` (B, ...)
@@ -292,8 +295,9 @@ class CachedPairEncoder(CachedPromptEncoder):
         pairs = [getattr(c, "pair", None) for c in captions]
         if not pairs or any(p is None for p in pairs):
             return None
-        prompt = self._rows([p.prompt for p in pairs], [p.image for p in pairs], device)
-        empty = self._rows([p.empty for p in pairs], [p.image for p in pairs], device)
+        images, sizes = [p.image for p in pairs], [p.size() for p in pairs]
+        prompt = self._rows([p.prompt for p in pairs], images, sizes, device)
+        empty = self._rows([p.empty for p in pairs], images, sizes, device)
         return prompt | {EMPTY[k]: v for k, v in empty.items()}
 
     def encode(self, captions: list[str], device: torch.device | str) -> Condition:
