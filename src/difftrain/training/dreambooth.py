@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from difftrain.config import DreamBoothConfig
+from difftrain.data.pair_cache import file_digest
 from difftrain.data.prepare import with_prior_images
 from difftrain.data.prompted import PairedDataset, PromptedDataset, instance_dataset  # noqa: F401 - re-exported
 from difftrain.diffusion.objective import DEFAULT_SAMPLERS, build_objective
@@ -30,7 +31,6 @@ from difftrain.generation.sampling import generate, initial_noise, save_png, to_
 from difftrain.networks.build import build_network, without_lora
 from difftrain.networks.conditioning import expand_rows, map_condition
 from difftrain.runtime import distributed
-from difftrain.data.pair_cache import file_digest
 from difftrain.runtime.device import to_device_async
 from difftrain.runtime.files import atomic_write_bytes
 
