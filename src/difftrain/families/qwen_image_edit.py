@@ -111,9 +111,15 @@ REFERENCE_MULTIPLE = 32  # ... and its rounding of each side
 PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
 PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 CONDITION_AREA = 384 * 384
+MAX_REFERENCES = 8  # the Plus family's references per sample at most (the latent cache's bound on them)
 # The vision tokens of a 1024 px reference in the prompt (smart_resize: 1036 x 1036, 37 x 37 merged 28 px patches)
 # and <|vision_start|>, <|vision_end|>: what estimate counts
 VISION_TOKENS_1024 = round(1024 / 28) ** 2 + 2
+
+
+def reference_keys(count: int) -> list[str]:
+    """The condition keys of ``count`` references' latents, in order: "reference", "reference_2", ..."""
+    return [REFERENCE] + [f"{REFERENCE}_{i}" for i in range(2, count + 1)]
 
 
 def reference_size(width: int, height: int, area: int = REFERENCE_AREA) -> tuple[int, int]:
@@ -134,12 +140,17 @@ def vision_inputs(image_processor, images: list) -> tuple[Tensor, Tensor]:
 
 def image_prompts(captions: list[str], grid: Tensor, merge: int, template: str = EDIT_TEMPLATE, prefix: str = ""
                   ) -> list[str]:
-    """Each caption after ``prefix`` in ``template`` with ``<|image_pad|>`` written out once per merged patch of
-    its image: grid (B, 3) (t, h, w) patches, ``merge`` ** 2 of them per token (Qwen2VLProcessor's
-    replace_image_token)."""
-    counts = (grid.prod(dim=-1) // merge ** 2).tolist()  # a host read of B small counts
+    """Each caption after ``prefix`` in ``template`` with each ``<|image_pad|>`` written out once per merged patch
+    of its image, in order: grid (B R, 3) (t, h, w) patches of the B rows' R images each, ``merge`` ** 2 of them
+    per token (Qwen2VLProcessor's replace_image_token, image by image)."""
+    counts = (grid.prod(dim=-1) // merge ** 2).tolist()  # a host read of B R small counts
     texts = chat_prompts([prefix + c for c in captions], template)
-    return [text.replace(IMAGE_PAD, IMAGE_PAD * n, 1) for text, n in zip(texts, counts)]
+    per_row = len(counts) // max(1, len(texts))
+    out = []
+    for b, text in enumerate(texts):  # the row's pads, in order: its images' counts (the first ``per_row`` pads)
+        head, *pads = text.split(IMAGE_PAD, per_row)
+        out.append(head + "".join(IMAGE_PAD * n + rest for n, rest in zip(counts[b * per_row:(b + 1) * per_row], pads)))
+    return out
 
 
 def resized(images: list, area: int | None) -> list:
@@ -190,11 +201,19 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
     def _extra(self) -> str:
         return f"qwen_edit_length={self.length}"
 
-    def vision_part(self) -> str:
-        """The text the pipeline keeps before each prompt (after the dropped template): the prefix and the
-        template's vision tokens, ``<|image_pad|>`` once."""
+    def picture_prefix(self, count: int) -> str:
+        """What the pipeline writes before each prompt for ``count`` images: the Plus pipeline's "Picture i: ..."
+        each (:attr:`prefix` is the one image's), nothing else (the Edit template holds its one image's tokens)."""
+        if count != 1 and not self.prefix:
+            raise ValueError(f"the Qwen-Image-Edit prompt template takes one reference image, got {count} "
+                             "(several: the qwen-image-edit-plus family)")
+        return "".join(PICTURE.format(i + 1) for i in range(count)) if self.prefix else ""
+
+    def vision_part(self, count: int = 1) -> str:
+        """The text the pipeline keeps before each prompt (after the dropped template): the prefix of ``count``
+        images and the template's vision tokens, ``<|image_pad|>`` once per image."""
         start = self.template.index("<|vision_start|>") if "<|vision_start|>" in self.template else None
-        return self.prefix + (self.template[start:self.template.index("{}")] if start is not None else "")
+        return self.picture_prefix(count) + (self.template[start:self.template.index("{}")] if start is not None else "")
 
     def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
         raise ValueError(f"the Qwen-Image-Edit base {self.source} encodes a prompt with its reference image "
@@ -203,20 +222,27 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
     @torch.no_grad()
     def encode_edit(self, captions: list[str], images: list, device: torch.device | str = "cpu") -> dict[str, Tensor]:
         """``{"prompt_embeds": (B, V + L, D), "prompt_mask": (B, V + L)}`` float32 on ``device`` of B captions,
-        each with its reference image (B PIL images of one size: V their vision tokens + 2)."""
+        each with its reference image (B PIL images of one size: V their vision tokens + 2), or with its R reference
+        images (B lists of R PIL images, the i-th of every row of one size: the Plus family's "Picture i")."""
         if len(images) != len(captions):
             raise ValueError(f"Qwen-Image-Edit: {len(captions)} prompts and {len(images)} reference images")
+        rows = [list(row) if isinstance(row, (list, tuple)) else [row] for row in images]
+        count = len(rows[0])
+        if any(len(row) != count for row in rows) or not count:
+            raise ValueError("Qwen-Image-Edit: every prompt of one batch takes as many reference images")
         model = self.qwen
-        pixels, grid = vision_inputs(self.image_processor, resized(list(images), self.condition_area))
-        if (grid != grid[:1]).any():
+        pixels, grid = vision_inputs(self.image_processor, resized([img for row in rows for img in row],
+                                                                   self.condition_area))
+        if (grid.view(len(rows), count, 3) != grid.view(len(rows), count, 3)[:1]).any():
             raise ValueError("Qwen-Image-Edit: the reference images of one batch must have one size")
-        tokens = self.tokenizer(image_prompts(captions, grid, self.merge, self.template, self.prefix), padding=True,
-                                return_tensors="pt")
+        tokens = self.tokenizer(image_prompts(captions, grid, self.merge, self.template, self.picture_prefix(count)),
+                                padding=True, return_tensors="pt")
         ids, mask = to_device_async(tokens.input_ids, model.device), to_device_async(tokens.attention_mask, model.device)
         out = model(input_ids=ids, attention_mask=mask, pixel_values=pixels.to(model.device, model.dtype),
                     image_grid_thw=grid.to(model.device), output_hidden_states=True, logits_to_keep=1)
         # the tokens kept before the prompt's: <|vision_start|>, the image's, <|vision_end|> (and the Plus prefix's)
-        vision = int(grid[0].prod()) // self.merge ** 2 + len(self.tokenizer(self.vision_part()).input_ids) - 1
+        vision = (int(grid[:count].prod(dim=-1).sum()) // self.merge ** 2
+                  + len(self.tokenizer(self.vision_part(count)).input_ids) - count)
         states, kept = prompt_states(out.hidden_states[-1], mask, EDIT_DROP, vision + self.length)
         return {"prompt_embeds": states.float().to(device), "prompt_mask": kept.to(device)}
 
@@ -266,14 +292,15 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
         b, _, h, w = x.shape
         require_keys(cond, KEYS + (REFERENCE,), b, self.family)
         self.check_latent_size(h, w)
-        ref = cond[REFERENCE]
-        self.check_latent_size(*ref.shape[-2:])
-        rh, rw = ref.shape[-2:]
-        tokens = torch.cat([pack(x), pack(ref.to(x.dtype))], dim=1)
+        refs = [cond[k] for k in reference_keys(MAX_REFERENCES) if k in cond]  # in order: "Picture 1", 2, ...
+        for ref in refs:
+            self.check_latent_size(*ref.shape[-2:])
+        tokens = torch.cat([pack(x), *(pack(ref.to(x.dtype)) for ref in refs)], dim=1)
+        shapes = [(1, h // 2, w // 2), *((1, ref.shape[-2] // 2, ref.shape[-1] // 2) for ref in refs)]
         out = self.model(hidden_states=tokens, timestep=t.expand(b).to(x.dtype) / 1000,
                          encoder_hidden_states=cond["prompt_embeds"].to(x.dtype),
                          encoder_hidden_states_mask=cond["prompt_mask"] > 0.5,
-                         img_shapes=[[(1, h // 2, w // 2), (1, rh // 2, rw // 2)]] * b, return_dict=False)[0]
+                         img_shapes=[shapes] * b, return_dict=False)[0]
         return unpack(out[:, : (h // 2) * (w // 2)], h, w)
 
 
@@ -284,6 +311,7 @@ class QwenImageEditFamily(QwenImageFamily):
     pipeline_class = "QwenImageEditPipeline"
     denoiser_class = QwenImageEditDenoiser
     references = 1  # one reference image per sample (data.references)
+    max_references = 1  # QwenImageEditPipeline's prompt template holds one image
     # the run's prompts cached with their pairs' references (data/pair_cache.py): training never runs the encoder
     text_cache = "pairs"
 
@@ -338,8 +366,9 @@ class QwenImageEditFamily(QwenImageFamily):
         captions = list(captions)
         if drop is not None:  # a host read of B flags per step
             captions = ["" if d else text for text, d in zip(captions, drop.tolist())]
-        pixels = images[0] if images else c.decode(references[0])
-        pil = pil_images(pixels)
+        self.reference_condition(references)  # the count checked before any encoding
+        per_ref = [pil_images(images[k] if images else c.decode(ref)) for k, ref in enumerate(references)]
+        pil = [row[0] if len(row) == 1 else row for row in zip(*per_ref)]  # each row's image(s)
         cond = c.text.encode_edit(captions, pil, device) | self.reference_condition(references)
         if drop is None:
             empty = c.text.encode_edit([""] * len(captions), pil, device)
@@ -347,12 +376,14 @@ class QwenImageEditFamily(QwenImageFamily):
         return cond
 
     def reference_condition(self, references: list[Tensor]) -> Condition:
-        """``{"reference": (B, 16, h', w')}``: the one reference's latents (model space), which
-        :class:`QwenImageEditDenoiser` packs after the target's tokens."""
-        if len(references) != self.references:
-            raise ValueError(f"the {self.name} family takes {self.references} reference image per sample, "
-                             f"got {len(references)}")
-        return {REFERENCE: references[0]}
+        """``{"reference": (B, 16, h', w')}``: the reference's latents (model space), which
+        :class:`QwenImageEditDenoiser` packs after the target's tokens; the Plus family's several
+        (:attr:`max_references`): ``"reference_2"``, ... after it, in order."""
+        if not self.references <= len(references) <= self.max_references:
+            most = f"{self.references} to {self.max_references}" if self.max_references > self.references \
+                else f"{self.references}"
+            raise ValueError(f"the {self.name} family takes {most} reference image(s) per sample, got {len(references)}")
+        return dict(zip(reference_keys(len(references)), references))
 
     def cache_fill_tokens(self) -> int:
         """The pair cache's fill (``data/pair_cache.py``): each prompt with a 1024 px reference's vision tokens."""
@@ -380,6 +411,7 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
     name = "qwen-image-edit-plus"
     pipeline_class = "QwenImageEditPlusPipeline"
     denoiser_class = QwenImageEditPlusDenoiser
+    max_references = MAX_REFERENCES  # the pipeline's list of images ("Picture 1: ...", "Picture 2: ...", ...)
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
                             max_sequence_length: int = 0, deferred: bool = False) -> QwenEditPlusPromptEncoder:
