@@ -166,7 +166,8 @@ class DataConfig(_Section):
     references: str = ""
     # or: the metadata.jsonl key naming each image's reference file, relative to the jsonl's folder, e.g.
     # {"file_name": "edited/1.png", "text": "make it red", "reference": "source/1.png"} (the files it names are
-    # references, not training images). "" = none
+    # references, not training images), or a list of them: several references per image, as many for every
+    # image ("reference": ["a/1.png", "b/1.png"]; Qwen-Image-Edit-Plus: "Picture 1", "Picture 2"). "" = none
     reference_column: str = ""
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)

@@ -88,3 +88,72 @@ def test_the_edit_family_takes_one_reference(tmp_path):
     enc = family.load_prompt_encoder(folder, max_sequence_length=LENGTH)
     with pytest.raises(ValueError, match="qwen-image-edit-plus"):
         enc.encode_edit(CAPTIONS[:1], [[image(1, 32, 32), image(2, 32, 32)]])
+
+
+def _two_reference_pairs(root):
+    """4 targets (32 x 32) in root/data with a metadata.jsonl naming each one's caption and its TWO references
+    (root/data/src/, each another image: 40 x 40), a list under "refs"."""
+    import json
+
+    from PIL import Image
+
+    data = root / "data"
+    (data / "src").mkdir(parents=True)
+    lines = []
+    for i in range(4):
+        a = np.full((32, 32, 3), 30, np.uint8)
+        a[4:20, 4:20] = (220, 30, 30) if i % 2 else (30, 30, 220)
+        Image.fromarray(a).save(data / f"img{i}.png")
+        for k in range(2):
+            r = np.full((40, 40, 3), 30, np.uint8)
+            r[5:25, 3:20] = 40 + 50 * i + 20 * k
+            Image.fromarray(r).save(data / "src" / f"ref{i}_{k}.png")
+        lines.append(json.dumps({"file_name": f"img{i}.png", "text": "put the two together",
+                                 "refs": [f"src/ref{i}_0.png", f"src/ref{i}_1.png"]}))
+    (data / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    return data
+
+
+def test_plus_trains_on_two_references_per_item_and_resumes_exactly(tmp_path):
+    """data.reference_column naming a LIST of files per item: each item carries both references, cropped and flipped
+    with its target; the pair cache's entries are the live encoding with both images (1e-5); a run trains, resumes
+    exactly, and depends on the second reference (another second reference: other weights)."""
+    from types import SimpleNamespace
+
+    from difftrain.data.cached_conditions import PairConditions
+    from difftrain.data.folder import ImageFolderDataset
+    from difftrain.data.pair_cache import CachedPairEncoder, PairCache
+    from difftrain.families.qwen_image_edit import pil_images
+    from difftrain.training.loop import train
+    from tests.family_runs import run_digests
+
+    folder = write_tiny_qwen_image_edit_plus_folder(tmp_path / "plus")
+    data = _two_reference_pairs(tmp_path)
+    family = QwenImageEditPlusFamily()
+    ds = ImageFolderDataset(data, 32, captions=True, random_flip=True, reference_column="refs")
+    assert len(ds) == 4 and ds.references == 2 and ds[(0, 1)][0].shape == (9, 32, 32)  # target, two references
+    store = PairCache.for_pairs(folder, family.name, {"max_sequence_length": LENGTH}, tmp_path / "cache")
+    text = CachedPairEncoder(store, lambda: family.load_prompt_encoder(folder, deferred=True,
+                                                                         max_sequence_length=LENGTH), "cpu", 32, 3)
+    assert text.run_entries(SimpleNamespace(train=ds), None) == 4 * 2 * 2
+    live = family.load_prompt_encoder(folder, max_sequence_length=LENGTH)
+    row = PairConditions(ds, text.store, text.views_of(ds))[(1, 0)]
+    x = ds[(1, 0)][0]
+    want = live.encode_edit([row[1]], [[pil_images(x[3:6][None])[0], pil_images(x[6:9][None])[0]]])
+    assert (row[1].cond["prompt_embeds"].float() - want["prompt_embeds"]).abs().max() < 1e-5
+    sets = ["data.resolution=32", "data.num_workers=0", f"data.path={data}", "data.reference_column=refs",
+            f"model.init_from={folder}", f"model.max_sequence_length={LENGTH}", "optim.lr=1e-3", "optim.warmup_steps=1",
+            "train.total_steps=4", "train.batch_size=2", "train.progress_bar=false", "checkpoint.every_steps=2",
+            "lora.rank=4", "lora.alpha=4", "validation.every_steps=0", "model.class_dropout=0.5",
+            "data.random_flip=true", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = load_config(None, sets)
+    train(cfg, tmp_path / "straight")
+    train(cfg, tmp_path / "resumed", stop_at_step=2)
+    assert train(cfg, tmp_path / "resumed").step == 4
+    assert run_digests(tmp_path / "straight") == run_digests(tmp_path / "resumed")
+    from PIL import Image
+
+    for i in range(4):  # other second references: other weights
+        Image.new("RGB", (40, 40), (250, 250, 20)).save(data / "src" / f"ref{i}_1.png")
+    train(cfg, tmp_path / "other")
+    assert run_digests(tmp_path / "other")[0] != run_digests(tmp_path / "straight")[0]

@@ -14,11 +14,13 @@ padded length (one size per image size: a batch of one bucket stacks them). An e
 SHA-256 of its *descriptor*, ``json.dumps([caption, image])`` (its metadata's caption), where ``image`` says
 what the vision tower sees:
 
-- a training pair's reference: ``file:SHA256(the reference file's bytes):HxW:plain|flip``, the file read,
+- a training pair's reference: ``file:SHA256(the reference file's bytes):HxW:plain|flip`` (several references:
+  their digests joined by "+", in order), the file read,
   resized and cropped to its target's crop (``data/folder.paired_reference``: its bucket, or
   ``squareR`` at the run's resolution) and mirrored with it (``data.random_flip``: both views are cached, as
   the latent cache caches both); a changed file is another entry, whatever its name, size or date;
-- any other image (``validation.references``, ``sample --reference``): ``pixels:WxH:SHA256(its RGB bytes)``.
+- any other image (``validation.references``, ``sample --reference``): ``pixels:WxH:SHA256(its RGB bytes)``
+  (several: joined by "+").
 
 Each training pair has two entries per view, its caption's and the empty prompt's with the same image (caption
 dropout's row: the pipeline's negative prompt is encoded with the image). The table of each item's entries
@@ -94,7 +96,7 @@ class PairItem(NamedTuple):
 
     prompt: str  # the caption's entry's descriptor
     empty: str  # the empty prompt's (with the same image)
-    path: str  # the reference file
+    paths: tuple[str, ...]  # the reference files (several: the Plus family's "Picture 1", 2, ...)
     shape: tuple[int, int] | None  # its target's crop (h, w); None: the run's resolution square
     resolution: int
     channels: int
@@ -109,8 +111,9 @@ class PairItem(NamedTuple):
         training item's reference channels are ``to_tensor`` of it)."""
         from PIL import ImageOps
 
-        image = paired_reference(Path(self.path), self.channels, self.resolution, self.shape)
-        return ImageOps.mirror(image) if self.flip else image
+        images = [paired_reference(Path(p), self.channels, self.resolution, self.shape) for p in self.paths]
+        images = [ImageOps.mirror(image) if self.flip else image for image in images]
+        return images[0] if len(images) == 1 else images
 
 
 class PairCache(TextCache):
@@ -188,14 +191,15 @@ class CachedPairEncoder(CachedPromptEncoder):
             shapes = getattr(dataset, "bucket_shapes", None)
             flips = (False, True) if getattr(dataset, "random_flip", False) else (False,)
             views = []
-            for i, (path, caption) in enumerate(zip(files, targets)):
+            for i, (group, caption) in enumerate(zip(files, targets)):
+                paths = tuple(str(p) for p in (group if isinstance(group, (tuple, list)) else (group,)))
                 shape = None if shapes is None else tuple(int(s) for s in shapes[i])
                 size = f"{shape[0]}x{shape[1]}" if shape else f"square{self.resolution}"
-                digest = file_digest(Path(path))
+                digest = "+".join(file_digest(Path(p)) for p in paths)  # each reference's, in order
                 row = []
                 for flip in flips:
                     image = f"file:{digest}:{size}:{'flip' if flip else 'plain'}"
-                    row.append(PairItem(descriptor(str(caption), image), descriptor("", image), str(path), shape,
+                    row.append(PairItem(descriptor(str(caption), image), descriptor("", image), paths, shape,
                                         self.resolution, self.channels, flip))
                 views.append(row)
             self._views[id(dataset)] = views
@@ -282,8 +286,10 @@ class CachedPairEncoder(CachedPromptEncoder):
         read from the store (``pixels:`` entries), the missing ones encoded first: the encoder's ``encode_edit``."""
         if len(images) != len(captions):
             raise ValueError(f"{self.store.family}: {len(captions)} prompts and {len(images)} reference images")
-        texts = [descriptor(c, pixels_id(img)) for c, img in zip(captions, images)]
-        return self._rows(texts, [lambda img=img: img for img in images], [img.size for img in images], device)
+        ids = ["+".join(pixels_id(i) for i in img) if isinstance(img, (list, tuple)) else pixels_id(img) for img in images]
+        sizes = [tuple(i.size for i in img) if isinstance(img, (list, tuple)) else img.size for img in images]
+        return self._rows([descriptor(c, i) for c, i in zip(captions, ids)], [lambda img=img: img for img in images],
+                          sizes, device)
 
     def training_rows(self, captions, device: torch.device | str) -> Condition | None:
         """A training batch's rows: ``{"prompt_embeds", "prompt_mask", "empty_embeds", "empty_mask"}`` (B, ...)

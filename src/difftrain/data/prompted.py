@@ -42,7 +42,7 @@ class PromptedDataset(Dataset):
 
     @property
     def reference_files(self) -> list:
-        """Each image's reference image (an edit family's pairs), or []."""
+        """Each image's reference images (an edit family's pairs: a tuple each), or []."""
         return list(getattr(self.images, "reference_files", []) or [])
 
     def reference_file(self, index: int):
@@ -96,7 +96,8 @@ class PairedDataset(Dataset):
         from), or []."""
         if not self.references:
             return []
-        return [self.reference_file(i) for i in range(len(self))]
+        groups = {id(p): p.reference_files for p in (self.instance, self.prior)}
+        return [groups[id(part)][inner] for part, inner in (self._item(i) for i in range(len(self)))]
 
     def reference_file(self, index: int):
         part, inner = self._item(index % len(self))

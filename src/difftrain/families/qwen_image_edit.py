@@ -62,12 +62,15 @@ Guidance (true CFG, qwen_image.py's rescale): the negative is the empty prompt W
   per row: at sampling the condition carries both the prompt's states and the empty prompt's
   (``negative_embeds``, ``negative_mask``) and the null condition is ``{"null_prompt": 1}``, which selects them
   (:class:`QwenImageEditDenoiser`); ``generation.sampling.guided_network`` merges it into each row's condition.
-Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline), one reference (``qwen-image-edit-plus``): the template has no
-  vision tokens, the pipeline writes "Picture 1: <|vision_start|><|image_pad|><|vision_end|>" before the prompt
+Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline), one reference or several (``qwen-image-edit-plus``): the template
+  has no vision tokens, the pipeline writes "Picture 1: <|vision_start|><|image_pad|><|vision_end|>" before the prompt
   (the 64 dropped tokens are the same system part), and the image the vision tower sees is resized (Lanczos) to
   ``calculate_dimensions(384 * 384, ratio)`` (CONDITION_IMAGE_SIZE) while the VAE's is at 1024 x 1024 pixels'
   area (VAE_IMAGE_SIZE: difftrain's reference at the target's size); the transformer call is the same. The Plus
-  pipeline takes several images and batch 1; difftrain one reference and any batch.
+  pipeline takes several images and batch 1; difftrain R per sample (``data.reference_column`` naming a list, as
+  many per image; at most MAX_REFERENCES) and any batch: "Picture i: <image i>" for each before the prompt, each
+  image's latents packed after the target's in order (condition keys "reference", "reference_2", ...; img_shapes
+  the target's then each reference's). Validation grids take one reference per row (several: not yet).
 Known base (tools/bases/qwen-image-edit, for ``estimate --base qwen-image-edit``): Qwen-Image's files (the same
   20.4B transformer config, VAE, Qwen2.5-VL-7B and scheduler, as qwen_image.py remembers them) with
   model_index.json naming QwenImageEditPipeline and its processor.
@@ -404,9 +407,9 @@ class QwenImageEditPlusDenoiser(QwenImageEditDenoiser):
 
 
 class QwenImageEditPlusFamily(QwenImageEditFamily):
-    """Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline) with one reference image: Qwen-Image-Edit but for the
-    prompt (:class:`QwenEditPlusPromptEncoder`). The pipeline takes several images, batch 1; difftrain one
-    reference per sample (``data.references``), any batch."""
+    """Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): Qwen-Image-Edit but for the prompt
+    (:class:`QwenEditPlusPromptEncoder`) and its references: one or several per sample (``data.references``, or
+    ``data.reference_column`` naming a list), any batch (the pipeline: a list of images, batch 1)."""
 
     name = "qwen-image-edit-plus"
     pipeline_class = "QwenImageEditPlusPipeline"

@@ -147,7 +147,11 @@ def with_class_images(data, cfg, conditioning, run_dir: Path, dctx):
         return data
     db = cfg.dreambooth
     folder = class_dir(db, run_dir)
-    references = list(getattr(data.train, "reference_files", []) or []) or None  # an edit family's pairs
+    groups = list(getattr(data.train, "reference_files", []) or [])  # an edit family's pairs
+    if any(len(g) > 1 for g in groups):
+        raise ValueError(f"dreambooth.class_prompt: the pairs of {cfg.data.path} have {len(groups[0])} reference images "
+                         "each; prior preservation makes its class pairs from one (leave dreambooth.class_prompt out)")
+    references = [g[0] for g in groups] or None
     distributed.run_on_main(lambda: make_class_images(cfg, conditioning, folder, dctx.device, references), dctx,
                             long_wait=True)
     return with_prior_images(data, cfg.data, folder, db.class_prompt, _class_names(db.num_class_images),
