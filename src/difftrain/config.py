@@ -166,7 +166,8 @@ class DataConfig(_Section):
     references: str = ""
     # or: the metadata.jsonl key naming each image's reference file, relative to the jsonl's folder, e.g.
     # {"file_name": "edited/1.png", "text": "make it red", "reference": "source/1.png"} (the files it names are
-    # references, not training images). "" = none
+    # references, not training images), or a list of them: several references per image, as many for every
+    # image ("reference": ["a/1.png", "b/1.png"]; Qwen-Image-Edit-Plus: "Picture 1", "Picture 2"). "" = none
     reference_column: str = ""
     heldout_fraction: float = 0.0  # share of the images held out of training for the held-out loss
     heldout_path: str | None = None  # a separate folder of held-out images (instead of a fraction)
@@ -899,8 +900,6 @@ def _check_buckets(cfg: Config) -> None:
                f"{why}: the held-out loss takes no references; leave data.heldout_fraction and data.heldout_path out")
         _check(cfg.validation.memorization in ("auto", "off"),
                f"{why}: validation.memorization compares RGB images; set it to 'auto' (off with references) or 'off'")
-        _check(not cfg.dreambooth.class_prompt,
-               f"{why}: DreamBooth's class images have no references; leave dreambooth.class_prompt out")
     if cfg.validation.references:
         _check(bool(d.references or d.reference_column),
                "validation.references: the run has no data.references (an edit family's pairs)")

@@ -285,3 +285,23 @@ def test_config_quantize_base_is_the_first_row(flux):
     cfg.model.__dict__["quantize_base"] = "int3"
     with pytest.raises(ValueError, match="model.quantize_base"):
         count_base(cfg, str(configs), ranks=1)
+
+
+def test_estimate_counts_lumina2s_activations():
+    """`difftrain estimate --base lumina2` counts Lumina 2's activations on the meta device (before: "not counted",
+    0 bytes: its transformer reads each row's caption token count from the mask on the host), every caption at
+    the full max_sequence_length (256): the 26 checkpointed joint layers' inputs alone hold (256 + the image's
+    tokens) x 2304 bf16 values each."""
+    from difftrain.config import load_config
+    from difftrain.tools.base_memory import _config_setting, base_folder, count_settings, read_base
+
+    cfg = load_config(None, [f"model.init_from={base_folder('lumina2')}", "data.resolution=256", "lora.rank=4",
+                             "model.gradient_checkpointing=true", "train.precision=bf16"])
+    b = read_base(cfg, "lumina2")
+    own = _config_setting(cfg, 1, None)
+    rows, info = count_settings(cfg, b, [own])
+    assert "not counted" not in info["activations_note"], info["activations_note"]
+    parts = rows[own]["activation_parts"]
+    tokens = 256 + (256 // 8 // 2) ** 2  # the caption at full length, then the 2x2 patches of the 32 x 32 latents
+    assert parts["blocks"] >= 26 and parts["checkpoint_inputs"] >= 26 * tokens * 2304 * 2
+    assert rows[own]["activations"] > parts["checkpoint_inputs"]

@@ -203,15 +203,15 @@ def test_an_unreadable_reference_is_a_bad_pair(tmp_path, bases, capsys):
 
 def test_dreambooth_instance_prompt_on_pairs_resumes_exactly(tmp_path, bases):
     """DreamBooth's instance prompt on pairs (every target's instruction the prompt, its reference kept) trains
-    and resumes exactly; prior preservation (class images, which have no references) is refused in one line."""
+    and resumes exactly; prior preservation is accepted on pairs (its class pairs: tests/integration/
+    test_edit_dreambooth.py; refused in one line before issue 42's editfit item 3)."""
     sets = _overrides(bases, "lora.rank=4", "dreambooth.instance_prompt=make the sks square red")
     cfg = load_config(None, sets)
     train(cfg, tmp_path / "straight")
     train(cfg, tmp_path / "resumed", stop_at_step=2)
     assert train(cfg, tmp_path / "resumed").step == 4
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
-    with pytest.raises(ValueError, match="class images have no references"):
-        load_config(None, sets + ["dreambooth.class_prompt=a square"])
+    assert load_config(None, sets + ["dreambooth.class_prompt=a square"]).dreambooth.class_prompt == "a square"
 
 
 def test_a_pair_is_cropped_and_flipped_together(bases):

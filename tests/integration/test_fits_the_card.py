@@ -44,10 +44,7 @@ FAMILY_PRESETS = {
     "flux2-lora.toml": ["flux2-dev"], "flux2-klein-lora.toml": ["flux2-klein-4b", "flux2-klein-9b"],
 }
 # Presets known not to fit 24 GB yet, and why (strict: the day one fits, the test says so and the entry goes).
-DOES_NOT_FIT_YET = {
-    ("qwen-image-edit-lora.toml", "qwen-image-edit"): "its prompts are encoded with each pair's reference image at "
-    "every step (no text cache for caption + image yet), so the 15.45 GiB Qwen2.5-VL stays on the device: 30.51 GiB",
-}
+DOES_NOT_FIT_YET: dict[tuple[str, str], str] = {}
 PAIRS = [pytest.param(preset, base, id=f"{preset}-{base}",
                       marks=[pytest.mark.xfail(strict=True, reason=DOES_NOT_FIT_YET[(preset, base)])]
                       if (preset, base) in DOES_NOT_FIT_YET else [])

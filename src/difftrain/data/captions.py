@@ -84,9 +84,11 @@ def read_caption_file(path: Path) -> str:
 
 
 def read_metadata(path: Path, root: Path, column: str = "text",
-                  what: str = "the caption; data.caption_column names the key") -> dict[str, str]:
+                  what: str = "the caption; data.caption_column names the key", lists: bool = False
+                  ) -> dict[str, str | list[str]]:
     """The captions of one ``metadata.jsonl``: image path relative to ``root`` ("/"-separated)
-    -> caption (or another string ``column``, ``what`` it is: an edit family's reference file).
+    -> caption (or another string ``column``, ``what`` it is: an edit family's reference file; with ``lists`` a
+    non-empty list of strings too: its reference files).
 
     Raises ValueError naming the file and line for a line that is not a JSON object with a
     string ``file_name`` inside the folder and a string ``column``, or names a file twice.
@@ -114,15 +116,16 @@ def read_metadata(path: Path, root: Path, column: str = "text",
         name, text = row.get("file_name"), row.get(column)
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"{at}: no \"file_name\" string")
-        if not isinstance(text, str):
-            raise ValueError(f"{at}: no {json.dumps(column)} string ({what})")
+        listed = lists and isinstance(text, list) and text and all(isinstance(t, str) and t.strip() for t in text)
+        if not isinstance(text, str) and not listed:
+            raise ValueError(f"{at}: no {json.dumps(column)} string{' or list of strings' if lists else ''} ({what})")
         rel = os.path.normpath((base / name.strip()).as_posix()).replace(os.sep, "/")
         if PurePosixPath(name).is_absolute() or rel == ".." or rel.startswith("../"):
             raise ValueError(f"{at}: file_name {printable(name)} lies outside the folder")
         if rel in first_line:
             raise ValueError(f"{at}: file_name {printable(name)} already given on line {first_line[rel]}")
         first_line[rel] = number
-        out[rel] = text.strip()
+        out[rel] = [t.strip() for t in text] if listed else text.strip()
     return out
 
 

@@ -393,12 +393,14 @@ def reference_problems(dataset) -> dict[str, str]:
     """{relative path: reason} of the images whose reference image (``data.references``) cannot be read (its
     header: no decode; a file that decodes badly later is named when it is read)."""
     out = {}
+    groups = getattr(dataset, "reference_files", None)
     for i, rel in enumerate(dataset.files):
-        path = dataset.reference_file(i)
-        try:
-            image_size(path)
-        except BadImage as e:
-            out[rel] = f"reference: unreadable {printable(str(path))}: {e.reason}"
+        for path in groups[i] if groups else (dataset.reference_file(i),):  # each of its references
+            try:
+                image_size(path)
+            except BadImage as e:
+                out[rel] = f"reference: unreadable {printable(str(path))}: {e.reason}"
+                break
     return out
 
 

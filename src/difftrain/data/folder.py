@@ -113,25 +113,36 @@ def reference_paths(folder: str | Path, files: list[str]) -> list[Path]:
     return found
 
 
-def metadata_references(root: Path, metadata: list[Path], column: str) -> dict[str, str]:
-    """Training image -> its reference file, both relative "/"-separated paths under ``root``, from the
-    ``column`` key of every ``metadata.jsonl`` (``data.reference_column``; the file named relative to the jsonl's
-    folder, as its ``file_name``); one ValueError naming the file and line of a line without that key, a
-    reference outside ``root``, or when no metadata.jsonl is found."""
+def metadata_references(root: Path, metadata: list[Path], column: str) -> dict[str, list[str]]:
+    """Training image -> its reference files (one, or a list: several references per item, in order), relative
+    "/"-separated paths under ``root``, from the ``column`` key of every ``metadata.jsonl``
+    (``data.reference_column``: a file name or a list of them, each relative to the jsonl's folder, as its
+    ``file_name``); one ValueError naming the file and line of a line without that key, a reference outside
+    ``root``, or when no metadata.jsonl is found."""
     if not metadata:
         raise ValueError(f"data.reference_column {column!r}: {printable(str(root))} holds no {METADATA_NAME} to read it "
                          "from (or set data.references to a folder of reference images under the same names)")
-    out: dict[str, str] = {}
+    out: dict[str, list[str]] = {}
     for path in sorted(metadata):
         base = path.parent.relative_to(root).as_posix()
-        for rel, named in read_metadata(path, root, column, "the reference image; data.reference_column names the "
-                                                             "key").items():
-            ref = os.path.normpath(f"{base}/{named}").replace(os.sep, "/")
-            if os.path.isabs(named) or ref == ".." or ref.startswith("../"):
-                raise ValueError(f"{printable(str(path))}: the reference {printable(named)} of {printable(rel)} lies "
-                                 "outside the folder")
-            out[rel] = ref
+        for rel, value in read_metadata(path, root, column, "the reference image(s); data.reference_column names the "
+                                                            "key", lists=True).items():
+            out[rel] = []
+            for named in [value] if isinstance(value, str) else value:
+                ref = os.path.normpath(f"{base}/{named}").replace(os.sep, "/")
+                if os.path.isabs(named) or ref == ".." or ref.startswith("../"):
+                    raise ValueError(f"{printable(str(path))}: the reference {printable(named)} of {printable(rel)} "
+                                     "lies outside the folder")
+                out[rel].append(ref)
     return out
+
+
+def paired_reference(path: Path, channels: int, resolution: int, shape: tuple[int, int] | None):
+    """The PIL image of the reference ``path`` resized to cover its target's crop (the run's ``resolution`` square
+    when ``shape`` is None, else the bucket's (h, w)) and centre-cropped, as an item of :class:`ImageFolderDataset`
+    carries it (unflipped: ``to_tensor`` of it); :class:`BadImage` naming it when it cannot be read."""
+    img, original = load_image_sized(path, channels, min_size=2 * (resolution if shape is None else max(shape)))
+    return resize_center_crop(img, resolution) if shape is None else resize_crop(img, shape, original)[0]
 
 
 class DataGone(OSError):
@@ -191,11 +202,12 @@ class ImageFolderDataset(Dataset):
 
     With ``references`` (``data.references``, a folder: an edit family's pairs) each image's reference image is
     the file of the same name in that folder (:func:`find_reference`), or with ``reference_column``
-    (``data.reference_column``) the file its ``metadata.jsonl`` line names under that key (those files are then
-    references, not training images: :func:`metadata_references`), resized and cropped to the image's own
-    crop shape (its bucket's: diffusers' Kontext script's ``paired_transform``) and flipped with it: the image
-    tensor is then (2C [+ 1], H, W), the target's C channels, the reference's C, the mask last.
-    ``self.references`` is how many reference images an item carries (0 or 1).
+    (``data.reference_column``) the file(s) its ``metadata.jsonl`` line names under that key, a name or a list
+    of them, as many for every image (those files are then references, not training images:
+    :func:`metadata_references`), each resized and cropped to the image's own crop shape (its bucket's: diffusers'
+    Kontext script's ``paired_transform``) and flipped with it: the image tensor is then ((1 + R) C [+ 1], H, W),
+    the target's C channels, each reference's C in order, the mask last. ``self.references`` is how many
+    reference images an item carries (R: 0, 1, or several from a list).
     """
 
     def __init__(
@@ -217,8 +229,8 @@ class ImageFolderDataset(Dataset):
         self.reference_root = Path(references).expanduser() if references else None
         self.reference_column = reference_column
         self.references = int(bool(references or reference_column))  # reference images per item
-        self._reference_names: dict[str, str] = {}  # reference_column: image -> its reference (relative paths)
-        self._reference_files: list[Path] = []
+        self._reference_names: dict[str, list[str]] = {}  # reference_column: image -> its references (relative)
+        self._reference_files: list[tuple[Path, ...]] = []  # each image's references, in order
         if captions and class_conditional:
             raise ValueError("set data.captions or data.class_conditional, not both")
         self.root = Path(root).expanduser()
@@ -237,7 +249,7 @@ class ImageFolderDataset(Dataset):
         files = [p.relative_to(self.root).as_posix() for p in found]
         if reference_column:  # the files the column names are references, not training images
             self._reference_names = metadata_references(self.root, self._metadata_files, reference_column)
-            named = set(self._reference_names.values())
+            named = {r for refs in self._reference_names.values() for r in refs}
             files = [f for f in files if f not in named]
         classes = []
         if class_conditional:
@@ -295,9 +307,11 @@ class ImageFolderDataset(Dataset):
         """
         self.classes = list(classes)
         if self.reference_root is not None:
-            self._reference_files = reference_paths(self.reference_root, files)
+            self._reference_files = [(p,) for p in reference_paths(self.reference_root, files)]
         elif self.reference_column:
             self._reference_files = self._named_references(files)
+        if self._reference_files:  # references per item: every item's count (a batch stacks them)
+            self.references = len(self._reference_files[0])
         if self.captions:
             self._captions = self._caption_table(files)
         index = {name: k for k, name in enumerate(self.classes)}
@@ -408,39 +422,47 @@ class ImageFolderDataset(Dataset):
             if seed is not None and self.random_flip and flip_decision(seed):
                 m = m.flip(-1)
             x = torch.cat([x, m])
-        if reference is not None:  # (C, H, W) after the target's C channels, flipped as the image
+        if reference is not None:  # (R C, H, W) after the target's C channels, flipped as the image
             if seed is not None and self.random_flip and flip_decision(seed):
                 reference = reference.flip(-1)
             x = torch.cat([x[: self.channels], reference, x[self.channels:]])
         second = self.caption(index) if self.captions else int(self._labels[index])
         return x, second, torch.tensor(geometry, dtype=torch.long)
 
-    def _named_references(self, files: list[str]) -> list[Path]:
-        """The reference file of each of ``files`` its metadata.jsonl names (``data.reference_column``); one
-        ValueError naming the first image without one, or whose reference is not a file."""
+    def _named_references(self, files: list[str]) -> list[tuple[Path, ...]]:
+        """The reference files of each of ``files`` its metadata.jsonl names (``data.reference_column``: one, or a
+        list, as many for every image); one ValueError naming the first image without one, whose reference is not
+        a file, or with another count of them than the first image's."""
         out = []
         for f in files:
-            ref = self._reference_names.get(f)
-            if ref is None:
+            refs = self._reference_names.get(f)
+            if refs is None:
                 raise ValueError(f"data.reference_column {self.reference_column!r}: no {METADATA_NAME} line names a "
                                  f"reference image for {printable(f)}")
-            if not (self.root / ref).is_file():
-                raise ValueError(f"data.reference_column {self.reference_column!r}: the reference image {printable(ref)} "
-                                 f"of {printable(f)} does not exist")
-            out.append(self.root / ref)
+            for ref in refs:
+                if not (self.root / ref).is_file():
+                    raise ValueError(f"data.reference_column {self.reference_column!r}: the reference image "
+                                     f"{printable(ref)} of {printable(f)} does not exist")
+            if out and len(refs) != len(out[0]):
+                raise ValueError(f"data.reference_column {self.reference_column!r}: {printable(f)} names {len(refs)} "
+                                 f"reference images, {printable(files[0])} {len(out[0])}; every image takes as many")
+            out.append(tuple(self.root / ref for ref in refs))
         return out
 
     def reference_file(self, index: int) -> Path:
-        """The reference image of image ``index`` (``data.references``)."""
-        return self._reference_files[index]
+        """The (first) reference image of image ``index`` (``data.references``)."""
+        return self._reference_files[index][0]
+
+    @property
+    def reference_files(self) -> list[tuple[Path, ...]]:
+        """Each image's reference images (``data.references``: one each; ``data.reference_column``: one or several),
+        in index order; [] without references."""
+        return list(self._reference_files)
 
     def _reference(self, index: int, shape: tuple[int, int] | None) -> torch.Tensor:
-        """(C, H, W) in [-1, 1]: image ``index``'s reference resized to cover the image's crop (the run's square,
-        or its bucket's ``shape``) and centre-cropped; :class:`BadImage` naming it when it cannot be read."""
-        img, original = load_image_sized(self._reference_files[index], self.channels,
-                                         min_size=2 * (self.resolution if shape is None else max(shape)))
-        img = resize_center_crop(img, self.resolution) if shape is None else resize_crop(img, shape, original)[0]
-        return to_tensor(img)
+        """(R C, H, W) in [-1, 1]: image ``index``'s references (:func:`paired_reference`), in order."""
+        return torch.cat([to_tensor(paired_reference(p, self.channels, self.resolution, shape))
+                          for p in self._reference_files[index]])
 
     def _mask(self, index: int, size: tuple[int, int]):
         """Image ``index``'s mask (an "L" image of ``size``) or None (all ones); :class:`BadImage` when it has

@@ -18,7 +18,7 @@ Colour jitter cannot be cached (it changes the pixels the encoder sees) and is r
 ``data.masks`` each item's loss mask, area-averaged to the latents' size, is one more channel (2c + 1). With
 ``data.references`` (an edit family's pairs) each item's reference image's moments follow the target's: (2c + 2c
 [+ 1]) channels, the reference's mean and std after the target's, the mask last; the index's ``"references"``
-counts the reference images per item (0 or 1).
+counts the reference images per item (0, 1, or several: each one's moments in order).
 
 Size: N x V x 2c x h x w x 2 bytes (50,000 images of 256 px, SD VAE, flips: 3.3 GB).
 
@@ -60,7 +60,8 @@ from .transforms import flip_decision
 # Bump when what the cache holds for the same inputs changes.
 LATENT_CACHE_VERSION = 1
 # The base dataset's attributes that the rest of difftrain reads, kept by the cached dataset.
-KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip", "masks", "references")
+KEPT_ATTRIBUTES = ("num_classes", "classes", "captions", "files", "random_flip", "masks", "references",
+                   "reference_files")
 BUCKET_FORMAT = "difftrain-bucketed-latents"  # the "format" of a bucketed cache's index
 BUCKET_INDEX_VERSION = 1
 
@@ -108,7 +109,8 @@ def dataset_fingerprint(dataset: Dataset) -> str:
         h.update(b"masks\n")
     if getattr(dataset, "references", 0) and callable(getattr(dataset, "reference_file", None)):  # items with their
         # reference images (data.references): their files too
-        files = [dataset.reference_file(i) for i in range(len(dataset))]
+        groups = getattr(dataset, "reference_files", None)  # every reference of each item (several: in order)
+        files = [f for g in groups for f in g] if groups else [dataset.reference_file(i) for i in range(len(dataset))]
         h.update(f"references:{files_fingerprint(Path('/'), [f.absolute() for f in files])}\n".encode())
     h.update(_identity(dataset).encode())
     return h.hexdigest()

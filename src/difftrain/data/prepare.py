@@ -72,10 +72,14 @@ def with_buckets(dataset: Dataset, d, side_multiple: int) -> Dataset:
     return dataset
 
 
-def with_prior_images(data: TrainingData, d, folder: Path, prompt: str, names: list[str]) -> TrainingData:
+def with_prior_images(data: TrainingData, d, folder: Path, prompt: str, names: list[str],
+                      references: Path | None = None) -> TrainingData:
     """``data`` with DreamBooth's class images (prior preservation; ``training/dreambooth.py`` makes them)
     paired in: the files ``names`` of ``folder`` (it may hold more, from a larger earlier run), read with the
-    options of ``DataConfig`` ``d`` under ``prompt``, put in the instance images' buckets when they have them."""
+    options of ``DataConfig`` ``d`` under ``prompt``, put in the instance images' buckets when they have them;
+    an edit family's class images with their references, the folder ``references`` holding each under its name."""
+    if references is not None:  # an edit family's class pairs: the references they were made from, by name
+        d = dataclasses.replace(d, references=str(references), reference_column="")
     images = dataset_from_config(d, str(folder), captions=False)  # the class prompt is their caption
     files = images.files
     if len(files) > len(names):

@@ -40,6 +40,14 @@ class PromptedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
+    @property
+    def reference_files(self) -> list:
+        """Each image's reference images (an edit family's pairs: a tuple each), or []."""
+        return list(getattr(self.images, "reference_files", []) or [])
+
+    def reference_file(self, index: int):
+        return self.images.reference_file(index)
+
     def __getitem__(self, key):
         item = self.images[key]
         return (item[0], self.prompt, *item[2:])  # a bucketed image's geometry kept
@@ -62,6 +70,7 @@ class PairedDataset(Dataset):
         self.instance, self.prior = instance, prior
         for name in ("resolution", "channels", "random_flip", "color_jitter", "masks"):
             setattr(self, name, getattr(instance, name, None))
+        self.references = getattr(instance, "references", 0)  # an edit family's pairs: the class images' too
 
     def __len__(self) -> int:
         return 2 * max(len(self.instance), len(self.prior))
@@ -80,6 +89,19 @@ class PairedDataset(Dataset):
     def _item(self, index: int) -> tuple[Dataset, int]:
         part = self.instance if index % 2 == 0 else self.prior
         return part, (index // 2) % len(part)
+
+    @property
+    def reference_files(self) -> list:
+        """Each item's reference image (an edit family's pairs: the class images' are those they were made
+        from), or []."""
+        if not self.references:
+            return []
+        groups = {id(p): p.reference_files for p in (self.instance, self.prior)}
+        return [groups[id(part)][inner] for part, inner in (self._item(i) for i in range(len(self)))]
+
+    def reference_file(self, index: int):
+        part, inner = self._item(index % len(self))
+        return part.reference_file(inner)
 
     def __getitem__(self, key):
         index, seed = split_key(key)

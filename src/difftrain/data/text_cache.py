@@ -456,6 +456,11 @@ class CachedPromptEncoder(nn.Module):
         self.release()
         return len(todo)
 
+    def run_entries(self, data, cfg, batch_size: int = 32) -> int:
+        """:meth:`ensure` of every caption a run encodes (:func:`run_captions` of ``data`` and the config ``cfg``'s
+        validation prompts)."""
+        return self.ensure(run_captions(data, cfg.validation), batch_size)
+
     def _usable(self, name: str, caption: str) -> bool:
         """Whether entry ``name`` exists and its header checks (one warning line if damaged)."""
         if name in self.reader.memory:
@@ -605,7 +610,7 @@ def with_text_cache(data, conditioning, cfg, dctx) -> None:
 
     def build() -> None:
         try:
-            text.ensure(run_captions(data, cfg.validation), batch_size=cfg.validation.heldout_batch_size)
+            text.run_entries(data, cfg, batch_size=cfg.validation.heldout_batch_size)
         except OSError as e:
             raise cache_dir_error(e, cfg.data.cache_dir, "text") from e
 

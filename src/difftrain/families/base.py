@@ -35,6 +35,7 @@ import shutil
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,11 @@ class Denoiser(nn.Module):
         self.model = model
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
+
+    def counted_on_meta(self) -> AbstractContextManager:
+        """What a training forward on meta tensors needs (``tools/base_memory.py`` counts activations so): nothing
+        by default; a model that reads values on the host (Lumina 2: its mask's token counts) says how to count."""
+        return nullcontext()
 
     @property
     def config(self) -> dict:
@@ -409,6 +415,9 @@ class Family(ABC):
     # caption) items (data.references), its samples take reference images (validation.references, sample
     # --reference); 0: a family that takes none. The step adds :meth:`reference_condition` of their latents.
     references: int = 0
+    # How a training run caches its prompts (``data/pair_cache.TEXT_CACHES``): "captions" (the text cache), or
+    # "pairs" (an edit family whose prompt encoder sees the reference: each caption with its pair's reference)
+    text_cache: str = "captions"
 
     # -- what the base decides ------------------------------------------------------------------
 
@@ -591,6 +600,11 @@ class Family(ABC):
         H, W) in [-1, 1] where the caller read them (validation, ``sample``; training holds cached latents only):
         a family whose prompt encoder sees the reference too (Qwen-Image-Edit) encodes the captions with it here."""
         return self.reference_condition(references)
+
+    def cache_fill_tokens(self) -> int:
+        """Tokens each prompt of the text cache's fill brings besides its text (what ``estimate`` counts the fill's
+        activations with): none by default; an edit family whose encoder sees the reference says how many."""
+        return 0
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """The shape of one sample's condition (what :meth:`load_prompt_encoder` and :meth:`image_conditions`

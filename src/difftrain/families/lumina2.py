@@ -48,11 +48,14 @@ Known base (tools/bases/lumina2, config files only, for ``estimate --base``): Lu
   would not take them): 2,609,769,152 parameters on meta, the published 2.6B; Gemma 2 2B as Sana's (2.6B);
   Flux's VAE (16 channels, factor 8, scaling 0.3611, shift 0.1159). Its scheduler_config.json (shift 6.0) is
   recalled, not read from the published file here: estimate does not read it; a real base's own file decides.
-  Activations are not counted on meta: the transformer reads its mask's token counts on the host (tolist).
+  Activations are counted on meta (:meth:`Lumina2Denoiser.counted_on_meta`): the transformer reads its mask's
+  token counts on the host (tolist), so the count takes every caption at the full max_sequence_length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -90,6 +93,25 @@ class Lumina2Denoiser(TransformerDenoiser):
                          encoder_hidden_states=cond["prompt_embeds"].to(x.dtype),
                          encoder_attention_mask=cond["prompt_attention_mask"].long(), return_dict=False)[0]
         return -out
+
+    @contextmanager
+    def counted_on_meta(self) -> Iterator[None]:
+        """The transformer's rotary embedder counting each row's caption tokens from a mask of ones of the meta
+        mask's shape (every row at the full ``max_sequence_length``: the longest sequence, what the count plans
+        for): its ``attention_mask.sum(dim=1).tolist()`` is a host read, which meta tensors cannot give."""
+        rope = self.model.rope_embedder
+        plain = rope.forward
+
+        def forward(hidden_states: Tensor, attention_mask: Tensor):
+            if attention_mask.is_meta:
+                attention_mask = torch.ones(attention_mask.shape, dtype=attention_mask.dtype)
+            return plain(hidden_states, attention_mask)
+
+        rope.forward = forward
+        try:
+            yield
+        finally:
+            del rope.forward  # the class's again
 
     def guide_outputs(self, cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
         """Lumina2Pipeline's guidance of outputs (B, 16, h, w) with its default ``cfg_normalization=True``:

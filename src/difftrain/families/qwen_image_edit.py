@@ -46,23 +46,31 @@ Reference latents (``prepare_latents`` / ``_encode_vae_image``): the VAE's mode 
 Training: the pipeline's; no diffusers training script for the edit model (0.42). difftrain trains on
   (reference, target, instruction) pairs (``data.references``), each pair resized and cropped together to the
   target's bucket, so a training reference has the target's size (the pipeline's ~1 MP reference is the
-  target's size too when the target is the default size). The prompt is encoded with its reference at EACH step
+  target's size too when the target is the default size). The prompt is encoded with its reference
   (``QwenImageEditFamily.edit_condition``, called by the step, validation and ``sample`` through
-  ``Family.edit_condition``): the text cache keys on captions alone, so this family runs without it
-  (``text.cache`` off, the encoder loaded for the run: ``estimate`` counts it). The training data holds the
-  references as cached VAE moments only, so in training the vision tower sees the reference's latent mean decoded
-  by the VAE (an 8-bit image of it), not the file's pixels (validation and ``sample`` give it the pixels, as the
-  pipeline does); a dropped caption (caption dropout) is the empty prompt with the same image.
+  ``Family.edit_condition``). In training, with ``text.cache`` on or auto (the default), once, before the first
+  step, by the pair cache (``data/pair_cache.py``): each pair's caption and the empty prompt (caption dropout's
+  row: the pipeline's negative is encoded with the image too), each with the reference file's pixels as the
+  training item carries them (cropped to its target's bucket, mirrored with it: both views with
+  ``data.random_flip``), keyed by the caption and the reference file's content; the encoder is then released
+  and never loaded during training (``estimate`` counts it so: 15.06 GiB for the preset at 1024 px, against
+  30.51 GiB with it resident). With ``text.cache = 'off'`` the encoder is loaded for the run and encodes each
+  batch at its step; the training data then holds the references as cached VAE moments only, so the vision
+  tower sees the reference's latent mean decoded by the VAE (an 8-bit image of it). Validation and ``sample``
+  give it the reference file's pixels, as the pipeline does (with the cache: entries keyed by those pixels).
 Guidance (true CFG, qwen_image.py's rescale): the negative is the empty prompt WITH the row's image, so it is
   per row: at sampling the condition carries both the prompt's states and the empty prompt's
   (``negative_embeds``, ``negative_mask``) and the null condition is ``{"null_prompt": 1}``, which selects them
   (:class:`QwenImageEditDenoiser`); ``generation.sampling.guided_network`` merges it into each row's condition.
-Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline), one reference (``qwen-image-edit-plus``): the template has no
-  vision tokens, the pipeline writes "Picture 1: <|vision_start|><|image_pad|><|vision_end|>" before the prompt
+Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline), one reference or several (``qwen-image-edit-plus``): the template
+  has no vision tokens, the pipeline writes "Picture 1: <|vision_start|><|image_pad|><|vision_end|>" before the prompt
   (the 64 dropped tokens are the same system part), and the image the vision tower sees is resized (Lanczos) to
   ``calculate_dimensions(384 * 384, ratio)`` (CONDITION_IMAGE_SIZE) while the VAE's is at 1024 x 1024 pixels'
   area (VAE_IMAGE_SIZE: difftrain's reference at the target's size); the transformer call is the same. The Plus
-  pipeline takes several images and batch 1; difftrain one reference and any batch.
+  pipeline takes several images and batch 1; difftrain R per sample (``data.reference_column`` naming a list, as
+  many per image; at most MAX_REFERENCES) and any batch: "Picture i: <image i>" for each before the prompt, each
+  image's latents packed after the target's in order (condition keys "reference", "reference_2", ...; img_shapes
+  the target's then each reference's). Validation grids take one reference per row (several: not yet).
 Known base (tools/bases/qwen-image-edit, for ``estimate --base qwen-image-edit``): Qwen-Image's files (the same
   20.4B transformer config, VAE, Qwen2.5-VL-7B and scheduler, as qwen_image.py remembers them) with
   model_index.json naming QwenImageEditPipeline and its processor.
@@ -106,6 +114,15 @@ REFERENCE_MULTIPLE = 32  # ... and its rounding of each side
 PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
 PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 CONDITION_AREA = 384 * 384
+MAX_REFERENCES = 8  # the Plus family's references per sample at most (the latent cache's bound on them)
+# The vision tokens of a 1024 px reference in the prompt (smart_resize: 1036 x 1036, 37 x 37 merged 28 px patches)
+# and <|vision_start|>, <|vision_end|>: what estimate counts
+VISION_TOKENS_1024 = round(1024 / 28) ** 2 + 2
+
+
+def reference_keys(count: int) -> list[str]:
+    """The condition keys of ``count`` references' latents, in order: "reference", "reference_2", ..."""
+    return [REFERENCE] + [f"{REFERENCE}_{i}" for i in range(2, count + 1)]
 
 
 def reference_size(width: int, height: int, area: int = REFERENCE_AREA) -> tuple[int, int]:
@@ -126,12 +143,17 @@ def vision_inputs(image_processor, images: list) -> tuple[Tensor, Tensor]:
 
 def image_prompts(captions: list[str], grid: Tensor, merge: int, template: str = EDIT_TEMPLATE, prefix: str = ""
                   ) -> list[str]:
-    """Each caption after ``prefix`` in ``template`` with ``<|image_pad|>`` written out once per merged patch of
-    its image: grid (B, 3) (t, h, w) patches, ``merge`` ** 2 of them per token (Qwen2VLProcessor's
-    replace_image_token)."""
-    counts = (grid.prod(dim=-1) // merge ** 2).tolist()  # a host read of B small counts
+    """Each caption after ``prefix`` in ``template`` with each ``<|image_pad|>`` written out once per merged patch
+    of its image, in order: grid (B R, 3) (t, h, w) patches of the B rows' R images each, ``merge`` ** 2 of them
+    per token (Qwen2VLProcessor's replace_image_token, image by image)."""
+    counts = (grid.prod(dim=-1) // merge ** 2).tolist()  # a host read of B R small counts
     texts = chat_prompts([prefix + c for c in captions], template)
-    return [text.replace(IMAGE_PAD, IMAGE_PAD * n, 1) for text, n in zip(texts, counts)]
+    per_row = len(counts) // max(1, len(texts))
+    out = []
+    for b, text in enumerate(texts):  # the row's pads, in order: its images' counts (the first ``per_row`` pads)
+        head, *pads = text.split(IMAGE_PAD, per_row)
+        out.append(head + "".join(IMAGE_PAD * n + rest for n, rest in zip(counts[b * per_row:(b + 1) * per_row], pads)))
+    return out
 
 
 def resized(images: list, area: int | None) -> list:
@@ -182,11 +204,19 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
     def _extra(self) -> str:
         return f"qwen_edit_length={self.length}"
 
-    def vision_part(self) -> str:
-        """The text the pipeline keeps before each prompt (after the dropped template): the prefix and the
-        template's vision tokens, ``<|image_pad|>`` once."""
+    def picture_prefix(self, count: int) -> str:
+        """What the pipeline writes before each prompt for ``count`` images: the Plus pipeline's "Picture i: ..."
+        each (:attr:`prefix` is the one image's), nothing else (the Edit template holds its one image's tokens)."""
+        if count != 1 and not self.prefix:
+            raise ValueError(f"the Qwen-Image-Edit prompt template takes one reference image, got {count} "
+                             "(several: the qwen-image-edit-plus family)")
+        return "".join(PICTURE.format(i + 1) for i in range(count)) if self.prefix else ""
+
+    def vision_part(self, count: int = 1) -> str:
+        """The text the pipeline keeps before each prompt (after the dropped template): the prefix of ``count``
+        images and the template's vision tokens, ``<|image_pad|>`` once per image."""
         start = self.template.index("<|vision_start|>") if "<|vision_start|>" in self.template else None
-        return self.prefix + (self.template[start:self.template.index("{}")] if start is not None else "")
+        return self.picture_prefix(count) + (self.template[start:self.template.index("{}")] if start is not None else "")
 
     def encode_part(self, name: str, captions: list[str]) -> dict[str, Tensor]:
         raise ValueError(f"the Qwen-Image-Edit base {self.source} encodes a prompt with its reference image "
@@ -195,22 +225,34 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
     @torch.no_grad()
     def encode_edit(self, captions: list[str], images: list, device: torch.device | str = "cpu") -> dict[str, Tensor]:
         """``{"prompt_embeds": (B, V + L, D), "prompt_mask": (B, V + L)}`` float32 on ``device`` of B captions,
-        each with its reference image (B PIL images of one size: V their vision tokens + 2)."""
+        each with its reference image (B PIL images of one size: V their vision tokens + 2), or with its R reference
+        images (B lists of R PIL images, the i-th of every row of one size: the Plus family's "Picture i")."""
         if len(images) != len(captions):
             raise ValueError(f"Qwen-Image-Edit: {len(captions)} prompts and {len(images)} reference images")
+        rows = [list(row) if isinstance(row, (list, tuple)) else [row] for row in images]
+        count = len(rows[0])
+        if any(len(row) != count for row in rows) or not count:
+            raise ValueError("Qwen-Image-Edit: every prompt of one batch takes as many reference images")
         model = self.qwen
-        pixels, grid = vision_inputs(self.image_processor, resized(list(images), self.condition_area))
-        if (grid != grid[:1]).any():
+        pixels, grid = vision_inputs(self.image_processor, resized([img for row in rows for img in row],
+                                                                   self.condition_area))
+        if (grid.view(len(rows), count, 3) != grid.view(len(rows), count, 3)[:1]).any():
             raise ValueError("Qwen-Image-Edit: the reference images of one batch must have one size")
-        tokens = self.tokenizer(image_prompts(captions, grid, self.merge, self.template, self.prefix), padding=True,
-                                return_tensors="pt")
+        tokens = self.tokenizer(image_prompts(captions, grid, self.merge, self.template, self.picture_prefix(count)),
+                                padding=True, return_tensors="pt")
         ids, mask = to_device_async(tokens.input_ids, model.device), to_device_async(tokens.attention_mask, model.device)
         out = model(input_ids=ids, attention_mask=mask, pixel_values=pixels.to(model.device, model.dtype),
                     image_grid_thw=grid.to(model.device), output_hidden_states=True, logits_to_keep=1)
         # the tokens kept before the prompt's: <|vision_start|>, the image's, <|vision_end|> (and the Plus prefix's)
-        vision = int(grid[0].prod()) // self.merge ** 2 + len(self.tokenizer(self.vision_part()).input_ids) - 1
+        vision = (int(grid[:count].prod(dim=-1).sum()) // self.merge ** 2
+                  + len(self.tokenizer(self.vision_part(count)).input_ids) - count)
         states, kept = prompt_states(out.hidden_states[-1], mask, EDIT_DROP, vision + self.length)
         return {"prompt_embeds": states.float().to(device), "prompt_mask": kept.to(device)}
+
+    def training_rows(self, captions, device: torch.device | str) -> None:
+        """None: a live encoder has no cached rows (``data.pair_cache.CachedPairEncoder`` has): the family encodes
+        each training row with its reference at each step."""
+        return None
 
 
 def pil_images(pixels: Tensor) -> list:
@@ -242,8 +284,8 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
     def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
         if not isinstance(cond, dict) or "prompt_embeds" not in cond:  # a prompt without its reference image
             raise ValueError(f"the {self.family} model edits a reference image: its prompts are encoded with it, and "
-                             "this use gives none (evaluation on captions and DreamBooth's prior images are not "
-                             "supported for an edit model)")
+                             "this use gives none (evaluation on captions alone is not supported for an edit model; "
+                             "DreamBooth's class images are made from the instance pairs' references)")
         if NULL_FLAG in cond:  # guidance's unconditional rows: each row's negative states (QwenImageEditFamily)
             use = (cond[NULL_FLAG] > 0.5).view(-1, 1)
             cond = cond | {"prompt_embeds": torch.where(use[..., None], cond["negative_embeds"], cond["prompt_embeds"]),
@@ -253,14 +295,15 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
         b, _, h, w = x.shape
         require_keys(cond, KEYS + (REFERENCE,), b, self.family)
         self.check_latent_size(h, w)
-        ref = cond[REFERENCE]
-        self.check_latent_size(*ref.shape[-2:])
-        rh, rw = ref.shape[-2:]
-        tokens = torch.cat([pack(x), pack(ref.to(x.dtype))], dim=1)
+        refs = [cond[k] for k in reference_keys(MAX_REFERENCES) if k in cond]  # in order: "Picture 1", 2, ...
+        for ref in refs:
+            self.check_latent_size(*ref.shape[-2:])
+        tokens = torch.cat([pack(x), *(pack(ref.to(x.dtype)) for ref in refs)], dim=1)
+        shapes = [(1, h // 2, w // 2), *((1, ref.shape[-2] // 2, ref.shape[-1] // 2) for ref in refs)]
         out = self.model(hidden_states=tokens, timestep=t.expand(b).to(x.dtype) / 1000,
                          encoder_hidden_states=cond["prompt_embeds"].to(x.dtype),
                          encoder_hidden_states_mask=cond["prompt_mask"] > 0.5,
-                         img_shapes=[[(1, h // 2, w // 2), (1, rh // 2, rw // 2)]] * b, return_dict=False)[0]
+                         img_shapes=[shapes] * b, return_dict=False)[0]
         return unpack(out[:, : (h // 2) * (w // 2)], h, w)
 
 
@@ -271,15 +314,13 @@ class QwenImageEditFamily(QwenImageFamily):
     pipeline_class = "QwenImageEditPipeline"
     denoiser_class = QwenImageEditDenoiser
     references = 1  # one reference image per sample (data.references)
+    max_references = 1  # QwenImageEditPipeline's prompt template holds one image
+    # the run's prompts cached with their pairs' references (data/pair_cache.py): training never runs the encoder
+    text_cache = "pairs"
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
                             max_sequence_length: int = 0, deferred: bool = False) -> QwenEditPromptEncoder:
         return QwenEditPromptEncoder(Path(folder), max_sequence_length, deferred).to(device)
-
-    def training_defaults(self, folder: Path) -> dict[str, object]:
-        """Qwen-Image's, the text cache off: the prompt is encoded with its reference at each step (so the
-        encoder stays loaded, which ``estimate`` then counts)."""
-        return {**super().training_defaults(folder), "text.cache": "off"}
 
     def part_checks(self) -> dict:
         """The exported processor/ checked by loading its tokenizer and its image processor (transformers'
@@ -294,11 +335,6 @@ class QwenImageEditFamily(QwenImageFamily):
             return image_processor(folder.parent, Qwen2VLImageProcessorPil)
 
         return {"processor": processor}
-
-    def run_prompt_encoder(self, cfg, device: torch.device | str = "cpu", cache=None) -> QwenEditPromptEncoder:
-        """The run's encoder, never behind the text cache (a condition is a caption AND its reference image: the
-        cache keys on captions alone): :meth:`edit_condition` runs it at each step."""
-        return super().run_prompt_encoder(cfg, device, None)
 
     def condition(self, c, captions, drop: Tensor | None, device: torch.device, geometry: Tensor | None = None,
                   size: tuple[int, int] | None = None) -> Condition:
@@ -318,16 +354,24 @@ class QwenImageEditFamily(QwenImageFamily):
                        images: list[Tensor] | None = None, device: torch.device | str = "cpu") -> Condition:
         """The rows' prompt states encoded with their reference image, and the reference's latents.
         Training (``drop`` given): the dropped rows' captions "" (the empty prompt with the same image, the
-        pipeline's negative); the image the vision tower sees is the reference's cached latent mean decoded by
-        the VAE (training holds no pixels). Sampling (``images``, the references' pixels): the prompts' states and
+        pipeline's negative): the pair cache's rows (``c.text.training_rows``: each caption's and ""'s states with
+        the reference file's pixels, read in the loader's workers), or, without the cache, the rows encoded now
+        with the reference's cached latent mean decoded by the VAE (training holds no pixels). Sampling (``images``, the references' pixels): the prompts' states and
         the empty prompt's (``negative_embeds``, ``negative_mask``) which :data:`NULL_FLAG` selects."""
         if captions is None:
             raise ValueError(f"the {self.name} family encodes each prompt with its reference image: give the prompts")
+        rows = c.text.training_rows(captions, device) if drop is not None else None
+        if rows is not None:  # the pair cache's: each row's caption and "" encoded with its reference file
+            use = drop.to(rows["prompt_mask"].device).view(-1, 1)
+            return {"prompt_embeds": torch.where(use[..., None], rows["empty_embeds"], rows["prompt_embeds"]),
+                    "prompt_mask": torch.where(use, rows["empty_mask"], rows["prompt_mask"])} \
+                | self.reference_condition(references)
         captions = list(captions)
         if drop is not None:  # a host read of B flags per step
             captions = ["" if d else text for text, d in zip(captions, drop.tolist())]
-        pixels = images[0] if images else c.decode(references[0])
-        pil = pil_images(pixels)
+        self.reference_condition(references)  # the count checked before any encoding
+        per_ref = [pil_images(images[k] if images else c.decode(ref)) for k, ref in enumerate(references)]
+        pil = [row[0] if len(row) == 1 else row for row in zip(*per_ref)]  # each row's image(s)
         cond = c.text.encode_edit(captions, pil, device) | self.reference_condition(references)
         if drop is None:
             empty = c.text.encode_edit([""] * len(captions), pil, device)
@@ -335,20 +379,25 @@ class QwenImageEditFamily(QwenImageFamily):
         return cond
 
     def reference_condition(self, references: list[Tensor]) -> Condition:
-        """``{"reference": (B, 16, h', w')}``: the one reference's latents (model space), which
-        :class:`QwenImageEditDenoiser` packs after the target's tokens."""
-        if len(references) != self.references:
-            raise ValueError(f"the {self.name} family takes {self.references} reference image per sample, "
-                             f"got {len(references)}")
-        return {REFERENCE: references[0]}
+        """``{"reference": (B, 16, h', w')}``: the reference's latents (model space), which
+        :class:`QwenImageEditDenoiser` packs after the target's tokens; the Plus family's several
+        (:attr:`max_references`): ``"reference_2"``, ... after it, in order."""
+        if not self.references <= len(references) <= self.max_references:
+            most = f"{self.references} to {self.max_references}" if self.max_references > self.references \
+                else f"{self.references}"
+            raise ValueError(f"the {self.name} family takes {most} reference image(s) per sample, got {len(references)}")
+        return dict(zip(reference_keys(len(references)), references))
+
+    def cache_fill_tokens(self) -> int:
+        """The pair cache's fill (``data/pair_cache.py``): each prompt with a 1024 px reference's vision tokens."""
+        return VISION_TOKENS_1024
 
     def condition_shapes(self, config: dict, max_sequence_length: int = 0) -> dict[str, tuple[int, ...]]:
         """Qwen-Image's, the prompt's states longer by the vision tokens of a 1024 px reference (smart_resize:
         1036 x 1036, 37 x 37 merged 28 px patches, + 2); the estimate adds the reference's latents itself."""
         shapes = super().condition_shapes(config, max_sequence_length)
-        vision = round(1024 / 28) ** 2 + 2
         length, width = shapes["prompt_embeds"]
-        return {"prompt_embeds": (length + vision, width), "prompt_mask": (length + vision,)}
+        return {"prompt_embeds": (length + VISION_TOKENS_1024, width), "prompt_mask": (length + VISION_TOKENS_1024,)}
 
 
 class QwenImageEditPlusDenoiser(QwenImageEditDenoiser):
@@ -358,13 +407,14 @@ class QwenImageEditPlusDenoiser(QwenImageEditDenoiser):
 
 
 class QwenImageEditPlusFamily(QwenImageEditFamily):
-    """Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline) with one reference image: Qwen-Image-Edit but for the
-    prompt (:class:`QwenEditPlusPromptEncoder`). The pipeline takes several images, batch 1; difftrain one
-    reference per sample (``data.references``), any batch."""
+    """Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): Qwen-Image-Edit but for the prompt
+    (:class:`QwenEditPlusPromptEncoder`) and its references: one or several per sample (``data.references``, or
+    ``data.reference_column`` naming a list), any batch (the pipeline: a list of images, batch 1)."""
 
     name = "qwen-image-edit-plus"
     pipeline_class = "QwenImageEditPlusPipeline"
     denoiser_class = QwenImageEditPlusDenoiser
+    max_references = MAX_REFERENCES  # the pipeline's list of images ("Picture 1: ...", "Picture 2: ...", ...)
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
                             max_sequence_length: int = 0, deferred: bool = False) -> QwenEditPlusPromptEncoder:

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from difftrain.data.text_cache import cached_prompt_encoder
+from difftrain.data.pair_cache import TEXT_CACHES
 from difftrain.data.transforms import load_image, resize_center_crop, resize_crop, to_tensor
 from difftrain.families import UNET, Family, family_of_config
 from difftrain.models import MODEL_PRESETS
@@ -101,11 +101,12 @@ class Conditioning:
                     text_cache: bool = False) -> Conditioning:
         """The conditioning of ``cfg``: loads ``model.text_encoder`` and ``model.vae`` (local folders,
         frozen) onto ``device``. ``text_cache`` (training): a base family's encoders behind the text cache
-        where ``text.cache`` asks for it (``data/text_cache.py``), loaded only to fill it."""
+        where ``text.cache`` asks for it (``data/text_cache.py``; an edit family's whose encoder sees the reference:
+        ``data/pair_cache.py``, ``Family.text_cache``), loaded only to fill it."""
         text = codec = None
         family = family_of_config(cfg.model)  # a base family encodes its own prompts; difftrain's UNet with TextEncoder
         if cfg.model.text_encoder:
-            text = family.run_prompt_encoder(cfg, device, cached_prompt_encoder if text_cache else None)
+            text = family.run_prompt_encoder(cfg, device, TEXT_CACHES[family.text_cache] if text_cache else None)
         if cfg.model.vae:
             codec = family.load_codec(cfg.model.vae, device)  # the family's VAE class (LatentCodec's by default)
         made = cls(num_classes, text, codec, channels=cfg.data.channels, resolution=cfg.data.resolution, family=family)

@@ -57,6 +57,7 @@ from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
 from difftrain.runtime.fsdp import blocks
 from difftrain.models.text import first_line
 from difftrain.models.vae import VAE_FACTORS
+from difftrain.data.pair_cache import FILL_ROWS
 from difftrain.data.text_cache import text_cache_wanted
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
@@ -143,7 +144,7 @@ def text_encoder_params(folder: Path) -> int:
 PADDED_POSITIONS = 1024  # CLIP's 77 positions are each prompt's length; a language model's (Qwen2.5-VL's 128000) are not
 
 
-def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
+def text_cache_fill_bytes(folder: Path, cfg, family=None) -> tuple[int, str]:
     """Peak device bytes of filling the text cache (``data/text_cache.py``: one encoder on the device at a
     time, in the compute dtype, before training starts; then released), and the largest encoder's name: its
     weights in ``train.precision``'s dtype (float32 for fp32) plus one fill batch's (``validation.heldout_batch_size``
@@ -151,10 +152,14 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
     max(hidden, feed-forward width)) and its attention scores (heads x tokens^2); tokens: an encoder's
     ``max_position_embeddings`` when at most :data:`PADDED_POSITIONS` (CLIP's 77: prompts are padded to it), else
     (T5, which has none; a language model's thousands) ``model.max_sequence_length`` or 512; a multimodal model's
-    widths are its ``text_config``'s."""
+    widths are its ``text_config``'s. ``family`` (the base's): its ``cache_fill_tokens`` (an edit family's reference
+    tokens) added to each prompt's, its kind of cache's prompts per encoder call (``data/pair_cache.FILL_ROWS``)
+    instead of the held-out batch where it has its own."""
     import transformers
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
+    extra = family.cache_fill_tokens() if family is not None else 0
+    rows = (FILL_ROWS[family.text_cache] if family is not None else 0) or cfg.validation.heldout_batch_size
     for part, value in sorted(index.items()):
         if not part.startswith("text_encoder") or not isinstance(value, list) or not (folder / part).is_dir():
             continue
@@ -164,10 +169,10 @@ def text_cache_fill_bytes(folder: Path, cfg) -> tuple[int, str]:
             params = sum(p.numel() for p in cls(cls.config_class.from_dict(raw)).parameters())
         dims = raw.get("text_config") or raw  # a multimodal model's language model (Mistral3's) runs the prompt
         positions = dims.get("max_position_embeddings") or math.inf
-        tokens = positions if positions <= PADDED_POSITIONS else cfg.model.max_sequence_length or 512
+        tokens = (positions if positions <= PADDED_POSITIONS else cfg.model.max_sequence_length or 512) + extra
         width = max(dims.get("hidden_size") or dims.get("d_model", 0), dims.get("intermediate_size") or dims.get("d_ff", 0))
         heads = dims.get("num_attention_heads") or dims.get("num_heads", 0)
-        total = (params + cfg.validation.heldout_batch_size * max(2 * tokens * width, heads * tokens**2)) * itemsize
+        total = (params + rows * max(2 * tokens * width, heads * tokens**2)) * itemsize
         if total > peak:
             peak, name = total, f"{part} ({value[1]})"
     return peak, name
@@ -267,8 +272,9 @@ class _Network:
             return per_sample_loss(objective, self.model, x0, cond, levels, torch.empty_like(x0)).mean()
 
         quantized = frozenset(id(w) for w in self.quantized(quantize))
-        return saved_for_backward(forward, self.model, cfg.train.precision,
-                                  self.denoiser.model if checkpointing else None, quantized)
+        with self.denoiser.counted_on_meta():  # a model reading values on the host (Lumina 2's mask) says how
+            return saved_for_backward(forward, self.model, cfg.train.precision,
+                                      self.denoiser.model if checkpointing else None, quantized)
 
 
 def _settings(optimizer_name: str, ranks: int) -> list[Setting]:
@@ -513,7 +519,7 @@ def count_base(cfg, base: str, ranks: int = 8, parallel: str | None = None, reso
         "lora_parameters": info["lora_parameters"],
         "text_encoders": "cached (not loaded)" if text_cache_wanted(cfg.text) else
                          f"loaded, {'float32' if held_dtype(own, cfg.train.precision, 'text') is None else cfg.train.precision}",
-        "text_cache_fill": text_cache_fill_bytes(b.folder, cfg) if text_cache_wanted(cfg.text) else None,
+        "text_cache_fill": text_cache_fill_bytes(b.folder, cfg, b.family) if text_cache_wanted(cfg.text) else None,
         "ema_copies": 1 + len(cfg.ema.posthoc_std),
         "activations_note": info["activations_note"],
         "rows": [rows[s] for s in settings],

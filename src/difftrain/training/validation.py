@@ -78,6 +78,10 @@ def _plan(v, shape: tuple[int, int, int], conditioning: Conditioning, dataset) -
         cpu = lambda t: t.cpu()  # noqa: E731
         condition = map_condition(cpu, conditioning.prompts([p for p in prompts for _ in range(ncols)], device))
         if conditioning.family.references:  # an edit family: each row's reference image (validation.references)
+            if getattr(dataset, "references", 1) > 1:  # pairs of several references each: not with one per row
+                raise ValueError(f"validation.references: the training pairs have {dataset.references} reference "
+                                 "images each, a grid row takes one; set validation.every_steps = 0 (several per "
+                                 "row are not supported yet)")
             condition = condition | map_condition(cpu, _reference_rows(v, prompts, ncols, shape, conditioning))
         return ValidationPlan(noise, condition, map_condition(cpu, conditioning.null(1, device)), ncols, prompts)
     noise = initial_noise(v.num_images, shape, v.seed)
