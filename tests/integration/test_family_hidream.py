@@ -243,17 +243,11 @@ def test_the_moe_routes_without_a_mask_per_expert_and_trains_as_diffusers(folder
         if checkpointing:
             ref.enable_gradient_checkpointing()
         weights = torch.linspace(-1, 1, x.numel()).view_as(x)
-
-        def ours():
-            (net(x, t, cond) * weights).sum().backward()
-
-        def theirs():
-            out = -ref(hidden_states=x, timesteps=t, encoder_hidden_states_t5=cond["t5"],
-                       encoder_hidden_states_llama3=cond["llama"].transpose(0, 1), pooled_embeds=cond["pooled"],
-                       return_dict=False)[0]
-            (fold_training_output(out, 8, 8, 2) * weights).sum().backward()
-
-        counts, reference = _op_counts(ours), _op_counts(theirs)
+        counts = _op_counts(lambda net=net, w=weights: (net(x, t, cond) * w).sum().backward())
+        reference = _op_counts(lambda ref=ref, w=weights: (fold_training_output(-ref(
+            hidden_states=x, timesteps=t, encoder_hidden_states_t5=cond["t5"],
+            encoder_hidden_states_llama3=cond["llama"].transpose(0, 1), pooled_embeds=cond["pooled"],
+            return_dict=False)[0], 8, 8, 2) * w).sum().backward())
         assert reference.get("aten::nonzero", 0) > 0 and reference.get("aten::one_hot", 0) > 0  # what is measured
         assert counts.get("aten::nonzero", 0) == 0 and counts.get("aten::one_hot", 0) == 0
         grads = {n: p.grad for n, p in ref.named_parameters()}

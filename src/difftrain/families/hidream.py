@@ -42,7 +42,7 @@ The MoE blocks in training mode (``model.train()``, config force_inference_outpu
   :func:`routed_moe`: diffusers' values and gradients bit for bit, without its per-expert boolean masks (two host
   syncs per expert on CUDA) nor the auxiliary loss it computes and drops. What remains beyond the script's step
   is the true gradient's cost: backward through the two routed experts of every token (the script's gradient
-  skips them), about 0.8x the script's speed on the tests' tiny base without gradient checkpointing.
+  skips them): the denoiser's step 0.77x the script's routing on the tests' tiny base (docs/fine_tuning.md).
 Training (the script): FlowMatchEulerDiscreteScheduler loaded with shift=3.0 whatever the base's config
   says; u uniform (weighting_scheme "none"), timesteps = scheduler.timesteps[floor(1000 u)], the shifted grid:
   here diffusion.flow_t_sampling = "uniform", flow_train_shift = 3.0 (the script's constant); x_t = (1 - sigma)
