@@ -10,9 +10,11 @@ both at the same time, one core each; steps per second from each one's own log, 
 The families of 2026 (:data:`NEW_FAMILIES`: Z-Image, Qwen-Image, FLUX.2 [klein], Lumina 2, Sana, HiDream, and
 FLUX.2 [dev] and Flux Kontext, whose scripts do not run on the tests' bases) beside diffusers' script for each
 (``train_dreambooth_lora_z_image.py`` ...), on the tests' tiny base of the family (tests/family_bases_*.py),
-``--size tiny`` only; ``--our-set KEY=VALUE`` adds a difftrain ``--set`` (e.g. no gradient checkpointing):
+``--size tiny`` only; ``--our-set KEY=VALUE`` adds a difftrain ``--set`` (e.g. no gradient checkpointing),
+``--peer-arg=ARG`` an argument of the script (e.g. its ``--gradient_checkpointing``, as difftrain's presets):
 
     python bench/family_peer_speed.py --peer-python /tmp/peer-venv/bin/python --family z-image --steps 600
+    python bench/family_peer_speed.py ... --family z-image --steps 600 --peer-arg=--gradient_checkpointing
 
 ``--size tiny`` trains bases of about the tests' size; ``--size proportioned`` bases whose text
 encoders weigh against the denoiser as the real family's do (SDXL 0.3, SD3 2.8, Flux 0.4), because what the peer repeats at every step (each text
@@ -307,6 +309,9 @@ def main() -> int:
     p.add_argument("--cores", default="0,1", help="the peer's core and difftrain's (swap them for a second run)")
     p.add_argument("--our-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a further difftrain --set (e.g. model.gradient_checkpointing=false, as the scripts run)")
+    p.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                   help="a further argument of the script (e.g. --peer-arg=--gradient_checkpointing, as difftrain's "
+                        "presets run)")
     args = p.parse_args()
     args.resolution = args.resolution or (32 if args.size == "tiny" and not args.memory else 64)
     args.precision = args.precision or ("bf16" if args.memory else "fp32")
@@ -327,7 +332,7 @@ def main() -> int:
     peer_core, our_core = args.cores.split(",")
     timed = ["/usr/bin/time", "-f", "peak-kib %M", "taskset", "-c"]
     peer = timed + [peer_core, args.peer_python, str(PEERS / SCRIPTS[args.family])] + peer_command(
-        args.family, base, data, peer_out, args) + peer_precision(args)
+        args.family, base, data, peer_out, args) + peer_precision(args) + args.peer_arg
     ours = timed + [our_core] + our_command(args.family, base, data, run_dir, args)
     for o in args.our_set:
         ours += ["--set", o]

@@ -10,11 +10,13 @@ import shutil
 import pytest
 import torch
 
-from tests.family_bases_hidream import LENGTH, LLAMA_LAYERS, TOKENS, write_tiny_hidream_folder
+from tests.family_bases import T5_WIDTH
+from tests.family_bases_hidream import (CLIP_G_WIDTH, CLIP_L_WIDTH, LENGTH, LLAMA_LAYERS, LLAMA_WIDTH, TOKENS,
+                                        write_tiny_hidream_folder)
 
 diffusers = pytest.importorskip("diffusers")
 
-from difftrain.families.hidream import HiDreamFamily  # noqa: E402
+from difftrain.families.hidream import HiDreamFamily, fold_training_output  # noqa: E402
 
 CAPTIONS = ["a red circle", "a blue square on a dark background"]
 
@@ -214,6 +216,53 @@ def test_bad_input_gets_one_line(tmp_path, folder):
     with pytest.raises(ValueError, match="text_encoder_4") as info:
         family.load_prompt_encoder(partial)
     assert "\n" not in str(info.value) and "Llama" in str(info.value)
+
+
+def _op_counts(fn) -> dict[str, int]:
+    """How many times ``fn()`` ran each aten op (torch.profiler's events, CPU)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def test_the_moe_routes_without_a_mask_per_expert_and_trains_as_diffusers(folder):
+    """In training mode the MoE feed-forwards give diffusers' training path's values and gradients bit for bit (full
+    fine-tuning: every weight's, the experts' and gates' too; with gradient checkpointing, whose recompute runs
+    them again), without a boolean mask per expert (aten::nonzero: a host sync on CUDA, 8 per MoE forward in
+    diffusers) and without the auxiliary loss diffusers computes and drops (aten::one_hot)."""
+    family = HiDreamFamily()
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(3, 16, 8, 8, generator=g), torch.tensor([900.0, 25.0, 500.0])
+    cond = {"pooled": torch.randn(3, CLIP_L_WIDTH + CLIP_G_WIDTH, generator=g),
+            "t5": torch.randn(3, LENGTH, T5_WIDTH, generator=g),
+            "llama": torch.randn(3, LLAMA_LAYERS, LENGTH, LLAMA_WIDTH, generator=g)}
+    for checkpointing in (False, True):
+        net = family.load_denoiser(folder).train()
+        ref = diffusers.HiDreamImageTransformer2DModel.from_pretrained(str(folder / "transformer")).train()
+        net.set_gradient_checkpointing(checkpointing)
+        if checkpointing:
+            ref.enable_gradient_checkpointing()
+        weights = torch.linspace(-1, 1, x.numel()).view_as(x)
+        counts = _op_counts(lambda net=net, w=weights: (net(x, t, cond) * w).sum().backward())
+        reference = _op_counts(lambda ref=ref, w=weights: (fold_training_output(-ref(
+            hidden_states=x, timesteps=t, encoder_hidden_states_t5=cond["t5"],
+            encoder_hidden_states_llama3=cond["llama"].transpose(0, 1), pooled_embeds=cond["pooled"],
+            return_dict=False)[0], 8, 8, 2) * w).sum().backward())
+        assert reference.get("aten::nonzero", 0) > 0 and reference.get("aten::one_hot", 0) > 0  # what is measured
+        assert counts.get("aten::nonzero", 0) == 0 and counts.get("aten::one_hot", 0) == 0
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        ours_grads = {n: p.grad for n, p in net.model.named_parameters()}
+        assert ours_grads.keys() == grads.keys() and any(".experts." in n for n in grads)
+        for name, grad in grads.items():
+            assert (grad is None) == (ours_grads[name] is None), name
+            if grad is not None:
+                assert torch.equal(ours_grads[name], grad), name
+        net.eval()
+        with torch.no_grad():  # inference mode: diffusers' own path
+            assert torch.equal(net(x, t, cond), -ref.eval()(hidden_states=x, timesteps=t,
+                                                            encoder_hidden_states_t5=cond["t5"],
+                                                            encoder_hidden_states_llama3=cond["llama"].transpose(0, 1),
+                                                            pooled_embeds=cond["pooled"], return_dict=False)[0])
 
 
 def test_estimate_counts_the_moe_activations_on_the_meta_device(folder):

@@ -73,6 +73,25 @@ def test_prompt_encoder_and_denoiser_equal_the_pipelines(folder):
     assert units == [*model.noise_refiner, *model.context_refiner, *model.layers] and len(units) == 4
 
 
+def test_caption_states_are_slices_of_the_padded_states_not_a_mask_per_caption():
+    """The denoiser's list of caption states (the pipeline's) is taken from the text cache's padded states per step:
+    each caption's tokens are one run of its row (right or left padding, or none), so each entry is a view of the
+    states, the mask read on the host once, not a boolean index per caption (aten::nonzero: a host sync on CUDA,
+    and a copy); a mask that is not one run per row is still indexed by it."""
+    embeds = torch.randn(4, 6, 3)
+    rows = [[1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]]  # right, left, none, empty
+    mask = torch.tensor(rows, dtype=torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        states = caption_list(embeds, mask)
+    assert not [e for e in prof.key_averages() if e.key == "aten::nonzero"]
+    for state, row, keep in zip(states, embeds, mask.bool(), strict=True):
+        assert torch.equal(state, row[keep])
+        assert state.numel() == 0 or state.untyped_storage().data_ptr() == embeds.untyped_storage().data_ptr()
+    holes = torch.tensor([[1, 0, 1, 0, 0, 0]] * 4, dtype=torch.float32)  # not one run: indexed by the mask
+    for state, row in zip(caption_list(embeds, holes), embeds, strict=True):
+        assert torch.equal(state, row[holes[0].bool()])
+
+
 def test_family_is_registered_and_detected(folder):
     from difftrain.families import detect, family_named, family_of_record
 

@@ -38,7 +38,11 @@ The MoE blocks in training mode (``model.train()``, config force_inference_outpu
   script loads the transformer with force_inference_output=True, which skips it too, and routes in
   ``moe_infer`` under ``torch.no_grad``: its gradients never reach the routed experts nor the gate, nor flow
   back through them. difftrain adds no auxiliary loss either, and trains on the differentiable path (the
-  same forward values; the true gradient; full fine-tuning trains the experts and gates).
+  same forward values; the true gradient; full fine-tuning trains the experts and gates). It runs that path as
+  :func:`routed_moe`: diffusers' values and gradients bit for bit, without its per-expert boolean masks (two host
+  syncs per expert on CUDA) nor the auxiliary loss it computes and drops. What remains beyond the script's step
+  is the true gradient's cost: backward through the two routed experts of every token (the script's gradient
+  skips them): the denoiser's step 0.77x the script's routing on the tests' tiny base (docs/fine_tuning.md).
 Training (the script): FlowMatchEulerDiscreteScheduler loaded with shift=3.0 whatever the base's config
   says; u uniform (weighting_scheme "none"), timesteps = scheduler.timesteps[floor(1000 u)], the shifted grid:
   here diffusion.flow_t_sampling = "uniform", flow_train_shift = 3.0 (the script's constant); x_t = (1 - sigma)
@@ -57,7 +61,7 @@ LoRA: the script's default targets ["to_k", "to_q", "to_v", "to_out"]: peft's su
 FSDP units and block swap: the 16 double-stream and 32 single-stream HiDreamBlocks, in forward order.
 ``difftrain estimate`` on the meta device: the MoE's routing is data (boolean masks, bincount), which meta
   tensors lack; there each MoE feed-forward splits its tokens' copies evenly among the experts
-  (:func:`balanced_experts`), which keeps the same bytes for backward as any routing does.
+  (:func:`balanced_moe`), which keeps the same bytes for backward as any routing does.
 
 Known base ``tools/bases/hidream`` (HiDream-I1-Full, 17.1B transformer parameters counted on meta): the
 transformer's config as diffusers' HiDream conversion script writes it (hlky/diffusers,
@@ -74,7 +78,6 @@ published scheduler_config.json was not read here).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from pathlib import Path
@@ -164,21 +167,50 @@ def balanced_moe(moe, x: Tensor) -> Tensor:
     return y + moe.shared_experts(x)
 
 
-@contextlib.contextmanager
-def balanced_experts(model: nn.Module, on: bool):
-    """With ``on`` (a forward on the meta device: ``difftrain estimate`` counting activations), every MoE
-    feed-forward of ``model`` runs :func:`balanced_moe` instead of its data-dependent routing, then is restored."""
-    if not on:  # a real forward: nothing to look for
-        yield
-        return
-    moes = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate") and hasattr(m, "shared_experts")]
-    for moe in moes:
-        moe.forward = functools.partial(balanced_moe, moe)
-    try:
-        yield
-    finally:
-        for moe in moes:
-            del moe.forward
+def routed_moe(moe, x: Tensor) -> Tensor:
+    """A MOEFeedForwardSwiGLU's training-mode forward (differentiable routing), equal to diffusers' in its values
+    and gradients, bit for bit: the gate picks each token's ``k`` experts and weights; the token's k copies (copy j
+    of token n is row n k + j) run through their experts; y = sum over its copies of weight x expert(copy), plus
+    the shared experts. diffusers selects each expert's copies with a boolean mask and writes them back through
+    another (2 masks per expert, each a host sync on CUDA: 8 per MoE forward with HiDream-I1's 4 experts, 384 per
+    forward of its 48 blocks, twice that with gradient checkpointing's recompute) and computes an auxiliary
+    load-balancing loss it drops. Here the copies are sorted by expert once (a stable sort: each expert sees the
+    rows, in the order, its mask takes), each expert runs on its slice, and one gather puts the outputs back in
+    copy order: one host sync (the experts' counts). The gate's auxiliary loss is switched off
+    (:func:`route_experts` sets its alpha to 0).
+
+    x: (..., D) -> (..., D)."""
+    shape, d, k = x.shape, x.shape[-1], moe.num_activated_experts
+    idx, weight, _ = moe.gate(x)  # (N, k) experts and weights of the N = x.numel() / D tokens
+    flat = idx.reshape(-1)  # (N k,) the expert of each copy
+    order = torch.argsort(flat, stable=True)  # the copies grouped by expert, each group in copy order
+    counts = torch.bincount(flat, minlength=len(moe.experts)).tolist()
+    copies = x.reshape(-1, d).index_select(0, order // k)  # (N k, D) the copies' tokens, expert by expert
+    routed = torch.cat([expert(part).to(x.dtype) for expert, part in zip(moe.experts, copies.split(counts))])
+    y = routed.index_select(0, torch.argsort(order))  # (N k, D) back in copy order
+    y = (y.view(*weight.shape, d) * weight.unsqueeze(-1)).sum(dim=1).view(shape).to(x.dtype)
+    return y + moe.shared_experts(x)
+
+
+def moe_forward(moe, x: Tensor) -> Tensor:
+    """What a HiDream MoE feed-forward runs (installed by :func:`route_experts`): on meta tensors (``difftrain
+    estimate``) :func:`balanced_moe`; in training mode, where diffusers routes differentiably, :func:`routed_moe`;
+    otherwise (inference, or a transformer loaded with force_inference_output) diffusers' own forward."""
+    if x.is_meta:
+        return balanced_moe(moe, x)
+    if moe.training and not moe._force_inference_output:
+        return routed_moe(moe, x)
+    return type(moe).forward(moe, x)
+
+
+def route_experts(model: nn.Module) -> None:
+    """Every MoE feed-forward of ``model`` (a HiDreamImageTransformer2DModel) runs :func:`moe_forward` (its
+    instance's ``forward``, as accelerate's hooks install theirs: a deep copy, the EMA's, keeps it); its gate
+    computes no auxiliary loss (diffusers drops it: ``AddAuxiliaryLoss`` is commented out)."""
+    for moe in model.modules():
+        if hasattr(moe, "experts") and hasattr(moe, "gate") and hasattr(moe, "shared_experts"):
+            moe.forward = functools.partial(moe_forward, moe)
+            moe.gate.alpha = 0.0
 
 
 class HiDreamDenoiser(TransformerDenoiser):
@@ -188,6 +220,10 @@ class HiDreamDenoiser(TransformerDenoiser):
     "llama": (B, layers, L_l, caption_channels[1])} (the transformer takes the Llama layers layer-first)."""
 
     family = "hidream"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        route_experts(model)
 
     @property
     def patch(self) -> int:
@@ -204,10 +240,9 @@ class HiDreamDenoiser(TransformerDenoiser):
         b, _, h, w = x.shape
         require_keys(cond, KEYS, b, self.family)
         self.check_latent_size(h, w)
-        with balanced_experts(self.model, x.is_meta):
-            out = self.model(hidden_states=x, timesteps=t.expand(b), encoder_hidden_states_t5=cond["t5"],
-                             encoder_hidden_states_llama3=cond["llama"].transpose(0, 1),
-                             pooled_embeds=cond["pooled"], return_dict=False)[0]
+        out = self.model(hidden_states=x, timesteps=t.expand(b), encoder_hidden_states_t5=cond["t5"],
+                         encoder_hidden_states_llama3=cond["llama"].transpose(0, 1),
+                         pooled_embeds=cond["pooled"], return_dict=False)[0]
         if self.model.training and not self.model.config.force_inference_output:
             out = fold_training_output(out, h, w, self.patch)
         return -out

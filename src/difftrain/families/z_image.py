@@ -124,11 +124,21 @@ def qwen_length(requested: int, default: int, tokenizer, folder) -> int:
 
 def caption_list(embeds: Tensor, mask: Tensor) -> list[Tensor]:
     """The pipeline's list of (L_i, D) caption states from (B, L, D) padded states and their (B, L) mask
-    (> 0.5: a token). On the meta device (``estimate``), every row whole (the longest captions)."""
+    (> 0.5: a token). On the meta device (``estimate``), every row whole (the longest captions).
+
+    Each caption's tokens are one run of the row (the tokenizer pads on one side), so each entry is a slice, a
+    view of ``embeds``: the mask is read on the host once (one sync on CUDA), where a boolean index per caption
+    would sync once per caption and copy its states. A row whose mask is not one run is indexed by it."""
     if embeds.is_meta:
         return list(embeds.unbind(0))
-    keep = mask > 0.5
-    return [e[k] for e, k in zip(embeds.unbind(0), keep.unbind(0), strict=True)]
+    keep = (mask > 0.5).cpu()  # (B, L) on the host
+    lengths = keep.sum(dim=1)
+    starts = keep.int().argmax(dim=1)  # the first token (0 for an empty row)
+    positions = torch.arange(keep.shape[1])
+    runs = (positions >= starts[:, None]) & (positions < (starts + lengths)[:, None])
+    if torch.equal(runs, keep):
+        return [e[s: s + n] for e, s, n in zip(embeds.unbind(0), starts.tolist(), lengths.tolist(), strict=True)]
+    return [e[k.to(e.device)] for e, k in zip(embeds.unbind(0), keep.unbind(0), strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------
