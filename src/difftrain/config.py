@@ -339,8 +339,9 @@ class ValidationConfig(_Section):
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
     # an edit family (data.references): the reference image of each grid row, one per prompt or one for all,
-    # resized and centre-cropped to the grid's images
-    references: tuple[str, ...] = ()
+    # resized and centre-cropped to the grid's images; pairs of several references each (Qwen-Image-Edit-Plus):
+    # a list per prompt, as many as each training pair has, in order: [["a.png", "b.png"], ["c.png", "d.png"]]
+    references: tuple[str | tuple[str, ...], ...] = ()
     guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
     # Flux: the guidance input of the grids, FID and DreamBooth class samples, and of `sample` unless
     # --distilled-guidance (FluxPipeline's guidance_scale default); other bases: unused
@@ -479,7 +480,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
+        if len(inner) == 1:
+            return _coerce(key, value, inner[0])
+        for a in inner:  # the first type the value reads as (``str | tuple[str, ...]``: a string, or a list)
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {' or '.join(_described(a) for a in inner)}, got {value!r}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, args))}, got {value!r}")
@@ -515,6 +523,18 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
         raise ConfigError(f"{key} must be a string, got {value!r}")
     raise TypeError(f"unsupported config type {annotation!r} for {key}")
+
+
+_DESCRIBED = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+              bool: ("true or false", "booleans")}
+
+
+def _described(annotation: Any) -> str:
+    """``annotation`` in words for an error line: "a string", "a list of strings"."""
+    if typing.get_origin(annotation) is tuple:
+        inner = typing.get_args(annotation)[0]
+        return f"a list of {_DESCRIBED.get(inner, (None, 'values'))[1]}"
+    return _DESCRIBED.get(annotation, (repr(annotation),))[0]
 
 
 def _fields(section: Any) -> dict[str, Any]:
@@ -906,6 +926,10 @@ def _check_buckets(cfg: Config) -> None:
         _check(len(cfg.validation.references) in (1, len(cfg.validation.prompts)),
                f"validation.references: {len(cfg.validation.references)} images for {len(cfg.validation.prompts)} "
                "validation.prompts; give one per prompt, or one for all")
+        counts = sorted({1 if isinstance(r, str) else len(r) for r in cfg.validation.references})
+        _check(counts[0] > 0 and len(counts) == 1,
+               f"validation.references: every prompt takes as many reference images (each a file, or a list of "
+               f"them, as many as each training pair has), got lists of {', '.join(map(str, counts))}")
     if d.buckets != "aspect":
         _check(not d.bucket_resolutions, "data.bucket_resolutions needs data.buckets = 'aspect'")
         return

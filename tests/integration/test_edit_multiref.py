@@ -66,3 +66,52 @@ def test_sample_lora_on_an_edit_base(root, tmp_path, name):
     assert main(["sample", "--lora", str(path), "--base", str(folder), "--num", "1", "--steps", "1", "--out", str(out),
                  "--prompt", "make the square red", "--reference", str(root / "ref_a.png")]) == 0
     assert len([p for p in out.glob("*.png") if p.name != "grid.png"]) == 1
+
+
+def _plus_sets(folder, data, run_cache, *extra):
+    """A 2-step LoRA run of the tiny Plus base on pairs of two references each (data.reference_column "refs")."""
+    return ["data.resolution=32", "data.num_workers=0", f"data.path={data}", "data.reference_column=refs",
+            f"model.init_from={folder}", f"model.max_sequence_length={QWEN_LENGTH}", "optim.lr=1e-3",
+            "optim.warmup_steps=1", "train.total_steps=2", "train.batch_size=2", "train.progress_bar=false",
+            "checkpoint.every_steps=1", "lora.rank=4", "lora.alpha=4", "model.class_dropout=0.5",
+            f"data.cache_dir={run_cache}", *extra]
+
+
+def _train_args(run_dir, sets):
+    args = ["train", "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def _last_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1] if err else ""
+
+
+def test_validation_takes_a_list_of_references_per_prompt(root, tmp_path, capsys):
+    """Pairs of two references each (Qwen-Image-Edit-Plus): validation.references holds a list of two files per
+    prompt; the run validates (its grid written), resumes exactly with its validation on; a list of another length,
+    or entries of mixed lengths, is one line, exit 2 (before: every such run was refused at validation)."""
+    from tests.family_runs import run_digests
+    from tests.integration.test_qwen_edit_plus_references import _two_reference_pairs
+
+    folder = write_tiny_qwen_image_edit_plus_folder(tmp_path / "plus")
+    data = _two_reference_pairs(tmp_path)
+    a, b = str(root / "ref_a.png"), str(root / "ref_b.png")
+    sets = _plus_sets(folder, data, tmp_path / "cache", "validation.every_steps=2", "validation.steps=1",
+                      "validation.num_images=2", "validation.prompts=['put them together', 'swap them']",
+                      f"validation.references=[['{a}', '{b}'], ['{b}', '{a}']]")
+    assert main(_train_args(tmp_path / "straight", sets)) == 0
+    assert list((tmp_path / "straight" / "samples").glob("*.png"))
+    assert main(_train_args(tmp_path / "resumed", sets + ["train.total_steps=1"])) == 0
+    assert main(_train_args(tmp_path / "resumed", sets)) == 0
+    assert run_digests(tmp_path / "straight") == run_digests(tmp_path / "resumed")
+    cases = [(f"validation.references=['{a}']", "have 2 reference image(s) each"),
+             (f"validation.references=[['{a}', '{b}', '{a}']]", "have 2 reference image(s) each"),
+             (f"validation.references=[['{a}', '{b}'], '{a}']", "as many reference images"),
+             ("validation.references=[['a.png', 3]]", "validation.references must be a string or a list of strings")]
+    for k, (bad, needle) in enumerate(cases):
+        assert main(_train_args(tmp_path / f"bad{k}", sets + [bad])) == 2, bad
+        line = _last_error(capsys)
+        assert needle in line, line
