@@ -115,3 +115,39 @@ def test_validation_takes_a_list_of_references_per_prompt(root, tmp_path, capsys
         assert main(_train_args(tmp_path / f"bad{k}", sets + [bad])) == 2, bad
         line = _last_error(capsys)
         assert needle in line, line
+
+
+def test_sample_takes_several_references_per_sample(root, tmp_path, capsys):
+    """``sample --references A B`` (Qwen-Image-Edit-Plus): both images condition every sample, in order (the second
+    one matters: A A samples another image); given once per sample, each its own; a repeated --reference keeps its
+    meaning (one per sample); lists of other lengths, or both flags, are one line, exit 2."""
+    from difftrain.families.qwen_image_edit import QwenImageEditPlusFamily
+    from difftrain.generation.inference import generate_images, load_model
+
+    folder = write_tiny_qwen_image_edit_plus_folder(tmp_path / "plus")
+    path = _exported_lora(QwenImageEditPlusFamily(), folder, tmp_path / "lora")
+    a, b = str(root / "ref_a.png"), str(root / "ref_b.png")
+    loaded = load_model(None, device="cpu", lora=path, base=str(folder))
+
+    def images(num, reference):
+        return generate_images(loaded, num, sampler="euler", steps=1, prompt="put them together", reference=reference)
+
+    ab, aa = images(2, [[a, b]]), images(2, [[a, a]])
+    assert (ab - aa).abs().max() > 1e-3  # the second reference reaches the samples
+    each = images(2, [[a, a], [a, b]])  # one list per sample
+    assert (each[0] - aa[0]).abs().max() < 1e-4 and (each[1] - ab[1]).abs().max() < 1e-4
+
+    def sample(name, *refs, num=1):
+        return main(["sample", "--lora", str(path), "--base", str(folder), "--num", str(num), "--steps", "1",
+                     "--out", str(tmp_path / name), "--prompt", "put them together", *refs])
+
+    assert sample("ab", "--references", a, b) == 0
+    assert sample("each", "--references", a, a, "--references", a, b, num=2) == 0
+    assert sample("one", "--reference", a, "--reference", b, num=2) == 0  # one image per sample, as before
+    for k, bad in enumerate([["--references", a, b, "--references", a], ["--references", a, b, "--reference", a]]):
+        try:
+            code = sample(f"bad{k}", *bad, num=2)
+        except SystemExit as e:  # argparse's refusal of both flags
+            code = e.code
+        assert code == 2
+        assert "--reference" in _last_error(capsys)
