@@ -162,8 +162,9 @@ class DataConfig(_Section):
     masks: bool = False
     # an edit family's pairs (FLUX.1 Kontext): a folder holding each training image's reference image under the
     # same relative path (any image extension), as ai-toolkit's control folders and SimpleTuner's conditioning
-    # datasets pair them; each reference is resized and cropped with its image (its bucket). "" = none
-    references: str = ""
+    # datasets pair them; each reference is resized and cropped with its image (its bucket). "" = none. A list of
+    # folders: several references per image (Qwen-Image-Edit-Plus), one file of the same name in each, in order
+    references: str | tuple[str, ...] = ""
     # or: the metadata.jsonl key naming each image's reference file, relative to the jsonl's folder, e.g.
     # {"file_name": "edited/1.png", "text": "make it red", "reference": "source/1.png"} (the files it names are
     # references, not training images), or a list of them: several references per image, as many for every
@@ -913,6 +914,11 @@ def _check_buckets(cfg: Config) -> None:
                "data.masks: validation.memorization compares RGB images; set it to 'auto' (off with masks) or 'off'")
     _check(not (d.references and d.reference_column), "set data.references (a folder) or data.reference_column "
                                                           "(a metadata.jsonl key), not both")
+    if not isinstance(d.references, str):  # a list of parallel folders: several references per image, in order
+        _check(len(d.references) > 0 and all(d.references), "data.references: a folder, or a list of folders "
+                                                            f"(one reference per folder), got {list(d.references)}")
+        _check(len(set(d.references)) == len(d.references),
+               f"data.references: a folder named twice in {list(d.references)}")
     if d.references or d.reference_column:
         why = "data.references (reference images)"
         _check(not d.cache, f"{why}: the decode cache (data.cache) holds no references; set data.cache = false")
@@ -930,6 +936,10 @@ def _check_buckets(cfg: Config) -> None:
         _check(counts[0] > 0 and len(counts) == 1,
                f"validation.references: every prompt takes as many reference images (each a file, or a list of "
                f"them, as many as each training pair has), got lists of {', '.join(map(str, counts))}")
+        folders = 1 if isinstance(d.references, str) else len(d.references)
+        _check(not d.references or counts[0] == folders,
+               f"validation.references: the training pairs have {folders} reference image(s) each (data.references), "
+               f"a prompt's entry gives {counts[0]}; give each prompt a list of {folders} files, in the folders' order")
     if d.buckets != "aspect":
         _check(not d.bucket_resolutions, "data.bucket_resolutions needs data.buckets = 'aspect'")
         return

@@ -151,3 +151,55 @@ def test_sample_takes_several_references_per_sample(root, tmp_path, capsys):
             code = e.code
         assert code == 2
         assert "--reference" in _last_error(capsys)
+
+
+def _folder_pairs(root, second=(250, 250, 20)):
+    """4 captioned 32 x 32 targets in root/data and two parallel reference folders root/first, root/second (40 x 40,
+    the same stems; the second's square ``second``)."""
+    data, first, other = root / "data", root / "first", root / "second"
+    for d in (data, first, other):
+        d.mkdir(parents=True)
+    for i in range(4):
+        a = np.full((32, 32, 3), 30, np.uint8)
+        a[4:20, 4:20] = (220, 30, 30) if i % 2 else (30, 30, 220)
+        Image.fromarray(a).save(data / f"img{i}.png")
+        (data / f"img{i}.txt").write_text("put the two together\n")
+        _square(first / f"img{i}.png", 40 + 50 * i)
+        _square(other / f"img{i}.png", second)
+    return data, first, other
+
+
+def test_data_references_takes_a_list_of_parallel_folders(root, tmp_path, capsys):
+    """data.references = [FIRST, SECOND]: each target's two references, the file of its name in each folder, in
+    order (as data.reference_column's list): the Plus run trains, validates on lists of two, resumes exactly, and
+    depends on the second folder (another second folder: other weights). A file missing from a folder, a folder
+    named twice, or validation lists of another length are one line, exit 2."""
+    from difftrain.data.folder import ImageFolderDataset
+    from tests.family_runs import run_digests
+
+    folder = write_tiny_qwen_image_edit_plus_folder(tmp_path / "plus")
+    data, first, second = _folder_pairs(tmp_path)
+    ds = ImageFolderDataset(data, 32, captions=True, references=[str(first), str(second)])
+    assert ds.references == 2 and ds[(0, 0)][0].shape == (9, 32, 32)
+    assert ds.reference_files[1] == (first / "img1.png", second / "img1.png")
+    a, b = str(root / "ref_a.png"), str(root / "ref_b.png")
+    sets = [s for s in _plus_sets(folder, data, tmp_path / "cache") if not s.startswith("data.reference_column")]
+    sets += [f"data.references=['{first}', '{second}']", "validation.every_steps=2", "validation.steps=1",
+             "validation.num_images=1", "validation.prompts=['put them together']", f"validation.references=[['{a}', '{b}']]"]
+    assert main(_train_args(tmp_path / "straight", sets)) == 0
+    assert list((tmp_path / "straight" / "samples").glob("*.png"))
+    assert main(_train_args(tmp_path / "resumed", sets + ["train.total_steps=1"])) == 0
+    assert main(_train_args(tmp_path / "resumed", sets)) == 0
+    assert run_digests(tmp_path / "straight") == run_digests(tmp_path / "resumed")
+    _, _, other = _folder_pairs(tmp_path / "other", second=(20, 250, 250))
+    assert main(_train_args(tmp_path / "other", sets + [f"data.references=['{first}', '{other}']"])) == 0
+    assert run_digests(tmp_path / "other")[0] != run_digests(tmp_path / "straight")[0]
+    (second / "img2.png").unlink()
+    cases = [([], "no reference image for img2.png"),
+             ([f"data.references=['{first}', '{first}']"], "named twice"),
+             ([f"data.references=['{first}', '{other}']", f"validation.references=['{a}']"],
+              "have 2 reference image(s) each (data.references)")]
+    for k, (extra, needle) in enumerate(cases):
+        assert main(_train_args(tmp_path / f"bad{k}", sets + extra)) == 2, extra
+        line = _last_error(capsys)
+        assert needle in line and str(second) in line if k == 0 else needle in line, line
