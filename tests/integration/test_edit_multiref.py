@@ -68,6 +68,19 @@ def test_sample_lora_on_an_edit_base(root, tmp_path, name):
     assert len([p for p in out.glob("*.png") if p.name != "grid.png"]) == 1
 
 
+
+def test_init_lora_from_on_an_edit_base(tmp_path):
+    """``model.init_lora_from`` an exported LoRA file on a Qwen-Image-Edit base (the pair cache on): the start's
+    finite-output probe runs with a reference and the run trains (before: refused, as sample --lora was)."""
+    folder = write_tiny_qwen_image_edit_folder(tmp_path / "base")
+    lora = _exported_lora(QwenImageEditFamily(), folder, tmp_path / "lora")
+    data, first, _ = _folder_pairs(tmp_path)
+    sets = ["data.resolution=32", "data.num_workers=0", f"data.path={data}", f"data.references={first}",
+            f"model.init_from={folder}", f"model.max_sequence_length={QWEN_LENGTH}", "train.total_steps=1",
+            "train.batch_size=2", "train.progress_bar=false", "lora.rank=2", "lora.alpha=2", "optim.warmup_steps=0",
+            "validation.every_steps=0", f"model.init_lora_from={lora}", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(_train_args(tmp_path / "run", sets)) == 0
+
 def _plus_sets(folder, data, run_cache, *extra):
     """A 2-step LoRA run of the tiny Plus base on pairs of two references each (data.reference_column "refs")."""
     return ["data.resolution=32", "data.num_workers=0", f"data.path={data}", "data.reference_column=refs",
