@@ -1,11 +1,9 @@
 """Issue 42 (multiref): the edit families (Qwen-Image-Edit(-Plus), FLUX.1 Kontext) with LoRA files and several
 references. ``sample --lora FILE`` on an edit base (its finite-output probe runs the family's reference condition of
-zero latents); validation.references as a list per prompt; ``sample --references A,B`` (several per sample);
+zero latents); validation.references as a list per prompt; ``sample --references A B`` (several per sample);
 data.references as a list of parallel folders."""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
@@ -18,7 +16,6 @@ pytest.importorskip("peft")
 from difftrain.cli import main  # noqa: E402
 from difftrain.families.flux_kontext import FluxKontextFamily  # noqa: E402
 from difftrain.families.qwen_image_edit import QwenImageEditFamily  # noqa: E402
-from tests.family_bases import T5_LENGTH  # noqa: E402
 from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder  # noqa: E402
 from tests.family_bases_qwen_image import QWEN_LENGTH  # noqa: E402
 from tests.family_bases_qwen_image_edit import (  # noqa: E402
@@ -58,9 +55,9 @@ def test_sample_lora_on_an_edit_base(root, tmp_path, name):
     load's finite-output probe gives the edit denoiser a reference (Qwen-Image-Edit refused the null condition
     without one: every LoRA file failed)."""
     if name == "qwen-image-edit":
-        family, folder, length = QwenImageEditFamily(), write_tiny_qwen_image_edit_folder(tmp_path / "base"), QWEN_LENGTH
+        family, folder = QwenImageEditFamily(), write_tiny_qwen_image_edit_folder(tmp_path / "base")
     else:
-        family, folder, length = FluxKontextFamily(), write_tiny_flux_kontext_folder(tmp_path / "base"), T5_LENGTH
+        family, folder = FluxKontextFamily(), write_tiny_flux_kontext_folder(tmp_path / "base")
     path = _exported_lora(family, folder, tmp_path / "lora")
     out = tmp_path / "samples"
     assert main(["sample", "--lora", str(path), "--base", str(folder), "--num", "1", "--steps", "1", "--out", str(out),
