@@ -711,12 +711,13 @@ def _check_values(cfg: Config) -> None:
             if any(isinstance(v, float) and not math.isfinite(v) for v in items):
                 shown = list(value) if isinstance(value, tuple) else value
                 raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {shown}")
-            if isinstance(value, str):
+            # strings, alone or in a list (a list of lists: validation.references)
+            for text in (t for v in items for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, str)):
                 try:
-                    value.encode("utf-8")
+                    text.encode("utf-8")
                 except UnicodeEncodeError:
                     raise ConfigError(
-                        f"{section.name}.{f.name} must be UTF-8 text, got {ascii(value)} (rename the file or folder)"
+                        f"{section.name}.{f.name} must be UTF-8 text, got {ascii(text)} (rename the file or folder)"
                     ) from None
 
 

@@ -5,6 +5,8 @@ data.references as a list of parallel folders."""
 
 from __future__ import annotations
 
+import tomllib
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -14,6 +16,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from difftrain.cli import main  # noqa: E402
+from difftrain.config import ConfigError, config_to_toml, load_config  # noqa: E402
 from difftrain.families.flux_kontext import FluxKontextFamily  # noqa: E402
 from difftrain.families.qwen_image_edit import QwenImageEditFamily  # noqa: E402
 from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder  # noqa: E402
@@ -213,3 +216,20 @@ def test_data_references_takes_a_list_of_parallel_folders(root, tmp_path, capsys
         assert main(_train_args(tmp_path / f"bad{k}", sets + extra)) == 2, extra
         line = _last_error(capsys)
         assert needle in line and str(second) in line if k == 0 else needle in line, line
+
+
+def test_config_reads_lists_of_references_and_names_bad_ones():
+    """data.references a folder or a list of folders, validation.references a file or a list per prompt (both
+    through config.toml and back); an empty entry, a non-UTF-8 folder in the list, or a number, one ConfigError."""
+    base = ["data.path=/x", "data.captions=true", "model.text_encoder=/te", "validation.prompts=['p', 'q']"]
+    cfg = load_config(None, base + ["data.references=['/r1', '/r2']", "validation.references=[['a', 'b'], ['c', 'd']]"])
+    assert cfg.data.references == ("/r1", "/r2") and cfg.validation.references == (("a", "b"), ("c", "d"))
+    assert load_config(None, base + ["data.references=/r1", "validation.references=['a']"]).data.references == "/r1"
+    assert tomllib.loads(config_to_toml(cfg))["validation"]["references"] == [["a", "b"], ["c", "d"]]
+    for bad, needle in [("data.references=['/r1', '']", "a list of folders"),
+                        ("data.references=['/r1', '/r\udcff']", "UTF-8"),
+                        ("data.references=3", "data.references must be a string or a list of strings"),
+                        ("validation.references=[3]", "validation.references must be a string or a list of strings")]:
+        with pytest.raises(ConfigError, match=needle) as e:
+            load_config(None, base + ["data.references=/r", bad] if bad.startswith("validation") else base + [bad])
+        assert "\n" not in str(e.value)
