@@ -136,7 +136,7 @@ def _sample(args: argparse.Namespace) -> int:
             class_label=args.class_label,
             prompt=args.prompt,
             guidance_scale=args.guidance_scale,
-            reference=args.reference,
+            reference=args.references or args.reference,
             progress=True,
             **options,
         )
@@ -452,9 +452,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distilled-guidance", type=float,
                    help="a Flux base's guidance input (guidance-distilled; default: the run's "
                         "validation.distilled_guidance, 3.5)")
-    p.add_argument("--reference", action="append",
-                   help="an edit model (data.references): the reference image of every sample (given once), or of "
-                        "each (given --num times), resized and centre-cropped to the samples' size")
+    refs = p.add_mutually_exclusive_group()
+    refs.add_argument("--reference", action="append",
+                      help="an edit model (data.references): the reference image of every sample (given once), or "
+                           "of each (given --num times), resized and centre-cropped to the samples' size")
+    refs.add_argument("--references", action="append", nargs="+", metavar="IMAGE",
+                      help="an edit model trained on several references per item (Qwen-Image-Edit-Plus): the "
+                           "reference images of every sample, in order (given once: --references a.png b.png), or "
+                           "of each (given --num times); as many for every sample. A flag of its own, its files "
+                           "separated by spaces as any shell list, so that a repeated --reference keeps meaning one "
+                           "image per sample and no file name needs a separator escaped")
     _guide_options(p)
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     _frozen_part_options(p)

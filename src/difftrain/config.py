@@ -162,8 +162,9 @@ class DataConfig(_Section):
     masks: bool = False
     # an edit family's pairs (FLUX.1 Kontext): a folder holding each training image's reference image under the
     # same relative path (any image extension), as ai-toolkit's control folders and SimpleTuner's conditioning
-    # datasets pair them; each reference is resized and cropped with its image (its bucket). "" = none
-    references: str = ""
+    # datasets pair them; each reference is resized and cropped with its image (its bucket). "" = none. A list of
+    # folders: several references per image (Qwen-Image-Edit-Plus), one file of the same name in each, in order
+    references: str | tuple[str, ...] = ""
     # or: the metadata.jsonl key naming each image's reference file, relative to the jsonl's folder, e.g.
     # {"file_name": "edited/1.png", "text": "make it red", "reference": "source/1.png"} (the files it names are
     # references, not training images), or a list of them: several references per image, as many for every
@@ -339,8 +340,9 @@ class ValidationConfig(_Section):
     seed: int = 0  # fixed seed: the same initial noise at every validation
     prompts: tuple[str, ...] = ()  # text models: one grid row per prompt (the grid's columns: num_images / prompts)
     # an edit family (data.references): the reference image of each grid row, one per prompt or one for all,
-    # resized and centre-cropped to the grid's images
-    references: tuple[str, ...] = ()
+    # resized and centre-cropped to the grid's images; pairs of several references each (Qwen-Image-Edit-Plus):
+    # a list per prompt, as many as each training pair has, in order: [["a.png", "b.png"], ["c.png", "d.png"]]
+    references: tuple[str | tuple[str, ...], ...] = ()
     guidance_scale: float = 1.0  # classifier-free guidance of the grids and FID samples (labels or prompts); 1 = none
     # Flux: the guidance input of the grids, FID and DreamBooth class samples, and of `sample` unless
     # --distilled-guidance (FluxPipeline's guidance_scale default); other bases: unused
@@ -479,7 +481,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
+        if len(inner) == 1:
+            return _coerce(key, value, inner[0])
+        for a in inner:  # the first type the value reads as (``str | tuple[str, ...]``: a string, or a list)
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {' or '.join(_described(a) for a in inner)}, got {value!r}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{key} must be one of {', '.join(map(repr, args))}, got {value!r}")
@@ -515,6 +524,18 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
         raise ConfigError(f"{key} must be a string, got {value!r}")
     raise TypeError(f"unsupported config type {annotation!r} for {key}")
+
+
+_DESCRIBED = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+              bool: ("true or false", "booleans")}
+
+
+def _described(annotation: Any) -> str:
+    """``annotation`` in words for an error line: "a string", "a list of strings"."""
+    if typing.get_origin(annotation) is tuple:
+        inner = typing.get_args(annotation)[0]
+        return f"a list of {_DESCRIBED.get(inner, (None, 'values'))[1]}"
+    return _DESCRIBED.get(annotation, (repr(annotation),))[0]
 
 
 def _fields(section: Any) -> dict[str, Any]:
@@ -690,12 +711,13 @@ def _check_values(cfg: Config) -> None:
             if any(isinstance(v, float) and not math.isfinite(v) for v in items):
                 shown = list(value) if isinstance(value, tuple) else value
                 raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {shown}")
-            if isinstance(value, str):
+            # strings, alone or in a list (a list of lists: validation.references)
+            for text in (t for v in items for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, str)):
                 try:
-                    value.encode("utf-8")
+                    text.encode("utf-8")
                 except UnicodeEncodeError:
                     raise ConfigError(
-                        f"{section.name}.{f.name} must be UTF-8 text, got {ascii(value)} (rename the file or folder)"
+                        f"{section.name}.{f.name} must be UTF-8 text, got {ascii(text)} (rename the file or folder)"
                     ) from None
 
 
@@ -893,6 +915,11 @@ def _check_buckets(cfg: Config) -> None:
                "data.masks: validation.memorization compares RGB images; set it to 'auto' (off with masks) or 'off'")
     _check(not (d.references and d.reference_column), "set data.references (a folder) or data.reference_column "
                                                           "(a metadata.jsonl key), not both")
+    if not isinstance(d.references, str):  # a list of parallel folders: several references per image, in order
+        _check(len(d.references) > 0 and all(d.references), "data.references: a folder, or a list of folders "
+                                                            f"(one reference per folder), got {list(d.references)}")
+        _check(len(set(d.references)) == len(d.references),
+               f"data.references: a folder named twice in {list(d.references)}")
     if d.references or d.reference_column:
         why = "data.references (reference images)"
         _check(not d.cache, f"{why}: the decode cache (data.cache) holds no references; set data.cache = false")
@@ -906,6 +933,14 @@ def _check_buckets(cfg: Config) -> None:
         _check(len(cfg.validation.references) in (1, len(cfg.validation.prompts)),
                f"validation.references: {len(cfg.validation.references)} images for {len(cfg.validation.prompts)} "
                "validation.prompts; give one per prompt, or one for all")
+        counts = sorted({1 if isinstance(r, str) else len(r) for r in cfg.validation.references})
+        _check(counts[0] > 0 and len(counts) == 1,
+               f"validation.references: every prompt takes as many reference images (each a file, or a list of "
+               f"them, as many as each training pair has), got lists of {', '.join(map(str, counts))}")
+        folders = 1 if isinstance(d.references, str) else len(d.references)
+        _check(not d.references or counts[0] == folders,
+               f"validation.references: the training pairs have {folders} reference image(s) each (data.references), "
+               f"a prompt's entry gives {counts[0]}; give each prompt a list of {folders} files, in the folders' order")
     if d.buckets != "aspect":
         _check(not d.bucket_resolutions, "data.bucket_resolutions needs data.buckets = 'aspect'")
         return

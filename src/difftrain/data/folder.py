@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +202,7 @@ class ImageFolderDataset(Dataset):
     A mask of another size than its image is a bad image (:class:`BadImage` naming both sizes).
 
     With ``references`` (``data.references``, a folder: an edit family's pairs) each image's reference image is
-    the file of the same name in that folder (:func:`find_reference`), or with ``reference_column``
+    the file of the same name in that folder (:func:`find_reference`; a list of folders: one in each, in order), or with ``reference_column``
     (``data.reference_column``) the file(s) its ``metadata.jsonl`` line names under that key, a name or a list
     of them, as many for every image (those files are then references, not training images:
     :func:`metadata_references`), each resized and cropped to the image's own crop shape (its bucket's: diffusers'
@@ -221,12 +222,15 @@ class ImageFolderDataset(Dataset):
         captions: bool = False,
         caption_column: str = "text",
         masks: bool = False,
-        references: str = "",
+        references: str | Sequence[str] = "",
         reference_column: str = "",
     ) -> None:
         check_image_options(resolution, channels, color_jitter)
         self.masks = masks
-        self.reference_root = Path(references).expanduser() if references else None
+        # data.references: the parallel folders (one, or several: each image's references, one per folder in order)
+        self.reference_roots = [Path(r).expanduser() for r in ([references] if isinstance(references, str)
+                                                                else references) if r]
+        self.reference_root = self.reference_roots[0] if self.reference_roots else None
         self.reference_column = reference_column
         self.references = int(bool(references or reference_column))  # reference images per item
         self._reference_names: dict[str, list[str]] = {}  # reference_column: image -> its references (relative)
@@ -307,7 +311,7 @@ class ImageFolderDataset(Dataset):
         """
         self.classes = list(classes)
         if self.reference_root is not None:
-            self._reference_files = [(p,) for p in reference_paths(self.reference_root, files)]
+            self._reference_files = list(zip(*(reference_paths(r, files) for r in self.reference_roots)))
         elif self.reference_column:
             self._reference_files = self._named_references(files)
         if self._reference_files:  # references per item: every item's count (a batch stacks them)

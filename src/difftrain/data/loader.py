@@ -30,7 +30,7 @@ def build_dataset(
     captions: bool = False,
     caption_column: str = "text",
     masks: bool = False,
-    references: str = "",
+    references: str | tuple[str, ...] = "",
     reference_column: str = "",
 ) -> Dataset:
     """The dataset ``path`` names, by its form:

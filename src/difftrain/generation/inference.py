@@ -145,15 +145,15 @@ def generate_images(
     class_label: int | Sequence[int] | None = None,
     prompt: str | Sequence[str] | None = None,
     guidance_scale: float = 1.0,
-    reference: str | Sequence[str] | None = None,
+    reference: str | Sequence[str | Sequence[str]] | None = None,
     **sampler_options,
 ) -> torch.Tensor:
     """(num, C, H, W) float32 images in [-1, 1] on the CPU, from the initial noise of ``seed``:
     what ``difftrain sample`` writes. Class-conditional models: ``class_label``, else one class
     per grid row; text models: ``prompt`` (one, or one per image). Samples that come out NaN or
     infinite raise ``NonFiniteSamples`` naming ``loaded.path``. An edit family's models (``Family.references``)
-    take ``reference``: the reference image's file (one, or one per image), resized and centre-cropped to the
-    samples' size."""
+    take ``reference``: the reference image's file (one, or one per image; several per image: a list of files for
+    an entry, ``[["a.png", "b.png"]]``), resized and centre-cropped to the samples' size."""
     c = loaded.conditioning
     channels, resolution = c.network_shape()
     noise = initial_noise(num, (channels, resolution, resolution), seed)
@@ -189,24 +189,33 @@ def generate_images(
         )
 
 
-def _reference_condition(c: Conditioning, num: int, reference: str | Sequence[str] | None, resolution: int,
+def _reference_condition(c: Conditioning, num: int, reference, resolution: int,
                          prompts: list[str] | None = None) -> dict:
     """The reference condition of ``num`` samples of an edit family's model (one ValueError without a
-    ``reference``, or with one for a family that takes none): each image encoded at the samples' size (and
-    given with its pixels and ``prompts`` to a family whose prompt encoder sees it)."""
+    ``reference``, or with one for a family that takes none): ``reference`` one file for every sample, a list of one
+    entry for every sample or one per sample, each entry a file or a list of files (several references per sample,
+    in order: Qwen-Image-Edit-Plus's "Picture 1", "Picture 2", ...; as many for every sample). Each image encoded at
+    the samples' size (and given with its pixels and ``prompts`` to a family whose prompt encoder sees it)."""
     if not c.family.references:
         if reference:
             raise ValueError(f"--reference given, but the {c.family.name} model takes no reference image")
         return {}
-    refs = [reference] if isinstance(reference, str) else list(reference or ())
-    if len(refs) not in (1, num):
+    rows = [[reference]] if isinstance(reference, str) else [[r] if isinstance(r, str) else list(r)
+                                                               for r in reference or ()]
+    if len(rows) not in (1, num):
         raise ValueError(f"the {c.family.name} model edits a reference image: give --reference IMAGE (one for every "
-                         f"image, or one per image: {num}), got {len(refs)}")
+                         f"image, or one per image: {num}), got {len(rows)}")
+    counts = sorted({len(row) for row in rows})
+    if len(counts) != 1 or not counts[0]:
+        raise ValueError(f"--references: every sample takes as many reference images, got {', '.join(map(str, counts))}")
     side = resolution * c.codec.factor
-    images = c.reference_images(refs, (side, side))
-    latents = c.encode_references(images)
-    rows = lambda t: t.expand(num, *t.shape[1:]) if len(refs) == 1 else t
-    return c.reference_condition([rows(latents)], prompts, images=[rows(images)])
+    grow = lambda t: t.expand(num, *t.shape[1:]) if len(rows) == 1 else t  # noqa: E731
+    latents, images = [], []
+    for k in range(counts[0]):  # reference k of every sample: (num, 3, H, W) pixels, (num, c, h, w) latents
+        pixels = c.reference_images([row[k] for row in rows], (side, side))
+        latents.append(grow(c.encode_references(pixels)))
+        images.append(grow(pixels))
+    return c.reference_condition(latents, prompts, images=images)
 
 
 def sampled_from(loaded: LoadedModel) -> str:
@@ -227,7 +236,7 @@ def sample_to_folder(
     class_label: int | None = None,
     prompt: str | Sequence[str] | None = None,
     guidance_scale: float = 1.0,
-    reference: str | Sequence[str] | None = None,
+    reference: str | Sequence[str | Sequence[str]] | None = None,
     progress: bool = False,
     **sampler_options,
 ) -> Path:

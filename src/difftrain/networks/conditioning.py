@@ -217,7 +217,8 @@ class Conditioning:
         """One ValueError unless the run's data section ``data`` (``data.references`` or ``data.reference_column``)
         and its family agree: an edit family (``Family.references``) trains on pairs, a family that takes none on
         single images (``base``: ``model.init_from``, named in the line)."""
-        references = data.references or (f"(data.reference_column {data.reference_column!r})"
+        folders = data.references if isinstance(data.references, str) else ", ".join(data.references)
+        references = folders or (f"(data.reference_column {data.reference_column!r})"
                                           if data.reference_column else "")
         if self.family.references and not references:
             raise ValueError(f"the {self.family.name} base {base} is an edit model: set data.references to a folder "

@@ -45,7 +45,9 @@ class RandomImages(Dataset):
         self.num_items = num_items
         self.captions = data.captions
         self.masks = data.masks
-        self.references = int(bool(data.references or data.reference_column))  # an edit family's pairs
+        # an edit family's pairs: a reference per folder of data.references (a list: several), else one
+        self.references = (len(data.references) if data.references and not isinstance(data.references, str)
+                           else int(bool(data.references or data.reference_column)))
 
     def __len__(self) -> int:
         return self.num_items
@@ -54,8 +56,8 @@ class RandomImages(Dataset):
         index = key[0] if isinstance(key, tuple) else key
         g = torch.Generator().manual_seed(int(index))
         x = torch.rand(self.shape, generator=g) * 2 - 1
-        if self.references:  # the reference image's channels after the target's (data/folder.py)
-            x = torch.cat([x, torch.rand(self.shape, generator=g) * 2 - 1])
+        if self.references:  # the reference images' channels after the target's, in order (data/folder.py)
+            x = torch.cat([x, *(torch.rand(self.shape, generator=g) * 2 - 1 for _ in range(self.references))])
         if self.masks:  # data.masks: every pixel trains
             x = torch.cat([x, torch.ones((1, *self.shape[1:]))])
         return x, "" if self.captions else 0

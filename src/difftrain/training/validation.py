@@ -77,12 +77,9 @@ def _plan(v, shape: tuple[int, int, int], conditioning: Conditioning, dataset) -
         device = next(conditioning.text.parameters()).device
         cpu = lambda t: t.cpu()  # noqa: E731
         condition = map_condition(cpu, conditioning.prompts([p for p in prompts for _ in range(ncols)], device))
-        if conditioning.family.references:  # an edit family: each row's reference image (validation.references)
-            if getattr(dataset, "references", 1) > 1:  # pairs of several references each: not with one per row
-                raise ValueError(f"validation.references: the training pairs have {dataset.references} reference "
-                                 "images each, a grid row takes one; set validation.every_steps = 0 (several per "
-                                 "row are not supported yet)")
-            condition = condition | map_condition(cpu, _reference_rows(v, prompts, ncols, shape, conditioning))
+        if conditioning.family.references:  # an edit family: each row's reference image(s) (validation.references)
+            condition = condition | map_condition(cpu, _reference_rows(v, prompts, ncols, shape, conditioning,
+                                                                       getattr(dataset, "references", 1) or 1))
         return ValidationPlan(noise, condition, map_condition(cpu, conditioning.null(1, device)), ncols, prompts)
     noise = initial_noise(v.num_images, shape, v.seed)
     labels = grid_class_labels(v.num_images, conditioning.num_classes)
@@ -90,20 +87,28 @@ def _plan(v, shape: tuple[int, int, int], conditioning: Conditioning, dataset) -
     return ValidationPlan(noise, labels, null, grid_columns(v.num_images), None)
 
 
-def _reference_rows(v, prompts: list[str], ncols: int, shape: tuple[int, int, int], conditioning: Conditioning
-                    ) -> dict[str, torch.Tensor]:
-    """The reference condition of every grid image: ``validation.references`` (one per prompt, or one for all),
-    each encoded at the grid's size and repeated over its row's ``ncols`` images; one ValueError without them."""
-    refs = list(v.references)
-    if len(refs) not in (1, len(prompts)):
+def _reference_rows(v, prompts: list[str], ncols: int, shape: tuple[int, int, int], conditioning: Conditioning,
+                    count: int = 1) -> dict[str, torch.Tensor]:
+    """The reference condition of every grid image: ``validation.references`` (one entry per prompt, or one for all;
+    each a file, or a list of ``count`` files: the training pairs' references per item, in order), each image
+    encoded at the grid's size and repeated over its row's ``ncols`` images; one ValueError without them, or
+    with another count than the pairs'."""
+    rows = [[r] if isinstance(r, str) else list(r) for r in v.references]
+    if len(rows) not in (1, len(prompts)):
         raise ValueError(f"validation.references: the {conditioning.family.name} base samples from a reference image; "
-                         f"give one per validation prompt ({len(prompts)}) or one for all, got {len(refs)}")
+                         f"give one per validation prompt ({len(prompts)}) or one for all, got {len(rows)}")
+    for row in rows:
+        if len(row) != count:
+            raise ValueError(f"validation.references: the training pairs have {count} reference image(s) each, "
+                             f"{row} gives {len(row)}; give each prompt a list of {count} files, in the pairs' order")
     factor = conditioning.codec.factor
-    images = conditioning.reference_images(refs, (shape[1] * factor, shape[2] * factor))
-    latents = conditioning.encode_references(images)
-    grid = lambda t: (t.expand(len(prompts), *t.shape[1:]) if len(refs) == 1 else t).repeat_interleave(ncols, dim=0)
-    return conditioning.reference_condition([grid(latents)], [p for p in prompts for _ in range(ncols)],
-                                            images=[grid(images)])
+    grid = lambda t: (t.expand(len(prompts), *t.shape[1:]) if len(rows) == 1 else t).repeat_interleave(ncols, dim=0)
+    latents, images = [], []
+    for k in range(count):  # reference k of every row: (rows, 3, H, W) pixels, (rows, c, h, w) latents
+        pixels = conditioning.reference_images([row[k] for row in rows], (shape[1] * factor, shape[2] * factor))
+        latents.append(grid(conditioning.encode_references(pixels)))
+        images.append(grid(pixels))
+    return conditioning.reference_condition(latents, [p for p in prompts for _ in range(ncols)], images=images)
 
 
 def data_prompts(dataset, count: int) -> list[str]:
