@@ -153,3 +153,16 @@ def test_what_it_does_not_combine_with_is_one_line_at_config_time(extra, match):
     with pytest.raises(ConfigError, match=match) as e:
         load_config(None, EDM2 + extra)
     assert "\n" not in str(e.value)
+
+
+def test_gradient_checkpointing_computes_the_same_gradients():
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = build_model(load_config(None, EDM2 + [f"model.gradient_checkpointing={str(on).lower()}"])).train()
+        with torch.no_grad():
+            model.out_gain.fill_(1.0)
+        assert all(b.gradient_checkpointing is on for b in model.modules() if isinstance(b, edm2.Block))
+        model(_unit(2, 3, 16, 16), torch.tensor([100.0, 700.0])).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0])
