@@ -122,6 +122,14 @@ ABLATION |= {
     "edm-b32-w48": _B32 + ("model.base_channels=48", "train.total_steps=1700"),
     "edm-b32-uw-pm-beta99": _B32 + _UW + _PM + _B99,
 }
+# Issue 43 item 1: EDM2's network (model.preset = "edm2-tiny", models/edm2.py) on the default recipe's training keys
+# (edm-b32-uw-pm-beta99), with EDM2's inverse-square-root LR at three LRs and three reference steps. Its training
+# step costs x1.45 the tiny UNet's (one process, one thread, interleaved), so 1,940 steps (2,816 / 1.45) and 140
+# warm-up steps (the default's 200 / 1.45).
+_EDM2NET = ABLATION["edm-b32-uw-pm-beta99"] + ("model.preset=edm2-tiny", "optim.lr_schedule=inverse_sqrt",
+                                               "train.total_steps=1940", "optim.warmup_steps=140")
+ABLATION |= {f"edm2net-lr{lr}-ref{ref}": _EDM2NET + (f"optim.lr={lr}", f"optim.lr_ref_steps={ref}")
+             for lr in ("3e-3", "6e-3", "1e-2") for ref in (300, 700, 1500)}
 SMOKE_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
 # The CPU mode's recipes: the four objectives at the protocol's LR, then EDM's LR and batch.
 CPU_DEFAULT = ("epsilon", "v-minsnr", "edm", "flow", "edm-lr2e-3", "edm-lr2e-3-b32")

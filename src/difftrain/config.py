@@ -39,7 +39,9 @@ OBJECTIVE_SAMPLER_NAMES: dict[str, tuple[str, ...]] = {
 # (diffusion/objective.py's DEFAULT_SAMPLERS): DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow.
 DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun"}
 # models/__init__.py's MODEL_PRESETS keys, in its order (model.preset's choices)
-MODEL_PRESET_NAMES = ("tiny", "ddpm-cifar10", "ddpm-64")
+MODEL_PRESET_NAMES = ("tiny", "ddpm-cifar10", "ddpm-64", "edm2-tiny")
+# the presets models/__init__.py's PRESET_NETWORKS builds as EDM2's network (models/edm2.py)
+EDM2_PRESET_NAMES = ("edm2-tiny",)
 Precision = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["cosine", "constant", "inverse_sqrt"]
 Toggle = Literal["auto", "on", "off"]  # auto: on for CUDA, off elsewhere
@@ -748,11 +750,33 @@ def _check_objective(cfg: Config) -> None:
     _check(not (cfg.model.magnitude_preserving and (cfg.lora.rank or cfg.model.init_from)),
            "model.magnitude_preserving builds difftrain's UNet from scratch; it does not combine with lora.rank > 0 or "
            "model.init_from (a LoRA or a base's weights are not weight-normalised)")
+    _check_edm2(cfg)
     names = OBJECTIVE_SAMPLER_NAMES[dc.objective]
     samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
     bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message
     _check(not bad, f"{' and '.join(bad)}: diffusion.objective={dc.objective!r} samples with "
                     f"{', '.join(names)} only (left unset, these keys take its default)")
+
+
+def _check_edm2(cfg: Config) -> None:
+    """EDM2's network (an EDM2_PRESET_NAMES preset) is built from scratch, conditioned on EDM's c_noise, on
+    labels or nothing: the options it does not combine with, one line each."""
+    m, preset = cfg.model, f"model.preset={cfg.model.preset!r} (EDM2's network)"
+    if m.preset not in EDM2_PRESET_NAMES:
+        return
+    _check(not cfg.lora.rank, f"{preset} trains its whole network from scratch: it does not combine with lora.rank > 0")
+    _check(not m.init_from and m.family in ("auto", ""),
+           f"{preset} is built from scratch: it does not combine with model.init_from or model.family (a base's "
+           f"weights are not EDM2's network), got model.init_from={m.init_from!r}, model.family={m.family!r}")
+    _check(cfg.diffusion.objective == "edm", f"{preset} embeds EDM's c_noise = ln(sigma) / 4: it needs "
+           f"diffusion.objective='edm', got {cfg.diffusion.objective!r}")
+    _check(not m.text_encoder, f"{preset} has no text conditioning: it does not combine with model.text_encoder "
+           "(data.captions); labels (data.class_conditional) or none")
+    _check(not m.magnitude_preserving, f"{preset} preserves magnitude in every layer already: "
+           "model.magnitude_preserving is for difftrain's UNet (set it false)")
+    _check(not (cfg.optim.name == "schedulefree" or cfg.train.parallel == "fsdp"),
+           f"{preset} renormalises its weights after each optimizer step: verified with train.parallel='ddp' "
+           "and every optimizer but schedulefree (whose iterates it would move)")
 
 
 def _check_text(cfg: Config) -> None:

@@ -36,6 +36,12 @@ _LOG_SIGMA_LO, _LOG_SIGMA_HI = math.log(0.002), math.log(80.0)
 COND_SCALE = 1000.0 / (_LOG_SIGMA_HI - _LOG_SIGMA_LO)  # per unit of ln(sigma); = 250 / (c_noise span)
 
 
+def c_noise_of_cond(cond: Tensor) -> Tensor:
+    """Table 1's c_noise = ln(sigma) / 4 from what :meth:`EDMObjective.cond` gives the network (its
+    inverse): (B,) -> (B,) float32. For a network that embeds c_noise itself (EDM2's, models/edm2.py)."""
+    return ((cond.double() / COND_SCALE + _LOG_SIGMA_LO) / 4.0).float()
+
+
 def _view(v: Tensor, like: Tensor) -> Tensor:
     """(B,) -> (B, 1, ..., 1) in like's dtype and device."""
     return v.reshape(-1, *([1] * (like.ndim - 1))).to(device=like.device, dtype=like.dtype)

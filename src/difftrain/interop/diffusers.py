@@ -21,7 +21,7 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.diffusion.scheduler_configs import scheduler_config
 from difftrain.families import family_of_record
 from difftrain.interop.ode_export import export_ode_diffusers
-from difftrain.models import build_model
+from difftrain.models import build_model, network_of_preset
 from difftrain.networks.conditioning import Conditioning, moved_parts
 
 if TYPE_CHECKING:
@@ -103,6 +103,9 @@ def _export_unet2d(state: dict, cfg, family, out: Path, use_ema: bool) -> Path:
     if cfg.model.vae:
         raise ValueError(f"{state['path']}: a latent model (model.vae) has no diffusers pixel pipeline; "
                          "export --format safetensors")
+    refusal = network_of_preset(cfg.model.preset).no_diffusers
+    if refusal:
+        raise ValueError(f"{state['path']}: model.preset={cfg.model.preset!r}: {refusal}")
     model = build_model(cfg, state["num_classes"])
     load_weights(model, state["ema"]["model"] if use_ema else state["model"], state["path"],
                  "ema.model" if use_ema else "model")

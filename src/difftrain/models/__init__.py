@@ -1,8 +1,16 @@
-"""The denoising networks: the DDPM UNet (unconditional, class- or text-conditional) and a registry
-of its presets; a base family's denoiser (a wrapped diffusers UNet2DConditionModel...) lives in `difftrain.families`."""
+"""The denoising networks: the DDPM UNet (unconditional, class- or text-conditional), EDM2's network
+(``models/edm2.py``) and a registry of their presets; a base family's denoiser (a wrapped diffusers
+UNet2DConditionModel...) lives in `difftrain.families`."""
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from torch import nn
+
+from difftrain.models import edm2
+from difftrain.models.edm2 import EDM2UNet
+from difftrain.models.layers import MPConv2d, MPLinear
 from difftrain.models.unet import UNet
 
 # UNet keyword arguments per preset; resolution, in_channels and num_classes come from the data.
@@ -35,26 +43,73 @@ MODEL_PRESETS: dict[str, dict] = {
         dropout=0.1,
         norm_groups=32,
     ),
+    # EDM2's network (config G, models/edm2.py) at the CPU protocol's size: the tiny UNet's levels, blocks and
+    # attention; 0.81M parameters at 16 px (0.77M for "tiny"), a training step about 1.45x tiny's on one CPU thread.
+    "edm2-tiny": dict(
+        base_channels=32,
+        channel_mult=(1, 1, 2),
+        num_res_blocks=1,
+        attention_resolutions=(8,),
+        dropout=0.0,
+    ),
 }
 
 
-def build_unet(
-    preset: str, *, resolution: int, in_channels: int, num_classes: int = 0, context_dim: int = 0, **overrides
-) -> UNet:
-    """Build the UNet of a preset in MODEL_PRESETS, with keyword `overrides` of its arguments.
+@dataclass(frozen=True)
+class Network:
+    """A network class of the presets: how it is built and what it needs beside its weights."""
 
-    Example: build_unet("tiny", resolution=32, in_channels=3, dropout=0.1); a text model
-    cross-attending to (B, L, 512) embeddings: build_unet("tiny", ..., context_dim=512).
-    """
-    if preset not in MODEL_PRESETS:
+    cls: type[nn.Module]  # called with resolution, in_channels, num_classes, context_dim and the preset's kwargs
+    # why ``export --format diffusers`` cannot write it ("": it maps onto diffusers' UNet2DModel)
+    no_diffusers: str = ""
+
+
+NETWORKS: dict[str, Network] = {
+    "unet": Network(UNet),
+    "edm2": Network(EDM2UNet, no_diffusers=(
+        "EDM2's network (no biases, pixel norm, MP-SiLU, MP-sum and MP-cat, cosine attention) has no diffusers "
+        "class that computes the same; export --format safetensors writes difftrain's weights file, which "
+        "difftrain sample reads")),
+}
+# The network each preset builds (a key of NETWORKS); the same keys as MODEL_PRESETS.
+PRESET_NETWORKS: dict[str, str] = {"tiny": "unet", "ddpm-cifar10": "unet", "ddpm-64": "unet", "edm2-tiny": "edm2"}
+
+
+def network_of_preset(preset: str) -> Network:
+    """The :class:`Network` that ``model.preset`` builds."""
+    if preset not in PRESET_NETWORKS:
         raise ValueError(f"unknown model preset {preset!r}; choices: {', '.join(MODEL_PRESETS)}")
-    allowed = set(inspect.signature(UNet).parameters) - {"resolution", "in_channels", "num_classes", "context_dim"}
+    return NETWORKS[PRESET_NETWORKS[preset]]
+
+
+def weight_normalised_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of ``model`` whose stored weights EDM2's forced weight normalisation puts back to unit-RMS
+    rows after every optimizer step (each has ``renormalize_()``): the UNet's ``model.magnitude_preserving``
+    layers and every layer of EDM2's network; [] for any other network."""
+    return [m for m in model.modules() if isinstance(m, (MPConv2d, MPLinear, edm2.MPConv))]
+
+
+def build_preset(
+    preset: str, *, resolution: int, in_channels: int, num_classes: int = 0, context_dim: int = 0, **overrides
+) -> nn.Module:
+    """Build the network of a preset in MODEL_PRESETS (its class: PRESET_NETWORKS), with keyword
+    `overrides` of its arguments.
+
+    Example: build_preset("tiny", resolution=32, in_channels=3, dropout=0.1); a text model
+    cross-attending to (B, L, 512) embeddings: build_preset("tiny", ..., context_dim=512).
+    """
+    cls = network_of_preset(preset).cls
+    allowed = set(inspect.signature(cls).parameters) - {"resolution", "in_channels", "num_classes", "context_dim"}
     unknown = sorted(set(overrides) - allowed)
     if unknown:
-        raise ValueError(f"unknown UNet override(s) {unknown}; choices: {', '.join(sorted(allowed))}")
+        raise ValueError(f"unknown {cls.__name__} override(s) {unknown}; choices: {', '.join(sorted(allowed))}")
     kwargs = {**MODEL_PRESETS[preset], **overrides}
-    return UNet(resolution=resolution, in_channels=in_channels, num_classes=num_classes, context_dim=context_dim,
-                **kwargs)
+    return cls(resolution=resolution, in_channels=in_channels, num_classes=num_classes, context_dim=context_dim,
+               **kwargs)
+
+
+# The name of build_preset from when every preset was a UNet.
+build_unet: Callable[..., nn.Module] = build_preset
 
 
 # Fourier features of the learned loss weighting's MLP (EDM2's logvar_channels).
@@ -63,8 +118,8 @@ LOGVAR_CHANNELS = 128
 
 def build_model(
     cfg, num_classes: int = 0, *, context_dim: int = 0, in_channels: int | None = None, resolution: int | None = None
-) -> UNet:
-    """The UNet of a config's ``model.preset`` (a ``difftrain.config.Config``) with its non-None
+) -> nn.Module:
+    """The network of a config's ``model.preset`` (a ``difftrain.config.Config``) with its non-None
     ``model.*`` overrides.
 
     ``in_channels`` and ``resolution`` default to ``data.channels`` and ``data.resolution``; a
@@ -78,7 +133,7 @@ def build_model(
         for key in ("base_channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout")
         if getattr(m, key) is not None
     }
-    return build_unet(
+    return build_preset(
         m.preset,
         resolution=cfg.data.resolution if resolution is None else resolution,
         in_channels=cfg.data.channels if in_channels is None else in_channels,
@@ -91,4 +146,5 @@ def build_model(
     )
 
 
-__all__ = ["MODEL_PRESETS", "UNet", "build_model", "build_unet"]
+__all__ = ["MODEL_PRESETS", "NETWORKS", "PRESET_NETWORKS", "EDM2UNet", "UNet", "build_model", "build_preset",
+           "build_unet", "network_of_preset", "weight_normalised_layers"]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from difftrain.config import Config, OptimConfig, OptimizerName
-from difftrain.models.layers import renormalize_magnitude_preserving_
+from difftrain.models import weight_normalised_layers
 from difftrain.runtime.optional import require
 
 Params = list[torch.Tensor]
@@ -124,9 +124,16 @@ def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torc
         raise ValueError(f"optim.name={cfg.optim.name!r} runs on {', '.join(spec.devices)}, not on {device.type}: "
                          f"use optim.name='adamw' (or another) there, or train.device one of those")
     optimizer = spec.build([p for p in model.parameters() if p.requires_grad], cfg.optim, device)
-    if cfg.model.magnitude_preserving:
-        optimizer.register_step_post_hook(lambda *_: renormalize_magnitude_preserving_(model))
+    layers = weight_normalised_layers(model)
+    if layers:
+        optimizer.register_step_post_hook(lambda *_: _renormalize(layers))
     return optimizer
+
+
+def _renormalize(layers: list[nn.Module]) -> None:
+    """EDM2's forced weight normalisation: each layer's stored rows back to unit RMS."""
+    for layer in layers:
+        layer.renormalize_()
 
 
 def state_bytes(name: OptimizerName, shapes: list[torch.Size]) -> int:
