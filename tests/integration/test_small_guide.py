@@ -116,3 +116,23 @@ def test_post_hoc_ema_options_refuse_what_does_not_combine_in_one_line(runs, tmp
         assert cli.main(["sample", *options, *SAMPLE, "--out", str(tmp_path / "x")]) == 2, options
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, (options, err)
+
+
+def test_the_bench_recipes_are_the_guide_preset_and_the_main_run_as_measured():
+    """time_to_fid.py's two rows of item 2 resolve (``--cpu-mode --recipes NAME``) to what was
+    trained: the guide preset, and the CPU preset with post-hoc EMAs for the steps left to it."""
+    from bench_modules import load_bench
+
+    bench, small = load_bench("time_to_fid"), load_bench("small_guide_fid")
+    trained = {"guide-w16-512": load_config(CONFIGS / "cifar10-16px-cpu-guide.toml", []),
+               "edm-b32-uw-pm-beta99-posthoc": load_config(CONFIGS / "cifar10-16px-cpu.toml",
+                                                           [*small.MAIN_POSTHOC, "train.total_steps=2500"])}
+    for name, want in trained.items():
+        (recipe,) = bench.build_recipes(bench.parse_args(["--cpu-mode", "--recipes", name]))
+        got = load_config(recipe.config, recipe.overrides)
+        for section in ("model", "diffusion", "optim", "ema"):
+            assert dataclasses.asdict(getattr(got, section)) == dataclasses.asdict(getattr(want, section)), (name, section)
+        for key in ("total_steps", "batch_size", "grad_accum_steps", "seed"):
+            assert getattr(got.train, key) == getattr(want.train, key), (name, key)
+        for key in ("resolution", "random_flip"):
+            assert getattr(got.data, key) == getattr(want.data, key), (name, key)
