@@ -146,10 +146,13 @@ def _sample(args: argparse.Namespace) -> int:
     except OSError as e:  # a full or read-only disk: name the folder (a failed write names no file)
         raise OSError(e.errno, f"cannot write the samples: {e.strerror or e}", e.filename or args.out) from e
     weights = "EMA" if loaded.ema else "raw"
+    source = loaded.path if args.ema_std is None else f"{args.checkpoint} (post hoc EMA sigma_rel {args.ema_std:g})"
+    guide_source = (loaded.guide if args.guide_ema_std is None else
+                    f"{args.guide or args.checkpoint} (post hoc EMA sigma_rel {args.guide_ema_std:g})")
     print(
-        f"difftrain: {args.num} images from {loaded.path} (step {loaded.step}, {weights} weights, "
+        f"difftrain: {args.num} images from {source} (step {loaded.step}, {weights} weights, "
         f"{args.sampler} {args.steps} steps, seed {args.seed}) in {args.out}; grid {grid}"
-        + (f"; autoguided by {loaded.guide} (step {loaded.guide_step}), weight {loaded.guide_weight:g}"
+        + (f"; autoguided by {guide_source} (step {loaded.guide_step}), weight {loaded.guide_weight:g}"
            if loaded.guide else "")
     )
     return 0

@@ -67,7 +67,8 @@ def test_sample_guided_with_both_ema_lengths_chosen_post_hoc(runs, tmp_path, cap
                      "--guide-ema-std", "0.12", "--guide-weight", "2", *SAMPLE, "--out", str(out)]) == 0
     said = capsys.readouterr().out
     assert "sigma_rel 0.08 (gamma" in said and "guide " in said and "sigma_rel 0.12 (gamma" in said
-    assert "autoguided by" in said and "weight 2" in said
+    assert f"images from {main} (post hoc EMA sigma_rel 0.08) (step 6" in said
+    assert f"autoguided by {guide} (post hoc EMA sigma_rel 0.12) (step 4), weight 2" in said
     # the same images as from the two EMAs written by `difftrain posthoc-ema` and given as files
     files = tmp_path / "files"
     assert cli.main(["posthoc-ema", str(main), "--std", "0.08", "--out", str(files / "main.pt")]) == 0
