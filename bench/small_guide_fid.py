@@ -165,8 +165,7 @@ def fid(args) -> int:
     for g in guides.values():
         check_compatible(first.cfg.diffusion, first.num_classes, first.conditioning, first.path, g)
     d = first.cfg.data
-    reference, _, _ = reference_statistics(args.ref, inception, resolution=d.resolution, channels=d.channels,
-                                           num=args.ref_num, batch_size=args.batch_size)
+    reference = None  # read (cached) after the first samples: another process may be making the cache
     sampler = first.cfg.evaluation.fid_sampler
     cases = [(ms, None, 1.0) for ms in args.main_std if 1.0 in args.weight]
     cases += [(ms, gs, w) for ms in args.main_std for gs in args.guide_std for w in args.weight if w != 1.0]
@@ -179,6 +178,9 @@ def fid(args) -> int:
         stats = sample_statistics(net, inception, objective=main.objective,
                                   shape=(d.channels, d.resolution, d.resolution), num=args.num, sampler=sampler,
                                   steps=args.steps, seed=args.seed, batch_size=args.batch_size)
+        if reference is None:
+            reference, _, _ = reference_statistics(args.ref, inception, resolution=d.resolution, channels=d.channels,
+                                                   num=args.ref_num, batch_size=args.batch_size)
         r = fid_result(stats, reference, kid=True)
         rows.append((ms, gs, w, nfe, r["fid"], r["kid_mean"]))
         print(f"main sigma_rel {ms:g}, guide sigma_rel {gs if gs is not None else '-'}, weight {w:g}, "
