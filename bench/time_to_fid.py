@@ -130,6 +130,17 @@ _EDM2NET = ABLATION["edm-b32-uw-pm-beta99"] + ("model.preset=edm2-tiny", "optim.
                                                "train.total_steps=1940", "optim.warmup_steps=140")
 ABLATION |= {f"edm2net-lr{lr}-ref{ref}": _EDM2NET + (f"optim.lr={lr}", f"optim.lr_ref_steps={ref}")
              for lr in ("3e-3", "6e-3", "1e-2") for ref in (300, 700, 1500)}
+# Issue 43 item 2, a guide that is a smaller, shorter run (bench/small_guide_fid.py): the guide
+# (configs/cifar10-16px-cpu-guide.toml: base width 16, 512 steps, x0.513 the default's per-step cost)
+# and the main run it guides (the default with post-hoc EMAs, x1.021), 2,500 steps so that main + guide
+# = the default's 2,816 steps (CPU time per step, one thread, interleaved: `small_guide_fid.py cost`).
+_POSTHOC = ("ema.posthoc_std=[0.05,0.10]",)
+ABLATION |= {
+    "guide-w16-512": _B32 + _UW + _PM + _B99 + _POSTHOC + (
+        "model.base_channels=16", "train.total_steps=512", "optim.warmup_steps=50", "ema.posthoc_every_steps=32"),
+    "edm-b32-uw-pm-beta99-posthoc": _B32 + _UW + _PM + _B99 + _POSTHOC + (
+        "train.total_steps=2500", "ema.posthoc_every_steps=100"),
+}
 SMOKE_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
 # The CPU mode's recipes: the four objectives at the protocol's LR, then EDM's LR and batch.
 CPU_DEFAULT = ("epsilon", "v-minsnr", "edm", "flow", "edm-lr2e-3", "edm-lr2e-3-b32")

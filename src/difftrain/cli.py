@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import traceback
 import typing
 from pathlib import Path
@@ -118,10 +119,12 @@ def _sample(args: argparse.Namespace) -> int:
     from difftrain.generation.inference import load_model, sample_to_folder  # inside: start-up
 
     _make_folder(Path(args.out), "--out")
-    loaded = load_model(args.checkpoint, use_ema=not args.no_ema, device=args.device,
-                        text_encoder=args.text_encoder, vae=args.vae, lora=args.lora, lora_scale=args.lora_scale,
-                        base=args.base, distilled_guidance=args.distilled_guidance)
-    loaded = with_guide(loaded, args.guide, args.guide_weight, guide_step=args.guide_step, use_ema=not args.no_ema)
+    with tempfile.TemporaryDirectory(prefix="difftrain-posthoc-") as tmp:  # --ema-std's, --guide-ema-std's EMAs
+        checkpoint, guide, guide_step = _posthoc_sources(args, tmp)
+        loaded = load_model(checkpoint, use_ema=not args.no_ema, device=args.device,
+                            text_encoder=args.text_encoder, vae=args.vae, lora=args.lora, lora_scale=args.lora_scale,
+                            base=args.base, distilled_guidance=args.distilled_guidance)
+        loaded = with_guide(loaded, guide, args.guide_weight, guide_step=guide_step, use_ema=not args.no_ema)
     args.sampler = args.sampler or loaded.cfg.validation.sampler  # default: the run's own
     options = {"eta": args.eta} if args.sampler == "ddim" or args.eta else {}
     try:
@@ -143,13 +146,45 @@ def _sample(args: argparse.Namespace) -> int:
     except OSError as e:  # a full or read-only disk: name the folder (a failed write names no file)
         raise OSError(e.errno, f"cannot write the samples: {e.strerror or e}", e.filename or args.out) from e
     weights = "EMA" if loaded.ema else "raw"
+    source = loaded.path if args.ema_std is None else f"{args.checkpoint} (post hoc EMA sigma_rel {args.ema_std:g})"
+    guide_source = (loaded.guide if args.guide_ema_std is None else
+                    f"{args.guide or args.checkpoint} (post hoc EMA sigma_rel {args.guide_ema_std:g})")
     print(
-        f"difftrain: {args.num} images from {loaded.path} (step {loaded.step}, {weights} weights, "
+        f"difftrain: {args.num} images from {source} (step {loaded.step}, {weights} weights, "
         f"{args.sampler} {args.steps} steps, seed {args.seed}) in {args.out}; grid {grid}"
-        + (f"; autoguided by {loaded.guide} (step {loaded.guide_step}), weight {loaded.guide_weight:g}"
+        + (f"; autoguided by {guide_source} (step {loaded.guide_step}), weight {loaded.guide_weight:g}"
            if loaded.guide else "")
     )
     return 0
+
+
+def _posthoc_sources(args: argparse.Namespace, folder: str) -> tuple[str | None, str | None, int | None]:
+    """``sample``'s (checkpoint, guide, guide step): with ``--ema-std`` / ``--guide-ema-std``, the
+    main run's / the guide's checkpoint with its EMA of that sigma_rel reconstructed post hoc
+    (EDM2) and written in ``folder`` (the guide's at ``--guide-step`` when given); else as given.
+    Options that do not combine are refused in one line."""
+    from difftrain.training.posthoc import posthoc_file  # inside: start-up (the imports' note)
+
+    checkpoint, guide, guide_step = args.checkpoint, args.guide, args.guide_step
+    if args.ema_std is None and args.guide_ema_std is None:
+        return checkpoint, guide, guide_step
+    if args.no_ema:
+        raise ConfigError("--ema-std / --guide-ema-std choose EMA lengths; --no-ema samples the raw weights: "
+                          "give one or the other")
+    if args.ema_std is not None:
+        if args.lora:
+            raise ConfigError("--ema-std reconstructs a run's EMA from its snapshots; --lora samples an adapter file")
+        path, rec = posthoc_file(checkpoint, args.ema_std, folder)
+        print(f"difftrain: {checkpoint}: {rec.describe()}")
+        checkpoint = str(path)
+    if args.guide_ema_std is not None:
+        if guide is None and guide_step is None:
+            raise ConfigError("--guide-ema-std is the guide's EMA length: give the guide (--guide RUN or --guide-step N)")
+        run = guide if guide is not None else args.checkpoint
+        path, rec = posthoc_file(run, args.guide_ema_std, folder, step=guide_step)
+        print(f"difftrain: guide {run}: {rec.describe()}")
+        guide, guide_step = str(path), None
+    return checkpoint, guide, guide_step
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -463,6 +498,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "separated by spaces as any shell list, so that a repeated --reference keeps meaning one "
                            "image per sample and no file name needs a separator escaped")
     _guide_options(p)
+    p.add_argument("--ema-std", type=float, metavar="SIGMA_REL",
+                   help="the EMA of this length (sigma_rel, e.g. 0.10), reconstructed post hoc from the run's "
+                        "snapshots (a run trained with ema.posthoc_std; as `difftrain posthoc-ema`)")
+    p.add_argument("--guide-ema-std", type=float, metavar="SIGMA_REL",
+                   help="the guide's EMA of this length, reconstructed post hoc from the guide run's snapshots "
+                        "(at --guide-step when given)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     _frozen_part_options(p)
     p.set_defaults(func=_sample)

@@ -146,3 +146,14 @@ def write_checkpoint(rec: Reconstruction, out: str | Path) -> Path:
     out = Path(out)
     save_checkpoint_file(state, out)
     return out
+
+
+def posthoc_file(run: str | Path, std: float, folder: str | Path, step: int | None = None) -> tuple[Path, Reconstruction]:
+    """The checkpoint (written in ``folder``) of the run ``run`` (or of its checkpoint file) whose
+    EMA is the one of ``std`` reconstructed post hoc at ``step`` (default: the newest checkpoint's),
+    and the reconstruction; what ``sample --ema-std`` / ``--guide-ema-std`` load. A ValueError
+    naming the run when it has no snapshots of its ``ema.posthoc_std`` or lacks the step."""
+    rec = reconstruct(run, std, step=step)
+    name = Path(run).resolve().name.removesuffix(".pt")
+    return write_checkpoint(rec, Path(folder) / f"{name}-step{rec.step}-ema{std:g}.pt"), rec
+
