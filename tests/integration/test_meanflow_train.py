@@ -67,3 +67,47 @@ def test_other_samplers_are_refused_for_a_meanflow_model(meanflow_run, tmp_path,
     assert cli.main(["sample", "--checkpoint", str(straight), "--num", "2", "--steps", "2", "--sampler", "heun",
                      "--out", str(tmp_path / "bad")]) != 0
     assert "for meanflow models" in capsys.readouterr().err
+
+
+def test_guidance_is_refused_for_a_meanflow_model(meanflow_run, tmp_path, capsys):
+    _, straight, _ = meanflow_run
+    assert cli.main(["sample", "--checkpoint", str(straight), "--num", "2", "--steps", "1", "--guide-step", "3",
+                     "--out", str(tmp_path / "guided")]) != 0
+    assert "samples unguided" in capsys.readouterr().err
+
+
+def test_a_sampler_or_option_meanflow_cannot_use_exits_2_in_one_line(capsys):
+    for option in ("validation.sampler=heun", "model.gradient_checkpointing=true", "train.channels_last=on"):
+        assert cli.main(["train", "--set", "diffusion.objective=meanflow", "--set", option, "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert option.split("=")[0] in err and len(err.splitlines()) == 1, err
+
+
+def test_export_writes_a_unet2dmodel_whose_loop_gives_the_samples_of_difftrain(meanflow_run, tmp_path):
+    """The exported UNet2DModel (class_embed_type="timestep"), sampled by the README's loop, gives the images
+    of the objective's own sampler on the EMA weights from the same noise."""
+    diffusers = pytest.importorskip("diffusers")
+    import torch
+
+    from difftrain.diffusion.objective import build_objective
+    from difftrain.models import build_model
+
+    cfg, straight, _ = meanflow_run
+    out = tmp_path / "export"
+    assert cli.main(["export", str(straight), str(out)]) == 0
+    assert (out / "unet" / "config.json").is_file() and "class_labels=gap" in (out / "README.md").read_text()
+    unet = diffusers.UNet2DModel.from_pretrained(out / "unet").eval()
+    assert unet.config.class_embed_type == "timestep"
+    model = build_model(cfg)
+    model.load_state_dict(ckpt.load_checkpoint(straight)["ema"]["model"])
+    model.eval()
+    noise = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for steps in (1, 2):
+            ours = build_objective(cfg.diffusion).sample(model, noise, "meanflow", steps, None, clip=False)
+            x = noise.clone()
+            times = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
+            for t, r in zip(times[:-1], times[1:]):  # the README's loop
+                tt, gap = torch.full((len(x),), 1000.0 * t), torch.full((len(x),), 1000.0 * (t - r))
+                x = x - (t - r) * unet(x, tt, class_labels=gap).sample
+            assert (ours - x).abs().max() < 1e-4, steps

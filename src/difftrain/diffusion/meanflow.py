@@ -92,6 +92,9 @@ class MeanFlowObjective:
     family = "meanflow"
     samplers = {"meanflow": mean_flow_steps}
     sampler_nfe = {"meanflow": lambda n: n}  # one network evaluation per step
+    # No guidance at sampling time: a blend of two average velocities is not the guided field's average
+    # velocity (MeanFlow trains its classifier-free guidance in, sec. 4.2); sampling.py and autoguidance.py refuse it.
+    guidable = False
 
     def __init__(self, t_mean: float = -0.6, t_std: float = 1.6, r_mean: float = -4.0, r_std: float = 1.6,
                  ratio: float = 0.75, adaptive_p: float = 0.75, adaptive_eps: float = 1e-3):
