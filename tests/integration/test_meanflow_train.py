@@ -89,6 +89,7 @@ def test_export_writes_a_unet2dmodel_whose_loop_gives_the_samples_of_difftrain(m
     diffusers = pytest.importorskip("diffusers")
     import torch
 
+    from difftrain.diffusion.meanflow import COND_SCALE
     from difftrain.diffusion.objective import build_objective
     from difftrain.models import build_model
 
@@ -108,6 +109,6 @@ def test_export_writes_a_unet2dmodel_whose_loop_gives_the_samples_of_difftrain(m
             x = noise.clone()
             times = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
             for t, r in zip(times[:-1], times[1:]):  # the README's loop
-                tt, gap = torch.full((len(x),), 1000.0 * t), torch.full((len(x),), 1000.0 * (t - r))
+                tt, gap = torch.full((len(x),), COND_SCALE * t), torch.full((len(x),), COND_SCALE * (t - r))
                 x = x - (t - r) * unet(x, tt, class_labels=gap).sample
             assert (ours - x).abs().max() < 1e-4, steps

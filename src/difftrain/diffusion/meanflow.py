@@ -27,8 +27,8 @@ where d/dt u is one Jacobian-vector product of the network along the tangent (dz
 (stop-gradient, eq. 10). The loss of a sample is its adaptive weight times the squared error
 (sec. 4.3): with d = ||u_theta - u_tgt||^2 summed over the pixels, loss = d / sg(d + c)^p.
 
-The network sees 1000 t and 1000 (t - r) (the "(t, t - r)" conditioning the paper found best,
-Table 1c), as (B, 2) columns of ``cond``. The training times, facts from the authors' CIFAR-10
+The network sees t and t - r (the "(t, t - r)" conditioning the paper found best, Table 1c), as
+(B, 2) columns of ``cond`` (see :data:`COND_SCALE`). The training times, facts from the authors' CIFAR-10
 script (``py-meanflow``, ``scripts/cifar10_v1.sh`` with its ``time_sampler.py`` "v1"): t and r
 are drawn independently, logit(t) ~ N(-0.6, 1.6^2) and logit(r) ~ N(-4.0, 1.6^2); then with
 probability 1 - ratio (ratio = 0.75) r = t (plain flow matching for that sample, whose JVP term
@@ -54,8 +54,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from difftrain.diffusion.interface import Network, Noised
 
-# The UNet's sinusoids are made for timesteps in [0, 1000) (as flow.COND_SCALE): both times are scaled by it.
-COND_SCALE = 1000.0
+# The network sees t and t - r themselves (scale 1), as the authors' CIFAR-10 U-Net does (its positional
+# embedding of t in [0, 1], frequencies up to 1 rad per unit), not 1000 t as the flow family: the JVP's
+# target holds d/dt of the network, and the UNet's fastest sinusoid at 1000 t turns 1000 rad per unit of t,
+# which made that target, and the loss, grow through training (measured: the loss rose from 10.8 to 19.8
+# over the first 300 steps of the CPU protocol at 1000; sCM, Lu & Song 2024, likewise keeps its time
+# input's scale small for the stability of its JVP).
+COND_SCALE = 1.0
 
 
 def _view(v: Tensor, like: Tensor) -> Tensor:
@@ -108,7 +113,7 @@ class MeanFlowObjective:
         return self
 
     def cond(self, levels: Tensor) -> Tensor:
-        """What the network is conditioned on: (B, 2) float32 columns 1000 t and 1000 (t - r)."""
+        """What the network is conditioned on: (B, 2) float32 columns t and t - r (times COND_SCALE)."""
         t, r = levels[:, 0], levels[:, 1]
         return torch.stack([t, t - r], dim=1).float() * COND_SCALE
 
@@ -157,8 +162,8 @@ class MeanFlowObjective:
                      pixel_weight: Tensor | None = None) -> Tensor:
         """(B,) float32: the MeanFlow loss of each sample (eqs. 8-10, adaptive weight of sec. 4.3).
 
-        One JVP of ``net(z, cond, condition)`` along (dz, dcond) = (v, (1000, 1000)) (the derivative
-        of (1000 t, 1000 (t - r)) in t at fixed r) gives u_theta and du/dt; u_tgt = v - (t - r) du/dt,
+        One JVP of ``net(z, cond, condition)`` along (dz, dcond) = (v, (1, 1) COND_SCALE) (the
+        derivative of cond in t at fixed r) gives u_theta and du/dt; u_tgt = v - (t - r) du/dt,
         without gradient. pixel_weight: (B, 1, H, W) loss mask or None."""
         tangent = torch.full_like(b.cond, COND_SCALE)
 

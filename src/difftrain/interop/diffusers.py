@@ -17,6 +17,7 @@ import torch
 
 from difftrain.checkpoints.checkpoint import load_weights
 from difftrain.config import config_from_dict
+from difftrain.diffusion.meanflow import COND_SCALE
 from difftrain.diffusion.objective import build_objective
 from difftrain.diffusion.scheduler_configs import scheduler_config
 from difftrain.families import family_of_record
@@ -58,8 +59,8 @@ x = torch.randn(4, unet.config.in_channels, size, size, generator=torch.Generato
 times = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
 with torch.no_grad():
     for t, r in zip(times[:-1], times[1:]):
-        # the UNet sees 1000 t as its timestep and 1000 (t - r) as class_labels (its second time embedding)
-        tt, gap = torch.full((len(x),), 1000.0 * t), torch.full((len(x),), 1000.0 * (t - r))
+        # the UNet sees t as its timestep and t - r as class_labels (its second time embedding)
+        tt, gap = torch.full((len(x),), {scale} * t), torch.full((len(x),), {scale} * (t - r))
         x = x - (t - r) * unet(x, tt, class_labels=gap).sample
 images = (x.clamp(-1, 1) / 2 + 0.5)  # (N, C, H, W) in [0, 1]
 '''
@@ -73,7 +74,7 @@ def _export_meanflow(unet, out: Path) -> Path:
         "# A MeanFlow difftrain model (few-step sampling)\n\nNo diffusers scheduler or pipeline takes MeanFlow's "
         "step, which conditions the UNet on two times; the loop below gives the images of "
         "`difftrain sample --steps N` from the same noise.\n\n"
-        f"```python\n{MEANFLOW_SNIPPET.format(folder=out)}```\n")
+        f"```python\n{MEANFLOW_SNIPPET.format(folder=out, scale=COND_SCALE)}```\n")
     return out
 
 
