@@ -10,6 +10,12 @@ The protocol is time_to_fid.py's: 1,000 EMA samples (seed 0, batch 100) of the r
 guided step evaluates both networks: ``--steps`` sampler steps cost twice the network
 evaluations of the unguided row (which weight 1 in ``--weight`` adds); ``--equal-nfe`` halves the guided rows' steps instead, so
 every row spends about the same network evaluations per image.
+
+Without ``--guide-step`` only the unguided rows run; ``--steps`` takes several step counts, one row
+each: a few-step model's FID at 1, 2 and 4 network evaluations from one trained run (issue 43):
+
+    PYTHONPATH=src python bench/autoguidance_fid.py --run /tmp/ttf/runs/meanflow-b32 --steps 1 2 4 \\
+        --ref /tmp/cifar16/test
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", action="append", required=True, help="a run directory or checkpoint (repeat)")
     p.add_argument("--guide", help="the guide run (default: each run itself, at --guide-step)")
-    p.add_argument("--guide-step", type=int, nargs="+", required=True, help="the guide's checkpoint step(s)")
+    p.add_argument("--guide-step", type=int, nargs="+", default=[],
+                   help="the guide's checkpoint step(s); none: the unguided rows only")
     p.add_argument("--weight", type=float, nargs="+", default=[1.0, 1.5, 2.0, 2.5], help="autoguidance weights")
     p.add_argument("--ref", required=True, help="reference image folder (e.g. /tmp/cifar16/test)")
     p.add_argument("--ref-num", type=int, default=2000)
     p.add_argument("--num", type=int, default=1000, help="samples per FID")
-    p.add_argument("--steps", type=int, default=26, help="sampler steps (Heun 26: 51 network evaluations)")
+    p.add_argument("--steps", type=int, nargs="+", default=[26],
+                   help="sampler steps, one row each (Heun 26: 51 network evaluations)")
     p.add_argument("--equal-nfe", action="store_true", help="guided rows take half the steps (equal cost)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=100)
@@ -57,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             reference, _, _ = reference_statistics(args.ref, inception, resolution=d.resolution, channels=d.channels,
                                                    num=args.ref_num, batch_size=args.batch_size)
         sampler = loaded.cfg.evaluation.fid_sampler
-        cases = ([(None, 1.0)] if 1.0 in args.weight else []) + [(s, w) for s in args.guide_step for w in args.weight if w != 1.0]
-        for guide_step, weight in cases:
+        cases = ([(None, 1.0)] if 1.0 in args.weight or not args.guide_step else []) + \
+            [(s, w) for s in args.guide_step for w in args.weight if w != 1.0]
+        for (guide_step, weight), sampler_steps in ((case, n) for case in cases for n in args.steps):
             model = loaded if guide_step is None else with_guide(loaded, args.guide, weight, guide_step=guide_step)
-            steps = args.steps // 2 + 1 if guide_step is not None and args.equal_nfe else args.steps
+            steps = sampler_steps // 2 + 1 if guide_step is not None and args.equal_nfe else sampler_steps
             nfe = loaded.objective.sampler_nfe[sampler](steps) * (1 if guide_step is None else 2)
             t0 = time.perf_counter()
             stats = sample_statistics(model.model, inception, objective=loaded.objective,

@@ -141,6 +141,11 @@ ABLATION |= {
     "edm-b32-uw-pm-beta99-posthoc": _B32 + _UW + _PM + _B99 + _POSTHOC + (
         "train.total_steps=2500", "ema.posthoc_every_steps=100"),
 }
+# Issue 43 item 3 (few-step sampling from scratch): MeanFlow (diffusion/meanflow.py) on the default's keys
+# (edm-b32-uw-pm-beta99) but uncertainty weighting, which MeanFlow refuses (its loss has its own adaptive weight),
+# and P_mean (EDM's). Its step costs x3.30 the default's (median of 5 interleaved rounds, one process, one
+# thread: bench/meanflow_step_cost.py), so 853 steps for the default's 2,816.
+ABLATION |= {"meanflow-b32": _B32 + _B99 + ("diffusion.objective=meanflow", "train.total_steps=853")}
 SMOKE_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
 # The CPU mode's recipes: the four objectives at the protocol's LR, then EDM's LR and batch.
 CPU_DEFAULT = ("epsilon", "v-minsnr", "edm", "flow", "edm-lr2e-3", "edm-lr2e-3-b32")

@@ -22,7 +22,7 @@ import tomli_w
 
 # Choices shared with the registries they name. tests/unit/test_config.py holds each against its
 # registry, so a choice can't go missing from either side; config imports no registry (it sits below them).
-ObjectiveName = Literal["ddpm", "edm", "flow"]
+ObjectiveName = Literal["ddpm", "edm", "flow", "meanflow"]
 Schedule = Literal["linear", "cosine", "scaled_linear", "sigmoid"]
 Prediction = Literal["epsilon", "v", "x0"]
 LossWeighting = Literal["uniform", "inv_one_minus_alpha_bar", "min_snr"]
@@ -30,14 +30,16 @@ FlowTSampling = Literal["logit_normal", "mode", "uniform"]  # diffusion/flow.py 
 FlowLoss = Literal["velocity", "x0"]  # diffusion/flow.py FLOW_LOSSES
 FlowShiftRule = Literal["linear", "empirical"]  # diffusion/ode_samplers.py SHIFT_RULES
 # The union of every objective's samplers; validate() refuses one the chosen objective lacks.
-Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint"]
+Sampler = Literal["ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun", "euler", "midpoint", "meanflow"]
 # Each objective's samplers, in diffusion/objective.py's OBJECTIVE_SAMPLERS order (the order errors list them).
 OBJECTIVE_SAMPLER_NAMES: dict[str, tuple[str, ...]] = {
     "ddpm": ("ddpm", "ddim", "dpmpp_2m", "dpmpp_3m", "heun"), "edm": ("euler", "heun"), "flow": ("euler", "heun", "midpoint"),
+    "meanflow": ("meanflow",),
 }
 # The sampler validation.sampler and evaluation.fid_sampler take when no preset or --set names them
-# (diffusion/objective.py's DEFAULT_SAMPLERS): DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow.
-DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun"}
+# (diffusion/objective.py's DEFAULT_SAMPLERS): DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow,
+# MeanFlow's own few-step sampler for meanflow.
+DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun", "meanflow": "meanflow"}
 # models/__init__.py's MODEL_PRESETS keys, in its order (model.preset's choices)
 MODEL_PRESET_NAMES = ("tiny", "ddpm-cifar10", "ddpm-64", "edm2-tiny")
 # the presets models/__init__.py's PRESET_NETWORKS builds as EDM2's network (models/edm2.py)
@@ -262,6 +264,15 @@ class DiffusionConfig(_Section):
     # (the denoised image x_t - t v, = the velocity error x t^2: diffusers' SD3 script's --precondition_outputs 1)
     flow_loss: FlowLoss = "velocity"
     noise_offset: float = 0.0  # std (noise units) of offset noise per (sample, channel), any objective; 0 = off, 0.05-0.1
+    # MeanFlow (objective "meanflow", Geng et al. 2025; diffusion/meanflow.py): training times t (noise at 1) and
+    # r <= t, each logit-normal, as the authors' CIFAR-10 script (py-meanflow, cifar10_v1.sh) draws them
+    meanflow_t_mean: float = -0.6  # mean of logit(t)
+    meanflow_t_std: float = 1.6  # std of logit(t)
+    meanflow_r_mean: float = -4.0  # mean of logit(r), before r = min(t, r)
+    meanflow_r_std: float = 1.6  # std of logit(r)
+    meanflow_ratio: float = 0.75  # share of samples (in [0, 1]) with r drawn apart from t; the rest train r = t
+    meanflow_adaptive_p: float = 0.75  # power p of the adaptive loss weight 1 / sg(||err||^2 + eps)^p; 0 = plain L2
+    meanflow_adaptive_eps: float = 1e-3  # eps of the adaptive loss weight (> 0)
 
 
 @dataclass
@@ -661,6 +672,10 @@ def _follow_objective(cfg: Config, chosen: set[str]) -> None:
         if dotted not in chosen:
             section, key = dotted.split(".")
             object.__setattr__(getattr(cfg, section), key, DEFAULT_SAMPLERS[cfg.diffusion.objective])
+    if cfg.diffusion.objective == "meanflow" and "train.channels_last" not in chosen:
+        # MeanFlow's JVP goes through GroupNorm, whose forward-mode AD (torch 2.13) fails on channels_last
+        # activations ("view size is not compatible"): its "auto" is off; "on" is refused by validate().
+        object.__setattr__(cfg.train, "channels_last", "off")
 
 
 def config_from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
@@ -751,6 +766,8 @@ def _check_objective(cfg: Config) -> None:
            "model.magnitude_preserving builds difftrain's UNet from scratch; it does not combine with lora.rank > 0 or "
            "model.init_from (a LoRA or a base's weights are not weight-normalised)")
     _check_edm2(cfg)
+    if dc.objective == "meanflow":
+        _check_meanflow(cfg)
     names = OBJECTIVE_SAMPLER_NAMES[dc.objective]
     samplers = (("validation.sampler", cfg.validation.sampler), ("evaluation.fid_sampler", cfg.evaluation.fid_sampler))
     bad = [f"{key}={sampler!r}" for key, sampler in samplers if sampler not in names]  # all of them, in one message
@@ -777,6 +794,27 @@ def _check_edm2(cfg: Config) -> None:
     _check(not (cfg.optim.name == "schedulefree" or cfg.train.parallel == "fsdp"),
            f"{preset} renormalises its weights after each optimizer step: verified with train.parallel='ddp' "
            "and every optimizer but schedulefree (whose iterates it would move)")
+
+
+def _check_meanflow(cfg: Config) -> None:
+    """MeanFlow's keys, and the options it does not combine with (one line each)."""
+    dc, m, v = cfg.diffusion, cfg.model, cfg.validation
+    for key in ("meanflow_t_std", "meanflow_r_std", "meanflow_adaptive_eps"):
+        _check(getattr(dc, key) > 0, f"diffusion.{key} must be > 0, got {getattr(dc, key)}")
+    _check(0 <= dc.meanflow_ratio <= 1, f"diffusion.meanflow_ratio must be in [0, 1], got {dc.meanflow_ratio}")
+    _check(dc.meanflow_adaptive_p >= 0, f"diffusion.meanflow_adaptive_p must be >= 0, got {dc.meanflow_adaptive_p}")
+    why = "diffusion.objective='meanflow' "
+    _check(not dc.uncertainty_weighting, why + "weights its loss by its own adaptive weight "
+           "(diffusion.meanflow_adaptive_p); set diffusion.uncertainty_weighting=false")
+    _check(not (cfg.lora.rank or m.init_from or m.family not in ("auto", "", "unet")), why + "trains difftrain's own UNet "
+           "from scratch with a second time embedding; it does not combine with lora.rank > 0, model.init_from or "
+           "a base model.family")
+    _check(cfg.train.channels_last != "on", why + "takes a JVP through GroupNorm, whose forward-mode AD fails on "
+           "channels_last activations (torch 2.13); set train.channels_last to 'auto' or 'off'")
+    _check(not m.gradient_checkpointing, why + "takes a JVP through the network, which activation checkpointing does "
+           "not survive; set model.gradient_checkpointing=false")
+    _check(v.guidance_scale == 1.0 and not v.guide, why + "samples unguided: a guided average velocity is not "
+           "MeanFlow's (its guidance is trained in); set validation.guidance_scale=1 and validation.guide=''")
 
 
 def _check_text(cfg: Config) -> None:

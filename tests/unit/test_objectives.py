@@ -11,6 +11,7 @@ import torch
 from difftrain.diffusion import edm as edm_module
 from difftrain.diffusion.edm import EDMObjective
 from difftrain.diffusion.flow import FlowObjective
+from difftrain.diffusion.meanflow import MeanFlowObjective
 from difftrain.diffusion.objective import OBJECTIVE_SAMPLERS, DDPMObjective, per_sample_loss
 from difftrain.diffusion.ode_samplers import flow_times, karras_sigmas
 from difftrain.diffusion.samplers import SAMPLER_NFE, karras_timesteps, sampling_timesteps
@@ -77,6 +78,22 @@ def flow_oracle(net_in, cond):
     """The optimal velocity E[eps - x0 | x_t] at t = cond / 1000."""
     t = cond.double() / 1000.0
     return (posterior_noise(net_in, 1 - t, t) - posterior_mean(net_in, 1 - t, t)).float()
+
+
+def meanflow_oracle(net_in, cond):
+    """The exact average velocity u(z, r, t) = (z - z_r) / (t - r) of the straight path's flow (t = cond[:, 0] /
+    1000, r = t - cond[:, 1] / 1000), the flow velocity at r = t. Every marginal is Gaussian with covariance
+    (1 - s)^2 S + s^2 I, diagonal in S's eigenbasis, so the flow map is z_r = m_r + (sd_r / sd_t)(z_t - m_t)
+    coordinate by coordinate there."""
+    t, r = cond[:, 0].double() / 1000.0, (cond[:, 0] - cond[:, 1]).double() / 1000.0
+    gap = (t - r).view(-1, 1)
+    if bool((gap == 0).all()):
+        return flow_oracle(net_in, cond[:, 0])
+    z = net_in.double().reshape(net_in.shape[0], 4)
+    sd = lambda s: ((1 - s).view(-1, 1) ** 2 * _EIG + s.view(-1, 1) ** 2).sqrt()  # noqa: E731
+    m = lambda s: (1 - s).view(-1, 1) * MU  # noqa: E731
+    z_r = m(r) + (((z - m(t)) @ _Q) * sd(r) / sd(t)) @ _Q.T
+    return ((z - z_r) / gap).reshape(net_in.shape).float()
 
 
 def moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +286,8 @@ ORACLE_CASES = [
     ("edm", "euler", 200), ("edm", "heun", 40),
     ("flow", "euler", 200), ("flow", "heun", 20), ("flow", "midpoint", 20),
     ("flow_shifted", "heun", 40),
+    # MeanFlow's average velocity is the flow map's secant: its sampler is exact at any step count
+    ("meanflow", "meanflow", 1), ("meanflow", "meanflow", 2),
 ]
 
 
@@ -281,6 +300,8 @@ def _sample(family: str, sampler: str, steps: int) -> torch.Tensor:
         if family == "edm":
             obj = EDMObjective()
             return obj.sample(edm_oracle(obj), x_T(), sampler, steps, gen, clip=False)
+        if family == "meanflow":
+            return MeanFlowObjective().sample(meanflow_oracle, x_T(), sampler, steps, gen, clip=False)
         obj = FlowObjective(shift=3.0 if family == "flow_shifted" else 1.0)
         return obj.sample(flow_oracle, x_T(), sampler, steps, gen, clip=False)
 

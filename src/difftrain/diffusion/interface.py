@@ -20,7 +20,7 @@ class Noised:
     with per-sample ``weight``."""
 
     input: Tensor  # (B, C, H, W) what the network sees
-    cond: Tensor  # (B,) the noise conditioning the network gets
+    cond: Tensor  # (B,) the noise conditioning the network gets; MeanFlow: (B, 2), its two times
     target: Tensor  # (B, C, H, W)
     weight: Tensor  # (B,) float32
 

@@ -5,8 +5,8 @@ family (like EDM's loss classes), and says how to sample from a network trained 
 training step, the held-out loss, ``diagnose``, ``lr-find``, ``estimate`` and the benchmarks all
 compute a batch's loss through :func:`per_sample_loss`, so there is one copy of it.
 
-Three families, switched by ``diffusion.objective``: "ddpm" (below), "edm" (:mod:`.edm`) and
-"flow" (:mod:`.flow`). A noise *level* is what an objective draws per sample (DDPM: the integer
+Four families, switched by ``diffusion.objective``: "ddpm" (below), "edm" (:mod:`.edm`),
+"flow" (:mod:`.flow`) and "meanflow" (:mod:`.meanflow`: few-step sampling, levels (t, r) of shape (B, 2)). A noise *level* is what an objective draws per sample (DDPM: the integer
 timestep t; EDM: sigma; flow: t in (0, 1)); its ``cond`` is what the network is conditioned on. Levels fall into ``num_buckets`` buckets of
 equal probability under the training distribution, for the loss per bucket.
 
@@ -20,6 +20,12 @@ Every objective has the same methods:
                                                         (DDPM's also takes input_noise: input perturbation)
     x0_hat(noised, out, levels) -> (B, C, H, W)         the denoised image from the network output
     sample(network, x_T, sampler, steps, generator)     x_0 from the network, with ``samplers``
+
+An objective whose target needs the network itself (MeanFlow's, through a JVP) also has
+
+    network_loss(net, noised, levels, condition, autocast, pixel_weight) -> (B,)
+
+which :func:`per_sample_loss` then calls in place of the regression onto ``noised.target``.
 
 ``x_T`` is unit Gaussian noise for every family; an objective whose prior is wider (EDM: sigma_max)
 scales it in ``sample``.
@@ -37,11 +43,12 @@ from difftrain.diffusion.edm import EDMObjective
 from difftrain.diffusion.flow import FlowObjective
 from difftrain.diffusion.interface import Network, Noised, Objective
 from difftrain.diffusion.losses import diffusion_loss, loss_weight
+from difftrain.diffusion.meanflow import MeanFlowObjective
 from difftrain.diffusion.process import check_prediction, coefficient_table, mix, target_from, to_x0_and_eps
 from difftrain.diffusion.samplers import SAMPLER_NFE, SAMPLERS, karras_timesteps, sampling_timesteps
 from difftrain.diffusion.schedules import alpha_bar_schedule, rescale_zero_terminal_snr
 
-__all__ = ["OBJECTIVES", "OBJECTIVE_SAMPLERS", "DDPMObjective", "EDMObjective", "FlowObjective", "Network", "Noised", "Objective",
+__all__ = ["OBJECTIVES", "OBJECTIVE_SAMPLERS", "DDPMObjective", "EDMObjective", "FlowObjective", "MeanFlowObjective", "Network", "Noised", "Objective",
            "build_objective", "per_sample_loss", "sampler_names", "DEFAULT_SAMPLERS"]
 
 
@@ -175,15 +182,18 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
                                     d.flow_mode_scale, d.flow_train_shift, d.flow_grid_end, d.flow_dynamic_shift,
                                     d.flow_base_shift, d.flow_max_shift, d.flow_base_seq_len, d.flow_max_seq_len,
                                     d.flow_loss, d.flow_shift_rule),
+    "meanflow": lambda d: MeanFlowObjective(d.meanflow_t_mean, d.meanflow_t_std, d.meanflow_r_mean, d.meanflow_r_std,
+                                            d.meanflow_ratio, d.meanflow_adaptive_p, d.meanflow_adaptive_eps),
 }
 
 # name -> the samplers of that family (config validation; the CLI offers their union).
 OBJECTIVE_SAMPLERS: dict[str, tuple[str, ...]] = {
     "ddpm": tuple(DDPMObjective.samplers), "edm": tuple(EDMObjective.samplers), "flow": tuple(FlowObjective.samplers),
+    "meanflow": tuple(MeanFlowObjective.samplers),
 }
 # name -> the sampler that validation.sampler and evaluation.fid_sampler take when no preset or
-# --set names them: DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow.
-DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun"}
+# --set names them: DDIM for DDPM, Heun for EDM (Karras et al. 2022, Alg. 1) and flow, MeanFlow's own (eq. 12).
+DEFAULT_SAMPLERS: dict[str, str] = {"ddpm": "ddim", "edm": "heun", "flow": "heun", "meanflow": "meanflow"}
 
 
 def sampler_names() -> list[str]:
@@ -214,6 +224,9 @@ def per_sample_loss(
     pixel_weight: (B, 1, H, W) loss mask (``data.masks``) or None.
     """
     b = objective.noised(x0, levels, noise) if input_noise is None else objective.noised(x0, levels, noise, input_noise)
+    network_loss = getattr(objective, "network_loss", None)  # a target made with the network (MeanFlow's JVP)
+    if network_loss is not None:
+        return network_loss(net, b, levels, condition, autocast, pixel_weight)
     with autocast or contextlib.nullcontext():
         out = net(b.input, b.cond, condition, return_logvar=True) if uncertainty else net(b.input, b.cond, condition)
     if not uncertainty:

@@ -91,6 +91,9 @@ def with_guide(loaded, guide: str | Path | None = None, weight: float = 2.0, *, 
     is False). Nothing to do (``loaded`` itself) when neither ``guide`` nor ``guide_step`` is given."""
     if guide is None and guide_step is None:
         return loaded
+    if not getattr(loaded.objective, "guidable", True):
+        raise ValueError(f"{loaded.path}: a {loaded.objective.family} model samples unguided (a blend of its "
+                         "outputs is not its guided field's); drop --guide / --guide-step")
     path = guide_checkpoint(loaded.path, guide, guide_step)
     device = next(loaded.model.parameters()).device
     guide_model = load_model(path, use_ema=use_ema, device=str(device))

@@ -133,6 +133,9 @@ def generate(
     if sampler not in objective.samplers:
         raise ValueError(f"sampler must be one of {', '.join(objective.samplers)} for {objective.family} models, "
                          f"got {sampler!r}")
+    if guidance_scale != 1.0 and not getattr(objective, "guidable", True):
+        raise ValueError(f"a {objective.family} model samples unguided (a blend of its outputs is not its guided "
+                         f"field's); got guidance scale {guidance_scale}")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -17,6 +17,7 @@ import torch
 
 from difftrain.checkpoints.checkpoint import load_weights
 from difftrain.config import config_from_dict
+from difftrain.diffusion.meanflow import COND_SCALE
 from difftrain.diffusion.objective import build_objective
 from difftrain.diffusion.scheduler_configs import scheduler_config
 from difftrain.families import family_of_record
@@ -46,6 +47,35 @@ with torch.no_grad():
         x = scheduler.step(out, t, x, use_clipped_model_output=True).prev_sample
 images = (x / 2 + 0.5).clamp(0, 1)  # (N, C, H, W) in [0, 1]
 '''
+
+MEANFLOW_SNIPPET = '''\
+import torch
+from diffusers import UNet2DModel
+
+unet = UNet2DModel.from_pretrained("{folder}", subfolder="unet").eval()
+steps = 1  # network evaluations; MeanFlow eq. 12: z_r = z_t - (t - r) u(z_t, r, t) from t = 1 to 0
+size = unet.config.sample_size
+x = torch.randn(4, unet.config.in_channels, size, size, generator=torch.Generator().manual_seed(0))
+times = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64).tolist()
+with torch.no_grad():
+    for t, r in zip(times[:-1], times[1:]):
+        # the UNet sees t as its timestep and t - r as class_labels (its second time embedding)
+        tt, gap = torch.full((len(x),), {scale} * t), torch.full((len(x),), {scale} * (t - r))
+        x = x - (t - r) * unet(x, tt, class_labels=gap).sample
+images = (x.clamp(-1, 1) / 2 + 0.5)  # (N, C, H, W) in [0, 1]
+'''
+
+
+def _export_meanflow(unet, out: Path) -> Path:
+    """A MeanFlow UNet (``class_embed_type="timestep"``: the second time): ``out/unet`` and a README with
+    its sampling loop; no diffusers scheduler takes MeanFlow's step (eq. 12), which needs both times."""
+    unet.eval().save_pretrained(out / "unet", safe_serialization=True)
+    (out / "README.md").write_text(
+        "# A MeanFlow difftrain model (few-step sampling)\n\nNo diffusers scheduler or pipeline takes MeanFlow's "
+        "step, which conditions the UNet on two times; the loop below gives the images of "
+        "`difftrain sample --steps N` from the same noise.\n\n"
+        f"```python\n{MEANFLOW_SNIPPET.format(folder=out, scale=COND_SCALE)}```\n")
+    return out
 
 
 def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text_encoder: str | None = None,
@@ -111,6 +141,8 @@ def _export_unet2d(state: dict, cfg, family, out: Path, use_ema: bool) -> Path:
                  "ema.model" if use_ema else "model")
     unet = UNet2DModel(**diffusers_config(model))
     unet.load_state_dict(to_diffusers_state_dict(model), strict=True)
+    if cfg.diffusion.objective == "meanflow":
+        return _export_meanflow(unet, out)
     if cfg.diffusion.objective != "ddpm":  # EDM and flow: diffusers' own ODE schedulers (ode_export.py)
         return export_ode_diffusers(unet, build_objective(cfg.diffusion), out, state["num_classes"])
     scheduler = DDPMScheduler(**scheduler_config(cfg.diffusion))

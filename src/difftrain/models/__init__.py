@@ -142,6 +142,8 @@ def build_model(
         gradient_checkpointing=m.gradient_checkpointing,
         **({"logvar_channels": LOGVAR_CHANNELS} if cfg.diffusion.uncertainty_weighting else {}),
         **({"magnitude_preserving": True} if m.magnitude_preserving else {}),
+        # MeanFlow conditions on two times, (t, t - r) (diffusion/meanflow.py): the UNet's second time embedding
+        **({"interval_embedding": True} if cfg.diffusion.objective == "meanflow" else {}),
         **overrides,
     )
 

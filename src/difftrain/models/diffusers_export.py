@@ -9,6 +9,10 @@ Usage (diffusers is optional and is not imported here):
 The two networks compute the same function. One difference in the call: diffusers requires
 `class_labels` for a conditional model, so pass `num_classes` (the null label) for unconditional
 samples.
+A UNet with the second time embedding (``interval_embedding``, MeanFlow's t - r) maps onto
+`class_embed_type="timestep"`: diffusers embeds `class_labels` with the same sinusoids and a second
+TimestepEmbedding and adds it to the time embedding, as difftrain does; pass the second time as
+`class_labels`.
 """
 
 import re
@@ -23,6 +27,7 @@ from difftrain.models.unet import UNet
 _BLOCK_RENAMES = [
     (r"^time_embed\.", "time_embedding."),
     (r"^class_embed\.", "class_embedding."),
+    (r"^interval_embed\.", "class_embedding."),  # class_embed_type="timestep": the second time's embedding
     (r"^conv_in\.", "conv_in."),
     (r"^down\.(\d+)\.res\.(\d+)\.", r"down_blocks.\1.resnets.\2."),
     (r"^down\.(\d+)\.attn\.(\d+)\.", r"down_blocks.\1.attentions.\2."),
@@ -69,6 +74,9 @@ def _check_exportable(model: UNet) -> None:
                          "UNet2DModel has no cross-attention, and UNet2DConditionModel's transformer blocks "
                          "are a different architecture; fine-tune a UNet2DConditionModel (model.init_from) "
                          "to export a Stable Diffusion pipeline")
+    if model.config.get("interval_embedding") and model.config["num_classes"] > 0:
+        raise ValueError("a class-conditional UNet with a second time embedding (MeanFlow) has no UNet2DModel "
+                         "equivalent: UNet2DModel's class_embedding holds either the labels or the second time")
 
 
 def diffusers_config(model: UNet) -> dict:
@@ -106,7 +114,8 @@ def diffusers_config(model: UNet) -> dict:
         norm_eps=NORM_EPS,
         resnet_time_scale_shift="default",
         add_attention=True,
-        class_embed_type=None,
+        # the second time (interval_embedding) through class_embedding, the labels' place
+        class_embed_type="timestep" if cfg.get("interval_embedding") else None,
         num_class_embeds=cfg["num_classes"] + 1 if cfg["num_classes"] > 0 else None,
     )
 

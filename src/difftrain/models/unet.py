@@ -90,6 +90,8 @@ class UNet(nn.Module):
         time_embed          sinusoidal(t) -> linear_1 -> SiLU -> linear_2, width 4 * base_channels
         class_embed         nn.Embedding(num_classes + 1, 4 * base_channels), only if num_classes > 0;
                             label `num_classes` is the null label of classifier-free guidance
+        interval_embed      a second TimestepEmbedding, of t's second column, only if
+                            interval_embedding (MeanFlow's t - r)
         conv_in
         down[l]             DownLevel for level l = 0 .. L-1 (resolution / 2**l)
         mid                 MidBlock
@@ -117,6 +119,11 @@ class UNet(nn.Module):
         magnitude_preserving: every convolution and linear layer computes with EDM2's
             weight-normalised weights (``layers.MPConv2d`` / ``MPLinear``; the zero-initialised
             ones get a learned gain starting at 0); the state dict gains those ``gain`` entries.
+        interval_embedding: the network takes two times, ``t`` of shape (B, 2): column 0 is
+            embedded by ``time_embed``, column 1 by a second sinusoidal embedding and MLP
+            (``interval_embed``), and the two are summed (MeanFlow's (t, t - r) conditioning,
+            diffusion/meanflow.py; diffusers' ``class_embed_type="timestep"`` computes the same).
+            Off by default: every other network, its state dict and its initial weights are unchanged.
     """
 
     def __init__(
@@ -136,6 +143,7 @@ class UNet(nn.Module):
         context_dim: int = 0,
         logvar_channels: int = 0,
         magnitude_preserving: bool = False,
+        interval_embedding: bool = False,
     ) -> None:
         super().__init__()
         channel_mult = tuple(channel_mult)
@@ -172,6 +180,7 @@ class UNet(nn.Module):
             # the configs of other runs are unchanged
             **({"logvar_channels": logvar_channels} if logvar_channels else {}),
             **({"magnitude_preserving": True} if magnitude_preserving else {}),  # EDM2's MP layers, likewise
+            **({"interval_embedding": True} if interval_embedding else {}),  # MeanFlow's second time, likewise
         )
         self.num_classes = num_classes
         self.context_dim = context_dim
@@ -230,6 +239,15 @@ class UNet(nn.Module):
             make_magnitude_preserving(self)
         # Built after the init (zeros of its own), so the other layers' initial weights do not depend on it.
         self.logvar = UncertaintyHead(logvar_channels) if logvar_channels else None
+        # Likewise built last, so that the random draws of every other layer are those of a network without it.
+        self.interval_embed = None
+        if interval_embedding:
+            self.interval_embed = TimestepEmbedding(base_channels, emb_dim)
+            for layer in (self.interval_embed.linear_1, self.interval_embed.linear_2):
+                nn.init.xavier_uniform_(layer.weight)
+                nn.init.zeros_(layer.bias)
+            if magnitude_preserving:
+                make_magnitude_preserving(self.interval_embed)
         self.set_gradient_checkpointing(gradient_checkpointing)
 
     def _init_weights(self) -> None:
@@ -262,7 +280,8 @@ class UNet(nn.Module):
 
         Args:
             x: (B, in_channels, H, W) float noisy images; H and W divisible by 2**(L-1).
-            t: (B,) integer or float timesteps in [0, T) (a 0-d tensor is broadcast).
+            t: (B,) integer or float timesteps in [0, T) (a 0-d tensor is broadcast); with
+                ``interval_embedding``, (B, 2) float: the two times, each embedded on its own.
             cond: the condition, by the kind of model:
                 num_classes > 0: (B,) long labels in [0, num_classes], `num_classes` being the
                     null label; None means the null label.
@@ -274,7 +293,14 @@ class UNet(nn.Module):
         Returns:
             (B, out_channels, H, W); with ``return_logvar``, (that, (B,) float32).
         """
-        emb = self.time_embed(t.expand(x.shape[0]))  # (B, 4 * base_channels)
+        t_first = t
+        if self.interval_embed is not None:
+            if t.ndim != 2 or t.shape[1] != 2:
+                raise ValueError(f"this UNet (interval_embedding) takes two times, t of shape (B, 2); got {tuple(t.shape)}")
+            t_first = t[:, 0]
+            emb = self.time_embed(t_first) + self.interval_embed(t[:, 1])  # (B, 4 * base_channels)
+        else:
+            emb = self.time_embed(t.expand(x.shape[0]))  # (B, 4 * base_channels)
         context = None
         if self.class_embed is not None:
             if cond is None:
@@ -298,7 +324,7 @@ class UNet(nn.Module):
             if self.logvar is None:
                 raise ValueError("return_logvar needs a UNet built with logvar_channels > 0 "
                                  "(diffusion.uncertainty_weighting = true)")
-            return out, self.logvar(t.expand(x.shape[0]))
+            return out, self.logvar(t_first.expand(x.shape[0]))
         return out
 
 
