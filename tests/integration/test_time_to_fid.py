@@ -226,6 +226,30 @@ def test_every_edm2_row_of_quality_md_resolves_to_the_recipe_it_was_measured_wit
         assert (cfg.model.base_channels or 32) == (48 if "w48" in name else 32), label
 
 
+def test_every_round_two_row_of_quality_md_resolves_to_the_recipe_it_was_measured_with():
+    """docs/quality.md's issue-43 tables: each named row, resolved as ``--cpu-mode --recipes NAME`` resolves it,
+    trains the steps and images its columns say, with the network, objective, LR and guide its name says."""
+    from difftrain.config import load_config
+
+    bench = _bench()
+    rows = _doc_rows("From scratch, round two (issue 43)")
+    assert {r["name"] for r in rows} >= {"edm2net-lr3e-3-ref700", "edm2net-lr1e-2-ref700", "meanflow-b32",
+                                         "guide-w16-512", "edm-b32-uw-pm-beta99-posthoc"}
+    for row in rows:
+        (recipe,) = bench.build_recipes(bench.parse_args(["--cpu-mode", "--recipes", row["name"]]))
+        cfg = load_config(recipe.config, recipe.overrides)
+        label, name = row["label"], row["name"]
+        assert cfg.train.total_steps == row["steps"], label
+        assert cfg.train.batch_size * cfg.train.total_steps == row["images"], label
+        assert cfg.model.preset == ("edm2-tiny" if name.startswith("edm2net") else "tiny"), label
+        assert cfg.diffusion.objective == ("meanflow" if name.startswith("meanflow") else "edm"), label
+        if name.startswith("edm2net"):
+            lr, ref = re.fullmatch(r"edm2net-lr([0-9.e-]+)-ref(\d+)", name).groups()
+            assert (cfg.optim.lr, cfg.optim.lr_ref_steps, cfg.optim.lr_schedule) == (float(lr), int(ref), "inverse_sqrt")
+        assert (cfg.model.base_channels or 32) == (16 if name.startswith("guide") else 32), label
+        assert bool(cfg.ema.posthoc_std) == (name.startswith("guide") or name.endswith("-posthoc")), label
+
+
 def test_save_samples_splits_into_parts_of_at_most_part_images(tmp_path):
     import numpy as np
     import torch

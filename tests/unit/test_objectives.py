@@ -11,6 +11,7 @@ import torch
 from difftrain.diffusion import edm as edm_module
 from difftrain.diffusion.edm import EDMObjective
 from difftrain.diffusion.flow import FlowObjective
+from difftrain.diffusion.meanflow import COND_SCALE as MEANFLOW_COND_SCALE
 from difftrain.diffusion.meanflow import MeanFlowObjective
 from difftrain.diffusion.objective import OBJECTIVE_SAMPLERS, DDPMObjective, per_sample_loss
 from difftrain.diffusion.ode_samplers import flow_times, karras_sigmas
@@ -82,13 +83,13 @@ def flow_oracle(net_in, cond):
 
 def meanflow_oracle(net_in, cond):
     """The exact average velocity u(z, r, t) = (z - z_r) / (t - r) of the straight path's flow (t = cond[:, 0] /
-    1000, r = t - cond[:, 1] / 1000), the flow velocity at r = t. Every marginal is Gaussian with covariance
-    (1 - s)^2 S + s^2 I, diagonal in S's eigenbasis, so the flow map is z_r = m_r + (sd_r / sd_t)(z_t - m_t)
-    coordinate by coordinate there."""
-    t, r = cond[:, 0].double() / 1000.0, (cond[:, 0] - cond[:, 1]).double() / 1000.0
+    COND_SCALE, r = t - cond[:, 1] / COND_SCALE: MeanFlow's), the flow velocity at r = t. Every marginal is Gaussian
+    with covariance (1 - s)^2 S + s^2 I, diagonal in S's eigenbasis, so the flow map is z_r = m_r + (sd_r / sd_t)
+    (z_t - m_t) coordinate by coordinate there."""
+    t, r = (cond[:, 0].double() / MEANFLOW_COND_SCALE, (cond[:, 0] - cond[:, 1]).double() / MEANFLOW_COND_SCALE)
     gap = (t - r).view(-1, 1)
     if bool((gap == 0).all()):
-        return flow_oracle(net_in, cond[:, 0])
+        return flow_oracle(net_in, t * 1000.0)  # the flow family's conditioning: 1000 t
     z = net_in.double().reshape(net_in.shape[0], 4)
     sd = lambda s: ((1 - s).view(-1, 1) ** 2 * _EIG + s.view(-1, 1) ** 2).sqrt()  # noqa: E731
     m = lambda s: (1 - s).view(-1, 1) * MU  # noqa: E731
