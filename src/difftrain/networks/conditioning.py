@@ -29,6 +29,7 @@ from difftrain.data.transforms import load_image, resize_center_crop, resize_cro
 from difftrain.families import UNET, Family, family_of_config
 from difftrain.models import MODEL_PRESETS
 from difftrain.models.vae import vae_factor
+from difftrain.networks.frozen_dtype import hold_frozen
 from difftrain.runtime.stored_digest import FLOAT32
 
 # A network's condition: labels (B,), text embeddings (B, L, D), a base family's dict of batch-first
@@ -229,6 +230,12 @@ class Conditioning:
                              "reference images (only an edit family does)")
         if references and self.codec is None:
             raise ValueError(f"data.references {references}: reference images need a latent model (model.vae)")
+
+    def hold_frozen(self, dtype: torch.dtype | None) -> None:
+        """The text encoders and the VAE held in ``dtype`` in place (``networks/frozen_dtype.hold_frozen``: a LoRA
+        run's bf16/fp16); None leaves them as loaded (float32)."""
+        for part in (self.text, self.codec):
+            hold_frozen(part, dtype)
 
     def pixel_size(self, x: Tensor) -> tuple[int, int]:
         """(H, W) in pixels of a batch of what the network denoises (latents: times the VAE's factor)."""

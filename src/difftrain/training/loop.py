@@ -21,8 +21,9 @@ from difftrain.diffusion.objective import build_objective
 from difftrain.evaluation.during_training import TrainingFID
 from difftrain.evaluation.sample_check import SampleCheck, plan_groups
 from difftrain.generation.sampling import naming_samples
+from difftrain.models import network_of_preset
 from difftrain.networks.conditioning import Conditioning, image_side_multiple
-from difftrain.networks.frozen_dtype import frozen_dtype, hold_frozen
+from difftrain.networks.frozen_dtype import frozen_dtype
 from difftrain.networks.init_from import init_source_changes
 from difftrain.networks.lora_import import check_adapted_output
 from difftrain.networks.quantize import logical_numel
@@ -92,9 +93,8 @@ def train(
     data = with_latents(data, conditioning.codec, cfg.data, cfg.validation.heldout_batch_size, dctx)
     data = with_caption_options(data, cfg)  # text.*: a trigger word, tags shuffled and dropped per sample
     with_text_cache(data, conditioning, cfg, dctx)  # every caption's text-encoder outputs computed once (text.cache)
-    held = frozen_dtype(cfg, saved["network"] if saved else None, "conditioning")  # latents cached in float32 first
-    for part in (conditioning.text, conditioning.codec):  # a LoRA run's text encoders and VAE in bf16/fp16
-        hold_frozen(part, held)
+    # a LoRA run's text encoders and VAE in bf16/fp16, once the latents were cached in float32
+    conditioning.hold_frozen(frozen_dtype(cfg, saved["network"] if saved else None, "conditioning"))
 
     # Run state: fresh weights, or where a checkpoint left off.
     objective = build_objective(cfg.diffusion).to(device)
@@ -369,7 +369,8 @@ def _start_line(cfg: Config, state: RunState, data, dctx: distributed.DistContex
     trained = sum(p.numel() for p in state.model.parameters() if p.requires_grad)
     base = getattr(state.model, "base", state.model)  # under a LoRA adapter (networks/lora.py), its base
     family = getattr(base, "family", None)  # a base family's denoiser (difftrain.families)
-    kind = f"{family} {type(base.model).__name__}" if family else f"{cfg.model.preset} UNet"
+    kind = (f"{family} {type(base.model).__name__}" if family
+            else f"{cfg.model.preset} {network_of_preset(cfg.model.preset).cls.__name__}")
     network = f"{kind} {params / 1e6:.2f}M parameters"
     if trained < params:  # LoRA: the adapter trains, the base is frozen
         quantized = f", base Linear layers in {cfg.model.quantize_base}" if cfg.model.quantize_base != "off" else ""
