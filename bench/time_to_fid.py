@@ -146,9 +146,9 @@ ABLATION |= {
 # and P_mean (EDM's). Its step costs x3.30 the default's (median of 5 interleaved rounds, one process, one
 # thread: bench/meanflow_step_cost.py), so 853 steps for the default's 2,816.
 ABLATION |= {"meanflow-b32": _B32 + _B99 + ("diffusion.objective=meanflow", "train.total_steps=853")}
-# ... and with the share of samples whose r is drawn apart from t at 0.25 (the authors' ImageNet choice) instead
-# of CIFAR-10's 0.75: more of each batch is plain flow matching, which a short run may learn first.
-ABLATION |= {"meanflow-b32-ratio25": ABLATION["meanflow-b32"] + ("diffusion.meanflow_ratio=0.25",)}
+# ... and with the share of samples whose r is drawn apart from t at 0.25 (the authors' ImageNet choice) or 0.1
+# instead of CIFAR-10's 0.75: more of each batch is plain flow matching, which a short run may learn first.
+ABLATION |= {f"meanflow-b32-ratio{r}": ABLATION["meanflow-b32"] + (f"diffusion.meanflow_ratio=0.{r}",) for r in ("25", "10")}
 SMOKE_DEFAULT = ("constant-lr", "lr-decay", "diffusers-like", "v-minsnr", "edm", "flow")
 # The CPU mode's recipes: the four objectives at the protocol's LR, then EDM's LR and batch.
 CPU_DEFAULT = ("epsilon", "v-minsnr", "edm", "flow", "edm-lr2e-3", "edm-lr2e-3-b32")
