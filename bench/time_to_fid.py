@@ -53,6 +53,7 @@ import json
 import math
 import os
 import queue
+import shlex
 import shutil
 import signal
 import subprocess
@@ -257,6 +258,14 @@ def _steps_per_s(metrics: Path, per_step: int) -> float | None:
 _LIVE: set[subprocess.Popen] = set()  # training processes running now (stopped if this script is)
 
 
+def train_command(recipe: Recipe, run_dir: Path, python: str = sys.executable) -> list[str]:
+    """The CLI command that trains ``recipe`` in ``run_dir`` (with ``src`` on PYTHONPATH, from the repository)."""
+    cmd = [python, "-m", "difftrain", "train", "--config", recipe.config, "--run-dir", str(run_dir)]
+    for o in recipe.overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
 def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path | None, grace_s: float = 300,
                  core: int | None = None) -> Run:
     """Train one recipe through the CLI until it ends or the budget passes (then SIGTERM);
@@ -267,9 +276,7 @@ def train_recipe(recipe: Recipe, run_dir: Path, budget_s: float, warm_scan: Path
     if warm_scan is not None and warm_scan.is_file():
         shutil.copy(warm_scan, run_dir / warm_scan.name)  # the data scan, done once for all recipes
     log_every, per_step = _settings(recipe.config, recipe.overrides)
-    cmd = [sys.executable, "-m", "difftrain", "train", "--config", recipe.config, "--run-dir", str(run_dir)]
-    for o in recipe.overrides:
-        cmd += ["--set", o]
+    cmd = train_command(recipe, run_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     pin = None
     if core is not None:
@@ -662,6 +669,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inception", help="FID Inception TorchScript (default: as difftrain finds it)")
     p.add_argument("--save-samples", metavar="DIR", help="also keep every scored checkpoint's samples in DIR "
                    "(RECIPE-stepN-partK.npz, 5,000 images each; bench/fid_of_samples.py scores them)")
+    p.add_argument("--print-commands", action="store_true",
+                   help="print each recipe's training command (run folder under --work) and exit: to train them "
+                        "elsewhere, or one per core by hand, exactly as this script would")
     p.add_argument("--no-fid", action="store_true", help="sample but do not score (with --save-samples): "
                    "for a machine without the Inception weights")
     return p
@@ -735,6 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind, stopping the child run
     recipes = build_recipes(args)
     work = Path(args.work)
+    if args.print_commands:
+        for r in recipes:
+            print(shlex.join(train_command(r, work / r.name, python="python")))
+        return 0
     work.mkdir(parents=True, exist_ok=True)
     print(f"time_to_fid: {len(recipes)} recipe(s), {_budget_text(args)} each, {args.concurrent} at a time, "
           f"{args.num_samples} samples, device {args.device}, torch {torch.__version__}, {os.cpu_count()} CPU(s)",

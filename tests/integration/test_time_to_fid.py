@@ -246,6 +246,9 @@ def test_every_round_two_row_of_quality_md_resolves_to_the_recipe_it_was_measure
         if name.startswith("edm2net"):
             lr, ref = re.fullmatch(r"edm2net-lr([0-9.e-]+)-ref(\d+)", name).groups()
             assert (cfg.optim.lr, cfg.optim.lr_ref_steps, cfg.optim.lr_schedule) == (float(lr), int(ref), "inverse_sqrt")
+        if name.startswith("meanflow"):
+            ratio = re.fullmatch(r"meanflow-b32(?:-ratio(\d+))?", name).group(1)
+            assert cfg.diffusion.meanflow_ratio == (float(f"0.{ratio}") if ratio else 0.75), label
         assert (cfg.model.base_channels or 32) == (16 if name.startswith("guide") else 32), label
         assert bool(cfg.ema.posthoc_std) == (name.startswith("guide") or name.endswith("-posthoc")), label
 
@@ -285,3 +288,20 @@ def test_no_fid_keeps_the_samples_that_the_scored_run_sees(tmp_path, tiny_overri
     assert "| lr-decay | - |" in (tmp_path / "kept.md").read_text() and "| n/a | n/a |" in (tmp_path / "kept.md").read_text()
     with pytest.raises(SystemExit, match="--no-fid keeps nothing"):
         bench.parse_args(["--no-fid", "--recipe", "a=configs/tiny.toml"])
+
+
+def test_print_commands_prints_the_training_commands_it_would_run(tmp_path, capsys):
+    """--print-commands: one line per recipe, the CLI command train_recipe runs (its overrides in order, the run
+    folder under --work), and nothing trained."""
+    import shlex
+
+    bench = _bench()
+    argv = ["--cpu-mode", "--data", str(tmp_path / "data"), "--work", str(tmp_path / "work"),
+            "--recipes", "meanflow-b32-ratio25", "edm2net-lr4e-2-ref700", "--set", "train.seed=1"]
+    assert bench.main(argv + ["--print-commands"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    recipes = bench.build_recipes(bench.parse_args(argv))
+    assert [shlex.split(line) for line in lines] == [
+        bench.train_command(r, tmp_path / "work" / r.name, python="python") for r in recipes]
+    assert "diffusion.meanflow_ratio=0.25" in lines[0] and "train.seed=1" in lines[1]
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
