@@ -161,6 +161,22 @@ def _doc_rows(heading: str) -> list[dict]:
     return rows
 
 
+def _doc_configs(bench, heading: str) -> list[tuple[str, str, object]]:
+    """(label, recipe name, Config) of each named row of docs/quality.md's section ``heading``, resolved as
+    ``--cpu-mode --recipes NAME`` resolves it today; each row's steps and images seen checked against it."""
+    from difftrain.config import load_config
+
+    out = []
+    for row in _doc_rows(heading):
+        (recipe,) = bench.build_recipes(bench.parse_args(["--cpu-mode", "--recipes", row["name"]]))
+        cfg = load_config(recipe.config, recipe.overrides)
+        t = cfg.train
+        assert t.total_steps == row["steps"], row["label"]
+        assert t.batch_size * t.grad_accum_steps * t.total_steps == row["images"], row["label"]
+        out.append((row["label"], row["name"], cfg))
+    return out
+
+
 def test_every_cpu_mode_row_of_quality_md_resolves_to_the_recipe_it_was_measured_with():
     """Each named row of docs/quality.md's CPU-mode tables, resolved as ``--cpu-mode --recipes
     NAME`` resolves it today: the steps, images seen (so the batch), LR and objective its label
@@ -205,18 +221,10 @@ def test_the_smoke_mode_keeps_the_preset_its_tables_were_measured_with():
 def test_every_edm2_row_of_quality_md_resolves_to_the_recipe_it_was_measured_with():
     """docs/quality.md's EDM2 table (issue 30): each named row, resolved as ``--cpu-mode --recipes
     NAME`` resolves it, trains the steps and images its columns say with the piece its label names."""
-    from difftrain.config import load_config
-
-    bench = _bench()
-    rows = _doc_rows("EDM2's pieces on the CPU protocol (issue 30)")
-    assert {r["name"] for r in rows} >= {"edm-b32-uw", "edm-b32-pm1.6", "edm-b32-beta99", "edm-b32-mp", "edm-b32-w48",
-                                         "edm-b32-uw-pm-beta99"}
-    for row in rows:
-        (recipe,) = bench.build_recipes(bench.parse_args(["--cpu-mode", "--recipes", row["name"]]))
-        cfg = load_config(recipe.config, recipe.overrides)
-        label, name = row["label"], row["name"]
-        assert cfg.train.total_steps == row["steps"], label
-        assert cfg.train.batch_size * cfg.train.total_steps == row["images"], label
+    rows = _doc_configs(_bench(), "EDM2's pieces on the CPU protocol (issue 30)")
+    assert {name for _, name, _ in rows} >= {"edm-b32-uw", "edm-b32-pm1.6", "edm-b32-beta99", "edm-b32-mp",
+                                             "edm-b32-w48", "edm-b32-uw-pm-beta99"}
+    for label, name, cfg in rows:
         assert cfg.diffusion.objective == "edm" and cfg.model.preset == "tiny", label
         assert cfg.diffusion.uncertainty_weighting == ("uw" in name), label
         assert cfg.diffusion.edm_p_mean == (-1.6 if "pm" in name else -1.2), label
@@ -229,18 +237,10 @@ def test_every_edm2_row_of_quality_md_resolves_to_the_recipe_it_was_measured_wit
 def test_every_round_two_row_of_quality_md_resolves_to_the_recipe_it_was_measured_with():
     """docs/quality.md's issue-43 tables: each named row, resolved as ``--cpu-mode --recipes NAME`` resolves it,
     trains the steps and images its columns say, with the network, objective, LR and guide its name says."""
-    from difftrain.config import load_config
-
-    bench = _bench()
-    rows = _doc_rows("From scratch, round two (issue 43)")
-    assert {r["name"] for r in rows} >= {"edm2net-lr3e-3-ref700", "edm2net-lr1e-2-ref700", "meanflow-b32",
-                                         "guide-w16-512", "edm-b32-uw-pm-beta99-posthoc"}
-    for row in rows:
-        (recipe,) = bench.build_recipes(bench.parse_args(["--cpu-mode", "--recipes", row["name"]]))
-        cfg = load_config(recipe.config, recipe.overrides)
-        label, name = row["label"], row["name"]
-        assert cfg.train.total_steps == row["steps"], label
-        assert cfg.train.batch_size * cfg.train.total_steps == row["images"], label
+    rows = _doc_configs(_bench(), "From scratch, round two (issue 43)")
+    assert {name for _, name, _ in rows} >= {"edm2net-lr3e-3-ref700", "edm2net-lr1e-2-ref700", "meanflow-b32",
+                                             "guide-w16-512", "edm-b32-uw-pm-beta99-posthoc"}
+    for label, name, cfg in rows:
         assert cfg.model.preset == ("edm2-tiny" if name.startswith("edm2net") else "tiny"), label
         assert cfg.diffusion.objective == ("meanflow" if name.startswith("meanflow") else "edm"), label
         if name.startswith("edm2net"):
