@@ -26,7 +26,7 @@ def run(name: str, base_channels: int, steps: int) -> tuple[int, float, float, f
     cfg = load_config(None, [f"optim.name={name}", f"optim.lr={LR.get(name, 1e-3)}", *extra])
     torch.manual_seed(0)
     model = build_unet("tiny", resolution=16, in_channels=3, attention_resolutions=(8,), base_channels=base_channels)
-    opt = build_optimizer(cfg, model, torch.device("cpu"))
+    opt = build_optimizer(cfg.optim, model, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     x, t = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 1000, (8,), generator=g)
     times = []

@@ -128,7 +128,7 @@ def test_every_base_linear_is_held_quantized_and_the_adapter_alone_trains(tmp_pa
     assert adapted and all(type(m).__name__ == LORA_LAYER[kind] for m in adapted)
     # One optimizer step: the adapter moves, every frozen (quantized) tensor stays as it was.
     frozen, adapter = _frozen(net), {k: v.clone() for k, v in net.state_dict().items()}
-    optimizer = build_optimizer(cfg, net, torch.device("cpu"))
+    optimizer = build_optimizer(cfg.optim, net, torch.device("cpu"))
     ema = EMA(net, decay=0.0, warmup=False)  # made before the network's first call, as RunState.build makes it
     g = torch.Generator().manual_seed(0)
     x, t, cond = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([3, 50]), {"prompt_embeds": torch.randn(2, 16, 32, generator=g)}

@@ -55,7 +55,7 @@ def test_difftrain_imports_no_quantization_library_for_a_run_that_does_not_quant
             "from difftrain.training.optimizers import build_optimizer\n"
             "cfg = load_config(None, ['model.preset=tiny', 'data.resolution=16'])\n"
             "net = build_network(cfg, Conditioning.from_config(cfg, 0))\n"
-            "build_optimizer(cfg, net, torch.device('cpu'))\n"
+            "build_optimizer(cfg.optim, net, torch.device('cpu'))\n"
             "print(sorted(m for m in ('bitsandbytes', 'torchao') if m in sys.modules))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,

@@ -274,6 +274,17 @@ def test_moved_frozen_parts_are_named_on_the_command_line_and_changed_ones_refus
     assert sorted(cache.iterdir()) == built  # refused before encoding the images with the wrong VAE
 
 
+def test_moved_parts_repoints_the_model_section_and_refuses_a_part_the_model_never_had():
+    from difftrain.networks.conditioning import moved_parts
+
+    cfg = load_config(None, ["model.text_encoder=/old/text", "data.captions=true"])
+    moved_parts(cfg.model, "/new/text", None)
+    assert (cfg.model.text_encoder, cfg.model.vae) == ("/new/text", "")
+    with pytest.raises(ValueError, match="--vae given, but the model was trained without a vae"):
+        moved_parts(cfg.model, None, "/new/vae")
+    assert cfg.model.vae == ""
+
+
 def test_estimate_of_a_text_config_without_its_data(tmp_path, capsys):
     from difftrain.cli import main
 

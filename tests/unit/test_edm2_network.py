@@ -126,7 +126,7 @@ def test_forced_weight_normalisation_after_every_optimizer_step():
     assert _rms_spread(layers) < 1e-3  # stored at unit RMS from the start
     x, t = _unit(4, 3, 16, 16), torch.tensor([10.0, 300.0, 600.0, 900.0])
     for hooked in (True, False):
-        optimizer = build_optimizer(cfg, model, torch.device("cpu"))
+        optimizer = build_optimizer(cfg.optim, model, torch.device("cpu"))
         if not hooked:  # the same step without the hook leaves the rows off unit RMS: the hook acts
             optimizer._optimizer_step_post_hooks.clear()
         model(x, t).square().mean().backward()

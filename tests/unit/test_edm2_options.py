@@ -69,7 +69,7 @@ def test_adam_beta2_is_configurable():
     cfg = load_config(None, SMALL + ["optim.betas=[0.9, 0.99]"])
     state = RunState.build(cfg, 0, torch.device("cpu"))
     assert state.optimizer.param_groups[0]["betas"] == (0.9, 0.99)
-    assert build_optimizer(cfg, build_model(cfg), torch.device("cpu")).param_groups[0]["betas"] == (0.9, 0.99)
+    assert build_optimizer(cfg.optim, build_model(cfg), torch.device("cpu")).param_groups[0]["betas"] == (0.9, 0.99)
 
 
 def test_mp_layers_compute_the_same_whatever_the_weight_scale_and_preserve_magnitude():
@@ -107,7 +107,7 @@ def test_forced_weight_normalisation_puts_rows_back_to_unit_rms_after_every_step
     assert rms_spread(model) < 1e-3  # EDM2's eps (1e-4 of a unit row) leaves rows just under 1
     x, t = torch.randn(4, 3, 16, 16), torch.randint(0, 100, (4,))
     for hooked in (True, False):
-        optimizer = build_optimizer(cfg, model, torch.device("cpu"))
+        optimizer = build_optimizer(cfg.optim, model, torch.device("cpu"))
         if not hooked:  # the same step without the hook moves the rows off unit RMS: the hook acts
             optimizer._optimizer_step_post_hooks.clear()
         model(x, t).square().mean().backward()

@@ -56,3 +56,36 @@ def test_train_is_at_most_150_lines():
     tree = ast.parse((PACKAGE / "training" / "loop.py").read_text())
     (train,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
     assert train.end_lineno - train.lineno + 1 <= 150
+
+
+def _whole_config_readers(tree: ast.AST) -> list[tuple[str, str]]:
+    """(function, section) for each function that takes the whole config (a parameter ``cfg`` or annotated
+    ``Config``) but reads one section of it and never uses it whole (passes, returns or keeps it)."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for arg in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs:
+            annotation = ast.unparse(arg.annotation).strip("'\"") if arg.annotation else ""
+            if arg.arg != "cfg" and annotation != "Config":
+                continue
+            read = {n.value for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                    and n.value.id == arg.arg}
+            uses = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == arg.arg]
+            sections = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.value in read}
+            if len(uses) == len(read) and len(sections) == 1:
+                found.append((fn.name, sections.pop()))
+    return found
+
+
+def test_a_function_that_reads_one_section_of_the_config_takes_that_section():
+    offenders = [f"{p.relative_to(PACKAGE)}: {name} reads only cfg.{section}"
+                 for p in sorted(PACKAGE.rglob("*.py")) for name, section in _whole_config_readers(ast.parse(p.read_text()))]
+    assert not offenders, "take the section, not the whole Config:\n" + "\n".join(offenders)
+
+
+def test_the_section_check_finds_a_function_that_reads_one_section():
+    tree = ast.parse("def f(cfg, model):\n    return cfg.optim.lr * 2\n\n"
+                     "def g(cfg):\n    return cfg.optim.lr + cfg.train.seed\n\n"
+                     "def h(cfg):\n    return other(cfg) + cfg.optim.lr\n")
+    assert _whole_config_readers(tree) == [("f", "optim")]

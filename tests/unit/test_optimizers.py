@@ -28,7 +28,7 @@ def _stepped(cfg, steps: int = 1):
     """The tiny UNet after ``steps`` steps of ``optim.name`` on random 16x16 images."""
     torch.manual_seed(0)
     model = build_unet("tiny", resolution=16, in_channels=3, attention_resolutions=(8,))
-    opt = build_optimizer(cfg, model, CPU)
+    opt = build_optimizer(cfg.optim, model, CPU)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         x = torch.randn(2, 3, 16, 16, generator=g)
@@ -127,7 +127,7 @@ def test_an_optimizer_the_device_cannot_run_is_one_line(tiny_overrides):
     model = build_unet("tiny", resolution=16, in_channels=3, attention_resolutions=(8,))
     with pytest.raises(ValueError, match=r"^optim.name='adamw8bit' runs on cpu, cuda, xpu, not on mps: use "
                                          r"optim.name='adamw' \(or another\) there, or train.device one of those$"):
-        build_optimizer(_cfg(tiny_overrides, "adamw8bit"), model, torch.device("mps"))
+        build_optimizer(_cfg(tiny_overrides, "adamw8bit").optim, model, torch.device("mps"))
     assert all(OPTIMIZERS[n].devices is None for n in OPTIMIZERS if n != "adamw8bit")  # torch ops: any device
 
 

@@ -3,7 +3,7 @@ reference image (Qwen-Image-Edit's Qwen2.5-VL through its vision tower), so that
 training never runs, nor keeps loaded, the encoder once the cache is complete.
 
     text = cached_pair_encoder(cfg, family, folder, options, load, device)   # None when text.cache is off
-    text.run_entries(data, cfg, batch_size)     # every training pair's entries (prompt and "" with its image)
+    text.run_entries(data, validation, batch_size)     # every training pair's entries (prompt and "" with its image)
     cond = text.encode_edit(captions, images)   # validation / sampling: the rows' states, keyed by the pixels
 
 Entries are those of :mod:`difftrain.data.text_cache` (one safetensors file per entry, header and values checked,
@@ -43,6 +43,7 @@ from torch import nn
 
 from difftrain.runtime.files import cache_dir as default_cache_dir
 from difftrain.runtime.files import files_fingerprint
+from difftrain.runtime.precision import DTYPES
 from difftrain.runtime.stored_digest import FLOAT32
 
 from .folder import paired_reference
@@ -54,7 +55,6 @@ from .text_cache import (
     Condition,
     TextCache,
     cached_prompt_encoder,
-    compute_dtype,
     encoder_files,
     entry_name,
     fill_device,
@@ -205,11 +205,11 @@ class CachedPairEncoder(CachedPromptEncoder):
             self._views[id(dataset)] = views
         return self._views[id(dataset)]
 
-    def run_entries(self, data, cfg, batch_size: int = FILL_BATCH) -> int:
+    def run_entries(self, data, validation, batch_size: int = FILL_BATCH) -> int:
         """Encode every training pair's missing entries (each view's caption and "" with its reference), at most
         :data:`FILL_BATCH` (or ``batch_size`` if fewer) pairs at a time, then release the encoder; returns how
         many entries were encoded. (The validation rows' entries are made when the grid's plan asks for them,
-        :meth:`encode_edit`.) ``cfg``: unused (the caption cache's signature)."""
+        :meth:`encode_edit`.) ``validation``: unused (the caption cache's signature)."""
         self._manifest()
         todo: dict[str, tuple[str, PairItem]] = {}
         for row in self.views_of(data.train):
@@ -331,7 +331,9 @@ def cached_pair_encoder(cfg, family: str, folder: Path, options: dict, load: Cal
     if not text_cache_wanted(cfg.text):
         return None
     try:
-        store = PairCache.for_pairs(folder, family, options, cfg.data.cache_dir or None, compute_dtype(cfg))
+        # filled and stored in train.precision's dtype (bf16, fp16; float32 for fp32)
+        dtype = DTYPES[cfg.train.precision]
+        store = PairCache.for_pairs(folder, family, options, cfg.data.cache_dir or None, dtype)
     except FileNotFoundError as e:
         raise ValueError(f"model.text_encoder: {e}") from None
     return CachedPairEncoder(store, load, device, cfg.data.resolution, cfg.data.channels)

@@ -456,10 +456,10 @@ class CachedPromptEncoder(nn.Module):
         self.release()
         return len(todo)
 
-    def run_entries(self, data, cfg, batch_size: int = 32) -> int:
-        """:meth:`ensure` of every caption a run encodes (:func:`run_captions` of ``data`` and the config ``cfg``'s
-        validation prompts)."""
-        return self.ensure(run_captions(data, cfg.validation), batch_size)
+    def run_entries(self, data, validation, batch_size: int = 32) -> int:
+        """:meth:`ensure` of every caption a run encodes (:func:`run_captions` of ``data`` and the ``validation``
+        section's prompts)."""
+        return self.ensure(run_captions(data, validation), batch_size)
 
     def _usable(self, name: str, caption: str) -> bool:
         """Whether entry ``name`` exists and its header checks (one warning line if damaged)."""
@@ -557,11 +557,6 @@ def text_cache_wanted(t) -> bool:
     return mode == "on" or (mode == "auto" and not (t.shuffle_tags or t.tag_dropout > 0))
 
 
-def compute_dtype(cfg) -> torch.dtype:
-    """The dtype a run's text cache is filled and stored in: ``train.precision``'s bf16 / fp16, else float32."""
-    return DTYPES[cfg.train.precision]
-
-
 def cached_prompt_encoder(cfg, family: str, folder: Path, options: dict, load: Callable[[], nn.Module],
                           device: torch.device | str) -> CachedPromptEncoder | None:
     """The base ``family``'s text encoders behind the cache (``text.cache``), or None when it is off
@@ -569,7 +564,9 @@ def cached_prompt_encoder(cfg, family: str, folder: Path, options: dict, load: C
     if not text_cache_wanted(cfg.text):
         return None
     try:
-        store = TextCache.for_encoder(folder, family, options, cfg.data.cache_dir or None, compute_dtype(cfg))
+        # filled and stored in train.precision's dtype (bf16, fp16; float32 for fp32)
+        dtype = DTYPES[cfg.train.precision]
+        store = TextCache.for_encoder(folder, family, options, cfg.data.cache_dir or None, dtype)
     except FileNotFoundError as e:
         raise ValueError(f"model.text_encoder: {e}") from None
     return CachedPromptEncoder(store, load, device)
@@ -610,7 +607,7 @@ def with_text_cache(data, conditioning, cfg, dctx) -> None:
 
     def build() -> None:
         try:
-            text.run_entries(data, cfg, batch_size=cfg.validation.heldout_batch_size)
+            text.run_entries(data, cfg.validation, batch_size=cfg.validation.heldout_batch_size)
         except OSError as e:
             raise cache_dir_error(e, cfg.data.cache_dir, "text") from e
 

@@ -71,7 +71,8 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
         state = load_checkpoint(checkpoint)
         key = "ema.model" if use_ema else "model"
         tensors = state["ema"]["model"] if use_ema else state["model"]
-    cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
+    cfg = config_from_dict(state["config"], source=state["path"])
+    moved_parts(cfg.model, text_encoder, vae)
     if base is not None:
         from difftrain.networks.lora import is_lora_record
 

@@ -296,7 +296,8 @@ def merged_state(state: dict, use_ema: bool = True, *, text_encoder: str | None 
     from difftrain.checkpoints.checkpoint import load_weights
 
     adapter = adapter_of(state, use_ema)
-    cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
+    cfg = config_from_dict(state["config"], source=state["path"])
+    moved_parts(cfg.model, text_encoder, vae)
     cfg.model.quantize_base = "off"  # folded into the float32 base, never into a quantized copy of it
     net = build_network(cfg, Conditioning.from_config(cfg, state["num_classes"]), state["network"], init_weights=False)
     load_weights(net, adapter.tensors, state["path"], "ema.model" if use_ema else "model")

@@ -94,7 +94,8 @@ def export_diffusers(state: dict, out: str | Path, use_ema: bool = True, *, text
     except ImportError:
         raise ValueError("export --format diffusers needs diffusers: pip install 'difftrain[bench]' "
                          "(or pip install diffusers)") from None
-    cfg = moved_parts(config_from_dict(state["config"], source=state["path"]), text_encoder, vae)
+    cfg = config_from_dict(state["config"], source=state["path"])
+    moved_parts(cfg.model, text_encoder, vae)
     family = family_of_record(state["network"])
     return EXPORTS[family.export_kind](state, cfg, family, Path(out), use_ema)
 

@@ -290,13 +290,12 @@ class Conditioning:
                 )
 
 
-def moved_parts(cfg, text_encoder: str | None, vae: str | None):
-    """``cfg`` with ``model.text_encoder`` / ``model.vae`` pointing where the frozen parts are now
-    (each None: unchanged); refused for a model without that part."""
+def moved_parts(model, text_encoder: str | None, vae: str | None) -> None:
+    """Point the ``model`` section's ``text_encoder`` / ``vae`` where the frozen parts are now (each None:
+    unchanged); refused for a model without that part."""
     for key, value in (("text_encoder", text_encoder), ("vae", vae)):
         if value is not None:
-            if not getattr(cfg.model, key):
+            if not getattr(model, key):
                 raise ValueError(f"--{key.replace('_', '-')} given, but the model was trained without a "
                                  f"{key.replace('_', ' ')}")
-            setattr(cfg.model, key, value)
-    return cfg
+            setattr(model, key, value)

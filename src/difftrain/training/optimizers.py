@@ -1,7 +1,7 @@
 """The optimizer registry (``optim.name``): how each optimizer is built, the package it needs,
 what its state costs per parameter, and the schedule-free train/eval switch.
 
-    optimizer = build_optimizer(cfg, model, device)       # over the parameters that train
+    optimizer = build_optimizer(cfg.optim, model, device)  # over the parameters that train
     with reading_weights(optimizer):                      # schedule-free: the averaged weights x
         model.state_dict()                                # (a no-op for every other optimizer)
     read = averaged_weights(optimizer)                    # or x one tensor at a time (EMA updates)
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from difftrain.config import Config, OptimConfig, OptimizerName
+from difftrain.config import OptimConfig, OptimizerName
 from difftrain.models import weight_normalised_layers
 from difftrain.runtime.optional import require
 
@@ -114,16 +114,16 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 
 
-def build_optimizer(cfg: Config, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """``optim.name``'s optimizer over the parameters that train (not a LoRA run's frozen base). A
+def build_optimizer(o: OptimConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """The ``optim`` section ``o``'s optimizer (``optim.name``) over the parameters that train (not a LoRA run's frozen base). A
     model with magnitude-preserving layers (``model.magnitude_preserving``) has their weights put back
     to unit-RMS rows after every step (EDM2's forced weight normalisation). One ValueError when the
     optimizer has no kernels for ``device``."""
-    spec = OPTIMIZERS[cfg.optim.name]
+    spec = OPTIMIZERS[o.name]
     if spec.devices is not None and device.type not in spec.devices:
-        raise ValueError(f"optim.name={cfg.optim.name!r} runs on {', '.join(spec.devices)}, not on {device.type}: "
+        raise ValueError(f"optim.name={o.name!r} runs on {', '.join(spec.devices)}, not on {device.type}: "
                          f"use optim.name='adamw' (or another) there, or train.device one of those")
-    optimizer = spec.build([p for p in model.parameters() if p.requires_grad], cfg.optim, device)
+    optimizer = spec.build([p for p in model.parameters() if p.requires_grad], o, device)
     layers = weight_normalised_layers(model)
     if layers:
         optimizer.register_step_post_hook(lambda *_: _renormalize(layers))

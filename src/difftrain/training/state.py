@@ -112,7 +112,7 @@ class RunState:
         ema = EMA(model, decay=cfg.ema.decay, warmup=cfg.ema.warmup, warmup_power=cfg.ema.warmup_power,
                   view=ema_is_view(cfg.ema.decay, cfg.ema.update_every_steps, cfg.optim.name))  # decay 0: no copy
         posthoc = PowerEMA(model, cfg.ema.posthoc_std)
-        optimizer = build_optimizer(cfg, model, device)
+        optimizer = build_optimizer(cfg.optim, model, device)
         state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes, conditioning)
         state.net = model
         return state
@@ -157,7 +157,7 @@ class RunState:
         for average in (*ema.copies(), *posthoc.models):  # each rank averages its own shard
             fsdp.copy_shards(average, model)
         ema.rebind()
-        optimizer = build_optimizer(cfg, model, fsdp.shard_device(tc.fsdp_offload, device))  # train.fsdp_offload: on the CPU
+        optimizer = build_optimizer(cfg.optim, model, fsdp.shard_device(tc.fsdp_offload, device))  # train.fsdp_offload: on the CPU
         state = cls(cfg, model, ema, optimizer, Precision(tc.precision, device), posthoc, num_classes, conditioning,
                     template=template, dctx=dctx)
         state.net = model
@@ -194,7 +194,8 @@ class RunState:
         for average in (*self.ema.copies(), *self.posthoc.models):  # each rank averages its own shard
             fsdp.shard_like(average.to(memory_format=torch.contiguous_format), self.model)
         self.ema.rebind()
-        self.optimizer = build_optimizer(self.cfg, self.model, fsdp.shard_device(self.cfg.train.fsdp_offload, dctx.device))
+        offload = fsdp.shard_device(self.cfg.train.fsdp_offload, dctx.device)  # train.fsdp_offload: on the CPU
+        self.optimizer = build_optimizer(self.cfg.optim, self.model, offload)
         if carried is not None:
             set_optimizer_state_dict(self.model, self.optimizer, carried, options=StateDictOptions(full_state_dict=True))
         return self.model
