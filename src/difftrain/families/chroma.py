@@ -151,13 +151,7 @@ class ChromaFamily(TransformerFamily):
         """The base's parts, captions on, rectified flow: uniform, unshifted training t (the Flux script's
         default on this kind of scheduler), sampling with the scheduler's resolution-dependent shift."""
         sched = self.scheduler_config(folder)
-        return {**self._defaults(folder), "diffusion.flow_t_sampling": "uniform",
-                "diffusion.flow_train_shift": 1.0, "diffusion.flow_shift": 1.0, "diffusion.flow_grid_end": None,
-                "diffusion.flow_dynamic_shift": bool(sched.get("use_dynamic_shifting", True)),
-                "diffusion.flow_base_shift": float(sched.get("base_shift", 0.5)),
-                "diffusion.flow_max_shift": float(sched.get("max_shift", 1.15)),
-                "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
-                "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096))}
+        return {**self._defaults(folder), **self.unshifted_flow(sched)}
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
                             max_sequence_length: int = 0, deferred: bool = False) -> ChromaPromptEncoder:

@@ -306,14 +306,8 @@ class Flux2Family(TransformerFamily):
         """The base's parts, captions on, rectified flow as diffusers' script trains it (uniform, unshifted
         t), sampling on the pipelines' grid (the empirical mu of the tokens and steps), the pipeline's guidance."""
         sched = self.scheduler_config(folder)
-        return {**self._defaults(folder), "diffusion.flow_t_sampling": "uniform",
-                "diffusion.flow_train_shift": 1.0, "diffusion.flow_shift": 1.0, "diffusion.flow_grid_end": None,
-                "diffusion.flow_dynamic_shift": bool(sched.get("use_dynamic_shifting", True)),
-                "diffusion.flow_base_shift": float(sched.get("base_shift", 0.5)),
-                "diffusion.flow_max_shift": float(sched.get("max_shift", 1.15)),
-                "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
-                "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096)),
-                "diffusion.flow_shift_rule": "empirical", **self.guidance_defaults(folder)}
+        return {**self._defaults(folder), **self.unshifted_flow(sched), "diffusion.flow_shift_rule": "empirical",
+                **self.guidance_defaults(folder)}
 
     def guidance_defaults(self, folder: Path) -> dict[str, object]:
         """The samples' guidance: the pipeline's distilled guidance_scale (4.0)."""

@@ -170,10 +170,7 @@ class Lumina2Family(TransformerFamily):
                "diffusion.flow_shift": shift, "diffusion.flow_grid_end": None,
                "diffusion.flow_dynamic_shift": bool(sched.get("use_dynamic_shifting", False))}
         if out["diffusion.flow_dynamic_shift"]:
-            out |= {"diffusion.flow_base_shift": float(sched.get("base_shift", 0.5)),
-                    "diffusion.flow_max_shift": float(sched.get("max_shift", 1.15)),
-                    "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
-                    "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096))}
+            out |= self.shift_range(sched)
         return out
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",

@@ -182,6 +182,26 @@ class TransformerFamily(Family):
         return {"model.text_encoder": str(folder), "model.vae": str(folder), "data.captions": True,
                 "diffusion.objective": "flow"}
 
+    @staticmethod
+    def shift_range(sched: dict, max_shift: float = 1.15, max_seq_len: int = 4096) -> dict[str, object]:
+        """The resolution-dependent shift of the base's scheduler config ``sched`` as difftrain's flow keys: mu
+        from base_shift at base_image_seq_len tokens to max_shift at max_image_seq_len. Where the config has
+        none, FlowMatchEulerDiscreteScheduler's defaults (or the pipeline's: ``max_shift``, ``max_seq_len``)."""
+        return {"diffusion.flow_base_shift": float(sched.get("base_shift", 0.5)),
+                "diffusion.flow_max_shift": float(sched.get("max_shift", max_shift)),
+                "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
+                "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", max_seq_len))}
+
+    @classmethod
+    def unshifted_flow(cls, sched: dict, **shift_range) -> dict[str, object]:
+        """Rectified flow as diffusers' Flux-style scripts train it: uniform, unshifted training t; sampling
+        with the scheduler's resolution-dependent shift (:meth:`shift_range`, its defaults overridden by
+        ``shift_range``) unless its config turns ``use_dynamic_shifting`` off."""
+        return {"diffusion.flow_t_sampling": "uniform", "diffusion.flow_train_shift": 1.0, "diffusion.flow_shift": 1.0,
+                "diffusion.flow_grid_end": None,
+                "diffusion.flow_dynamic_shift": bool(sched.get("use_dynamic_shifting", True)),
+                **cls.shift_range(sched, **shift_range)}
+
     def load_denoiser(self, folder: Path, quantization_config=None) -> TransformerDenoiser:
         import diffusers  # an optional package ([text])
 

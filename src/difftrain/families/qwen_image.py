@@ -289,13 +289,7 @@ class QwenImageFamily(TransformerFamily):
         """The base's parts, captions on, rectified flow as diffusers' script trains it (uniform, unshifted
         t), sampling with the scheduler's resolution-dependent shift and true CFG 4.0."""
         sched = self.scheduler_config(folder)
-        return {**self._defaults(folder), "diffusion.flow_t_sampling": "uniform",
-                "diffusion.flow_train_shift": 1.0, "diffusion.flow_shift": 1.0, "diffusion.flow_grid_end": None,
-                "diffusion.flow_dynamic_shift": bool(sched.get("use_dynamic_shifting", True)),
-                "diffusion.flow_base_shift": float(sched.get("base_shift", 0.5)),
-                "diffusion.flow_max_shift": float(sched.get("max_shift", 0.9)),
-                "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
-                "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 8192)),
+        return {**self._defaults(folder), **self.unshifted_flow(sched, max_shift=0.9, max_seq_len=8192),
                 "validation.guidance_scale": 4.0}
 
     def export_scheduler(self, diffusion) -> dict:

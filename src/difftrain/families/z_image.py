@@ -239,11 +239,7 @@ class ZImageFamily(TransformerFamily):
         shift = float(sched.get("shift", 1.0))
         return {**self._defaults(folder), "diffusion.flow_t_sampling": "uniform",
                 "diffusion.flow_train_shift": 1.0 if dynamic else shift, "diffusion.flow_shift": shift,
-                "diffusion.flow_grid_end": None, "diffusion.flow_dynamic_shift": dynamic,
-                "diffusion.flow_base_shift": float(sched.get("base_shift", 0.5)),
-                "diffusion.flow_max_shift": float(sched.get("max_shift", 1.15)),
-                "diffusion.flow_base_seq_len": int(sched.get("base_image_seq_len", 256)),
-                "diffusion.flow_max_seq_len": int(sched.get("max_image_seq_len", 4096))}
+                "diffusion.flow_grid_end": None, "diffusion.flow_dynamic_shift": dynamic, **self.shift_range(sched)}
 
     def load_prompt_encoder(self, folder: Path, device: torch.device | str = "cpu",
                             max_sequence_length: int = 0, deferred: bool = False) -> ZImagePromptEncoder:
