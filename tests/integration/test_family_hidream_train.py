@@ -13,46 +13,37 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from difftrain.checkpoints import checkpoint as ckpt  # noqa: E402
 from difftrain.config import load_config  # noqa: E402
-from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases_hidream import LENGTH, write_tiny_hidream_folder  # noqa: E402
-from tests.integration.test_text_train import _captioned_folder  # noqa: E402
-from tests.family_runs import run_digests as _digests, tiny_run  # noqa: E402
+from tests.family_exports import (assert_lora_export_loads_in_the_pipeline, assert_same_images,  # noqa: E402
+                                  difftrain_image, exported_pipeline)
+from tests.family_runs import (assert_bad_settings_refused, assert_dreambooth_resumes_exactly,  # noqa: E402
+                               assert_lora_trained, assert_preset_trains_and_validates, assert_resumes_exactly,
+                               straight_model, write_tiny_bases)
 
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hidream-train")
-    _captioned_folder(root / "data", n=8, size=32)
-    return {"hidream": write_tiny_hidream_folder(root / "hidream"), "data": root / "data"}
-
-
-def _overrides(bases, *extra):
-    """A 4-step run of the tiny base on 8 captioned 32 px squares (latents 8 x 8: 16 tokens)."""
-    return tiny_run(bases['data'], bases['hidream'], *extra, length=LENGTH)
+    """The tiny HiDream base; its runs: 4 steps on 8 captioned 32 px squares (latents 8 x 8: 16 tokens)."""
+    return write_tiny_bases(tmp_path_factory.mktemp("hidream-train"), {"hidream": write_tiny_hidream_folder},
+                            length=LENGTH)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_steps_run_and_resume_exactly(tmp_path, bases, mode):
     extra = ["lora.rank=4", "lora.alpha=4"] if mode == "lora" else []
-    cfg = load_config(None, _overrides(bases, "text.cache=on", *extra))
+    cfg = load_config(None, bases["hidream"].run("text.cache=on", *extra))
     assert cfg.diffusion.objective == "flow" and cfg.diffusion.flow_t_sampling == "uniform"  # the base decided it
     assert cfg.diffusion.flow_train_shift == 3.0  # the script's scheduler shift
-    train(cfg, tmp_path / "straight")
-    train(cfg, tmp_path / "resumed", stop_at_step=2)
-    assert train(cfg, tmp_path / "resumed").step == 4
-    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
-    state = ckpt.load_checkpoint(tmp_path / "straight")
-    names = list(state["model"])
+    assert_resumes_exactly(cfg, tmp_path)
+    model = straight_model(tmp_path)
     if mode == "lora":
-        assert names and all("lora_" in n for n in names)
-        assert any(t.abs().sum() > 0 for n, t in state["model"].items() if "lora_B" in n)  # it trained
+        names = assert_lora_trained(model)
         assert not any("_t.lora" in n for n in names)  # the script's targets: the image stream's to_q/k/v/out
-        _lora_export_loads_in_the_pipeline(tmp_path, bases)
+        assert_lora_export_loads_in_the_pipeline(tmp_path, "hidream", bases["hidream"], (16, 8, 8))
     else:
         base = _base_state(bases)
-        moved = {n for n, t in state["model"].items() if not (t == base[n]).all()}
+        moved = {n for n, t in model.items() if not (t == base[n]).all()}
         assert any(".experts." in n for n in moved) and any(".gate." in n for n in moved)  # the MoE trains
         _export_samples_as_difftrain(tmp_path)
 
@@ -60,101 +51,36 @@ def test_steps_run_and_resume_exactly(tmp_path, bases, mode):
 def _base_state(bases):
     from difftrain.families import family_named
 
-    return family_named("hidream").load_denoiser(bases["hidream"]).state_dict()
-
-
-def _pipe(folder):
-    import diffusers
-
-    pipe = diffusers.HiDreamImagePipeline.from_pretrained(str(folder))
-    pipe.set_progress_bar_config(disable=True)
-    pipe.default_sample_size = 8  # the pipeline rescales every request to this area: 32 x 32 px here
-    return pipe
+    return family_named("hidream").load_denoiser(bases["hidream"].folder).state_dict()
 
 
 def _export_samples_as_difftrain(tmp_path):
     """``export`` of a full fine-tune: HiDreamImagePipeline loads the folder and, from the same initial noise,
     samples difftrain's images (Euler, 3 steps, CFG 2 on the "" negative prompt)."""
-    from difftrain import api
-    from difftrain.generation.inference import generate_images, load_model
     from difftrain.generation.sampling import initial_noise
 
-    out = api.export(tmp_path / "straight", tmp_path / "pipe")
-    ours = load_model(tmp_path / "straight", device="cpu")
-    expected = generate_images(ours, 1, sampler="euler", steps=3, seed=5, prompt="a red square", guidance_scale=2.0)
+    pipe = exported_pipeline(tmp_path, "HiDreamImagePipeline")
+    pipe.default_sample_size = 8  # the pipeline rescales every request to this area: 32 x 32 px here
+    expected = difftrain_image(tmp_path, 2.0)
     noise = initial_noise(1, (16, 8, 8), 5)
-    theirs = _pipe(out)(["a red square"], latents=noise.clone(), num_inference_steps=3, guidance_scale=2.0,
-                        max_sequence_length=LENGTH, output_type="pt", height=32, width=32).images * 2 - 1
-    assert theirs.shape == expected.shape
-    assert (theirs - expected).abs().max() < 1e-4, (theirs - expected).abs().max()
-
-
-def _lora_export_loads_in_the_pipeline(tmp_path, bases):
-    """``export --format lora`` of the run -> HiDreamImagePipeline.load_lora_weights: its transformer gives what
-    difftrain's adapted network gives (1e-4) on the same input."""
-    import torch
-
-    from difftrain.cli import main
-    from difftrain.families import family_named
-    from difftrain.generation.inference import load_model
-
-    assert main(["export", str(tmp_path / "straight"), str(tmp_path / "lora"), "--format", "lora"]) == 0
-    family = family_named("hidream")
-    pipe = _pipe(bases["hidream"])
-    pipe.load_lora_weights(str(tmp_path / "lora"))
-    ours = load_model(tmp_path / "straight", device="cpu").model.eval()
-    cond = family.load_prompt_encoder(bases["hidream"], max_sequence_length=LENGTH).encode(["a red square"])
-    x, t = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([700.0])
-    theirs = family.denoiser_class(pipe.transformer)  # the pipeline's transformer behind difftrain's call
-    with torch.no_grad():
-        assert (ours(x, t, cond) - theirs(x, t, cond)).abs().max() < 1e-4
-        plain = family.load_denoiser(bases["hidream"])
-        assert (plain(x, t, cond) - theirs(x, t, cond)).abs().max() > 1e-6  # the adapter is in
+    theirs = pipe(["a red square"], latents=noise.clone(), num_inference_steps=3, guidance_scale=2.0,
+                  max_sequence_length=LENGTH, output_type="pt", height=32, width=32).images * 2 - 1
+    assert_same_images(theirs, expected)
 
 
 def test_the_preset_command_trains_and_validates(tmp_path, bases):
     """``difftrain train --config configs/hidream-lora.toml --set model.init_from=BASE --set data.path=DIR``
     (shrunk to 2 steps at 32 px), validation grid included (CFG 5, the pipeline's default)."""
-    from pathlib import Path
-
-    from difftrain.cli import main
-
-    preset = Path(__file__).resolve().parents[2] / "configs" / "hidream-lora.toml"
-    sets = [f"model.init_from={bases['hidream']}", f"data.path={bases['data']}", "data.resolution=32",
-            "data.num_workers=0", "train.total_steps=2", "train.grad_accum_steps=1", "train.precision=fp32",
-            "train.progress_bar=false", "checkpoint.every_steps=2", "validation.every_steps=2",
-            "validation.steps=2", "validation.num_images=2", "validation.prompts=['a red square']",
-            f"model.max_sequence_length={LENGTH}"]
-    args = ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")]
-    for s in sets:
-        args += ["--set", s]
-    assert main(args) == 0
-    assert ckpt.load_checkpoint(tmp_path / "run")["step"] == 2
-    assert list((tmp_path / "run" / "samples").glob("*.png"))  # the validation grid
+    assert_preset_trains_and_validates(tmp_path / "run", "hidream", bases["hidream"].preset_run())
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, bases, capsys):
     """More tokens than the base's CLIPs have positions, a resolution the VAE and 2x2 patches cannot divide."""
-    from difftrain.cli import main
-
-    for setting, needle in (("model.max_sequence_length=129", "model.max_sequence_length"),
-                            ("data.resolution=28", "data.resolution=28 must be a multiple of 8")):
-        args = ["train", "--run-dir", str(tmp_path / setting.split("=")[0])]
-        for s in _overrides(bases, setting):
-            args += ["--set", s]
-        assert main(args) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert needle in err[-1] and str(bases["hidream"]) in err[-1], err
+    assert_bad_settings_refused(tmp_path, capsys, bases["hidream"], (
+        ("model.max_sequence_length=129", "model.max_sequence_length"),
+        ("data.resolution=28", "data.resolution=28 must be a multiple of 8")))
 
 
 def test_dreambooth_with_prior_preservation_resumes_exactly(tmp_path, bases):
     """DreamBooth (LoRA) with class images made once by the base (its flow sampler, grid and CFG)."""
-    prior = ["dreambooth.instance_prompt=a photo of sks square", "dreambooth.class_prompt=a photo of a square",
-             "dreambooth.num_class_images=2", "dreambooth.class_steps=2", "dreambooth.class_batch_size=2",
-             f"dreambooth.class_dir={tmp_path / 'cls'}", "lora.rank=4"]
-    cfg = load_config(None, _overrides(bases, *prior))
-    train(cfg, tmp_path / "straight")
-    assert sorted(p.name for p in (tmp_path / "cls").glob("*.png")) == ["class_00000.png", "class_00001.png"]
-    train(cfg, tmp_path / "resumed", stop_at_step=2)
-    assert train(cfg, tmp_path / "resumed").step == 4
-    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    assert_dreambooth_resumes_exactly(tmp_path, bases["hidream"])
