@@ -22,7 +22,9 @@ from difftrain.config import load_config  # noqa: E402
 from difftrain.training.loop import train  # noqa: E402
 from tests.family_bases import T5_LENGTH, write_tiny_flux_folder  # noqa: E402
 from tests.family_bases_flux_kontext import write_tiny_flux_kontext_folder  # noqa: E402
-from tests.family_runs import run_digests as _digests  # noqa: E402
+from tests.family_exports import assert_same_images  # noqa: E402
+from tests.family_runs import (assert_preset_trains_and_validates, assert_refused,  # noqa: E402
+                               assert_resumes_exactly, cli_train, preset_run, run_digests, tiny_run)
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 
@@ -61,11 +63,7 @@ def bases(tmp_path_factory):
 
 def _overrides(bases, *extra, refs="refs"):
     """A 4-step run of the tiny Kontext base on 8 pairs at 32 px (latents 8 x 8 and 12 x 8: two buckets)."""
-    return ["data.resolution=32", "data.num_workers=0", f"data.path={bases['data']}", f"data.references={bases[refs]}",
-            f"model.init_from={bases['base']}", f"model.max_sequence_length={T5_LENGTH}", "optim.lr=1e-3",
-            "optim.warmup_steps=1", "train.total_steps=4", "train.batch_size=2", "train.log_every_steps=2",
-            "train.progress_bar=false", "ema.decay=0.9", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
-            "validation.every_steps=0", *extra]
+    return tiny_run(bases["data"], bases["base"], f"data.references={bases[refs]}", *extra, length=T5_LENGTH)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -73,13 +71,10 @@ def test_pairs_train_and_resume_exactly(tmp_path, bases, mode):
     extra = ["lora.rank=4", "lora.alpha=4"] if mode == "lora" else []
     cfg = load_config(None, _overrides(bases, *extra))
     assert cfg.data.buckets == "aspect" and cfg.diffusion.objective == "flow"  # the base decided them
-    train(cfg, tmp_path / "straight")
-    train(cfg, tmp_path / "resumed", stop_at_step=2)
-    assert train(cfg, tmp_path / "resumed").step == 4
-    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    assert_resumes_exactly(cfg, tmp_path)
     if mode == "lora":  # the references reach the denoiser: other references, other weights
         train(load_config(None, _overrides(bases, *extra, refs="other_refs")), tmp_path / "other")
-        assert _digests(tmp_path / "other")[0] != _digests(tmp_path / "straight")[0]
+        assert run_digests(tmp_path / "other")[0] != run_digests(tmp_path / "straight")[0]
     else:
         _export_samples_as_difftrain(tmp_path, bases)
 
@@ -103,7 +98,7 @@ def _export_samples_as_difftrain(tmp_path, bases):
     theirs = pipe(image=ref, prompt=["make the square red"], latents=pack(initial_noise(1, (16, 8, 8), 5)),
                   num_inference_steps=3, guidance_scale=3.5, max_sequence_length=T5_LENGTH, output_type="pt",
                   height=32, width=32, max_area=32 * 32).images * 2 - 1
-    assert (theirs - expected).abs().max() < 1e-4, (theirs - expected).abs().max()
+    assert_same_images(theirs, expected)
     # the CLI: sample --reference writes the same images; without --reference, one line
     assert main(["sample", "--checkpoint", str(tmp_path / "straight"), "--out", str(tmp_path / "s"), "--num", "1",
                  "--steps", "2", "--sampler", "euler", "--prompt", "make the square red",
@@ -115,20 +110,10 @@ def test_the_preset_command_trains_and_validates_on_fixed_references(tmp_path, b
     """``difftrain train --config configs/flux-kontext-lora.toml`` with the base, the pairs and the validation's
     references (shrunk to 2 steps at 32 px): the grid sampled from validation.references at the family's guidance
     (the input, 3.5, no CFG)."""
-    from pathlib import Path
-
-    preset = Path(__file__).resolve().parents[2] / "configs" / "flux-kontext-lora.toml"
-    sets = [f"model.init_from={bases['base']}", f"data.path={bases['data']}", f"data.references={bases['refs']}",
-            "data.resolution=32", "data.num_workers=0", "train.total_steps=2", "train.grad_accum_steps=1",
-            "train.precision=fp32", "train.progress_bar=false", "checkpoint.every_steps=2", "validation.every_steps=2",
-            "validation.steps=2", "validation.num_images=2", f"model.max_sequence_length={T5_LENGTH}",
-            "validation.prompts=['make the square red', 'make the square blue']",
-            f"validation.references=['{bases['valref']}']"]
-    args = ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")]
-    for s in sets:
-        args += ["--set", s]
-    assert main(args) == 0
-    assert list((tmp_path / "run" / "samples").glob("*.png"))
+    sets = preset_run(bases["data"], bases["base"], f"data.references={bases['refs']}",
+                      "validation.prompts=['make the square red', 'make the square blue']",
+                      f"validation.references=['{bases['valref']}']", length=T5_LENGTH)
+    assert_preset_trains_and_validates(tmp_path / "run", "flux-kontext", sets)
 
 
 def test_bad_pairs_are_one_line_and_exit_2(tmp_path, bases, capsys):
@@ -143,12 +128,7 @@ def test_bad_pairs_are_one_line_and_exit_2(tmp_path, bases, capsys):
              (_overrides(bases) + [f"model.init_from={bases['flux']}"], "takes no reference images"),
              (_overrides(bases, "validation.every_steps=2", "validation.prompts=['x']"), "validation.references")]
     for k, (sets, needle) in enumerate(cases):
-        args = ["train", "--run-dir", str(tmp_path / f"run{k}")]
-        for s in sets:
-            args += ["--set", s]
-        assert main(args) == 2, needle
-        err = capsys.readouterr().err.strip().splitlines()
-        assert needle in err[-1], err
+        assert_refused(tmp_path / f"run{k}", sets, capsys, needle)
 
 
 def test_a_metadata_column_names_the_references_as_the_parallel_folder_does(tmp_path, bases, capsys):
@@ -170,15 +150,10 @@ def test_a_metadata_column_names_the_references_as_the_parallel_folder_does(tmp_
     column = [s for s in _overrides(bases, *short) if not s.startswith("data.")] + [
         "data.resolution=32", "data.num_workers=0", f"data.path={data}", "data.reference_column=reference"]
     train(load_config(None, column), tmp_path / "column")
-    assert _digests(tmp_path / "folder") == _digests(tmp_path / "column")
+    assert run_digests(tmp_path / "folder") == run_digests(tmp_path / "column")
     del lines[2]["reference"]
     (data / "metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    args = ["train", "--run-dir", str(tmp_path / "bad")]
-    for s in column:
-        args += ["--set", s]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert "metadata.jsonl line 3" in err[-1] and '"reference"' in err[-1], err
+    assert_refused(tmp_path / "bad", column, capsys, "metadata.jsonl line 3", '"reference"')
 
 
 def test_an_unreadable_reference_is_a_bad_pair(tmp_path, bases, capsys):
@@ -190,10 +165,7 @@ def test_an_unreadable_reference_is_a_bad_pair(tmp_path, bases, capsys):
         (refs / f.name).write_bytes(f.read_bytes())
     (refs / "img001.png").write_bytes(b"not an image")
     sets = _overrides(bases, "lora.rank=4", "train.total_steps=2") + [f"data.references={refs}"]
-    args = ["train", "--run-dir", str(tmp_path / "fail")]
-    for s in sets + ["data.on_bad_image=fail"]:
-        args += ["--set", s]
-    assert main(args) == 2
+    assert cli_train(tmp_path / "fail", sets + ["data.on_bad_image=fail"]) == 2
     err = capsys.readouterr().err
     assert "img001.png: reference: unreadable" in err and "or reference" in err
     cfg = load_config(None, sets + ["data.on_bad_image=skip"])
@@ -207,10 +179,7 @@ def test_dreambooth_instance_prompt_on_pairs_resumes_exactly(tmp_path, bases):
     test_edit_dreambooth.py; refused in one line before issue 42's editfit item 3)."""
     sets = _overrides(bases, "lora.rank=4", "dreambooth.instance_prompt=make the sks square red")
     cfg = load_config(None, sets)
-    train(cfg, tmp_path / "straight")
-    train(cfg, tmp_path / "resumed", stop_at_step=2)
-    assert train(cfg, tmp_path / "resumed").step == 4
-    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    assert_resumes_exactly(cfg, tmp_path)
     assert load_config(None, sets + ["dreambooth.class_prompt=a square"]).dreambooth.class_prompt == "a square"
 
 

@@ -7,8 +7,6 @@ and the same image) as difftrain samples, and the LoRA file loading in the pipel
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -28,7 +26,9 @@ from tests.family_bases_qwen_image_edit import (
     load_tiny_qwen_image_edit_pipeline,
     write_tiny_qwen_image_edit_folder,
 )
-from tests.family_runs import run_digests as _digests
+from tests.family_exports import assert_same_images
+from tests.family_runs import (assert_preset_trains_and_validates, assert_refused, assert_resumes_exactly, preset_run,
+                               run_digests, tiny_run)
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 EDIT_MODULE = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit"
@@ -66,11 +66,8 @@ def bases(tmp_path_factory):
 
 def _overrides(bases, *extra, refs="refs"):
     """A 4-step LoRA run of the tiny base on 6 pairs at 32 px (latents 8 x 8)."""
-    return ["data.resolution=32", "data.num_workers=0", f"data.path={bases['data']}", f"data.references={bases[refs]}",
-            f"model.init_from={bases['base']}", f"model.max_sequence_length={QWEN_LENGTH}", "optim.lr=1e-3",
-            "optim.warmup_steps=1", "train.total_steps=4", "train.batch_size=2", "train.log_every_steps=2",
-            "train.progress_bar=false", "ema.decay=0.9", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
-            "validation.every_steps=0", "model.class_dropout=0.5", *extra]
+    return tiny_run(bases["data"], bases["base"], f"data.references={bases[refs]}", "model.class_dropout=0.5", *extra,
+                    length=QWEN_LENGTH)
 
 
 def _small_reference_area(monkeypatch):
@@ -87,13 +84,10 @@ def test_pairs_train_resume_exactly_and_see_the_references(tmp_path, bases):
     extra = ["lora.rank=4", "lora.alpha=4"]
     cfg = load_config(None, _overrides(bases, *extra))
     assert cfg.diffusion.objective == "flow" and cfg.data.references
-    train(cfg, tmp_path / "straight")
-    train(cfg, tmp_path / "resumed", stop_at_step=2)
-    assert train(cfg, tmp_path / "resumed").step == 4
-    assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
+    assert_resumes_exactly(cfg, tmp_path)
     # the references reach the prompt encoder's vision tower and the denoiser: other references, other weights
     train(load_config(None, _overrides(bases, *extra, refs="other_refs")), tmp_path / "other")
-    assert _digests(tmp_path / "other")[0] != _digests(tmp_path / "straight")[0]
+    assert run_digests(tmp_path / "other")[0] != run_digests(tmp_path / "straight")[0]
 
 
 def test_exported_full_fine_tune_samples_in_the_pipeline_as_difftrain(tmp_path, bases, monkeypatch):
@@ -115,7 +109,7 @@ def test_exported_full_fine_tune_samples_in_the_pipeline_as_difftrain(tmp_path, 
     theirs = pipe(image=Image.open(bases["valref"]).convert("RGB"), prompt=["make the square red"],
                   negative_prompt=[""], true_cfg_scale=4.0, latents=pack(initial_noise(1, (16, 8, 8), 5)),
                   num_inference_steps=3, height=32, width=32, output_type="pt").images * 2 - 1
-    assert (theirs - expected).abs().max() < 1e-4, (theirs - expected).abs().max()
+    assert_same_images(theirs, expected)
     # the CLI: sample --reference writes the images; without --reference, one line and exit 2
     args = ["sample", "--checkpoint", str(tmp_path / "full"), "--out", str(tmp_path / "s"), "--num", "1", "--steps",
             "2", "--sampler", "euler", "--prompt", "make the square red"]
@@ -158,18 +152,10 @@ def test_lora_file_loads_in_the_pipeline_equal_to_the_merged_export(tmp_path, ba
 def test_the_preset_command_trains_and_validates_on_fixed_references(tmp_path, bases):
     """``difftrain train --config configs/qwen-image-edit-lora.toml`` with the base, the pairs and the validation's
     references (shrunk to 2 steps at 32 px): the grid sampled from validation.references with true CFG 4."""
-    preset = Path(__file__).resolve().parents[2] / "configs" / "qwen-image-edit-lora.toml"
-    sets = [f"model.init_from={bases['base']}", f"data.path={bases['data']}", f"data.references={bases['refs']}",
-            "data.resolution=32", "data.num_workers=0", "train.total_steps=2", "train.grad_accum_steps=1",
-            "train.precision=fp32", "train.progress_bar=false", "checkpoint.every_steps=2", "validation.every_steps=2",
-            "validation.steps=2", "validation.num_images=2", f"model.max_sequence_length={QWEN_LENGTH}",
-            "model.quantize_base=off", "validation.prompts=['make the square red', 'make the square blue']",
-            f"validation.references=['{bases['valref']}']"]
-    args = ["train", "--config", str(preset), "--run-dir", str(tmp_path / "run")]
-    for s in sets:
-        args += ["--set", s]
-    assert main(args) == 0
-    assert list((tmp_path / "run" / "samples").glob("*.png"))
+    sets = preset_run(bases["data"], bases["base"], f"data.references={bases['refs']}", "model.quantize_base=off",
+                      "validation.prompts=['make the square red', 'make the square blue']",
+                      f"validation.references=['{bases['valref']}']", length=QWEN_LENGTH)
+    assert_preset_trains_and_validates(tmp_path / "run", "qwen-image-edit", sets)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, bases, capsys):
@@ -177,9 +163,4 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, bases, capsys):
     cases = [([s for s in _overrides(bases) if not s.startswith("data.references")], "set data.references"),
              (_overrides(bases, "validation.every_steps=2", "validation.prompts=['x']"), "validation.references")]
     for k, (sets, needle) in enumerate(cases):
-        args = ["train", "--run-dir", str(tmp_path / f"run{k}")]
-        for s in sets:
-            args += ["--set", s]
-        assert main(args) == 2, needle
-        err = capsys.readouterr().err.strip().splitlines()
-        assert needle in err[-1], err
+        assert_refused(tmp_path / f"run{k}", sets, capsys, needle)
