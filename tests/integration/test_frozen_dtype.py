@@ -104,9 +104,11 @@ def test_bf16_lora_holds_frozen_parts_in_bf16_trains_resumes_and_exports(tmp_pat
     assert _digests(tmp_path / "straight") == _digests(tmp_path / "resumed")
     assert _frozen_dtypes(built[-1])["denoiser"] == {torch.bfloat16}  # the resumed run holds it so too
     if name == "flux":
-        from tests.integration.test_family_mmdit_train import _lora_export_loads_in_the_pipeline
+        from tests.family_exports import assert_lora_export_loads_in_the_pipeline
+        from tests.family_runs import TinyBase
 
-        _lora_export_loads_in_the_pipeline(tmp_path, bases, name)
+        base = TinyBase(bases["flux"], bases["root"] / "data32", T5_LENGTH)
+        assert_lora_export_loads_in_the_pipeline(tmp_path, "flux", base, (16, 8, 8))
     else:
         _sd_export_loads_in_the_pipeline(tmp_path, bases)
 
