@@ -3,7 +3,7 @@ reference image (Qwen-Image-Edit's Qwen2.5-VL through its vision tower), so that
 training never runs, nor keeps loaded, the encoder once the cache is complete.
 
     text = cached_pair_encoder(cfg, family, folder, options, load, device)   # None when text.cache is off
-    text.run_entries(data, validation, batch_size)     # every training pair's entries (prompt and "" with its image)
+    text.run_entries(data, validation, batch_size)  # every training pair's entries (prompt and "" with its image)
     cond = text.encode_edit(captions, images)   # validation / sampling: the rows' states, keyed by the pixels
 
 Entries are those of :mod:`difftrain.data.text_cache` (one safetensors file per entry, header and values checked,
