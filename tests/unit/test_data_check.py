@@ -108,6 +108,38 @@ def test_skip_mode_drops_and_logs_bad_files(tmp_path):
         assert x.shape == (3, 16, 16) and x.min() >= -1 and x.max() <= 1
 
 
+def test_the_scan_gives_the_sizes_and_a_resume_takes_them_from_the_file_list(tmp_path, monkeypatch):
+    from difftrain.data import folder
+
+    root = make_messy_folder(tmp_path / "d")
+    ds = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
+    assert dict(zip(ds.files, ds.image_sizes.tolist()))["rotated.jpg"] == [40, 24]  # after EXIF rotation
+    saved = json.loads((tmp_path / "run" / "data_files.json").read_text())
+    assert saved["sizes"] == ds.image_sizes.tolist() and saved["files"] == ds.files
+    (tmp_path / "run" / "checkpoints").mkdir()
+    (tmp_path / "run" / "checkpoints" / "step_00000002.pt").write_bytes(b"")  # what makes the next start a resume
+    _rgb(seed=20).save(root / "good_9.png")  # added since: the resume keeps the first start's list
+    monkeypatch.setattr(folder, "image_size", lambda path: pytest.fail(f"read the header of {path}"))
+    resumed = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
+    assert resumed.files == ds.files and resumed.sizes().tolist() == ds.image_sizes.tolist()
+
+
+def test_use_keeps_what_was_read_of_a_selection_and_reads_a_new_list(tmp_path):
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(3):
+        _rgb(seed=i).save(root / f"{i}.png")
+        (root / f"{i}.txt").write_text(f"caption {i}")
+    ds = ImageFolderDataset(root, 16, captions=True)
+    (root / "0.txt").write_text("changed")  # what was read when the folder was listed is kept
+    (root / "1.txt").write_text("caption one")
+    ds.use(["0.png", "2.png"], [], sizes=[[24, 24], [24, 24]], shapes=[[16, 16], [16, 16]], stats=[[1, 2], [3, 4]])
+    assert ds.files == ["0.png", "2.png"] and ds.targets() == ["caption 0", "caption 2"]
+    assert ds.bucket_shapes.tolist() == [[16, 16], [16, 16]] and ds.file_stats == [(1, 2), (3, 4)]
+    ds.use(["1.png", "0.png"], [])  # another list (a resume's): 1.png left out before, so read now
+    assert ds.targets() == ["caption one", "caption 0"] and ds.bucket_shapes is None and ds.image_sizes is None
+
+
 def test_fail_mode_names_the_option_and_the_files(tmp_path):
     root = make_messy_folder(tmp_path / "d")
     with pytest.raises(ValueError, match=r"on_bad_image") as e:

@@ -281,25 +281,38 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     dataset.bad_log = run_dir / BAD_LOG_NAME
     saved = _saved_file_list(run_dir, dataset, min_size, buckets)
     if saved is not None:  # a resume: the first start's files and sizes, no rescan
-        _resume_file_list(dataset, saved, on_bad_image)
-        report, files, sizes, bad = None, dataset.files, saved["sizes"], set()
+        choice = FileChoice(saved["files"], saved["classes"], saved["sizes"], saved["stats"])
     else:  # the scan's report of the files the dataset listed: its bad files are left out, or the run stops
-        report, bad = _bad_files(dataset, on_bad_image, min_size, run_dir / CACHE_NAME, num_workers)
-        files = [f for f in dataset.files if f not in bad]
-        sizes = [report.sizes.get(f, [0, 0]) for f in files]
-    shapes = None
-    if buckets is not None and files:  # an image no bucket takes is bad too
-        unfit, shapes = _bucket_shapes(files, sizes, buckets, on_bad_image, dataset)
-        bad |= unfit
-        sizes = [size for f, size in zip(files, sizes) if f not in unfit]
-    if bad:
-        dataset.drop(bad)
-    if shapes is not None:
-        dataset.set_sizes(sizes)
-        dataset.set_buckets(shapes)
-    if report is not None:
-        _save_file_list(dataset, run_dir, min_size, report)
+        choice = _checked_files(dataset, on_bad_image, min_size, run_dir, num_workers)
+    if buckets is not None and choice.files:  # an image no bucket takes is bad too
+        choice = _bucketed(choice, buckets, on_bad_image, dataset)
+    if saved is None:
+        _save_file_list(dataset, run_dir, min_size, choice)
+    dataset.use(choice.files, choice.classes, choice.sizes, choice.shapes, choice.stats)  # the one change of the list
+    if saved is not None:
+        _report_resume(dataset, on_bad_image)
     return dataset
+
+
+@dataclasses.dataclass
+class FileChoice:
+    """The files a run trains on, as this check chose them (relative "/"-separated paths, in index order)."""
+
+    files: list[str]
+    classes: list[str]
+    sizes: list[list[int]] | None  # (W, H) of each after EXIF rotation, as the scan found them; None: not known
+    stats: list[tuple[int, int]]  # (size, mtime ns) of each at the run's first start: the decode cache's key
+    shapes: np.ndarray | None = None  # (N, 2) (h, w) of each one's aspect-ratio bucket; None: square crops
+    report: DataReport | None = None  # the scan's, on a first start
+
+
+def _checked_files(dataset: ImageFolderDataset, on_bad_image: str, min_size: int, run_dir: Path,
+                   num_workers: int) -> FileChoice:
+    """The files of ``dataset``'s listing that the scan (cached in ``run_dir``) found good."""
+    report, bad = _bad_files(dataset, on_bad_image, min_size, run_dir / CACHE_NAME, num_workers)
+    files = [f for f in dataset.files if f not in bad]
+    sizes = [report.sizes.get(f, [0, 0]) for f in files]
+    return FileChoice(files, dataset.classes, sizes, file_stats([dataset.root / f for f in files]), report=report)
 
 
 def _bad_files(dataset: ImageFolderDataset, on_bad_image: str, min_size: int, cache: Path,
@@ -345,13 +358,11 @@ def _bad_files(dataset: ImageFolderDataset, on_bad_image: str, min_size: int, ca
     return report, bad
 
 
-def _bucket_shapes(files: list[str], sizes: list[list[int]], spec: BucketSpec, on_bad_image: str,
-                   dataset: ImageFolderDataset) -> tuple[set[str], np.ndarray]:
-    """(the ``files`` no bucket takes, the (N, 2) bucket shape of each other one) from their ``sizes`` ((W, H)
-    each, as the scan found them). An image no bucket takes is bad: in fail mode a ValueError listing them,
-    else logged to ``dataset``'s bad log."""
-    plan = assign_buckets(sizes, spec)
-    unfit = {files[i]: reason for i, reason in plan.dropped.items()}
+def _bucketed(choice: FileChoice, spec: BucketSpec, on_bad_image: str, dataset: ImageFolderDataset) -> FileChoice:
+    """``choice`` put in the buckets of ``spec`` from its sizes, less the files no bucket takes. An image no bucket
+    takes is bad: in fail mode a ValueError listing them, else logged to ``dataset``'s bad log."""
+    plan = assign_buckets(choice.sizes, spec)
+    unfit = {choice.files[i]: reason for i, reason in plan.dropped.items()}
     if unfit and on_bad_image == "fail":
         listed = "\n".join(f"  {printable(p)}: {printable(r)}" for p, r in sorted(unfit.items())[:20])
         raise ValueError(f"data.path {printable(str(dataset.root))}: {len(unfit)} images fit no bucket "
@@ -360,26 +371,25 @@ def _bucket_shapes(files: list[str], sizes: list[list[int]], spec: BucketSpec, o
         _append_log(dataset.bad_log, [f"start\t{printable(p)}\tbucket: {printable(r)}" for p, r in sorted(unfit.items())])
         print(f"difftrain: {len(unfit)} images fit no bucket and are skipped (listed in {dataset.bad_log})",
               file=sys.stderr)
-    keep = np.array([i not in plan.dropped for i in range(len(files))], dtype=bool)
-    return set(unfit), plan.shapes[keep]
+    keep = [i for i in range(len(choice.files)) if i not in plan.dropped]
+    return dataclasses.replace(choice, files=[choice.files[i] for i in keep], sizes=[choice.sizes[i] for i in keep],
+                               stats=[choice.stats[i] for i in keep], shapes=plan.shapes[keep])
 
 
-def _save_file_list(dataset: ImageFolderDataset, run_dir: Path, min_size: int, report: DataReport) -> None:
+def _save_file_list(dataset: ImageFolderDataset, run_dir: Path, min_size: int, choice: FileChoice) -> None:
     """Save the files a first start trains on (and their sizes) for its resumes; ValueError when none is left."""
-    if len(dataset) == 0:
+    report = choice.report
+    if not choice.files:
         small = sum(r.startswith("too small") for r in report.bad.values())
         hint = f"; {small} too small: lower data.min_image_size to upscale them" if small else ""
         raise ValueError(
             f"data.path {printable(report.root)} holds 0 usable images ({len(report.bad)} bad, "
             f"listed in {dataset.bad_log}{hint})"
         )
-    stats = file_stats(dataset.paths)
-    dataset.file_stats = stats
     _write_json(run_dir / FILE_LIST_NAME, {
         "version": 1, "root": str(dataset.root), "min_size": min_size,
-        "class_conditional": dataset.class_conditional, "classes": dataset.classes,
-        "files": dataset.files, "stats": stats,
-        **({"sizes": dataset.image_sizes.tolist()} if dataset.image_sizes is not None else {}),
+        "class_conditional": dataset.class_conditional, "classes": choice.classes,
+        "files": choice.files, "stats": choice.stats, "sizes": choice.sizes,
     })
 
 
@@ -458,7 +468,7 @@ def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int,
         print(f"difftrain: warning: data.path or data.min_image_size changed since the run started; "
               f"rescanning {printable(str(dataset.root))} (the resumed data order differs)", file=sys.stderr)
         return None
-    sizes = _saved_sizes(saved, len(files)) if buckets else None
+    sizes = _saved_sizes(saved, len(files))  # None from a list saved without them: read when needed
     if buckets and sizes is None:
         print(f"difftrain: warning: {path} holds no valid image sizes (data.buckets); rescanning "
               f"{printable(str(dataset.root))} (the resumed data order may differ)", file=sys.stderr)
@@ -471,13 +481,12 @@ def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int,
     return {"files": files, "classes": list(saved.get("classes", [])), "stats": stats, "sizes": sizes}
 
 
-def _resume_file_list(dataset: ImageFolderDataset, saved: dict, on_bad_image: str) -> None:
-    """Put the saved file list on ``dataset``; report (or, in fail mode, refuse) files now gone."""
-    dataset.set_files(saved["files"], saved["classes"])
-    dataset.file_stats = saved["stats"]
+def _report_resume(dataset: ImageFolderDataset, on_bad_image: str) -> None:
+    """Report (or, in fail mode, refuse) what changed since the first start in the files it listed (``dataset``'s
+    now): samples without a usable caption, files now gone or changed."""
     _report_bad_captions(dataset, dataset.bad_captions, on_bad_image, "resume")
     now = file_stats(dataset.paths)
-    changed = [f for f, a, b in zip(dataset.files, saved["stats"], now) if tuple(a) != tuple(b)]
+    changed = [f for f, a, b in zip(dataset.files, dataset.file_stats, now) if tuple(a) != tuple(b)]
     gone = [f for f, b in zip(dataset.files, now) if b[0] < 0]
     print(f"difftrain: data {printable(str(dataset.root))}: the {len(dataset)} files listed at the run's start "
           f"({FILE_LIST_NAME}); {len(gone)} gone, {len(changed) - len(gone)} changed since", file=sys.stderr)

@@ -274,6 +274,26 @@ class ImageFolderDataset(Dataset):
         # the decode cache's key, so that a resume finds the cache the run started with.
         self.file_stats: list[tuple[int, int]] | None = None
 
+    def use(self, files: list[str], classes: list[str], sizes=None, shapes=None, stats=None) -> None:
+        """Train on ``files`` (relative "/"-separated paths, in index order) with these class names, as
+        ``data.check.prepare_dataset`` chose them: a selection of the listed files in their order keeps what was
+        read of them (captions, references); another list (a resume's) is set by :meth:`set_files`, which reads
+        the captions of files it did not hold. ``sizes``: each one's
+        (W, H) after EXIF rotation (N, 2), or None (read from the headers when needed); ``shapes``: each one's
+        bucket (h, w) (N, 2), or None (square crops); ``stats``: each one's (size, mtime ns) at the run's first
+        start (the decode cache's key)."""
+        listed = self.files
+        chosen = set(files)
+        if classes == self.classes and files == [f for f in listed if f in chosen]:
+            if len(files) < len(listed):
+                self.drop(set(listed) - chosen)
+        else:
+            self.set_files(files, classes)
+        if sizes is not None:
+            self.set_sizes(sizes)
+        self.set_buckets(shapes)
+        self.file_stats = None if stats is None else [tuple(s) for s in stats]
+
     def set_buckets(self, shapes) -> None:
         """Train image i at ``shapes[i]`` (h, w) pixels (N, 2), or square crops again with None."""
         if shapes is not None:

@@ -7,7 +7,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from .buckets import BucketBatchSampler, item_shapes
 from .builtin import BUILTIN_DATASETS, BUILTIN_PREFIX
-from .cache import CachedImageDataset
 from .folder import ImageFolderDataset
 from .hf import HFImageDataset, is_hf_path
 from .sampler import InfiniteSampler
@@ -23,8 +22,6 @@ def build_dataset(
     random_flip: bool = False,
     color_jitter: float = 0.0,
     class_conditional: bool = False,
-    cache: bool = False,
-    cache_dir: str = "",
     image_column: str = "image",
     label_column: str = "",
     captions: bool = False,
@@ -46,8 +43,8 @@ def build_dataset(
     ``num_classes`` (0 when unconditional) and ``classes``. With ``captions`` they are
     ``(image, caption str)`` (``data/captions.py``; HF datasets: ``caption_column``, which also
     names the caption key of a folder's ``metadata.jsonl``), ``num_classes`` is 0 and the
-    dataset's ``captions`` is True. With ``cache`` a folder's images are read from their decode
-    cache (``data/cache.py``; built-in datasets are generated and need none). With ``masks`` (a folder
+    dataset's ``captions`` is True (a folder's decode cache: ``data/cache.py``'s ``with_decode_cache``). With
+    ``masks`` (a folder
     only) each image carries its loss mask as a last channel (``folder.py``); with ``references`` (a folder of
     reference images under the same names: an edit family's pairs; an image folder only) its reference image's
     channels after its own (or ``reference_column``: the ``metadata.jsonl`` key naming each one's reference file).
@@ -79,9 +76,8 @@ def build_dataset(
     if is_hf_path(path):
         return HFImageDataset(path, **options, image_column=image_column, label_column=label_column,
                               caption_column=caption_column)
-    dataset = ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks,
-                                   references=references, reference_column=reference_column)
-    return CachedImageDataset(dataset, cache_dir or None) if cache else dataset
+    return ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks,
+                              references=references, reference_column=reference_column)
 
 
 def collate(batch: list[tuple]) -> tuple:

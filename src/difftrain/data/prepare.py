@@ -63,12 +63,11 @@ def with_buckets(dataset: Dataset, d, side_multiple: int) -> Dataset:
     spec = bucket_spec(d, side_multiple)
     if spec is None or not isinstance(dataset, ImageFolderDataset):
         return dataset
-    plan = assign_buckets(dataset.sizes(), spec)
-    if plan.dropped:
-        files = dataset.files
-        dataset.drop({files[i] for i in plan.dropped})
-        plan.shapes = plan.shapes[[i for i in range(len(files)) if i not in plan.dropped]]
-    dataset.set_buckets(plan.shapes)
+    sizes = dataset.sizes()
+    plan = assign_buckets(sizes, spec)
+    keep = [i for i in range(len(sizes)) if i not in plan.dropped]
+    files = dataset.files
+    dataset.use([files[i] for i in keep], dataset.classes, sizes[keep], plan.shapes[keep])
     return dataset
 
 
@@ -81,10 +80,9 @@ def with_prior_images(data: TrainingData, d, folder: Path, prompt: str, names: l
     if references is not None:  # an edit family's class pairs: the references they were made from, by name
         d = dataclasses.replace(d, references=str(references), reference_column="")
     images = dataset_from_config(d, str(folder), captions=False)  # the class prompt is their caption
-    files = images.files
-    if len(files) > len(names):
+    if len(images) > len(names):
         keep = set(names)
-        images.drop({f for f in files if f not in keep})
+        images.use([f for f in images.files if f in keep], images.classes)
     if getattr(data.train, "bucket_shapes", None) is not None:  # the instance images are bucketed: these too
         images = with_buckets(images, d, data.side_multiple)
     return dataclasses.replace(data, train=PairedDataset(data.train, PromptedDataset(images, prompt)))
