@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from difftrain.data import build_dataset, build_loader
-from difftrain.data.cache import with_decode_cache
 
 
 def write_shards(folder, out: Path, shard_size: int) -> str:
@@ -82,7 +81,7 @@ def main() -> None:
     options = dict(resolution=args.resolution, channels=3, random_flip=True, color_jitter=0.0, class_conditional=False)
     folder = build_dataset(args.path, **options)
     t0 = time.perf_counter()
-    cached = with_decode_cache(folder, True, cache_dir)
+    cached = build_dataset(args.path, **options, cache=True, cache_dir=cache_dir)
     print(f"{len(folder):,} images; decode cache built (or found) in {time.perf_counter() - t0:.1f} s at {cached.path}")
     t0 = time.perf_counter()
     pattern = write_shards(folder, work / "shards", args.shard_size)

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from difftrain.data import ImageFolderDataset, build_dataset
-from difftrain.data.cache import CachedImageDataset, with_decode_cache
+from difftrain.data.cache import CachedImageDataset
 
 
 def _folder(root, n=5):
@@ -55,9 +55,8 @@ def test_built_once_and_rebuilt_when_an_image_changes(tmp_path):
     assert torch.allclose(x[0], torch.ones(8, 8)) and torch.allclose(x[1], -torch.ones(8, 8))
 
 
-def test_with_decode_cache_reads_a_folder_from_its_cache(tmp_path):
+def test_build_dataset_uses_the_cache_when_asked(tmp_path):
     root = _folder(tmp_path / "images")
-    ds = build_dataset(str(root), resolution=8, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False)
-    assert isinstance(ds, ImageFolderDataset)
-    assert isinstance(with_decode_cache(ds, True, str(tmp_path / "c")), CachedImageDataset)
-    assert with_decode_cache(ds, False, str(tmp_path / "c")) is ds
+    ds = build_dataset(str(root), resolution=8, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False, cache=True, cache_dir=str(tmp_path / "c"))
+    assert isinstance(ds, CachedImageDataset)
+    assert isinstance(build_dataset(str(root), resolution=8, channels=3, random_flip=False, color_jitter=0.0, class_conditional=False), ImageFolderDataset)

@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .buckets import BucketBatchSampler, item_shapes
 from .builtin import BUILTIN_DATASETS, BUILTIN_PREFIX
+from .cache import with_decode_cache
 from .folder import ImageFolderDataset
 from .hf import HFImageDataset, is_hf_path
 from .sampler import InfiniteSampler
@@ -22,6 +23,8 @@ def build_dataset(
     random_flip: bool = False,
     color_jitter: float = 0.0,
     class_conditional: bool = False,
+    cache: bool = False,
+    cache_dir: str = "",
     image_column: str = "image",
     label_column: str = "",
     captions: bool = False,
@@ -43,8 +46,8 @@ def build_dataset(
     ``num_classes`` (0 when unconditional) and ``classes``. With ``captions`` they are
     ``(image, caption str)`` (``data/captions.py``; HF datasets: ``caption_column``, which also
     names the caption key of a folder's ``metadata.jsonl``), ``num_classes`` is 0 and the
-    dataset's ``captions`` is True (a folder's decode cache: ``data/cache.py``'s ``with_decode_cache``). With
-    ``masks`` (a folder
+    dataset's ``captions`` is True. With ``cache`` a folder's images are read from their decode
+    cache (``data/cache.py``'s ``with_decode_cache``; built-in datasets are generated and need none). With ``masks`` (a folder
     only) each image carries its loss mask as a last channel (``folder.py``); with ``references`` (a folder of
     reference images under the same names: an edit family's pairs; an image folder only) its reference image's
     channels after its own (or ``reference_column``: the ``metadata.jsonl`` key naming each one's reference file).
@@ -76,8 +79,9 @@ def build_dataset(
     if is_hf_path(path):
         return HFImageDataset(path, **options, image_column=image_column, label_column=label_column,
                               caption_column=caption_column)
-    return ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks,
-                              references=references, reference_column=reference_column)
+    dataset = ImageFolderDataset(path, **options, caption_column=caption_column, masks=masks,
+                                 references=references, reference_column=reference_column)
+    return with_decode_cache(dataset, cache, cache_dir)
 
 
 def collate(batch: list[tuple]) -> tuple:
