@@ -5,6 +5,8 @@ The Python API (see the README, "Python API"): ``difftrain.train``, ``difftrain.
 They are imported on first use, so ``import difftrain`` stays fast.
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
 # name -> module that defines it, imported on first access (PEP 562).
@@ -24,8 +26,6 @@ __all__ = ["__version__", *_LAZY]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'difftrain' has no attribute {name!r}")
 
