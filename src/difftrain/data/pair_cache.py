@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from PIL import ImageOps
 from torch import nn
 
 from difftrain.runtime.files import cache_dir as default_cache_dir
@@ -109,8 +110,6 @@ class PairItem(NamedTuple):
     def image(self):
         """The PIL image the encoder sees: the reference cropped to its target's crop, mirrored with it (the
         training item's reference channels are ``to_tensor`` of it)."""
-        from PIL import ImageOps
-
         images = [paired_reference(Path(p), self.channels, self.resolution, self.shape) for p in self.paths]
         images = [ImageOps.mirror(image) if self.flip else image for image in images]
         return images[0] if len(images) == 1 else images
