@@ -451,10 +451,13 @@ def test_the_start_checks_headers_only_and_reads_no_value(base, encoder, tmp_pat
     monkeypatch.setattr(TextCache, "read", no_values)
     import safetensors
 
+    from difftrain.data import text_cache
+
     def no_mapping(*args, **kwargs):  # a mapped file reads ahead into its values: 10,000 entries thrash the page cache
         raise AssertionError("an entry mapped at the start")
 
     monkeypatch.setattr(safetensors, "safe_open", no_mapping)
+    monkeypatch.setattr(text_cache, "safe_open", no_mapping)  # the name text_cache.py imported at its top
     assert _cached(base, tmp_path).ensure(CAPTIONS) == 0
 
 

@@ -48,6 +48,7 @@ entries are not fsync'd one by one: one that a power loss left short fails its c
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -56,12 +57,18 @@ from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 from torch import Tensor, nn
 
-from difftrain.runtime.files import atomic_write_bytes, files_fingerprint, safetensors_header, unlink_quietly
+from difftrain.runtime import distributed
+from difftrain.runtime.files import (atomic_write_bytes, cache_dir_error, files_fingerprint, safetensors_header,
+                                     unlink_quietly)
 from difftrain.runtime.files import cache_dir as default_cache_dir
 from difftrain.runtime.precision import DTYPES
 from difftrain.runtime.stored_digest import FLOAT32, STORED
+
+from .captions import CaptionOptions, TaggedCaptions, dataset_captions
 
 # Bump when what the cache holds for the same inputs changes. 2: Flux's entries no longer hold the
 # distilled "guidance" (a setting of the run, Family.run_conditions, that version 1 stored in every entry
@@ -195,8 +202,6 @@ class TextCache:
         """The entry's header checked (:meth:`_check_header`), and with ``values`` its tensors read. Without, the
         header alone is read, with two plain reads (``runtime/files.safetensors_header``: a start-up check of
         every entry touches one page of each, where mapping each file reads ahead into its values)."""
-        from safetensors import SafetensorError, safe_open
-
         path = self.path(name)
         if self.manifest is None:
             raise BadEntry("no manifest")
@@ -237,8 +242,6 @@ class TextCache:
 
     def write(self, name: str, caption: str, cond: Condition) -> None:
         """Write ``cond`` (each (1, ...)) as the entry ``name`` of ``caption``, in the store's dtype, atomically."""
-        from safetensors.torch import save
-
         tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in cond.items()}
         data = save(tensors, metadata={"format": MARK, "key": self.key, "caption": caption})
         path = self.path(name)
@@ -575,10 +578,6 @@ def cached_prompt_encoder(cfg, family: str, folder: Path, options: dict, load: C
 def with_caption_options(data, cfg):
     """``data`` (``TrainingData``) with its captions passed through ``text.*`` (:class:`CaptionOptions`:
     trigger word, tag shuffling and dropout per sample seed); unchanged when none is set."""
-    import dataclasses
-
-    from .captions import CaptionOptions, TaggedCaptions
-
     options = CaptionOptions.from_config(cfg.text)
     if not options.active or not cfg.data.captions:
         return data
@@ -589,8 +588,6 @@ def with_caption_options(data, cfg):
 def run_captions(data, v) -> list[str]:
     """Every caption a run encodes: its training and held-out captions and ``validation.prompts`` (of the
     validation section ``v``)."""
-    from .captions import dataset_captions
-
     captions = dataset_captions(data.train) + list(v.prompts)
     return captions + (dataset_captions(data.heldout) if data.heldout is not None else [])
 
@@ -602,8 +599,6 @@ def with_text_cache(data, conditioning, cfg, dctx) -> None:
     text = getattr(conditioning, "text", None)
     if not isinstance(text, CachedPromptEncoder):
         return
-    from difftrain.runtime import distributed
-    from difftrain.runtime.files import cache_dir_error
 
     def build() -> None:
         try:
