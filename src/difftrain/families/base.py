@@ -343,7 +343,7 @@ def transformers_loaded_names(model: nn.Module, names: set[str]) -> dict[str, st
     converter (fusing several tensors) takes are left as they are. {} when the installed transformers has none."""
     try:  # transformers (an optional package, [text]) >= 5: its loading's renaming
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key  # as above
     except ImportError:
         return {}
     mapping = get_model_conversion_mapping(model)
@@ -1057,7 +1057,7 @@ def load_part(folder: Path, sub: str, cls, what: str, dtype: torch.dtype = torch
     if module == "transformers":  # transformers and diffusers: optional packages ([text])
         from transformers.utils import logging
     else:
-        from diffusers.utils import logging
+        from diffusers.utils import logging  # diffusers: an optional package ([text])
 
     is_tokenizer = "Tokenizer" in cls.__name__
     check_weight_indexes(path)  # from_pretrained reads the files a sharded part's index names, unchecked
