@@ -82,6 +82,7 @@ import math
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from difftrain.families import register
@@ -159,8 +160,6 @@ def image_prompts(captions: list[str], grid: Tensor, merge: int, template: str =
 def resized(images: list, area: int | None) -> list:
     """PIL images resized (Lanczos: VaeImageProcessor.resize) to :func:`reference_size` of ``area``; None: as
     they are."""
-    from PIL import Image
-
     if area is None:
         return images
     return [img.resize(reference_size(*img.size, area), resample=Image.LANCZOS) for img in images]
@@ -257,8 +256,6 @@ class QwenEditPromptEncoder(QwenPromptEncoder):
 
 def pil_images(pixels: Tensor) -> list:
     """B PIL RGB images of (B, 3, H, W) pixels in [-1, 1] (8 bits: an image read from a file comes back as it was)."""
-    from PIL import Image
-
     values = ((pixels.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return [Image.fromarray(v.permute(1, 2, 0).numpy()) for v in values]
 
