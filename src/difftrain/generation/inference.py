@@ -9,14 +9,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.networks.build import build_network
-from difftrain.networks.conditioning import Conditioning, moved_parts
+from difftrain.checkpoints.checkpoint import load_checkpoint, load_weights
+from difftrain.checkpoints.weights_file import is_weights_file, load_weights_file
 from difftrain.config import Config, config_from_dict
 from difftrain.diffusion.objective import Objective, build_objective
-from difftrain.runtime.device import resolve_device
 from difftrain.generation.sampling import (GRID_NAME, GRID_TEXT, generate, grid_class_labels, initial_noise, make_grid,
-                                naming_samples, save_png, to_uint8)
-from difftrain.checkpoints.checkpoint import load_checkpoint, load_weights
+                                           naming_samples, save_png, to_uint8)
+from difftrain.networks.build import build_network
+from difftrain.networks.conditioning import Conditioning, map_condition, moved_parts
+from difftrain.networks.lora import is_lora_record
+from difftrain.networks.lora_import import check_adapted_output, read_adapter
+from difftrain.runtime.device import resolve_device
 from difftrain.runtime.progress import CountProgress
 
 
@@ -55,13 +58,9 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     base's guidance input for the samples instead of the run's ``validation.distilled_guidance``. An adapter
     whose network gives a non-finite output on a fixed input (finite weights that overflow) is refused: one
     ValueError naming it."""
-    from difftrain.checkpoints.weights_file import is_weights_file, load_weights_file
-
     if (checkpoint is None) == (lora is None):
         raise ValueError("give a checkpoint (--checkpoint) or a LoRA adapter file (--lora), one of them")
     if lora is not None:
-        from difftrain.networks.lora_import import read_adapter
-
         state = read_adapter(lora, base=base)
         tensors, key, use_ema = state["tensors"], "adapter", state["weights"] == "ema"
     elif is_weights_file(checkpoint):
@@ -74,8 +73,6 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     cfg = config_from_dict(state["config"], source=state["path"])
     moved_parts(cfg.model, text_encoder, vae)
     if base is not None:
-        from difftrain.networks.lora import is_lora_record
-
         if not is_lora_record(state.get("network")):
             raise ValueError(f"--base given, but {state['path']} holds no LoRA adapter (--base is where an "
                              "adapter's base is now)")
@@ -100,8 +97,6 @@ def load_model(checkpoint: str | Path | None, use_ema: bool = True, device: str 
     model = model.to(device).eval()
     objective = build_objective(cfg.diffusion)
     if lora is not None:  # finite weights can still overflow: one forward on a fixed input must be finite
-        from difftrain.networks.lora_import import check_adapted_output
-
         check_adapted_output(model, objective, conditioning, device, f"LoRA adapter {state['path']}")
     return LoadedModel(model, cfg, objective, num_classes, state["step"], state["path"], use_ema, conditioning)
 
@@ -160,8 +155,6 @@ def generate_images(
     noise = initial_noise(num, (channels, resolution, resolution), seed)
     device = next(loaded.model.parameters()).device
     if c.kind == "text":
-        from difftrain.networks.conditioning import map_condition
-
         condition = map_condition(lambda t: t.cpu(), c.prompts(prompts_for(num, prompt), device))
         references = _reference_condition(c, num, reference, resolution, prompts_for(num, prompt))
         if references:  # an edit family's (its conditions are dicts); difftrain's UNet conditions on a tensor
