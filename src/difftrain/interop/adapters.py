@@ -29,10 +29,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
 from torch import Tensor
 
+from difftrain.checkpoints.checkpoint import load_weights
 from difftrain.config import config_from_dict, config_to_toml
+from difftrain.families import family_of_record
 from difftrain.networks.build import build_network
+from difftrain.networks.conditioning import Conditioning, moved_parts
+from difftrain.networks.lora import is_lora_record, peft_config, record_kind
 
 # The file format and its reader live one layer down, in lora_import.py (re-exported here).
 from difftrain.networks.lora_import import (  # noqa: F401
@@ -45,7 +50,7 @@ from difftrain.networks.lora_import import (  # noqa: F401
     kohya_name,
     read_adapter,
 )
-from difftrain.networks.lora import is_lora_record, record_kind
+from difftrain.runtime.files import atomic_write_bytes
 
 
 @dataclasses.dataclass
@@ -102,8 +107,6 @@ KOHYA_KINDS = ("lora", "loha", "lokr")
 
 def _family_of(adapter: Adapter, layout: str):
     """The base family of ``adapter``, or one ValueError for difftrain's own networks."""
-    from difftrain.families import family_of_record
-
     family = family_of_record(adapter.record["base"])
     if not family.diffusers_lora:  # difftrain's own UNet
         raise ValueError(f"{adapter.source}: the adapter is of difftrain's own network, which diffusers cannot load: "
@@ -128,8 +131,6 @@ def write_diffusers(adapter: Adapter, out: Path) -> Path:
     ignores peft's config (ComfyUI, which reads SD3's and Flux's ``transformer.`` names) applies the
     trained strength too; difftrain's record says so (``folded_scale``). LoRA and DoRA; LoHa and LoKr
     are refused (no pipeline of these families loads them)."""
-    from difftrain.networks.lora import peft_config
-
     family = _family_of(adapter, "diffusers")
     _refuse_kind(adapter, "diffusers", DIFFUSERS_KINDS, f"{family.pipeline_class}.load_lora_weights loads LoRA "
                  "and DoRA only; --layout kohya writes it for ComfyUI")
@@ -175,10 +176,6 @@ def write_kohya(adapter: Adapter, out: Path) -> Path:
     ``load_lora_weights`` reads it back), LoHa and LoKr on every family (ComfyUI only: diffusers reads
     neither); DoRA is refused (ComfyUI's DoRA rule is not peft's), and so is a plain LoRA of SD3 or Flux (its
     diffusers layout is the one both load)."""
-    from safetensors.torch import save
-
-    from difftrain.runtime.files import atomic_write_bytes
-
     family = _family_of(adapter, "kohya")
     kind = record_kind(adapter.record)
     if kind == "lora" and not family.writes_kohya_lora:
@@ -204,10 +201,6 @@ def write_difftrain(adapter: Adapter, out: Path) -> Path:
     """``out/pytorch_lora_weights.safetensors`` with peft's names as they are (no family prefix) and
     difftrain's record: any kind on any network, difftrain's own included; what ``sample --lora`` and
     ``model.init_lora_from`` read. No other program knows how to apply it (docs/lora_files.md)."""
-    from safetensors.torch import save
-
-    from difftrain.runtime.files import atomic_write_bytes
-
     out.mkdir(parents=True, exist_ok=True)
     file = out / DIFFUSERS_WEIGHT_NAME
     tensors = {k: t.detach().cpu().contiguous().clone() for k, t in adapter.tensors.items()}
@@ -226,8 +219,6 @@ def default_layout(record: dict) -> str:
     trained strength (docs/lora_files.md). A plain LoRA: kohya's on the UNet families (diffusers, ComfyUI,
     A1111), the diffusers layout on SD3 and Flux (diffusers, ComfyUI); DoRA: the diffusers layout (diffusers);
     LoHa, LoKr: kohya's (ComfyUI); difftrain's own networks: difftrain's."""
-    from difftrain.families import family_of_record
-
     family, kind = family_of_record(record["base"]), record_kind(record)
     if not family.diffusers_lora:  # difftrain's own UNet
         return "difftrain"
@@ -241,8 +232,6 @@ def where_it_loads(record: dict, layout: str) -> str | None:
     strength and what to export for the other ("loads in diffusers, not in ComfyUI (...)"); None where it
     loads in both (and difftrain, which reads every file it writes). ComfyUI: where the family's
     ``comfyui_layouts`` name the layout (its names are ones ComfyUI maps onto the family's network)."""
-    from difftrain.families import family_of_record
-
     family, kind = family_of_record(record["base"]), record_kind(record)
     if not family.diffusers_lora:  # difftrain's own UNet: its adapters load in difftrain alone, as they are
         return None
@@ -292,9 +281,6 @@ def merged_state(state: dict, use_ema: bool = True, *, text_encoder: str | None 
     """A LoRA checkpoint read by ``load_checkpoint`` as the checkpoint of its base network with
     W + (alpha / r) B A folded into every adapted layer (EMA or raw adapter in both weight slots),
     ``lora.rank`` 0 in its config: what ``export --merge`` hands to the whole-network writers."""
-    from difftrain.networks.conditioning import Conditioning, moved_parts
-    from difftrain.checkpoints.checkpoint import load_weights
-
     adapter = adapter_of(state, use_ema)
     cfg = config_from_dict(state["config"], source=state["path"])
     moved_parts(cfg.model, text_encoder, vae)
