@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,12 +20,12 @@ from difftrain.diffusion.meanflow import COND_SCALE
 from difftrain.diffusion.objective import build_objective
 from difftrain.diffusion.scheduler_configs import scheduler_config
 from difftrain.families import family_of_record
+from difftrain.families.sd import ConditionUNet, write_pipeline
 from difftrain.interop.ode_export import export_ode_diffusers
 from difftrain.models import build_model, network_of_preset
+from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
 from difftrain.networks.conditioning import Conditioning, moved_parts
-
-if TYPE_CHECKING:
-    from difftrain.families.sd import ConditionUNet
+from difftrain.runtime.seeding import derive_seed
 
 # diffusers pipeline folders.
 
@@ -126,8 +125,6 @@ def _export_unet2d(state: dict, cfg, family, out: Path, use_ema: bool) -> Path:
     ``ode_export.export_ode_diffusers``); a text or latent model is refused in one line."""
     from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel  # optional: export_diffusers checked it is here
 
-    from difftrain.models.diffusers_export import diffusers_config, to_diffusers_state_dict
-
     if cfg.model.text_encoder:
         raise ValueError(f"{state['path']}: difftrain's own text UNet has no diffusers pipeline (a Stable Diffusion "
                          "pipeline needs a UNet2DConditionModel, from model.init_from); export --format safetensors")
@@ -166,8 +163,6 @@ EXPORTS: dict[str, Callable[[dict, object, object, Path, bool], Path]] = {"pipel
 def pipeline_generator(seed: int) -> torch.Generator:
     """A CPU generator whose first draw is difftrain's initial noise for ``seed``: a DDIM
     pipeline (eta = 0) called with it gives the images of ``difftrain sample --seed SEED``."""
-    from difftrain.runtime.seeding import derive_seed
-
     return torch.Generator().manual_seed(derive_seed(seed, "initial-noise"))
 
 
@@ -186,8 +181,6 @@ def export_stable_diffusion(
     to [-1, 1]). Returns ``out_dir``. A text model of difftrain's own UNet, or a model without a VAE,
     raises a ValueError saying why.
     """
-    from difftrain.families.sd import write_pipeline
-
     # The pipeline would rewrite both keys (with a deprecation warning): clip_sample=False, and
     # steps_offset=1, which acts only on "leading" timestep spacing, not on difftrain's "trailing".
     scheduler = {**scheduler_config(objective_cfg), "clip_sample": False, "steps_offset": 1}
