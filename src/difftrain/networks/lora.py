@@ -148,7 +148,7 @@ def cast_adapter_input(base: nn.Module, enabled: bool) -> None:
     adapter's matmul (peft's ``cast_input_dtype_enabled``, on by default). Off where the network runs under
     autocast with its base held in bf16/fp16 (:attr:`LoraNetwork.held_dtype`; ``tools/base_memory.py`` counts
     it so): autocast casts the input back for the matmul, so the cast only copies it."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # optional (the lora extra)
 
     for module in base.modules():
         if isinstance(module, BaseTunerLayer):

@@ -131,7 +131,7 @@ def _torchao_fp8(linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
     input's dtype (``dtype`` under the step's autocast), so ``dtype`` is not needed."""
     # imported here, by an fp8 run only (the quant extra); require drops the lines its import logs
     require("torchao", EXTRA, "model.quantize_base='fp8'")
-    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_  # optional (the quant extra)
 
     quantize_(linear, Float8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda m, _: m is linear)
     return linear
@@ -287,7 +287,7 @@ def library_config(kind: str, dtype: torch.dtype, keep_float: list[str] = ()):
                                   bnb_4bit_use_double_quant=True, llm_int8_skip_modules=skip)
     if kind == "fp8":
         require("torchao", EXTRA, "model.quantize_base='fp8'")
-        from torchao.quantization import Float8WeightOnlyConfig
+        from torchao.quantization import Float8WeightOnlyConfig  # optional (the quant extra)
 
         return TorchAoConfig(Float8WeightOnlyConfig(set_inductor_config=False), modules_to_not_convert=skip)
     raise ValueError(f"model.quantize_base={kind!r} has no library config (one of {', '.join(QUANTIZE_KINDS)})")
