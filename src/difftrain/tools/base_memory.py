@@ -52,13 +52,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from difftrain.networks.block_swap import OPTION as SWAP_OPTION, planned_bytes
-from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
-from difftrain.runtime.fsdp import blocks
-from difftrain.models.text import first_line
-from difftrain.models.vae import VAE_FACTORS
 from difftrain.data.pair_cache import FILL_ROWS
 from difftrain.data.text_cache import text_cache_wanted
+from difftrain.diffusion.objective import build_objective, per_sample_loss
+from difftrain.families import detect
+from difftrain.models.text import first_line
+from difftrain.models.vae import VAE_FACTORS
+from difftrain.networks.block_swap import OPTION as SWAP_OPTION, planned_bytes
+from difftrain.networks.lora import cast_adapter_input, import_peft, peft_config, target_modules
+from difftrain.networks.quantize import QUANTIZE_KINDS, unfit_shape
+from difftrain.runtime.fsdp import blocks
 from difftrain.runtime.precision import DTYPES
 from difftrain.tools.meta_step import SavedBytes, saved_for_backward
 from difftrain.tools.parallel_memory import optimizer_state, rank_bytes, rank_memory
@@ -127,7 +130,7 @@ def vae_factor(folder: Path) -> int:
 
 def text_encoder_params(folder: Path) -> int:
     """Parameters of the folder's text encoders (``model_index.json``'s ``text_encoder*``), built on meta."""
-    import transformers
+    import transformers  # an optional package ([text]); 1.1 s to import
 
     index, total = _json(folder / "model_index.json"), 0
     for part, value in sorted(index.items()):
@@ -155,7 +158,7 @@ def text_cache_fill_bytes(folder: Path, cfg, family=None) -> tuple[int, str]:
     widths are its ``text_config``'s. ``family`` (the base's): its ``cache_fill_tokens`` (an edit family's reference
     tokens) added to each prompt's, its kind of cache's prompts per encoder call (``data/pair_cache.FILL_ROWS``)
     instead of the held-out batch where it has its own."""
-    import transformers
+    import transformers  # an optional package ([text]); 1.1 s to import
 
     index, itemsize, peak, name = _json(folder / "model_index.json"), DTYPES[cfg.train.precision].itemsize, 0, ""
     extra = family.cache_fill_tokens() if family is not None else 0
@@ -216,8 +219,6 @@ class _Network:
     def add_lora(self, lc) -> None:
         """Freeze the base and inject the layers of the lora section ``lc`` as training does (rank 16 when
         ``lora.rank`` is 0)."""
-        from difftrain.networks.lora import import_peft, peft_config, target_modules
-
         rank = lc.rank or 16
         targets = target_modules(lc, self.denoiser.record())
         self.denoiser.requires_grad_(False)
@@ -231,8 +232,6 @@ class _Network:
         """The frozen parameters held in ``dtype`` (None: float32), as ``training/frozen_dtype.hold_frozen``
         holds a LoRA run's base, and its adapter layers casting their input as ``LoraNetwork.held_dtype`` has them
         (not to float32 over a base held in ``dtype``); on the meta device, free."""
-        from difftrain.networks.lora import cast_adapter_input
-
         for p in self.model.parameters():
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(dtype or torch.float32)
@@ -257,8 +256,6 @@ class _Network:
         """What the training loss of one micro-batch (``per_sample_loss``, as the step computes it) keeps
         for backward, on meta tensors: latents (B, C, h, w), the family's condition shapes (an edit family's
         reference latents too, the target's shape: the tokens it adds)."""
-        from difftrain.diffusion.objective import build_objective, per_sample_loss
-
         shapes = family.condition_shapes(config, int(getattr(cfg.model, "max_sequence_length", 0)))
         objective = build_objective(cfg.diffusion)
         levels = objective.draw_levels(batch, torch.Generator().manual_seed(0), torch.device("cpu")).to("meta")
@@ -364,8 +361,6 @@ class Base:
 def read_base(cfg, base: str, resolution: int | None = None, batch_size: int | None = None) -> Base:
     """``base`` (a known name or a folder) read for counting with ``cfg``; one ValueError naming the option where
     it is not a base or ``resolution`` (default ``data.resolution``) does not suit it."""
-    from difftrain.families import detect
-
     folder = base_folder(base)
     try:
         family = detect(folder)
