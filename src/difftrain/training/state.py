@@ -20,22 +20,24 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
+from difftrain.checkpoints import sharded as sharded
+from difftrain.checkpoints.checkpoint import find_checkpoint, load_checkpoint, load_weights
 from difftrain.config import Config, ModelConfig, OptimConfig, TrainConfig, allowed_changes, config_to_dict, incompatible_keys, unknown_keys
 from difftrain.networks.block_swap import BlockSwap, swap_base
 from difftrain.networks.build import build_network, network_record
 from difftrain.networks.conditioning import Conditioning
+from difftrain.networks.frozen_dtype import frozen_dtype, gathered_in_compute_dtype, hold_frozen
+from difftrain.networks.lora import resume_mismatch as lora_mismatch
 from difftrain.runtime import distributed, fsdp, meta_init
 from difftrain.runtime.device import prepare_model
 from difftrain.runtime.distributed import DistContext
 from difftrain.runtime.precision import Precision
 from difftrain.runtime.seeding import derive_seed, rng_state, set_rng_state
 from difftrain.runtime.tensor_source import DeferredWeights
-from difftrain.checkpoints import sharded as sharded
-from difftrain.checkpoints.checkpoint import find_checkpoint, load_checkpoint, load_weights
 from difftrain.training.ema import EMA
 from difftrain.training.ema import is_view as ema_is_view
-from difftrain.networks.frozen_dtype import frozen_dtype, gathered_in_compute_dtype, hold_frozen
 from difftrain.training.optimizers import build_optimizer, reading_weights, to_training
 from difftrain.training.optimizers import resume_mismatch as optimizer_mismatch
 from difftrain.training.power_ema import PowerEMA
@@ -181,10 +183,6 @@ class RunState:
             net = distributed.wrap(self.model, dctx)  # DDP broadcasts the weights from the device: before the swap
             self.swap = swap_base(self.model, self.cfg.model.swap_blocks, dctx.device, [*self.ema.copies(), *self.posthoc.models])
             return net
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
-        )
-
         # FQN-keyed (not by parameter index), so it survives the parameters being replaced.
         carried = get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else None
         self.template = fsdp.meta_template(self.model)
@@ -270,8 +268,6 @@ class RunState:
         """Every rank reads its part of the sharded checkpoint ``state["shards"]`` into the model, the
         averages and the optimizer (``sharded.load_shards``); a post-hoc EMA the
         checkpoint lacks is refused as :meth:`PowerEMA.load_state_dict` refuses it."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
         path = state["path"]
         saved_stds = [float(s) for s in state["posthoc_ema"]["stds"]]
         self.posthoc.check_resumable(saved_stds, path)
@@ -302,8 +298,6 @@ class RunState:
         self.posthoc.load_state_dict(state["posthoc_ema"], path)
         try:
             if state.get("layout") == "sharded":  # FQN-keyed (checkpoints/sharded.py)
-                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -315,8 +309,6 @@ class RunState:
         """A checkpoint file (a run in one process, or under DDP) into a state built sharded: each
         rank keeps its part of each whole tensor; the optimizer's state, keyed by index in a file,
         keyed by parameter name and sharded by ``set_optimizer_state_dict``."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
         path = state.get("path", "checkpoint")
         load_weights(self.model, state["model"], path, "model", fill=fsdp.fill_shards)
         if not self.ema.is_view:  # a view's weights are the model's
@@ -354,9 +346,7 @@ class RunState:
             raise ValueError(f"cannot resume from {path}: it has {state['num_classes']} classes, the data "
                              f"{self.num_classes}")
         self.conditioning.check_references(state["frozen"], f"checkpoint {path}")
-        from difftrain.networks.lora import resume_mismatch
-
-        mismatch = resume_mismatch(self.cfg.lora, state["network"]) or optimizer_mismatch(state["config"], self.cfg.optim)
+        mismatch = lora_mismatch(self.cfg.lora, state["network"]) or optimizer_mismatch(state["config"], self.cfg.optim)
         if mismatch:
             raise ValueError(f"cannot resume from {path}: {mismatch}")
         if state["data_position"] % world_size:
