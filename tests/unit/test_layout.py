@@ -1,9 +1,12 @@
 """The package's layout as docs/ARCHITECTURE.md describes it (issue 40), read from the source (nothing imported):
-the root holds only the faces, the modules' top-level imports form no circle, and train() stays under 150 lines."""
+the root holds only the faces, the modules' top-level imports form no circle, train() stays under 150 lines, and
+an import inside a function says why in a comment."""
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "difftrain"
@@ -89,3 +92,30 @@ def test_the_section_check_finds_a_function_that_reads_one_section():
                      "def g(cfg):\n    return cfg.optim.lr + cfg.train.seed\n\n"
                      "def h(cfg):\n    return other(cfg) + cfg.optim.lr\n")
     assert _whole_config_readers(tree) == [("f", "optim")]
+
+
+def _uncommented_inside_imports(source: str) -> list[tuple[int, str]]:
+    """(line, function) of each import inside a function with no comment on its lines nor on the line above (a
+    reason to stand there: an optional package, a measured start-up cost, a circle a top import would close)."""
+    comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    found = {}
+    for fn in ast.walk(ast.parse(source)):  # outer functions first: a nested one's name wins
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found |= {n.lineno: fn.name for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))
+                      and not comments & set(range(n.lineno - 1, n.end_lineno + 1))}
+    return sorted(found.items())
+
+
+def test_every_import_inside_a_function_says_why_in_a_comment():
+    offenders = [f"{p.relative_to(PACKAGE)}:{line}: {name}"
+                 for p in sorted(PACKAGE.rglob("*.py")) for line, name in _uncommented_inside_imports(p.read_text())]
+    assert not offenders, "import at the top of the file, or say why not in a comment:\n" + "\n".join(offenders)
+
+
+def test_the_import_check_finds_an_import_inside_a_function_without_a_comment():
+    source = ("import json\n\n"
+              "def f():\n    import os\n    return os.sep\n\n"
+              "def g():\n    # optional package: peft (extra lora)\n    import peft\n\n"
+              "def h():\n    from torch import (  # start-up: 2 s\n        nn,\n    )\n\n"
+              "def k():\n    def inner():\n        from PIL import Image; return '#'\n")
+    assert _uncommented_inside_imports(source) == [(4, "f"), (18, "inner")]
