@@ -61,7 +61,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 from torch import Tensor, nn
 
-from difftrain.runtime import distributed
 from difftrain.runtime.files import (atomic_write_bytes, cache_dir_error, files_fingerprint, safetensors_header,
                                      unlink_quietly)
 from difftrain.runtime.files import cache_dir as default_cache_dir
@@ -599,6 +598,8 @@ def with_text_cache(data, conditioning, cfg, dctx) -> None:
     text = getattr(conditioning, "text", None)
     if not isinstance(text, CachedPromptEncoder):
         return
+    # inside: runtime.distributed imports torch's FSDP and DDP, 0.07 s more on import difftrain.data (measured)
+    from difftrain.runtime import distributed
 
     def build() -> None:
         try:
