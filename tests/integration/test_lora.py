@@ -228,6 +228,17 @@ def test_missing_peft_names_the_extra(tmp_path, tiny_overrides, capsys, monkeypa
         import_peft()
 
 
+def test_a_base_without_adapter_layers_needs_no_peft_for_the_input_cast(monkeypatch):
+    """``estimate --base`` holds a full fine-tuning's base as LoRA's (tools/base_memory.py): no adapter layer, no
+    peft to import."""
+    import sys
+
+    from difftrain.networks.lora import cast_adapter_input
+
+    monkeypatch.setitem(sys.modules, "peft.tuners.tuners_utils", None)  # an import of it now fails
+    cast_adapter_input(torch.nn.Linear(2, 2), False)
+
+
 def test_adapter_on_another_base_and_other_misuse_are_one_line(lora_run, tmp_path, capsys):
     from difftrain.cli import main
 

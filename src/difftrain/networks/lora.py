@@ -20,6 +20,7 @@ when an adapter is built (``pip install 'difftrain[lora]'``).
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -148,10 +149,11 @@ def cast_adapter_input(base: nn.Module, enabled: bool) -> None:
     adapter's matmul (peft's ``cast_input_dtype_enabled``, on by default). Off where the network runs under
     autocast with its base held in bf16/fp16 (:attr:`LoraNetwork.held_dtype`; ``tools/base_memory.py`` counts
     it so): autocast casts the input back for the matmul, so the cast only copies it."""
-    from peft.tuners.tuners_utils import BaseTunerLayer  # optional (the lora extra)
-
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # peft not loaded: no adapter layer in base (nor peft needed)
+    if tuners is None:
+        return
     for module in base.modules():
-        if isinstance(module, BaseTunerLayer):
+        if isinstance(module, tuners.BaseTunerLayer):
             module.cast_input_dtype_enabled = enabled
 
 
