@@ -278,10 +278,9 @@ class ImageFolderDataset(Dataset):
         """Train on ``files`` (relative "/"-separated paths, in index order) with these class names, as
         ``data.check.prepare_dataset`` chose them: a selection of the listed files in their order keeps what was
         read of them (captions, references); another list (a resume's) is set by :meth:`set_files`, which reads
-        the captions of files it did not hold. ``sizes``: each one's
-        (W, H) after EXIF rotation (N, 2), or None (read from the headers when needed); ``shapes``: each one's
-        bucket (h, w) (N, 2), or None (square crops); ``stats``: each one's (size, mtime ns) at the run's first
-        start (the decode cache's key)."""
+        the captions of files it did not hold. ``sizes``: each one's (W, H) after EXIF rotation (N, 2), or None
+        (read from the headers when needed); ``shapes``: each one's bucket (h, w) (N, 2), or None (square crops);
+        ``stats``: each one's (size, mtime ns) at the run's first start (the decode cache's key)."""
         listed = self.files
         chosen = set(files)
         if classes == self.classes and files == [f for f in listed if f in chosen]:
