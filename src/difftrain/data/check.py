@@ -279,17 +279,15 @@ def prepare_dataset(dataset, on_bad_image: str, run_dir: str | Path, min_size: i
     min_size = min_size or (1 if buckets is not None else dataset.resolution)
     dataset.on_bad_image = on_bad_image
     dataset.bad_log = run_dir / BAD_LOG_NAME
-    saved = _saved_file_list(run_dir, dataset, min_size, buckets)
-    if saved is not None:  # a resume: the first start's files and sizes, no rescan
-        choice = FileChoice(saved["files"], saved["classes"], saved["sizes"], saved["stats"])
-    else:  # the scan's report of the files the dataset listed: its bad files are left out, or the run stops
+    choice = _saved_file_list(run_dir, dataset, min_size, buckets)  # a resume: the first start's files, no rescan
+    resumed = choice is not None
+    if not resumed:  # the scan's report of the files the dataset listed: its bad files are left out, or the run stops
         choice = _checked_files(dataset, on_bad_image, min_size, run_dir, num_workers)
-    if buckets is not None and choice.files:  # an image no bucket takes is bad too
-        choice = _bucketed(choice, buckets, on_bad_image, dataset)
-    if saved is None:
+        if buckets is not None and choice.files:  # an image no bucket takes is bad too
+            choice = _bucketed(choice, buckets, on_bad_image, dataset)
         _save_file_list(dataset, run_dir, min_size, choice)
     dataset.use(choice.files, choice.classes, choice.sizes, choice.shapes, choice.stats)  # the one change of the list
-    if saved is not None:
+    if resumed:
         _report_resume(dataset, on_bad_image)
     return dataset
 
@@ -445,8 +443,9 @@ def _saved_sizes(saved: dict, count: int) -> list[list[int]] | None:
 
 
 def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int,
-                     buckets: BucketSpec | None = None) -> dict | None:
-    """The file list of this run's first start, when this start resumes it; else None.
+                     buckets: BucketSpec | None = None) -> FileChoice | None:
+    """The file list of this run's first start (with ``buckets``, each file's bucket), when this start resumes it;
+    else None.
 
     Resuming means: the run directory holds a checkpoint, and the list was made for the same
     folder, minimum size and class layout (a changed data.path is rescanned, with a warning), with
@@ -473,12 +472,13 @@ def _saved_file_list(run_dir: Path, dataset: ImageFolderDataset, min_size: int,
         print(f"difftrain: warning: {path} holds no valid image sizes (data.buckets); rescanning "
               f"{printable(str(dataset.root))} (the resumed data order may differ)", file=sys.stderr)
         return None
-    if buckets and assign_buckets(sizes, buckets).dropped:
+    plan = assign_buckets(sizes, buckets) if buckets else None
+    if plan is not None and plan.dropped:
         print(f"difftrain: warning: the sizes in {path} put images of the run's first start in "
               "no bucket (edited, or data.bucket_resolutions changed); rescanning the data, so the resumed data order "
               "may differ", file=sys.stderr)
         return None
-    return {"files": files, "classes": list(saved.get("classes", [])), "stats": stats, "sizes": sizes}
+    return FileChoice(files, list(saved.get("classes", [])), sizes, stats, None if plan is None else plan.shapes)
 
 
 def _report_resume(dataset: ImageFolderDataset, on_bad_image: str) -> None:
