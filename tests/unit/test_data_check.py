@@ -124,6 +124,21 @@ def test_the_scan_gives_the_sizes_and_a_resume_takes_them_from_the_file_list(tmp
     assert resumed.files == ds.files and resumed.sizes().tolist() == ds.image_sizes.tolist()
 
 
+def test_a_file_list_saved_without_sizes_still_resumes(tmp_path):
+    """An older run's data_files.json (square crops: no sizes in it) resumes with its files; sizes from the headers."""
+    root = make_messy_folder(tmp_path / "d")
+    ds = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
+    listed = tmp_path / "run" / "data_files.json"
+    saved = json.loads(listed.read_text())
+    del saved["sizes"]
+    listed.write_text(json.dumps(saved))
+    (tmp_path / "run" / "checkpoints").mkdir()
+    (tmp_path / "run" / "checkpoints" / "step_00000002.pt").write_bytes(b"")
+    resumed = prepare_dataset(ImageFolderDataset(root, 16), "skip", tmp_path / "run")
+    assert resumed.files == ds.files and resumed.image_sizes is None
+    assert resumed.sizes().tolist() == ds.image_sizes.tolist()
+
+
 def test_use_keeps_what_was_read_of_a_selection_and_reads_a_new_list(tmp_path):
     root = tmp_path / "d"
     root.mkdir()
